@@ -1,0 +1,127 @@
+"""Model architecture config: one frozen dataclass, presets, and (de)serialisation.
+
+The `.tinyloop` file header stores `ModelConfig.to_dict()`; nothing about the architecture is ever
+inferred from a file name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MLP_KINDS = ("gelu", "swiglu")
+INJECTIONS = ("none", "add", "concat-adapter")
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_heads: int
+    ffn_dim: int
+    n_prelude: int
+    n_core: int
+    n_coda: int
+    vocab_size: int = 50257
+    n_kv_heads: int | None = None  # None -> n_heads (no GQA)
+    default_loops: int = 8
+    max_loops: int = 64
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    mlp: str = "swiglu"
+    tie_embeddings: bool = True
+    # How each loop receives the prelude output e:
+    #   none           - loop 0 starts from e, later loops see only the state
+    #   add            - every loop's input is state + e (state starts at 0)
+    #   concat-adapter - every loop's input is Linear(2*dim -> dim)(cat(state, e)) (Huginn-style)
+    injection: str = "add"
+    eos_token_id: int = 50256
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        object.__setattr__(self, "n_kv_heads", kv)
+        checks = [
+            (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
+            (self.dim % self.n_heads == 0, f"dim {self.dim} must be divisible by n_heads {self.n_heads}"),
+            (kv > 0 and self.n_heads % kv == 0, f"n_heads {self.n_heads} must be a multiple of n_kv_heads {kv}"),
+            ((self.dim // self.n_heads) % 2 == 0, "head dim must be even (RoPE)"),
+            (self.ffn_dim > 0, "ffn_dim must be positive"),
+            (self.n_prelude >= 0 and self.n_coda >= 0, "n_prelude and n_coda must be >= 0"),
+            (self.n_core >= 1, "n_core must be >= 1"),
+            (1 <= self.default_loops <= self.max_loops, "need 1 <= default_loops <= max_loops"),
+            (self.vocab_size > 0, "vocab_size must be positive"),
+            (self.max_seq_len > 0, "max_seq_len must be positive"),
+            (self.mlp in MLP_KINDS, f"mlp must be one of {MLP_KINDS}"),
+            (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {unknown}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"missing config fields: {missing}")
+        return cls(**d)
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def param_count(self) -> int:
+        """Exact number of parameters the model built from this config holds."""
+        d, hd = self.dim, self.head_dim
+        attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
+        block = attn + mlp + 2 * d  # two RMSNorm weights
+        n_blocks = self.n_prelude + self.n_core + self.n_coda
+        total = n_blocks * block + self.vocab_size * d + d  # embedding + final norm
+        total += d  # core_norm (end of each loop)
+        if self.injection == "concat-adapter":
+            total += 2 * d * d
+        if not self.tie_embeddings:
+            total += self.vocab_size * d
+        return total
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The seed's 407M shape: 6 gelu blocks in the core, no prelude/coda, tied embeddings.
+    # 6 x 50.3M (blocks) + 102.9M (embedding) = 404.9M parameters.
+    "tinyloop-407m": ModelConfig(dim=2048, n_heads=16, ffn_dim=8192, n_prelude=0, n_core=6, n_coda=0,
+                                 mlp="gelu", injection="add", max_seq_len=2048),
+    # The shape the architecture notes call "small": 384-dim, 4-layer core (benchmarks).
+    "tinyloop-small": ModelConfig(dim=384, n_heads=6, ffn_dim=1536, n_prelude=0, n_core=4, n_coda=0,
+                                  mlp="gelu", injection="add"),
+    # The shipped model's shape (trained by `tinyloop train`, see docs/model-card.md).
+    "tinyloop-16m": ModelConfig(dim=256, n_heads=4, ffn_dim=768, n_prelude=1, n_core=2, n_coda=1,
+                                mlp="swiglu", injection="add", max_seq_len=1024),
+    # A tiny random model for tests: GQA, every block kind, GPT-2 vocabulary so text works.
+    "tiny": ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_prelude=1, n_core=2, n_coda=1,
+                        default_loops=3, max_seq_len=256, mlp="swiglu", injection="add"),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None

@@ -1,0 +1,109 @@
+"""The weight-shared looped transformer: prelude once -> core x loops -> coda once -> LM head.
+
+The forward pass is split into the pieces speculation needs (`embed_prelude`, `core_loop`,
+`coda_logits`) so a caller can run loops d..V-1 on top of states a draft already computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .cache import KVCache
+from .layers import Block, RMSNorm, Rotary, StepContext, init_weights
+
+
+class LoopedTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.core_norm = RMSNorm(cfg.dim, cfg.norm_eps)  # ends every loop: keeps the state's scale fixed
+        self.adapter = nn.Linear(2 * cfg.dim, cfg.dim, bias=False) if cfg.injection == "concat-adapter" else None
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
+
+    def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
+        gen_state = torch.random.get_rng_state()
+        if seed is not None:
+            torch.manual_seed(seed)
+        n_layers = self.cfg.n_prelude + self.cfg.n_coda + self.cfg.n_core * self.cfg.default_loops
+        init_weights(self, n_layers)
+        if seed is not None:
+            torch.random.set_rng_state(gen_state)
+        return self
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    # -- pieces ---------------------------------------------------------------------------
+    def context(self, T: int, *, cache: KVCache | None = None, start: int = 0,
+                positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> StepContext:
+        device = self.embed.weight.device
+        if positions is None:
+            positions = torch.arange(start, start + T, device=device)
+        return StepContext(rotary=self.rotary, positions=positions, dtype=self.embed.weight.dtype,
+                           cache=cache, start=start, tree_mask=tree_mask)
+
+    def embed_prelude(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """tokens: (B, T) -> e: (B, T, dim), the input every loop receives."""
+        x = self.embed(tokens)
+        for i, blk in enumerate(self.prelude):
+            x = blk(x, ctx, ctx.cache.slot_prelude(i) if ctx.cache is not None else None)
+        return x
+
+    def init_state(self, e: torch.Tensor) -> torch.Tensor:
+        return e if self.cfg.injection == "none" else torch.zeros_like(e)
+
+    def core_loop(self, h: torch.Tensor, e: torch.Tensor, loop_idx: int, ctx: StepContext) -> torch.Tensor:
+        """One application of the shared core (loop `loop_idx`), writing that loop's cache slots."""
+        if self.cfg.injection == "add":
+            x = h + e
+        elif self.cfg.injection == "concat-adapter":
+            x = self.adapter(torch.cat([h, e], dim=-1))
+        else:
+            x = h
+        for j, blk in enumerate(self.core):
+            x = blk(x, ctx, ctx.cache.slot_core(loop_idx, j) if ctx.cache is not None else None)
+        self.core_loop_tokens += h.shape[0] * h.shape[1]
+        return self.core_norm(x)
+
+    def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
+        x = h
+        for i, blk in enumerate(self.coda):
+            x = blk(x, ctx, ctx.cache.slot_coda(i) if ctx.cache is not None else None)
+        if last_only:
+            x = x[:, -1:]
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.head_weight)
+
+    # -- whole pass -------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,
+                start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """tokens: (B, T) at positions start..start+T-1 -> logits (B, T or 1, vocab)."""
+        loops = self.cfg.default_loops if loops is None else loops
+        if not 1 <= loops <= self.cfg.max_loops:
+            raise ValueError(f"loops must be in 1..{self.cfg.max_loops}, got {loops}")
+        ctx = self.context(tokens.shape[1], cache=cache, start=start)
+        e = self.embed_prelude(tokens, ctx)
+        h = self.init_state(e)
+        for r in range(loops):
+            h = self.core_loop(h, e, r, ctx)
+        return self.coda_logits(h, ctx, last_only=last_only)
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = 0, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> LoopedTransformer:
+    """A randomly initialised model (seeded) in `dtype` on `device`."""
+    model = LoopedTransformer(cfg).init_weights(seed)
+    return model.to(device=device, dtype=dtype).eval()

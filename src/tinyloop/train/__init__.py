@@ -1,0 +1,1 @@
+"""Training (an offline procedure that runs a model): data preparation and the training loop."""
