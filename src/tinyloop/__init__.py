@@ -1,3 +1,18 @@
-"""TinyLoop: inference engine and server for weight-shared looped transformer language models."""
+"""TinyLoop: inference engine and server for weight-shared looped transformer language models.
+
+    from tinyloop import Engine, SamplingParams
+    engine = Engine.load()                      # the shipped model, or a path / $TINYLOOP_MODEL_PATH
+    result = engine.generate("The king said", SamplingParams(max_tokens=32, loops=8))
+    for event in engine.stream("The king said", SamplingParams(max_tokens=32)):
+        print(event.text, end="")
+"""
 
 __version__ = "0.1.0"
+
+from .config import ModelConfig, preset  # noqa: E402
+from .engine import Engine, GenerationResult, SamplingParams, StreamEvent  # noqa: E402
+from .errors import ValidationError  # noqa: E402
+from .modelfile import ModelFileError, load_model, write_model  # noqa: E402
+
+__all__ = ["Engine", "GenerationResult", "ModelConfig", "ModelFileError", "SamplingParams", "StreamEvent",
+           "ValidationError", "load_model", "preset", "write_model", "__version__"]

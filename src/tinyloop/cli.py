@@ -23,9 +23,134 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail(msg: str) -> int:
+    print(f"tinyloop: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine import Engine, SamplingParams
+    from .errors import ValidationError
+    from .modelfile import ModelFileError
+
+    try:
+        engine = Engine.load(args.model, kv_format=args.kv)
+        params = SamplingParams(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                seed=args.seed, stop=args.stop or [], cache_window=args.cache_window,
+                                mode=args.mode, draft_loops=args.draft_loops, verify_loops=args.verify_loops,
+                                draft_ahead=args.draft_ahead, k_branches=args.k_branches)
+        if args.stream:
+            stats = {}
+            for ev in engine.stream(args.prompt, params):
+                print(ev.text, end="", flush=True)
+                stats = ev.stats or stats
+            print()
+        else:
+            result = engine.generate(args.prompt, params)
+            print(result.text)
+            stats = result.stats
+    except (ModelFileError, ValidationError) as exc:
+        return _fail(str(exc))
+    except NotImplementedError as exc:
+        return _fail(str(exc))
+    if args.stats:
+        print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .modelfile import ModelFileError, default_model_path, model_info, read_header, check_header
+
+    path = args.file or str(default_model_path())
+    try:
+        header, index = read_header(path)
+        check_header(__import__("pathlib").Path(path), header, index)
+    except ModelFileError as exc:
+        return _fail(str(exc))
+    import os
+    info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
+            "weights_dtype": header["weights"]["dtype"], "format_version": header["format_version"],
+            "provenance": header.get("provenance", {})}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if k == "provenance":
+            continue
+        print(f"{k:<{width}}  {v}")
+    prov = info["provenance"]
+    for k in ("created", "tool", "tool_version", "steps", "tokens_seen", "train_seconds"):
+        if k in prov:
+            print(f"{'provenance.' + k:<{width}}  {prov[k]}")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import ConfigError, preset
+    from .model import build_model
+    from .modelfile import write_model
+    from .tokenizer import Tokenizer
+
+    try:
+        cfg = preset(args.preset)
+        if args.overrides:
+            cfg = cfg.replace(**json.loads(args.overrides))
+    except (ConfigError, TypeError, ValueError) as exc:
+        return _fail(str(exc))
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    model = build_model(cfg, seed=args.seed, dtype=dtype)
+    out = write_model(args.out, model, tokenizer=Tokenizer.gpt2(),
+                      provenance={"tool": "tinyloop init", "preset": args.preset, "seed": args.seed,
+                                  "trained": False, "note": "random weights (tests and benchmarks)"})
+    print(f"wrote {out} ({cfg.param_count() / 1e6:.1f}M parameters, random weights)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinyloop", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    g.add_argument("--loops", type=int)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--cache-window", type=int, default=0)
+    g.add_argument("--mode", default="generate", choices=["generate", "speculative", "tree_speculative"])
+    g.add_argument("--draft-loops", type=int, default=2)
+    g.add_argument("--verify-loops", type=int)
+    g.add_argument("--draft-ahead", type=int, default=4)
+    g.add_argument("--k-branches", type=int, default=1)
+    g.add_argument("--kv", default="fp16", help="KV cache format")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--stats", action="store_true", help="print generation stats as JSON on stderr")
+    g.set_defaults(func=_generate)
+
+    i = sub.add_parser("info", help="describe a model file (default: the model the server would load)")
+    i.add_argument("file", nargs="?")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_info)
+
+    n = sub.add_parser("init", help="write a randomly initialised model of a preset (tests, benchmarks)")
+    n.add_argument("out")
+    n.add_argument("--preset", required=True)
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--overrides", help="JSON of ModelConfig fields")
+    n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    n.set_defaults(func=_init)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")
     t.add_argument("files", nargs="+", help="text files (.txt or .txt.gz)")

@@ -1,0 +1,4 @@
+from .engine import Engine, GenerationResult, StreamEvent
+from .params import SamplingParams
+
+__all__ = ["Engine", "GenerationResult", "SamplingParams", "StreamEvent"]

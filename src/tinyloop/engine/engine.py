@@ -1,0 +1,161 @@
+"""The engine's public face: load a model file, then `generate` (blocking) or `stream` (text deltas).
+
+Layers, lowest first: `generate_ids` (token ids) -> `Engine.stream` (detokenizer + stop strings ->
+`StreamEvent`s) -> `Engine.generate` (one `GenerationResult`). The HTTP server, the CLI and the tests
+all use these same pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import ValidationError
+from ..modelfile import LoadedModel, load_model, model_info
+from ..stops import StopMatcher
+from .generate import generate_ids
+from .params import SamplingParams
+from .sampling import Sampler
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]           # tokens this event accounts for (empty on the final event)
+    text: str                      # whole UTF-8 characters, stop text removed, may be ""
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # on the final event only
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats["prompt_tokens"]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.stats["completion_tokens"]
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, *, max_seq_len: int | None = None, kv_format: str = "fp16"):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.header = loaded.header
+        self.path = loaded.path
+        self.kv_format = kv_format
+        limit = self.config.max_seq_len
+        if max_seq_len is not None and max_seq_len > 0:
+            limit = min(limit, max_seq_len)
+        self.max_seq_len = limit
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
+             max_seq_len: int | None = None, kv_format: str = "fp16") -> "Engine":
+        return cls(load_model(path, device=device, dtype=dtype), max_seq_len=max_seq_len, kv_format=kv_format)
+
+    def model_info(self) -> dict[str, Any]:
+        return {**model_info(self.header), "kv_cache_mode": self.kv_format}
+
+    # -- validation -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValidationError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                                      f"0..{self.config.vocab_size - 1}", param="prompt")
+        if not ids:
+            raise ValidationError("prompt: is empty; give at least one token", param="prompt")
+        return ids
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Every check, model-dependent ones included, before any work starts."""
+        params.validate(max_loops=self.config.max_loops, vocab_size=self.config.vocab_size)
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_seq_len:
+            raise ValidationError(
+                f"prompt_tokens ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {need} exceeds the "
+                f"context length {self.max_seq_len}; shorten the prompt or lower max_tokens",
+                param="max_tokens", code="context_length_exceeded")
+        return params
+
+    # -- generation -------------------------------------------------------------------------
+    def token_ids(self, prompt_ids: list[int], params: SamplingParams, run_stats: dict[str, Any]) -> Iterator[int]:
+        """Dispatch on params.mode to an id generator. `run_stats` collects mode-specific figures."""
+        sampler = Sampler(params, prompt_ids, self.config.vocab_size)
+        if params.mode == "generate":
+            return generate_ids(self.model, prompt_ids, params, sampler)
+        try:
+            from . import speculative
+        except ImportError:
+            raise NotImplementedError(f"mode {params.mode!r} is not available in this build") from None
+        return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        t0 = time.perf_counter()
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        self.check(ids, params)
+        return self._stream(ids, params, t0)
+
+    def _stream(self, ids: list[int], params: SamplingParams, t0: float) -> Iterator[StreamEvent]:
+        run_stats: dict[str, Any] = {}
+        gen = self.token_ids(ids, params, run_stats)
+        detok = self.tokenizer.detokenizer()
+        stops = StopMatcher(params.stop)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.add(self.config.eos_token_id)
+        n, ttft, finish = 0, None, "length"
+        try:
+            for tok in gen:
+                n += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                text = stops.feed(detok.add(tok))
+                yield StreamEvent([tok], text)
+                if stops.stopped:
+                    finish = "stop"
+                    break
+        finally:
+            gen.close()
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        wall = time.perf_counter() - t0
+        stats = {
+            "wall_ms": round(wall * 1000, 2),
+            "tokens_per_second": round(n / wall, 2) if wall > 0 else 0.0,
+            "time_to_first_token_ms": round((ttft or wall) * 1000, 2),
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "mode": params.mode,
+            "loops_used": params.effective_loops(self.config.default_loops),
+            **run_stats,
+        }
+        yield StreamEvent([], tail, finish, stats)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
+        toks: list[int] = []
+        parts: list[str] = []
+        for ev in self.stream(prompt, params):
+            toks += ev.token_ids
+            parts.append(ev.text)
+            if ev.finish_reason is not None:
+                return GenerationResult(toks, "".join(parts), ev.finish_reason, ev.stats or {})
+        raise RuntimeError("stream ended without a final event")  # unreachable by construction

@@ -1,0 +1,88 @@
+"""Per-request generation settings and their range checks (one validation path)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import ValidationError
+
+MODES = ("generate", "speculative", "tree_speculative")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    loops: int | None = None             # None -> the model's default_loops
+    temperature: float = 0.0             # 0 -> greedy
+    top_k: int = 0                       # 0 -> off
+    top_p: float = 1.0                   # 1 -> off
+    repetition_penalty: float = 1.0      # CTRL-style, over prompt + output
+    presence_penalty: float = 0.0        # OpenAI definition, over generated tokens
+    frequency_penalty: float = 0.0       # OpenAI definition, over generated tokens
+    seed: int | None = None              # None -> fresh entropy
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    cache_window: int = 0                # 0 -> full context; W -> each query sees the W most recent keys
+    mode: str = "generate"
+    draft_loops: int = 2
+    verify_loops: int | None = None      # None -> loops, else the model's default_loops
+    draft_ahead: int = 4
+    k_branches: int = 1
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def effective_loops(self, default_loops: int) -> int:
+        """Loops of the output distribution: verify_loops for speculative modes, else loops."""
+        if self.mode == "generate":
+            return default_loops if self.loops is None else self.loops
+        if self.verify_loops is not None:
+            return self.verify_loops
+        return default_loops if self.loops is None else self.loops
+
+    def validate(self, *, max_loops: int = 64, vocab_size: int | None = None) -> "SamplingParams":
+        """Range checks that need no model. Raises ValidationError naming the field."""
+        def need(ok: bool, param: str, msg: str) -> None:
+            if not ok:
+                raise ValidationError(f"{param}: {msg}", param=param)
+
+        need(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 8192, "max_tokens",
+             f"must be an integer in 1..8192, got {self.max_tokens!r}")
+        if self.loops is not None:
+            need(1 <= self.loops <= max_loops, "loops", f"must be in 1..{max_loops}, got {self.loops}")
+        need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in 0.0..2.0, got {self.temperature}")
+        need(0 <= self.top_k <= 1000, "top_k", f"must be in 0..1000, got {self.top_k}")
+        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        need(0.5 <= self.repetition_penalty <= 2.0, "repetition_penalty",
+             f"must be in 0.5..2.0, got {self.repetition_penalty}")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"must be in -2.0..2.0, got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"must be in -2.0..2.0, got {self.frequency_penalty}")
+        need(self.cache_window >= 0, "cache_window", f"must be >= 0, got {self.cache_window}")
+        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            need(not bad, "stop", f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
+        need(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "generate":
+            verify = self.effective_loops(8)
+            need(1 <= self.draft_loops <= 32, "draft_loops", f"must be in 1..32, got {self.draft_loops}")
+            need(1 <= verify <= max_loops, "verify_loops", f"must be in 1..{max_loops}, got {verify}")
+            need(self.draft_loops < verify, "draft_loops",
+                 f"draft_loops ({self.draft_loops}) must be smaller than verify_loops ({verify})")
+            need(1 <= self.draft_ahead <= 16, "draft_ahead", f"must be in 1..16, got {self.draft_ahead}")
+        if self.mode == "tree_speculative":
+            need(1 <= self.k_branches <= 16, "K_branches", f"must be in 1..16, got {self.k_branches}")
+            need(self.k_branches * self.draft_ahead <= 64, "K_branches",
+                 f"K_branches x draft_ahead must be <= 64, got {self.k_branches * self.draft_ahead}")
+            need(self.greedy or self.k_branches == 1, "temperature",
+                 "tree speculation with K_branches > 1 is greedy only: set temperature to 0")
+        return self

@@ -1,0 +1,122 @@
+"""Sampling as pure functions over one row of logits, plus a small per-request `Sampler`.
+
+Order: repetition penalty (prompt + output) -> presence/frequency penalties (output) -> temperature ->
+top-k -> top-p -> draw. Greedy (temperature 0) takes the argmax after the penalties. Draws use the
+request's own `torch.Generator` and inverse-CDF sampling, so a seeded request gives the same tokens
+whatever else the engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .params import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style: for every seen token, positive logits are divided by `penalty`, negative multiplied."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    out = logits.clone()
+    vals = out[seen]
+    out[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's definition: logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
+    if presence == 0.0 and frequency == 0.0:
+        return logits
+    c = counts.to(logits.dtype)
+    return logits - c * frequency - (c > 0).to(logits.dtype) * presence
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to >= p (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+    drop_sorted = before >= p
+    drop_sorted[0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+                     counts: torch.Tensor) -> torch.Tensor:
+    """Penalties only (what greedy takes the argmax of). logits: (V,)."""
+    x = apply_repetition_penalty(logits.double(), seen, params.repetition_penalty)
+    return apply_presence_frequency(x, counts, params.presence_penalty, params.frequency_penalty)
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+    """The probabilities the next token is drawn from (float64, (V,)). Greedy gives a one-hot."""
+    x = processed_logits(logits, params, seen, counts)
+    if params.greedy:
+        out = torch.zeros_like(x)
+        out[int(torch.argmax(x))] = 1.0
+        return out
+    x = x / params.temperature
+    x = top_k_filter(x, params.top_k)
+    x = top_p_filter(x, params.top_p)
+    return torch.softmax(x, dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw from a (V,) distribution with one uniform from `generator`."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    idx = min(idx, probs.shape[-1] - 1)
+    while probs[idx] == 0 and idx > 0:  # never land on a token of zero probability (rounding at the edge)
+        idx -= 1
+    return idx
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
+    return g
+
+
+class Sampler:
+    """One request's sampling state: its generator, seen tokens and output counts."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.params = params
+        self.vocab_size = vocab_size
+        self.generator = make_generator(params.seed)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        if prompt_ids:
+            self.seen[torch.tensor(prompt_ids)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.int64)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return distribution(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
+
+    def greedy_token(self, logits: torch.Tensor) -> int:
+        x = processed_logits(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
+        return int(torch.argmax(x))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Pick the next token from one row of logits (does not record it: call `accept`)."""
+        if self.params.greedy:
+            return self.greedy_token(logits)
+        return draw(self.probs(logits), self.generator)
+
+    def accept(self, token: int) -> None:
+        self.seen[token] = True
+        self.counts[token] += 1

@@ -1,0 +1,262 @@
+"""The `.tinyloop` model file: a safetensors container with one versioned JSON header.
+
+Layout: safetensors' own framing (8-byte header length, JSON tensor index, raw data), with
+`__metadata__["tinyloop"]` holding the header below, the model's tensors under their state-dict names,
+and the tokenizer's BPE ranks as the uint8 tensor `tokenizer.bpe_ranks`:
+
+    {"format": "tinyloop", "format_version": 1,
+     "config": ModelConfig.to_dict(),
+     "weights": {"dtype": "float16", "quant": {"method": "none", "bits": 16, "group_size": null,
+                                                "high_precision": []}},
+     "tokenizer": {"type": "gpt2-bpe", "tensor": "tokenizer.bpe_ranks", "pattern": ..., "eos_token": ...,
+                   "eos_id": 50256, "sha256": ...},
+     "provenance": {...}}
+
+`load_model` checks the framing, the header and every tensor's name, shape and dtype before it builds
+anything, and raises `ModelFileError` naming the file and the exact problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import __version__
+from .config import ConfigError, ModelConfig
+from .tokenizer import Tokenizer, TokenizerError
+
+FORMAT = "tinyloop"
+FORMAT_VERSION = 1
+TOKENIZER_TENSOR = "tokenizer.bpe_ranks"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
+             "I8": "int8", "I32": "int32", "I64": "int64", "U16": "uint16", "I16": "int16"}
+ENV_MODEL = "TINYLOOP_MODEL_PATH"
+DEFAULT_MODEL_NAME = "tinyloop-16m.tinyloop"
+
+
+class ModelFileError(RuntimeError):
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    header: dict[str, Any]
+    path: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+
+# -- default model ---------------------------------------------------------------------------
+def packaged_model_path() -> Path:
+    return Path(__file__).parent / "assets" / "models" / DEFAULT_MODEL_NAME
+
+
+def default_model_path() -> Path:
+    """$TINYLOOP_MODEL_PATH if set, else the model shipped inside the package."""
+    env = os.environ.get(ENV_MODEL)
+    return Path(env) if env else packaged_model_path()
+
+
+# -- reading the framing ---------------------------------------------------------------------
+def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tinyloop header, safetensors tensor index) after checking the framing and file size."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(path, "no such file")
+    if path.is_dir():
+        raise ModelFileError(path, "is a directory, not a .tinyloop file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFileError(path, f"not a .tinyloop file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > min(size - 8, 256 * 2**20):
+            raise ModelFileError(path, "not a .tinyloop file (no safetensors header)" if n > size - 8 and size > 8 + 4096
+                                 else "not a .tinyloop file, or its header is truncated")
+        try:
+            index = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ModelFileError(path, "not a .tinyloop file (header is not safetensors JSON)") from None
+    if not isinstance(index, dict):
+        raise ModelFileError(path, "not a .tinyloop file (header is not a JSON object)")
+    meta = index.pop("__metadata__", None) or {}
+    if "tinyloop" not in meta:
+        raise ModelFileError(path, "not a .tinyloop file (a safetensors file without a TinyLoop header)")
+    try:
+        header = json.loads(meta["tinyloop"])
+    except json.JSONDecodeError as exc:
+        raise ModelFileError(path, f"TinyLoop header is not valid JSON: {exc}") from None
+    data_end = max((t["data_offsets"][1] for t in index.values()), default=0)
+    expected = 8 + n + data_end
+    if size < expected:
+        raise ModelFileError(path, f"truncated: header describes {expected} bytes, file has {size}")
+    if header.get("format") != FORMAT:
+        raise ModelFileError(path, f"not a .tinyloop file (format is {header.get('format')!r})")
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ModelFileError(path, f"unknown format version {version!r} (this TinyLoop {__version__} "
+                                   f"reads version {FORMAT_VERSION})")
+    return header, index
+
+
+def expected_tensors(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of every model tensor the header's config and weight format imply."""
+    from .model import LoopedTransformer
+
+    dtype = weights.get("dtype")
+    with torch.device("meta"):
+        model = LoopedTransformer(cfg)
+    out = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()}
+    quant = weights.get("quant") or {}
+    if quant.get("method", "none") != "none":
+        from .quant.formats import expected_quantized_tensors  # quantized files name their own tensors
+        out = expected_quantized_tensors(out, quant)
+    return out
+
+
+def check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> ModelConfig:
+    for key in ("config", "weights", "tokenizer"):
+        if key not in header:
+            raise ModelFileError(path, f"header has no {key!r} section")
+    try:
+        cfg = ModelConfig.from_dict(header["config"])
+    except (ConfigError, TypeError) as exc:
+        raise ModelFileError(path, f"bad config in header: {exc}") from None
+    weights = header["weights"]
+    if weights.get("dtype") not in DTYPES:
+        raise ModelFileError(path, f"unknown weight dtype {weights.get('dtype')!r}")
+    expected = expected_tensors(cfg, weights)
+    present = {k: v for k, v in index.items() if k != header["tokenizer"].get("tensor")}
+    missing = sorted(set(expected) - set(present))
+    if missing:
+        raise ModelFileError(path, f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(set(present) - set(expected))
+    if extra:
+        raise ModelFileError(path, f"unexpected tensor {extra[0]!r} (not part of this config)")
+    for name, (shape, dtype) in expected.items():
+        got_shape = tuple(present[name]["shape"])
+        got_dtype = ST_DTYPES.get(present[name]["dtype"], present[name]["dtype"])
+        if got_shape != shape:
+            raise ModelFileError(path, f"tensor {name!r} has shape {list(got_shape)}, config needs {list(shape)}")
+        if got_dtype != dtype:
+            raise ModelFileError(path, f"tensor {name!r} is {got_dtype}, header says {dtype}")
+    tok = header["tokenizer"]
+    if tok.get("type") != "gpt2-bpe" or tok.get("tensor") not in index:
+        raise ModelFileError(path, "header's tokenizer section is missing or names no embedded tensor")
+    return cfg
+
+
+# -- public API ------------------------------------------------------------------------------
+def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load and check a model file (default: `default_model_path()`), optionally casting floats to `dtype`."""
+    from .model import LoopedTransformer
+
+    path = Path(path) if path is not None else default_model_path()
+    if path is None or (not path.exists() and path == packaged_model_path()):
+        raise ModelFileError(path, "the default model is not installed with this package; pass --model PATH "
+                                   "or set TINYLOOP_MODEL_PATH (tinyloop init writes a random one for tests)")
+    header, index = read_header(path)
+    cfg = check_header(path, header, index)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - surface any container error with the file name
+        raise ModelFileError(path, f"cannot read tensors: {exc}") from None
+    blob = tensors.pop(header["tokenizer"]["tensor"]).numpy().tobytes()
+    tok_h = header["tokenizer"]
+    if tok_h.get("sha256") and hashlib.sha256(blob).hexdigest() != tok_h["sha256"]:
+        raise ModelFileError(path, "embedded tokenizer does not match its checksum (corrupt file)")
+    try:
+        tokenizer = Tokenizer.from_ranks_blob(blob, pattern=tok_h["pattern"], eos_token=tok_h["eos_token"],
+                                              eos_id=tok_h["eos_id"])
+    except (TokenizerError, KeyError) as exc:
+        raise ModelFileError(path, f"embedded tokenizer: {exc}") from None
+    quant = header["weights"].get("quant") or {}
+    with torch.device("meta"):
+        model = LoopedTransformer(cfg)
+    if quant.get("method", "none") != "none":
+        from .quant.formats import load_quantized  # swaps in quantized linear modules
+        model = load_quantized(model, tensors, header["weights"], device=device, dtype=dtype)
+    else:
+        if dtype is not None:
+            tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        model.load_state_dict(tensors, assign=True)
+        model = model.to(device)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, header=header, path=path)
+
+
+def make_header(cfg: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer, provenance: dict[str, Any],
+                quant: dict[str, Any] | None = None) -> dict[str, Any]:
+    blob = tokenizer.ranks_blob()
+    name = {v: k for k, v in DTYPES.items()}[dtype]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": cfg.to_dict(),
+        "weights": {"dtype": name, "quant": quant or {"method": "none", "bits": 16 if dtype != torch.float32 else 32,
+                                                      "group_size": None, "high_precision": []}},
+        "tokenizer": {"type": "gpt2-bpe", "tensor": TOKENIZER_TENSOR, "pattern": tokenizer.pattern,
+                      "eos_token": tokenizer.eos_token, "eos_id": tokenizer.eos_id,
+                      "sha256": hashlib.sha256(blob).hexdigest()},
+        "provenance": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "tool_version": __version__, **provenance},
+    }
+
+
+def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenizer,
+                provenance: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                header: dict[str, Any] | None = None) -> Path:
+    """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        dtype = next(iter(tensors.values())).dtype
+        header = make_header(model.cfg, dtype, tokenizer, provenance or {})
+    blob = tokenizer.ranks_blob()
+    tensors = dict(tensors)
+    tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"tinyloop": json.dumps(header)})
+    os.replace(tmp, path)
+    return path
+
+
+def model_info(header: dict[str, Any]) -> dict[str, Any]:
+    """A flat summary of a header (for `tinyloop info` and the server's model_info)."""
+    cfg = header["config"]
+    quant = header["weights"].get("quant") or {}
+    method = quant.get("method", "none")
+    qname = header["weights"]["dtype"] if method == "none" else f"int{quant.get('bits')}"
+    return {
+        "arch": "weight-shared-looped-transformer",
+        "dim": cfg["dim"], "n_heads": cfg["n_heads"], "n_kv_heads": cfg.get("n_kv_heads") or cfg["n_heads"],
+        "ffn_dim": cfg["ffn_dim"], "vocab_size": cfg["vocab_size"],
+        "n_prelude": cfg["n_prelude"], "n_core": cfg["n_core"], "n_coda": cfg["n_coda"],
+        "default_loops": cfg["default_loops"], "max_loops": cfg["max_loops"], "max_seq_len": cfg["max_seq_len"],
+        "mlp": cfg["mlp"], "injection": cfg["injection"], "tie_embeddings": cfg["tie_embeddings"],
+        "quant": qname, "quant_method": method, "quant_group_size": quant.get("group_size"),
+        "params": ModelConfig.from_dict(cfg).param_count(),
+    }
