@@ -22,7 +22,7 @@ def new_cache(model: LoopedTransformer, n_positions: int, loops: int, window: in
     p = next(model.parameters())
     cache_dtype = dtype if dtype is not None else (p.dtype if p.dtype.is_floating_point else torch.float32)
     return KVCache(model.cfg, batch=batch, max_positions=n_positions, loops=loops, window=window,
-                   dtype=cache_dtype, device=p.device)
+                   dtype=cache_dtype, device=p.device, kv_format=kv_format)
 
 
 @torch.inference_mode()

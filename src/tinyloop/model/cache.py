@@ -24,7 +24,11 @@ class CacheError(RuntimeError):
 class KVCache:
     def __init__(self, cfg: ModelConfig, *, batch: int = 1, max_positions: int | None = None,
                  loops: int | None = None, window: int = 0, rollback_margin: int = 72,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_format: str = "fp16"):
+        if kv_format != "fp16":
+            raise CacheError(f"KV format {kv_format!r} is not supported yet (only 'fp16', unquantized)")
+        self.kv_format = kv_format
         self.cfg = cfg
         self.batch = batch
         self.loops = cfg.default_loops if loops is None else loops
