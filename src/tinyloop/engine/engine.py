@@ -98,12 +98,13 @@ class Engine:
         """Dispatch on params.mode to an id generator. `run_stats` collects mode-specific figures."""
         sampler = Sampler(params, prompt_ids, self.config.vocab_size)
         if params.mode == "generate":
-            return generate_ids(self.model, prompt_ids, params, sampler)
+            return generate_ids(self.model, prompt_ids, params, sampler, kv_format=self.kv_format)
         try:
             from . import speculative
         except ImportError:
             raise NotImplementedError(f"mode {params.mode!r} is not available in this build") from None
-        return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats)
+        return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats,
+                                           kv_format=self.kv_format)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         t0 = time.perf_counter()

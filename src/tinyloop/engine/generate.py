@@ -47,11 +47,11 @@ def decode_step(model: LoopedTransformer, token: int, cache: KVCache, loops: int
 
 
 def generate_ids(model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
-                 sampler: Sampler | None = None) -> Iterator[int]:
+                 sampler: Sampler | None = None, kv_format: str = "fp16") -> Iterator[int]:
     """Yield up to params.max_tokens token ids (plain generate mode). Stops are the caller's job."""
     loops = params.effective_loops(model.cfg.default_loops)
     sampler = sampler or Sampler(params, prompt_ids, model.cfg.vocab_size)
-    cache = new_cache(model, len(prompt_ids) + params.max_tokens, loops, params.cache_window)
+    cache = new_cache(model, len(prompt_ids) + params.max_tokens, loops, params.cache_window, kv_format=kv_format)
     try:
         logits = prefill(model, prompt_ids, cache, loops)
         for i in range(params.max_tokens):
