@@ -1,0 +1,141 @@
+"""The FastAPI application: `create_app(settings)`; `tinyloop serve` runs it under uvicorn.
+
+Middleware is plain ASGI (no BaseHTTPMiddleware), so streaming responses still see client disconnects.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi import HTTPException
+
+from .. import __version__
+from . import errors, lmstudio, native, openai
+from .errors import APIError
+from .generation import ServerState
+from .metrics import Metrics
+from .settings import Settings
+from .worker import EngineWorker
+
+log = logging.getLogger("tinyloop.server")
+OPEN_PATHS = {"/health"}
+
+
+async def _send_error(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GateMiddleware:
+    """Bearer-token auth (all paths but /health), the request body limit (413) and request metrics."""
+
+    def __init__(self, app, settings: Settings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_tracked(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._gate(scope, receive, send_tracked)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(label, scope.get("method", ""), str(status["code"])).inc()
+
+    async def _gate(self, scope, receive, send):
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = self.settings.api_key
+        if key and scope["path"] not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                why = "missing" if not auth else "invalid"
+                return await _send_error(send, APIError(
+                    401, f"{why} API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        limit = self.settings.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _send_error(send, APIError(413, f"request body of {length} bytes is over the "
+                                                         f"{limit}-byte limit", code="request_too_large"))
+        seen = 0
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"request body is over the {limit}-byte limit")
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+
+def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
+    settings = settings or Settings.from_env()
+    metrics = Metrics()
+    worker = EngineWorker(settings, metrics, loader=loader)
+    from ..modelfile import default_model_path
+
+    path = settings.model_path if settings.model_path is not None else default_model_path()
+    try:
+        created = int(path.stat().st_mtime)
+    except OSError:
+        created = int(time.time())
+    state = ServerState(settings, worker, metrics, model_id=str(path), created=created)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        for w in settings.warnings:
+            log.warning(w)
+        yield
+        worker.stop()
+
+    app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan)
+    app.state.tl = state
+    errors.install(app)
+    app.include_router(openai.router)
+    app.include_router(lmstudio.router)
+    app.include_router(native.router)
+
+    @app.get("/health")
+    async def health():
+        base: dict[str, Any] = {"model": state.model_id, "version": __version__, "commit": settings.commit,
+                                "kv_cache_mode": settings.kv_cache_mode, "warnings": worker.warnings}
+        if worker.state == "ready":
+            engine = worker.engine
+            return {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
+                    "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
+                    "queue_depth": worker.queue_depth}
+        try:
+            worker.require_engine()
+        except APIError as err:
+            return JSONResponse({"status": worker.state, "reason": err.message if worker.state == "loading"
+                                 else worker.error, **base, **err.body()}, status_code=503,
+                                headers=err.headers)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    app.add_middleware(GateMiddleware, settings=settings, metrics=metrics)
+    return app

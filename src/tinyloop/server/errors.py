@@ -1,0 +1,106 @@
+"""Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+`APIError` is what route code raises; the handlers below turn it, the engine's `ValidationError`,
+pydantic's validation errors, Starlette's HTTP errors and anything unexpected into that shape, so no
+client ever sees a bare stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ValidationError
+
+log = logging.getLogger("tinyloop.server")
+
+# status -> OpenAI error type
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+         429: "rate_limit_error", 500: "server_error", 501: "not_implemented_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
+
+
+def from_engine_failure(exc: BaseException) -> APIError:
+    """Map an exception raised while the engine ran a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation(exc)
+    if isinstance(exc, NotImplementedError):
+        return APIError(501, str(exc) or "not implemented in this build", code="not_implemented")
+    return APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                    code="engine_error")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError):
+        return error_response(from_validation(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _pydantic(_: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg', 'invalid')}"
+        if first.get("type") == "json_invalid":
+            param, msg = None, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+        return error_response(APIError(422, msg, param=param, code="invalid_type"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(APIError(exc.status_code, detail, code=codes.get(exc.status_code),
+                                       headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))

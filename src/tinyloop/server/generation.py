@@ -1,0 +1,186 @@
+"""The path every generating route shares: validate and tokenize off the event loop, queue to the engine
+owner, then either collect the whole result or stream it as SSE (keepalives while the engine is busy,
+abort on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .. import __version__
+from ..engine import SamplingParams
+from .errors import APIError, from_engine_failure
+from .sse import DONE, KEEPALIVE, Framer
+from .worker import EngineWorker, RequestHandle
+
+FIRST_EVENT_GRACE_S = 0.5   # wait this long for the first event before committing to a 200 stream
+DISCONNECT_POLL_S = 0.25    # non-streaming requests check for a vanished client this often
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_NOT_YET = object()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict[str, Any]
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.stats["prompt_tokens"], self.stats["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def speculative_available() -> bool:
+    return importlib.util.find_spec("tinyloop.engine.speculative") is not None
+
+
+class ServerState:
+    """What routes need: the settings, the engine worker, metrics and the model's identity."""
+
+    def __init__(self, settings, worker: EngineWorker, metrics, model_id: str, created: int):
+        self.settings, self.worker, self.metrics = settings, worker, metrics
+        self.model_id, self.created = model_id, created
+
+    def model_info(self) -> dict[str, Any]:
+        info = self.worker.require_engine().model_info()  # quant from the file header; kv mode as served
+        if info.get("kv_cache_mode") != self.settings.kv_cache_mode:
+            info["kv_cache_mode_requested"] = self.settings.kv_cache_mode
+        return info
+
+    def runtime(self) -> dict[str, Any]:
+        return {"name": "tinyloop", "version": __version__, "commit": self.settings.commit}
+
+    def lmstudio_extras(self, stats: dict[str, Any]) -> dict[str, Any]:
+        return {"stats": stats, "model_info": self.model_info(), "runtime": self.runtime()}
+
+    # -- running a request ----------------------------------------------------------------------
+    async def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
+        """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop."""
+        engine = self.worker.require_engine()
+        if params.mode != "generate" and not speculative_available():
+            raise APIError(501, f"mode {params.mode!r} is not available in this build yet "
+                                f"(speculative decoding has not landed)", param="mode", code="mode_not_available")
+
+        def prepare() -> list[int]:
+            ids = engine.encode_prompt(prompt)
+            engine.check(ids, params)
+            return ids
+
+        ids = await anyio.to_thread.run_sync(prepare)
+        return self.worker.submit(ids, params)
+
+
+async def collect(handle: RequestHandle, request: Request) -> Result:
+    """Wait for a whole generation; abort it if the client goes away meanwhile."""
+    toks: list[int] = []
+    parts: list[str] = []
+    done = False
+    try:
+        while True:
+            try:
+                item = await handle.next(DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise APIError(499, "client closed the request", code="client_closed") from None
+                continue
+            if isinstance(item, BaseException):
+                done = True
+                raise from_engine_failure(item)
+            if item is None:
+                done = True
+                raise APIError(500, "the engine ended a request without a result", code="engine_error")
+            toks += item.token_ids
+            parts.append(item.text)
+            if item.finish_reason is not None:
+                done = handle.delivered = True
+                return Result(toks, "".join(parts), item.finish_reason, item.stats or {})
+    finally:
+        if not done:
+            handle.abort()
+
+
+async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
+    """An SSE response for `handle`. Errors that come before the first token are real HTTP errors."""
+    first: Any = _NOT_YET
+    try:
+        first = await handle.next(min(keepalive_s, FIRST_EVENT_GRACE_S))
+    except asyncio.TimeoutError:
+        pass
+    except BaseException:
+        handle.abort()
+        raise
+    if isinstance(first, BaseException):
+        raise from_engine_failure(first)
+
+    async def body():
+        finished = False
+        pending = first
+        try:
+            for b in framer.open():
+                yield b
+            while True:
+                if pending is not _NOT_YET:
+                    item, pending = pending, _NOT_YET
+                else:
+                    try:
+                        item = await handle.next(keepalive_s)
+                    except asyncio.TimeoutError:
+                        yield KEEPALIVE  # the engine is still busy (queue wait or a long prefill)
+                        continue
+                if item is None:  # ended without a final event: should not happen, but never hang
+                    finished = True
+                    yield DONE
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    for b in framer.error(from_engine_failure(item).body()):
+                        yield b
+                    return
+                if item.finish_reason is not None:
+                    finished = True
+                    for b in framer.close(item):
+                        yield b
+                    return
+                for b in framer.event(item):
+                    yield b
+        finally:
+            if finished:
+                handle.delivered = True
+            else:  # client went away (task cancelled) or the response was dropped
+                handle.abort()
+
+    return EngineStreamResponse(body(), handle, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that aborts its request however the response ends early: even when the client
+    leaves before the body iterator ever started (then the iterator's own `finally` never runs)."""
+
+    def __init__(self, content, handle: RequestHandle, **kw):
+        super().__init__(content, **kw)
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.handle.delivered:
+                self.handle.abort()

@@ -1,0 +1,45 @@
+"""LM Studio-style routes (/api/v0/*): the /v1 shapes plus generation-mode knobs on the request and
+`stats`, `model_info` and `runtime` on the response (in a stream: on the chunk that carries
+`finish_reason`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from .generation import ServerState
+from .openai import find_model, run_completion, state_of
+from .schemas import LMStudioChatRequest, LMStudioCompletionRequest
+
+router = APIRouter()
+
+
+def lmstudio_model(state: ServerState) -> dict[str, Any]:
+    info = state.model_info()
+    return {"id": state.model_id, "object": "model", "type": "llm", "publisher": "tinyloop",
+            "arch": info["arch"], "compatibility_type": "tinyloop", "quantization": info["quant"],
+            "state": "loaded", "max_context_length": state.worker.require_engine().max_seq_len,
+            "model_info": info, "runtime": state.runtime()}
+
+
+@router.get("/api/v0/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [lmstudio_model(state_of(request))]}
+
+
+@router.get("/api/v0/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    state = state_of(request)
+    find_model(state, model_id)
+    return lmstudio_model(state)
+
+
+@router.post("/api/v0/chat/completions")
+async def chat_completions(body: LMStudioChatRequest, request: Request):
+    return await run_completion(request, body, chat=True, extended=True)
+
+
+@router.post("/api/v0/completions")
+async def completions(body: LMStudioCompletionRequest, request: Request):
+    return await run_completion(request, body, chat=False, extended=True)

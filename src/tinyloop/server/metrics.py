@@ -1,0 +1,37 @@
+"""Prometheus metrics of one server instance (its own registry, so tests can run several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tinyloop_http_requests", "HTTP requests by route, method and status code",
+                                ["route", "method", "status"], registry=r)
+        self.prompt_tokens = Counter("tinyloop_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("tinyloop_generated_tokens", "tokens generated", registry=r)
+        self.generations = Counter("tinyloop_generations", "finished generations by finish reason",
+                                   ["finish_reason"], registry=r)
+        self.aborted = Counter("tinyloop_aborted_requests",
+                               "generations aborted because the client went away", registry=r)
+        self.failed = Counter("tinyloop_failed_requests", "generations that ended in an error", registry=r)
+        self.ttft = Histogram("tinyloop_time_to_first_token_seconds",
+                              "submit to first generated token (queue wait + prefill + one step)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("tinyloop_queue_wait_seconds", "time a request waited for the engine",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_seconds = Histogram("tinyloop_generation_seconds", "engine time per request",
+                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("tinyloop_queue_depth", "requests waiting for the engine", registry=r)
+        self.active = Gauge("tinyloop_active_generations",
+                            "requests the engine is generating for now (each holds a KV cache)", registry=r)
+        self.engine_loaded = Gauge("tinyloop_engine_loaded", "1 when the model is loaded and serving", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""OpenAI-compatible routes (/v1/*). The /api/v0 routes (lmstudio.py) reuse these handlers with extras."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from .errors import APIError
+from .generation import ServerState, collect, new_id, now, stream
+from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from .sse import ChatFramer, CompletionFramer
+
+router = APIRouter()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.tl
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    state.worker.require_engine()
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "tinyloop"}
+
+
+def find_model(state: ServerState, model_id: str) -> None:
+    """The model's id is its path; also accept it without the leading slash, or the file's stem."""
+    state.worker.require_engine()
+    path = state.model_id
+    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
+    if model_id not in (path, path.lstrip("/"), stem):
+        raise APIError(404, f"model {model_id!r} not found; this server serves {path!r}", param="model",
+                       code="model_not_found")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(state_of(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    state = state_of(request)
+    find_model(state, model_id)
+    return model_card(state)
+
+
+async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, extended: bool):
+    """Shared by /v1 and /api/v0, chat and text completion."""
+    state = state_of(request)
+    params = body.sampling_params()
+    prompt = body.prompt() if chat else body.prompt_input()
+    handle = await state.submit(prompt, params)
+    rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    extras = state.lmstudio_extras if extended else None
+    if body.wants_stream():
+        cls = ChatFramer if chat else CompletionFramer
+        framer = cls(id=rid, created=created, model=body.model, include_usage=body.include_usage(), extras=extras)
+        return await stream(handle, framer, state.settings.keepalive_s)
+    result = await collect(handle, request)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "finish_reason": result.finish_reason}
+    else:
+        choice = {"text": result.text, "index": 0, "finish_reason": result.finish_reason}
+    out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+           "model": body.model, "choices": [choice], "usage": result.usage()}
+    if extras:
+        out.update(extras(result.stats))
+    return out
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await run_completion(request, body, chat=True, extended=False)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await run_completion(request, body, chat=False, extended=False)

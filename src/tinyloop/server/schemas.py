@@ -1,0 +1,258 @@
+"""Request bodies (pydantic: shapes and types -> 422) and their mapping onto SamplingParams.
+
+Ranges are not checked here: `SamplingParams.validate` and `Engine.check` do that in one place and
+raise `ValidationError` (-> 400), as the spec asks (out-of-range values are 400, wrong types 422).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import SamplingParams
+from ..errors import ValidationError
+
+DEFAULT_MAX_TOKENS = 128
+ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+ASSISTANT_CUE = "Assistant:"
+
+# OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
+# rather than silently ignored.
+UNSUPPORTED: dict[str, Any] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise ValidationError(f"messages[{index}].content[{j}]: only text content parts are supported, "
+                                      f"got type {part.type!r}", param=f"messages[{index}].content")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """The chat template: one "Role: content" line per message, then the assistant cue.
+
+        System: You are terse.
+        User: Capital of France?
+        Assistant:
+
+    TinyLoop's models are plain GPT-2-BPE LMs, not chat-tuned; there are no special tokens.
+    """
+    if not messages:
+        raise ValidationError("messages: must contain at least one message", param="messages")
+    lines = [f"{ROLE_NAMES[m.role]}: {m.text(i)}" for i, m in enumerate(messages)]
+    return "\n".join(lines + [ASSISTANT_CUE])
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class OpenAIRequest(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
+
+    model_config = ConfigDict(extra="allow")  # strict OpenAI clients send fields we do not use
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None             # extension: off unless given
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    loops: int | None = None             # TinyLoop extension, 1..max_loops
+    user: str | None = None
+
+    def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise ValidationError(f"{name}: is not supported by TinyLoop", param=name, code="unsupported_parameter")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def wants_stream(self) -> bool:
+        return bool(self.stream)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int:
+        return _or(self.max_tokens, DEFAULT_MAX_TOKENS)
+
+    def sampling_params(self) -> SamplingParams:
+        self.check_unsupported()
+        n = _or(self.n, 1)
+        if n != 1:
+            raise ValidationError(f"n: must be 1 (got {n}); several choices per request are not implemented yet",
+                                  param="n")
+        if self.stream_options is not None and not self.stream:
+            raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
+        return SamplingParams(
+            max_tokens=self.requested_max_tokens(), loops=self.loops,
+            temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
+            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            seed=self.seed, stop=self.stop_list(), **self.extension_params())
+
+    def extension_params(self) -> dict[str, Any]:
+        return {}
+
+
+class LMStudioKnobs(BaseModel):
+    """The /api/v0 superset: generation mode and the looped model's knobs."""
+
+    mode: str | None = None
+    draft_loops: int | None = None
+    verify_loops: int | None = None
+    draft_ahead: int | None = None
+    K_branches: int | None = None
+    cache_window: int | None = None
+    repetition_penalty: float | None = None
+
+    def extension_params(self) -> dict[str, Any]:
+        return {"mode": _or(self.mode, "generate"), "draft_loops": _or(self.draft_loops, 2),
+                "verify_loops": self.verify_loops, "draft_ahead": _or(self.draft_ahead, 4),
+                "k_branches": _or(self.K_branches, 1), "cache_window": _or(self.cache_window, 0),
+                "repetition_penalty": _or(self.repetition_penalty, 1.0)}
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # newer OpenAI clients' name for max_tokens
+
+    def requested_max_tokens(self) -> int:
+        return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+
+    def prompt(self) -> str:
+        return render_chat(self.messages)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def prompt_input(self) -> str | list[int]:
+        """A string, or token ids. A list of prompts uses its first (n > 1 is not implemented)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise ValidationError("prompt: is empty", param="prompt")
+        first = p[0]
+        if isinstance(first, int):
+            return list(p)  # token ids
+        return first if isinstance(first, str) else list(first)
+
+
+class LMStudioChatRequest(LMStudioKnobs, ChatCompletionRequest):
+    pass
+
+
+class LMStudioCompletionRequest(LMStudioKnobs, CompletionRequest):
+    pass
+
+
+# -- native -----------------------------------------------------------------------------------
+class GenerateRequest(BaseModel):
+    """POST /generate: every looped-model knob, no OpenAI wrapping. Unknown fields are refused (422)."""
+
+    model_config = ConfigDict(extra="forbid")
+    MODE: ClassVar[str] = "generate"
+
+    prompt: str | list[int]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    loops: int | None = None                # None -> the model's default_loops (8 for the shipped model)
+    temperature: float = 0.0
+    top_k: int = 50
+    top_p: float = 0.9
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    sample_seed: int = 0
+    stream: bool = False
+    stop: str | list[str] | list[int] | None = None
+    cache_window: int = 0
+
+    def sampling_params(self) -> SamplingParams:
+        stop: list[str] = []
+        stop_ids: list[int] = []
+        if isinstance(self.stop, str):
+            stop = [self.stop]
+        elif self.stop:
+            if isinstance(self.stop[0], int):
+                stop_ids = list(self.stop)
+            else:
+                stop = list(self.stop)
+        return SamplingParams(
+            max_tokens=self.max_tokens, loops=self.loops, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.sample_seed, stop=stop, stop_token_ids=stop_ids,
+            cache_window=self.cache_window, mode=self.MODE, **self.speculative_params())
+
+    def speculative_params(self) -> dict[str, Any]:
+        return {}
+
+
+class SpeculativeRequest(GenerateRequest):
+    MODE: ClassVar[str] = "speculative"
+    draft_loops: int = 2
+    verify_loops: int | None = None          # None -> loops, else the model's default_loops
+    draft_ahead: int = 4
+
+    def speculative_params(self) -> dict[str, Any]:
+        return {"draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
+                "draft_ahead": self.draft_ahead}
+
+
+class TreeSpeculativeRequest(SpeculativeRequest):
+    MODE: ClassVar[str] = "tree_speculative"
+    K_branches: int = 1
+
+    def speculative_params(self) -> dict[str, Any]:
+        return {**super().speculative_params(), "k_branches": self.K_branches}
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int] = Field(...)
+    model: str | None = None

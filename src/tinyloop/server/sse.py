@@ -1,0 +1,100 @@
+"""Server-sent-event framing: OpenAI chunks (chat and text completion) and the native per-token events.
+
+A framer turns the engine's `StreamEvent`s into SSE frames (bytes). It never emits an empty content
+delta; text arrives from the engine already cut at whole UTF-8 characters with stop text held back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from ..engine import StreamEvent
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"
+
+
+def frame(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def usage(stats: dict[str, Any]) -> dict[str, int]:
+    p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Framer:
+    """Base: subclasses say how the opening, a text delta and the end look."""
+
+    def __init__(self, *, id: str, created: int, model: str, include_usage: bool = False,
+                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+        self.id, self.created, self.model = id, created, model
+        self.include_usage = include_usage
+        self.extras = extras  # /api/v0: stats, model_info, runtime on the final chunk
+
+    def open(self) -> list[bytes]:
+        return []
+
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        raise NotImplementedError
+
+    def close(self, ev: StreamEvent) -> list[bytes]:
+        raise NotImplementedError
+
+    def error(self, body: dict[str, Any]) -> list[bytes]:
+        return [frame(body), DONE]
+
+
+class ChatFramer(Framer):
+    object = "chat.completion.chunk"
+
+    def _chunk(self, choice: dict[str, Any], **more: Any) -> dict[str, Any]:
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+               "choices": [choice] if choice is not None else []}
+        if self.include_usage:
+            out["usage"] = None
+        out.update(more)
+        return out
+
+    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+
+    def open(self) -> list[bytes]:
+        return [frame(self._chunk(self._delta({"role": "assistant"})))]
+
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        return [frame(self._chunk(self._delta({"content": ev.text})))] if ev.text else []
+
+    def close(self, ev: StreamEvent) -> list[bytes]:
+        stats = ev.stats or {}
+        out = self.event(ev)  # the flushed tail, if any
+        extra = self.extras(stats) if self.extras else {}
+        out.append(frame(self._chunk(self._delta({}, ev.finish_reason), **extra)))
+        if self.include_usage:
+            out.append(frame(self._chunk(None, usage=usage(stats))))
+        out.append(DONE)
+        return out
+
+
+class CompletionFramer(ChatFramer):
+    object = "text_completion"
+
+    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"text": delta.get("content", ""), "index": 0, "finish_reason": finish}
+
+    def open(self) -> list[bytes]:
+        return []
+
+
+class NativeFramer(Framer):
+    """One event per token: {"token_id", "text"}; then {"token_id": -1, "text": tail, ...}; [DONE]."""
+
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        ids = ev.token_ids
+        # one event per token; when an event accounts for several tokens its text goes with the last
+        return [frame({"token_id": t, "text": ev.text if i == len(ids) - 1 else ""}) for i, t in enumerate(ids)]
+
+    def close(self, ev: StreamEvent) -> list[bytes]:
+        return [frame({"token_id": -1, "text": ev.text, "finish_reason": ev.finish_reason,
+                       "stats": ev.stats or {}}), DONE]
