@@ -111,6 +111,18 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server.app import create_app
+    from .server.settings import Settings
+
+    settings = Settings.from_env(model_path=args.model)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinyloop", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -151,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--overrides", help="JSON of ModelConfig fields")
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     n.set_defaults(func=_init)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_serve)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")
     t.add_argument("files", nargs="+", help="text files (.txt or .txt.gz)")
