@@ -62,8 +62,14 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-             max_seq_len: int | None = None, kv_format: str = "fp16") -> "Engine":
-        return cls(load_model(path, device=device, dtype=dtype), max_seq_len=max_seq_len, kv_format=kv_format)
+             max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = False) -> "Engine":
+        """`fast=True` applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM weights for
+        16-bit models, thread policy): see docs/decode.md."""
+        loaded = load_model(path, device=device, dtype=dtype)
+        if fast:
+            from ..model.fast import prepare_for_decode
+            prepare_for_decode(loaded.model)
+        return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:
         return {**model_info(self.header), "kv_cache_mode": self.kv_format}

@@ -52,6 +52,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def apply_rope_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Same result as `apply_rope`, bit for bit, in 4 ops instead of 8.
+
+    x: (..., D); cos_full = cat(cos, cos) and sin_signed = cat(-sin, sin), both broadcastable to x.
+    (x1*cos + x2*(-sin) is exactly x1*cos - x2*sin in IEEE arithmetic.)
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos_full + torch.cat([x2, x1], dim=-1) * sin_signed
+
+
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """Boolean (Tq, Tk) mask, True where query may attend: causal, and within `window` if > 0."""
     allowed = k_pos[None, :] <= q_pos[:, None]
@@ -68,8 +78,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv: nn.Module | None = None  # set by model.fast.fuse_projections (wq, wk, wv removed)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
+        if self.wqkv is not None:
+            return self._forward_fused(x, ctx, slot)
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, D)
@@ -95,6 +108,42 @@ class Attention(nn.Module):
         out = out.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(out)
 
+    def _forward_fused(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
+        """The decode fast path: one QKV projection, one RoPE over q and k together, GQA without copies."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)                           # (B, T, H+2Hkv, D)
+        cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
+        qk = apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed)         # (B, T, H+Hkv, D)
+        q = qk[:, :, :H].transpose(1, 2)                                        # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)                                        # (B, Hkv, T, D)
+        v = qkv[:, :, H + Hkv:].transpose(1, 2)                                 # (B, Hkv, T, D)
+        causal = False
+        if ctx.cache is None or slot is None:
+            K, V, mask = k, v, ctx.self_mask
+            causal = mask is None and T > 1
+        else:
+            K, V, key_pos = ctx.cache.update(slot, ctx.start, k.to(ctx.cache.k.dtype), v.to(ctx.cache.v.dtype))
+            mask = ctx.mask_for(key_pos)
+        adt = torch.promote_types(q.dtype, torch.float32)
+        q, K, V = q.to(adt), K.to(adt), V.to(adt)
+        rep = H // Hkv
+        if rep > 1:
+            # Query heads g*rep .. g*rep+rep-1 share kv head g: fold them into the query axis instead of
+            # copying K and V rep times. Row r*T + t of a group is query head g*rep + r at token t.
+            q = q.reshape(B, Hkv, rep * T, D)                                   # (B, Hkv, rep*T, D)
+            if causal:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                causal = False
+            if mask is not None:
+                mask = mask.repeat(rep, 1)                                      # (rep*T, L)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, K, V, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+        out = out.reshape(B, H, T, D).to(x.dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        return self.wo(out)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -104,8 +153,12 @@ class MLP(nn.Module):
             self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w_gate_up: nn.Module | None = None  # set by model.fast.fuse_projections (swiglu only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate_up is not None:
+            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+            return self.w_down(F.silu(gate) * up)
         if self.kind == "swiglu":
             return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
@@ -128,22 +181,41 @@ class StepContext:
     """Everything one forward step shares across layers: positions, rotary tables, masks, cache.
 
     `tree_mask` (T, T) optionally restricts which of the step's own tokens see each other (tree
-    speculation); by default the step's tokens are causal in their position order.
+    speculation); by default the step's tokens are causal in their position order. A wider
+    `tree_mask` (T, S), S > T, covers the last S keys attention sees: S - T tree nodes an earlier
+    step wrote just below `start` (not yet committed), then the step's own T tokens; their positions
+    are `tree_key_positions` (S,) (default: `positions` when S == T). The window, if any, is applied
+    on those positions, not on storage indices.
     """
 
     def __init__(self, *, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype, cache=None,
-                 start: int = 0, tree_mask: torch.Tensor | None = None):
+                 start: int = 0, tree_mask: torch.Tensor | None = None,
+                 tree_key_positions: torch.Tensor | None = None):
         self.cache = cache
         self.start = start
         self.positions = positions  # (T,) absolute positions of the step's tokens
         self.cos, self.sin = rotary.cos_sin(positions, dtype)
         self.tree_mask = tree_mask
+        if tree_mask is not None and tree_key_positions is None:
+            if tree_mask.shape[1] != positions.shape[0]:
+                raise ValueError("a tree_mask wider than the step needs tree_key_positions")
+            tree_key_positions = positions
+        self.tree_key_positions = tree_key_positions
         self.window = cache.window if cache is not None else 0
         T = positions.shape[0]
         self.self_mask = None if tree_mask is None else tree_mask
         self._mask_cache: dict[int, torch.Tensor | None] = {}
         self._simple = tree_mask is None and self.window == 0
         self.T = T
+        self._rope_full: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)), each (T, 1, D): the tables `apply_rope_full` takes, made once per step."""
+        if self._rope_full is None:
+            cos_full = torch.cat([self.cos, self.cos], dim=-1).unsqueeze(1)
+            sin_signed = torch.cat([-self.sin, self.sin], dim=-1).unsqueeze(1)
+            self._rope_full = (cos_full, sin_signed)
+        return self._rope_full
 
     def mask_for(self, key_pos: torch.Tensor) -> torch.Tensor | None:
         L = key_pos.shape[0]
@@ -154,11 +226,14 @@ class StepContext:
         else:
             mask = attention_mask(self.positions, key_pos, self.window)
             if self.tree_mask is not None:
-                # the last T keys are this step's tokens: replace their causal part by the tree mask
-                n_new = self.T
-                mask[:, L - n_new:] = self.tree_mask
+                # the last S keys are uncommitted tree nodes (this step's tokens last): their storage
+                # index is not their position, so the tree mask replaces the causal part, and the
+                # window is measured on their real positions
+                S = self.tree_mask.shape[1]
+                tree = self.tree_mask
                 if self.window > 0:
-                    mask[:, L - n_new:] &= attention_mask(self.positions, key_pos[L - n_new:], self.window)
+                    tree = tree & attention_mask(self.positions, self.tree_key_positions, self.window)
+                mask[:, L - S:] = tree
         self._mask_cache[L] = mask
         return mask
 

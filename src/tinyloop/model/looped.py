@@ -29,6 +29,10 @@ class LoopedTransformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
+        # Set by model.fast.prepare_for_decode: the dtype activations run in (None: the embedding's) and a
+        # module computing the LM head (None: F.linear with head_weight).
+        self.act_dtype: torch.dtype | None = None
+        self.head_linear: nn.Module | None = None
 
     def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
         gen_state = torch.random.get_rng_state()
@@ -50,12 +54,15 @@ class LoopedTransformer(nn.Module):
         device = self.embed.weight.device
         if positions is None:
             positions = torch.arange(start, start + T, device=device)
-        return StepContext(rotary=self.rotary, positions=positions, dtype=self.embed.weight.dtype,
+        dtype = self.act_dtype or self.embed.weight.dtype
+        return StepContext(rotary=self.rotary, positions=positions, dtype=dtype,
                            cache=cache, start=start, tree_mask=tree_mask)
 
     def embed_prelude(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """tokens: (B, T) -> e: (B, T, dim), the input every loop receives."""
         x = self.embed(tokens)
+        if self.act_dtype is not None:
+            x = x.to(self.act_dtype)
         for i, blk in enumerate(self.prelude):
             x = blk(x, ctx, ctx.cache.slot_prelude(i) if ctx.cache is not None else None)
         return x
@@ -85,6 +92,8 @@ class LoopedTransformer(nn.Module):
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_linear is not None:
+            return self.head_linear(self.norm(x))
         return F.linear(self.norm(x), self.head_weight)
 
     # -- whole pass -------------------------------------------------------------------------
