@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def varied_model(cfg, seed=0, dtype=torch.float32):
+    """A random model whose greedy outputs vary from token to token.
+
+    At GPT-2 init scale (std 0.02) a random model repeats one token forever, which would let tests of
+    stops, loops and speculation pass vacuously; weights 8x larger give chaotic, varied outputs."""
+    model = build_model(cfg, seed=seed, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8.0)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer.gpt2()
@@ -31,7 +44,7 @@ def tokenizer() -> Tokenizer:
 def tiny_model_path(tmp_path_factory, tokenizer):
     """A random `tiny` preset model file (float32, GPT-2 vocabulary)."""
     path = tmp_path_factory.mktemp("models") / "tiny.tinyloop"
-    write_model(path, build_model(preset("tiny"), seed=0), tokenizer=tokenizer,
+    write_model(path, varied_model(preset("tiny"), seed=0), tokenizer=tokenizer,
                 provenance={"tool": "tests", "trained": False})
     return path
 
@@ -47,7 +60,7 @@ def tiny_engine(tiny_model_path):
 def tiny64():
     """A float64 tiny model with a small vocabulary: exactness tests (ties impossible)."""
     cfg = preset("tiny").replace(vocab_size=512, eos_token_id=511)
-    return build_model(cfg, seed=0, dtype=torch.float64)
+    return varied_model(cfg, seed=0, dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")

@@ -111,6 +111,37 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .modelfile import ModelFileError, load_model
+    from .tools.evaluate import perplexity
+    from .train.data import read_text
+
+    try:
+        lm = load_model(args.model)
+        loops_list = [int(x) for x in args.loops.split(",") if x]
+        text = read_text(Path(args.text))
+    except (ModelFileError, ValueError, OSError) as exc:
+        return _fail(str(exc))
+    bad = [x for x in loops_list if not 1 <= x <= lm.config.max_loops]
+    if bad or not loops_list:
+        return _fail(f"--loops: each value must be in 1..{lm.config.max_loops}, got {args.loops!r}")
+    ids = lm.tokenizer.encode(text)
+    if len(ids) < 2:
+        return _fail(f"{args.text}: needs at least 2 tokens of text")
+    rows = [perplexity(lm.model, ids, loops, seq_len=args.seq_len, kv_format=args.kv, max_tokens=args.max_tokens)
+            for loops in loops_list]
+    if args.json:
+        print(json.dumps({"model": str(lm.path), "text": args.text, "results": rows}, indent=2))
+        return 0
+    print(f"model {lm.path}\ntext  {args.text}  ({rows[0]['tokens_scored']} tokens scored, kv {args.kv})")
+    print(f"{'loops':>5}  {'loss':>7}  {'ppl':>9}  {'seconds':>7}")
+    for r in rows:
+        print(f"{r['loops']:>5}  {r['loss']:>7.4f}  {r['perplexity']:>9.2f}  {r['seconds']:>7.1f}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -155,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file", nargs="?")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
+
+    e = sub.add_parser("eval", help="perplexity by loop depth on a text file")
+    e.add_argument("model", nargs="?", help="a .tinyloop file (default: the shipped model)")
+    e.add_argument("--text", required=True, help="a text file (.txt or .txt.gz)")
+    e.add_argument("--loops", default="1,2,4,8,12,16")
+    e.add_argument("--seq-len", type=int, help="window length (default: the model's context)")
+    e.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    e.add_argument("--kv", default="fp16", help="KV cache format")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_eval)
 
     n = sub.add_parser("init", help="write a randomly initialised model of a preset (tests, benchmarks)")
     n.add_argument("out")

@@ -1,0 +1,1 @@
+"""Offline procedures that run a model: evaluation, quantization."""

@@ -1,0 +1,57 @@
+import json
+import os
+import subprocess
+import sys
+
+
+def run(*args, env=None):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tinyloop", *args], capture_output=True, text=True, env=e,
+                          timeout=120)
+
+
+def test_init_info_generate(tmp_path):
+    path = tmp_path / "r.tinyloop"
+    r = run("init", str(path), "--preset", "tiny", "--seed", "4")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run("info", str(path), "--json").stdout)
+    assert info["path"] == str(path) and info["dim"] == 64 and info["quant"] == "float32"
+    assert info["provenance"]["tool"] == "tinyloop init"
+    # without FILE, info describes the model the server would load ($TINYLOOP_MODEL_PATH)
+    info2 = json.loads(run("info", "--json", env={"TINYLOOP_MODEL_PATH": str(path)}).stdout)
+    assert info2["path"] == str(path)
+    table = run("info", str(path)).stdout
+    assert "default_loops" in table and "n_core" in table
+    g = run("generate", "The king said", "--model", str(path), "--loops", "2", "--max-tokens", "5",
+            "--seed", "1", "--stats")
+    assert g.returncode == 0, g.stderr
+    stats = json.loads(g.stderr.strip().splitlines()[-1])
+    assert stats["completion_tokens"] == 5 and stats["loops_used"] == 2
+    s = run("generate", "The king said", "--model", str(path), "--max-tokens", "5", "--stream")
+    assert s.returncode == 0 and s.stdout.strip() == g.stdout.strip()
+
+
+def test_clear_errors(tmp_path):
+    bad = tmp_path / "bad.tinyloop"
+    bad.write_text("not a model")
+    r = run("generate", "hi", "--model", str(bad))
+    assert r.returncode == 2 and "not a .tinyloop file" in r.stderr and "Traceback" not in r.stderr
+    r = run("info", str(tmp_path / "none.tinyloop"))
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = run("init", str(tmp_path / "x.tinyloop"), "--preset", "nope")
+    assert r.returncode == 2 and "unknown preset" in r.stderr
+
+
+def test_eval_reports_per_loop(tmp_path, tokenizer):
+    path = tmp_path / "r.tinyloop"
+    run("init", str(path), "--preset", "tiny")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    r = run("eval", str(path), "--text", str(text), "--loops", "1,2", "--seq-len", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [x["loops"] for x in out["results"]] == [1, 2]
+    n = len(tokenizer.encode(text.read_text()))
+    assert all(x["tokens_scored"] == n - 1 for x in out["results"])
+    r = run("eval", str(path), "--text", str(text), "--loops", "0")
+    assert r.returncode == 2 and "--loops" in r.stderr
