@@ -75,9 +75,6 @@ class ServerState:
     async def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
         """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop."""
         engine = self.worker.require_engine()
-        if params.mode != "generate" and not speculative_available():
-            raise APIError(501, f"mode {params.mode!r} is not available in this build yet "
-                                f"(speculative decoding has not landed)", param="mode", code="mode_not_available")
 
         def prepare() -> list[int]:
             ids = engine.encode_prompt(prompt)
@@ -85,6 +82,9 @@ class ServerState:
             return ids
 
         ids = await anyio.to_thread.run_sync(prepare)
+        if params.mode != "generate" and not speculative_available():
+            raise APIError(501, f"mode {params.mode!r} is not available in this build yet "
+                                f"(speculative decoding has not landed)", param="mode", code="mode_not_available")
         return self.worker.submit(ids, params)
 
 
