@@ -117,4 +117,4 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     mask = 2 ** bits - 1
     parts = [(packed >> (bits * i)) & mask for i in range(per)]
-    return torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)  # (N, K)
+    return torch.stack(parts, dim=-1).reshape(packed.shape[0], packed.shape[1] * per)  # (N, K)

@@ -1,0 +1,127 @@
+"""Quantized `.tinyloop` files: which tensors are quantized, what they are named, how they load.
+
+A quantized linear `X.weight` (N, K) is stored as `X.qweight`, `X.scales`, `X.zeros` (layout in
+`quant.packing`); every other tensor (embedding / tied head, norms) stays in the header's float dtype and
+is listed in `quant["high_precision"]`. The header's quant section:
+
+    {"method": "gptq" | "rtn", "bits": 4, "group_size": 32 (null: per channel), "act_order": false,
+     "layout": "tinyloop-packed-v1", "high_precision": ["embed.weight", ...], ...calibration details}
+
+At load (`load_quantized`) the model built on the meta device gets a `QuantLinear` in place of each
+quantized `nn.Linear`, and the float tensors are assigned without copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .linear import QuantLinear
+from .packing import QuantError, SUPPORTED_BITS, pack, resolve_group_size
+
+LAYOUT = "tinyloop-packed-v1"
+METHODS = ("rtn", "gptq")
+_BLOCK_PREFIXES = ("prelude.", "core.", "coda.")
+_SUFFIXES = ("qweight", "scales", "zeros")
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Linear weights of the blocks (attention and MLP projections) and the injection adapter."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    return name.startswith(_BLOCK_PREFIXES) or name == "adapter.weight"
+
+
+def quantized_names(expected: dict[str, tuple], quant: dict[str, Any]) -> list[str]:
+    keep = set(quant.get("high_precision") or [])
+    return [n for n, (shape, _) in expected.items() if is_quantizable(n, tuple(shape)) and n not in keep]
+
+
+def check_quant(quant: dict[str, Any]) -> tuple[int, int | None]:
+    if quant.get("method") not in METHODS:
+        raise QuantError(f"unknown quantization method {quant.get('method')!r}; choose one of {list(METHODS)}")
+    bits = quant.get("bits")
+    if bits not in SUPPORTED_BITS:
+        raise QuantError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if quant.get("layout", LAYOUT) != LAYOUT:
+        raise QuantError(f"unknown packed layout {quant.get('layout')!r} (this version reads {LAYOUT})")
+    return bits, quant.get("group_size")
+
+
+def portable_shapes(shape: tuple[int, int], bits: int, group_size: int | None, name: str) -> dict[str, tuple]:
+    N, K = shape
+    G = resolve_group_size(bits, group_size, K, name)
+    return {"qweight": ((N, K * bits // 8), "uint8"), "scales": ((N, K // G), "float16"),
+            "zeros": ((N, K // G), "uint8")}
+
+
+def expected_quantized_tensors(expected: dict[str, tuple[tuple[int, ...], str]],
+                               quant: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The float model's tensor list -> the quantized file's: each quantized weight becomes three tensors."""
+    bits, group_size = check_quant(quant)
+    qnames = set(quantized_names(expected, quant))
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, (shape, dtype) in expected.items():
+        if name not in qnames:
+            out[name] = (tuple(shape), dtype)
+            continue
+        base = name[: -len(".weight")]
+        for suffix, spec in portable_shapes(tuple(shape), bits, group_size, name).items():
+            out[f"{base}.{suffix}"] = spec
+    return out
+
+
+def portable_tensors(base: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bits: int) -> dict[str, torch.Tensor]:
+    """Codes q (N, K) + scales/zeros (N, K/G) -> the file's tensors for module `base`."""
+    return {f"{base}.qweight": pack(q, bits).contiguous().cpu(),
+            f"{base}.scales": scales.to(torch.float16).contiguous().cpu(),
+            f"{base}.zeros": zeros.to(torch.uint8).contiguous().cpu()}
+
+
+def quant_header(method: str, bits: int, group_size: int | None, *, act_order: bool = False,
+                 high_precision: list[str], **extra: Any) -> dict[str, Any]:
+    quant = {"method": method, "bits": bits, "group_size": None if bits == 8 else group_size,
+             "act_order": bool(act_order), "layout": LAYOUT, "high_precision": sorted(high_precision), **extra}
+    check_quant(quant)
+    return quant
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def install_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], bits: int, *,
+                      device: torch.device | str = "cpu", kernel: str = "auto") -> list[str]:
+    """Swap in a `QuantLinear` for every `X.qweight` in `tensors` (consumed from the dict); returns X's."""
+    bases = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    for base in bases:
+        qw, sc, zr = (tensors.pop(f"{base}.{s}") for s in _SUFFIXES)
+        _set_module(model, base, QuantLinear.from_portable(qw, sc, zr, bits, device, kernel=kernel))
+    return bases
+
+
+def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], weights: dict[str, Any], *,
+                   device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """A model built on the meta device + the file's tensors -> a quantized model on `device`."""
+    bits, _ = check_quant(weights["quant"])
+    tensors = dict(tensors)
+    install_quantized(model, tensors, bits, device=device)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    return model.to(device)
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the block weights one token's pass reads once (quantized kernels' buffers + float linears)."""
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.weight_bytes
+        elif isinstance(mod, nn.Linear) and is_quantizable(f"{name}.weight", tuple(mod.weight.shape)):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total

@@ -1,0 +1,137 @@
+"""Quantized linear modules, built at load time from the portable layout (`quant.packing`).
+
+`to_kernel_layout` is the one place that knows a torch kernel's private weight layout: it repacks the
+portable codes for the device and checks the kernel against a dequantized reference on a random probe,
+falling back to a dequantized dense weight (with a warning) when a kernel is missing or disagrees.
+
+    bits 4, CPU   torch.ops.aten._weight_int4pack_mm_for_cpu  (bf16 activations, group-wise scale + zero)
+    bits 2        the same int4 kernels: 2-bit codes 0..3 are valid 4-bit codes with the same scale and
+                  zero point, so int2 runs at int4 speed (the file is smaller, the bytes read are int4's)
+    bits 4/2 CUDA torch.ops.aten._weight_int4pack_mm (tinygemm)
+    bits 8        torch.ops.aten._weight_int8pack_mm (per-channel symmetric)
+
+The kernels take bf16 activations (the int4 CPU kernel is ~30x slower with fp32 ones): inputs are cast
+to bf16 and outputs back to the caller's dtype. Multi-row inputs (prefill, verification) use the same
+kernels: at M = 256 they measured 1.4x slower than a bf16 dense GEMM, while keeping a dense copy would
+cost the memory the format exists to save (see docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .packing import dequantize, unpack
+
+KERNEL_DTYPE = torch.bfloat16
+CHECK_TOLERANCE = 2e-2  # relative max error of a kernel against the dequantized reference (bf16 inputs)
+
+
+def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Portable (N, K/G) scale + integer zero -> torch's (K/G, N, 2) [scale, offset] for w = (q - 8) * s + o."""
+    s = scales.float()
+    offset = (8.0 - zeros.float()) * s            # (q - z) s = (q - 8) s + (8 - z) s
+    return torch.stack([s.t(), offset.t()], dim=-1).contiguous()  # (K/G, N, 2)
+
+
+def _kernel_call(kind: str, x: torch.Tensor, bufs: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    if kind == "int4pack_cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, bufs["packed"], group_size, bufs["sz"])
+    if kind == "int4pack_cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, bufs["packed"], group_size, bufs["sz"])
+    if kind == "int8pack":
+        return torch.ops.aten._weight_int8pack_mm(x, bufs["w8"], bufs["s8"])
+    return F.linear(x.to(bufs["w"].dtype), bufs["w"])
+
+
+def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                     device: torch.device | str = "cpu", *, kernel: str = "auto",
+                     check: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
+    """Portable tensors -> (kind, buffers) for `QuantLinear`. THE torch-version-specific repacking.
+
+    kernel: "auto" (the device's kernel) or "dense" (dequantized float32 weight: a reference path).
+    """
+    device = torch.device(device)
+    q = unpack(qweight, bits)                                  # (N, K) codes
+    N, K = q.shape
+    group_size = K // scales.shape[1]
+    kind, bufs = "dense", {}
+    if kernel == "auto":
+        try:
+            if bits in (2, 4) and device.type == "cpu":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+                kind, bufs = "int4pack_cpu", {"packed": packed,
+                                              "sz": _int4_scales_zeros(scales, zeros).to(KERNEL_DTYPE)}
+            elif bits in (2, 4) and device.type == "cuda":
+                q8 = q.to(torch.uint8)
+                u8 = (q8[:, ::2] << 4 | q8[:, 1::2]).to(device)    # tinygemm's input: high nibble first
+                packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+                kind, bufs = "int4pack_cuda", {"packed": packed,
+                                               "sz": _int4_scales_zeros(scales, zeros).to(device, KERNEL_DTYPE)}
+            elif bits == 8:
+                w8 = (q.to(torch.int16) - zeros.to(torch.int16)).to(torch.int8)  # symmetric: zero point 128
+                kind, bufs = "int8pack", {"w8": w8.to(device),
+                                          "s8": scales[:, 0].to(device, KERNEL_DTYPE).contiguous()}
+        except (RuntimeError, NotImplementedError) as exc:
+            warnings.warn(f"no {bits}-bit kernel for {N}x{K} on {device.type} ({exc}); using a dense weight")
+            kind, bufs = "dense", {}
+    if kind != "dense" and check:
+        w_ref = dequantize(q, scales, zeros).to(device)
+        probe = torch.randn(2, K, generator=torch.Generator().manual_seed(0)).to(device, KERNEL_DTYPE)
+        try:
+            got = _kernel_call(kind, probe, bufs, group_size).float()
+            ref = probe.float() @ w_ref.t()
+            bad = not torch.isfinite(got).all() or \
+                (got - ref).abs().max() > CHECK_TOLERANCE * ref.abs().max().clamp_min(1e-6)
+        except (RuntimeError, NotImplementedError) as exc:
+            bad = True
+            warnings.warn(f"{kind} kernel failed on {device.type}: {exc}")
+        if bad:
+            warnings.warn(f"{kind} kernel disagrees with the dequantized weights on {device.type}; "
+                          f"using a dense weight for this {N}x{K} layer")
+            kind, bufs = "dense", {}
+    if kind == "dense":
+        bufs = {"w": dequantize(q, scales, zeros, torch.float32).to(device)}
+    return kind, bufs
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T for a W stored in `bits` bits (no bias). Holds only the kernel's buffers (not persistent:
+    the file keeps the portable tensors under their own names, see `quant.formats`)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, kind: str,
+                 bufs: dict[str, torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.kind = bits, group_size, kind
+        for name, t in bufs.items():
+            self.register_buffer(name, t, persistent=False)
+        self._names = tuple(bufs)
+
+    @classmethod
+    def from_portable(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      device: torch.device | str = "cpu", *, kernel: str = "auto") -> "QuantLinear":
+        N = qweight.shape[0]
+        K = qweight.shape[1] * 8 // bits
+        kind, bufs = to_kernel_layout(qweight, scales, zeros, bits, device, kernel=kernel)
+        return cls(K, N, bits, K // scales.shape[1], kind, bufs)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes this layer reads per matmul (what bounds batch-1 decode)."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)                      # (M, K)
+        bufs = {n: getattr(self, n) for n in self._names}
+        xin = x2 if self.kind == "dense" else x2.to(KERNEL_DTYPE)
+        y = _kernel_call(self.kind, xin, bufs, self.group_size)  # (M, N)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, kernel={self.kind}")
