@@ -1,0 +1,412 @@
+"""Self-speculative decoding for looped models: chain and tree speculation that reuse the draft's loops.
+
+The draft is the model itself run with `draft_loops = d` loops; the verifier is the same model with
+`verify_loops = V`. Loops 0..d-1 of the draft are exactly loops 0..d-1 of the verifier on the same tokens,
+so the draft's keys and values for those loops (and for the prelude, which depends on the tokens only)
+are the verifier's: verification continues from each drafted position's state after loop d-1 (and its
+prelude output, which every loop receives) through loops d..V-1 only, then runs the coda and the LM
+head, all in one batched pass over the round's positions. Cache slots per round:
+
+- prelude and core loops 0..d-1: written by the draft, kept as they are for the accepted positions;
+- core loops d..V-1: written by the verification pass;
+- coda: the draft writes coda entries computed from d-loop states (its own attention needs them), and
+  the verification pass overwrites them with V-loop entries at every position it covers, so every
+  committed position holds exactly what a plain V-loop run would have written.
+
+Rejected positions are rolled back in every slot by not advancing `cache.length` past them: later
+steps write over them before anything reads them. Tree speculation stores node i of a round's tree at
+cache index L + i (L = committed length); the accepted path's entries are then copied into positions
+L+1.. with `KVCache.gather_positions` in every slot, never recomputed.
+
+Round shapes:
+
+- chain (mode "speculative", and tree with temperature > 0): draft up to k = draft_ahead tokens one by
+  one; drafting stops early when the draft's top probability drops below `draft_stop` (the draft is
+  then likely wrong, and every further draft token costs d loops plus a head); verify k+1 positions.
+- tree (mode "tree_speculative", greedy): a beam of width K = K_branches ranked by cumulative draft
+  log-probability; each depth's K nodes are drafted in one batched pass with a tree attention mask
+  (each node sees the committed context, its ancestors and itself); depth = draft_ahead. One
+  verification pass covers all 1 + K*depth nodes; the head runs lazily, first over the beam's best
+  path, then over a sub-path wherever the verifier leaves it. K = 1 is the chain, computed the same way.
+
+The draft scores a reduced, frequency-ranked vocabulary (`draft_vocab` rows of the LM head plus every
+token of the prompt and output); verification always scores the full vocabulary, so exactness holds.
+Greedy output equals `generate_ids(..., loops=V)` token for token in exact arithmetic; in floating point
+a batched pass can round differently from one-token passes (float64 tests see no difference; float32
+can flip only a near-tie). Sampling (chain) uses the standard speculative-sampling rule: a draft token x
+drawn from q is accepted with probability min(1, p(x)/q(x)), otherwise the token is drawn from
+norm(max(0, p - q)); all draws use the request's generator, and p includes the penalties over the
+accepted prefix exactly as plain generate defines them, so the output distribution is plain generate's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ValidationError
+from ..model import KVCache, LoopedTransformer
+from ..model.layers import StepContext
+from .draft_vocab import frequency_ranking
+from .generate import new_cache, prefill
+from .params import SamplingParams
+from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
+from .tree import DraftTree, ancestor_mask, beam_step
+
+DRAFT_VOCAB = 8192      # draft head rows (most frequent tokens); None or >= vocab -> the full head
+CONTEXT_ROWS = 1024     # extra draft rows for the request's own tokens outside the ranked set
+DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
+
+
+class DraftHead:
+    """The LM head restricted to a token subset, for drafting only (verification uses the full head).
+
+    Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
+    """
+
+    def __init__(self, model: LoopedTransformer, size: int | None, extra_rows: int = CONTEXT_ROWS):
+        self.model = model
+        vocab = model.cfg.vocab_size
+        weight = model.head_weight.detach()
+        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
+            weight = weight.float()  # 16-bit GEMV is slow on CPU and the draft needs no exactness
+        self.ids: torch.Tensor | None = None
+        if size is None or size <= 0 or size >= vocab:
+            self.weight, self.n = weight, vocab
+            return
+        ranked = frequency_ranking(vocab)[:size].to(weight.device)
+        cap = min(vocab, size + extra_rows)
+        self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
+        self.ids[:size] = ranked
+        self.member = torch.zeros(vocab, dtype=torch.bool)
+        self.member[ranked.cpu()] = True
+        self.weight = torch.empty(cap, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self.weight[:size] = weight[ranked]
+        self._source = weight
+        self.n = size
+
+    def add(self, tokens: list[int]) -> None:
+        """Make `tokens` draftable (prompt and output tokens recur far more often than their rank says)."""
+        if self.ids is None:
+            return
+        for t in tokens:
+            if not self.member[t] and self.n < self.ids.shape[0]:
+                self.member[t] = True
+                self.ids[self.n] = t
+                self.weight[self.n] = self._source[t]
+                self.n += 1
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
+        xn = self.model.norm(x)
+        return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
+
+    def token(self, col: int) -> int:
+        return col if self.ids is None else int(self.ids[col])
+
+    def tokens(self, cols: list[int]) -> list[int]:
+        return cols if self.ids is None else self.ids[torch.tensor(cols)].tolist()
+
+    def full_logits(self, lg: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(n,) draft logits -> (vocab,) with -inf for tokens the draft cannot propose."""
+        if self.ids is None:
+            return lg
+        out = torch.full((vocab,), float("-inf"), dtype=torch.float64, device=lg.device)
+        out[self.ids[: self.n]] = lg.double()
+        return out
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class Speculator:
+    """One request's speculative decoding state: the cache, the pending token and the figures."""
+
+    def __init__(self, model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
+                 sampler: Sampler, kv_format: str = "fp16", draft_vocab: int | None = DRAFT_VOCAB,
+                 draft_stop: float = DRAFT_STOP):
+        self.model, self.params, self.sampler = model, params, sampler
+        self.d = params.draft_loops
+        self.V = params.effective_loops(model.cfg.default_loops)
+        self.K = params.k_branches if params.mode == "tree_speculative" else 1
+        self.tree = params.mode == "tree_speculative" and params.greedy
+        self.draft_stop = draft_stop
+        self.device = next(model.parameters()).device
+        # Tree nodes are stored past the committed positions: room for a whole tree beyond the output.
+        n_positions = len(prompt_ids) + params.max_tokens + self.K * params.draft_ahead + 1
+        self.cache: KVCache | None = new_cache(model, n_positions, self.V, params.cache_window,
+                                               kv_format=kv_format)
+        self.head = DraftHead(model, draft_vocab)
+        self.head.add(prompt_ids)
+        self.penalties = _has_penalties(params)
+        self.pending = -1
+        self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
+                      "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0}
+
+    # -- model passes ---------------------------------------------------------------------
+    def _ctx(self, start: int, positions: list[int], tree_mask: torch.Tensor | None = None,
+             tree_key_positions: list[int] | None = None) -> StepContext:
+        pos = torch.tensor(positions, device=self.device)
+        kpos = None if tree_key_positions is None else torch.tensor(tree_key_positions, device=self.device)
+        mask = None if tree_mask is None else tree_mask.to(self.device)
+        return StepContext(rotary=self.model.rotary, positions=pos, dtype=self.model.embed.weight.dtype,
+                           cache=self.cache, start=start, tree_mask=mask, tree_key_positions=kpos)
+
+    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool = True):
+        """Prelude + loops 0..d-1 (+ coda and the draft head) over `tokens`: (e, h, draft logits (T, n))."""
+        model = self.model
+        e = model.embed_prelude(torch.tensor([tokens], device=self.device), ctx)  # (1, T, dim)
+        h = model.init_state(e)
+        for loop_idx in range(self.d):
+            h = model.core_loop(h, e, loop_idx, ctx)
+        self.stats["draft_passes"] += 1
+        if not with_head:
+            return e, h, None
+        x = h
+        for i, blk in enumerate(model.coda):
+            x = blk(x, ctx, self.cache.slot_coda(i))
+        return e, h, self.head.logits(x[0])
+
+    def _verify(self, e: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Loops d..V-1 from the draft's states, then the coda: (T, dim), ready for the LM head."""
+        model = self.model
+        for loop_idx in range(self.d, self.V):
+            h = model.core_loop(h, e, loop_idx, ctx)
+        x = h
+        for i, blk in enumerate(model.coda):
+            x = blk(x, ctx, self.cache.slot_coda(i))
+        self.stats["verify_positions"] += h.shape[1]
+        return x[0]
+
+    def _full_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(x[None])[0]  # (T, vocab)
+
+    # -- draft choices ----------------------------------------------------------------------
+    def _penalised(self, lg: torch.Tensor) -> torch.Tensor:
+        """(n,) draft logits with the request's penalties as of the round's start (float64)."""
+        x = lg.double()
+        if not self.penalties:
+            return x
+        ids = self.head.ids[: self.head.n] if self.head.ids is not None else slice(None)
+        seen = self.sampler.seen[ids].nonzero().flatten()
+        p = self.params
+        x = apply_repetition_penalty(x, seen, p.repetition_penalty)
+        return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
+
+    def _draft_greedy(self, lg: torch.Tensor) -> int:
+        return self.head.token(int(torch.argmax(self._penalised(lg))))
+
+    # -- rounds ---------------------------------------------------------------------------
+    def round(self, remaining: int) -> list[int]:
+        """One draft + verify round: the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
+        ahead = min(self.params.draft_ahead, remaining - 1)
+        with torch.inference_mode():
+            out = self._tree_round(ahead) if self.tree else self._chain_round(ahead)
+        self.head.add(out)
+        self.pending = out[-1]
+        st = self.stats
+        st["rounds"] += 1
+        st["emitted"] += len(out)
+        return out
+
+    def _chain_round(self, k: int) -> list[int]:
+        cache, sampler = self.cache, self.sampler
+        L = cache.length
+        t0 = time.perf_counter()
+        toks, es, hs, qs = [self.pending], [], [], []
+        for j in range(k):
+            e, h, lg = self._draft([toks[-1]], self._ctx(L + j, [L + j]))
+            es.append(e)
+            hs.append(h)
+            lg = lg[0]
+            if self.params.greedy:
+                x = self._draft_greedy(lg)
+            else:
+                q = sampler.probs(self.head.full_logits(lg, self.model.cfg.vocab_size))
+                x = draw(q, sampler.generator)
+                qs.append(q)
+            toks.append(x)
+            if self.draft_stop > 0 and j + 1 < k:
+                top = float(torch.softmax(lg.float(), dim=-1).max())
+                if top < self.draft_stop:
+                    break
+        n = len(toks) - 1
+        e, h, _ = self._draft([toks[-1]], self._ctx(L + n, [L + n]), with_head=False)
+        es.append(e)
+        hs.append(h)
+        t1 = time.perf_counter()
+        x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1), self._ctx(L, list(range(L, L + n + 1))))
+        logits = self._full_logits(x)  # (n+1, vocab)
+        out = self._accept_chain(toks, logits, qs)
+        cache.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
+        st = self.stats
+        st["draft_s"] += t1 - t0
+        st["verify_s"] += time.perf_counter() - t1
+        st["draft_tokens"] += n
+        st["proposed"] += n
+        st["accepted"] += len(out) - 1
+        return out
+
+    def _accept_chain(self, toks: list[int], logits: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
+        """toks = [pending, x1..xn]; logits[j] scores the token after toks[j]. Accepts a prefix + one."""
+        sampler = self.sampler
+        n = len(toks) - 1
+        out: list[int] = []
+        for j in range(n + 1):
+            if self.params.greedy:
+                y = sampler.greedy_token(logits[j])
+                sampler.accept(y)
+                out.append(y)
+                if j < n and y == toks[j + 1]:
+                    continue
+                return out
+            p = sampler.probs(logits[j])
+            if j < n:
+                x, q = toks[j + 1], qs[j]
+                u = float(torch.rand((), generator=sampler.generator, dtype=torch.float64))
+                if float(q[x]) > 0 and u * float(q[x]) < float(p[x]):
+                    sampler.accept(x)
+                    out.append(x)
+                    continue
+                residual = (p - q).clamp_min(0.0)
+                y = draw(residual if float(residual.sum()) > 0 else p, sampler.generator)
+            else:
+                y = draw(p, sampler.generator)  # every draft accepted: the bonus token
+            sampler.accept(y)
+            out.append(y)
+            return out
+        raise AssertionError("unreachable")
+
+    def _tree_round(self, depth: int) -> list[int]:
+        cache, sampler, K = self.cache, self.sampler, self.K
+        L = cache.length
+        t0 = time.perf_counter()
+        tree = DraftTree()
+        tree.add(self.pending, -1, 0.0)
+        es, hs = [], []
+        frontier = [0]
+        for t in range(1, depth + 2):
+            first = frontier[0]
+            rows = range(first, first + len(frontier))
+            positions = [L + t - 1] * len(frontier)
+            if K == 1:
+                ctx = self._ctx(L + first, positions)  # a one-node-wide tree is the causal chain
+            else:
+                ctx = self._ctx(L + first, positions, ancestor_mask(tree.parents, rows),
+                                [L + dd for dd in tree.depths])
+            e, h, lg = self._draft([tree.tokens[i] for i in frontier], ctx, with_head=t <= depth)
+            es.append(e)
+            hs.append(h)
+            if t > depth:
+                break
+            logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
+            rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
+            toks = self.head.tokens(cols)
+            frontier = [tree.add(tok, frontier[r], s) for r, tok, s in zip(rows_, toks, scores)]
+        t1 = time.perf_counter()
+        n_nodes = len(tree)
+        mask = None if K == 1 else ancestor_mask(tree.parents)
+        x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1),
+                         self._ctx(L, [L + dd for dd in tree.depths], mask))
+        out, path = self._accept_tree(tree, x)
+        if any(node != i for i, node in enumerate(path)):
+            cache.gather_positions([L + node for node in path[1:]], L + 1)
+        cache.length = L + len(out)
+        st = self.stats
+        st["draft_s"] += t1 - t0
+        st["verify_s"] += time.perf_counter() - t1
+        st["draft_tokens"] += n_nodes - 1
+        st["proposed"] += depth
+        st["accepted"] += len(out) - 1
+        return out
+
+    def _accept_tree(self, tree: DraftTree, x: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Greedy walk from the root while the verifier's token is a child. Returns (tokens, path nodes)."""
+        logits: dict[int, torch.Tensor] = {}
+
+        def score(nodes: list[int]) -> None:  # the LM head over a batch of nodes
+            lg = self._full_logits(x[torch.tensor(nodes, device=x.device)])
+            for node, row in zip(nodes, lg):
+                logits[node] = row
+
+        best_leaf = max((i for i in range(len(tree)) if tree.depths[i] == max(tree.depths)),
+                        key=lambda i: tree.scores[i])
+        score(tree.path_to(best_leaf))  # the beam's best path first: usually the only head call
+        out, path, node = [], [0], 0
+        while True:
+            if node not in logits:
+                score(tree.best_chain(node))
+            y = self.sampler.greedy_token(logits[node])
+            self.sampler.accept(y)
+            out.append(y)
+            child = tree.children[node].get(y)
+            if child is None:
+                return out, path
+            path.append(child)
+            node = child
+
+    def finish(self, run_stats: dict[str, Any]) -> None:
+        st = self.stats
+        rounds = max(st["rounds"], 1)
+        run_stats.update({
+            "acceptance_rate": round(st["accepted"] / st["proposed"], 4) if st["proposed"] else 0.0,
+            "mean_accepted_per_round": round(st["accepted"] / rounds, 3),
+            "mean_tokens_per_round": round(st["emitted"] / rounds, 3),
+            "rounds": st["rounds"],
+            "draft_tokens": st["draft_tokens"],
+            "verify_positions": st["verify_positions"],
+            "draft_ms": round(st["draft_s"] * 1000, 2),
+            "verify_ms": round(st["verify_s"] * 1000, 2),
+            "draft_loops": self.d,
+            "verify_loops": self.V,
+            "draft_ahead": self.params.draft_ahead,
+            "K_branches": self.K,
+        })
+
+
+def check_params(model: LoopedTransformer, params: SamplingParams) -> None:
+    params.validate(max_loops=model.cfg.max_loops, vocab_size=model.cfg.vocab_size)
+    if params.mode == "generate":
+        raise ValidationError("mode: speculative decoding needs mode 'speculative' or 'tree_speculative'",
+                              param="mode")
+
+
+def speculative_ids(model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
+                    sampler: Sampler | None = None, run_stats: dict[str, Any] | None = None,
+                    kv_format: str = "fp16", *, draft_vocab: int | None = DRAFT_VOCAB,
+                    draft_stop: float = DRAFT_STOP) -> Iterator[int]:
+    """Yield exactly the tokens plain generation at verify_loops would (greedy), as each is verified.
+
+    Yields at most params.max_tokens ids; stops and EOS are the caller's job. Closing the generator frees
+    the cache; `run_stats` receives acceptance figures as rounds complete.
+    """
+    check_params(model, params)
+    return _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop)
+
+
+def _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop):
+    sampler = sampler or Sampler(params, prompt_ids, model.cfg.vocab_size)
+    run_stats = {} if run_stats is None else run_stats
+    spec = Speculator(model, prompt_ids, params, sampler, kv_format=kv_format, draft_vocab=draft_vocab,
+                      draft_stop=draft_stop)
+    try:
+        logits = prefill(model, prompt_ids, spec.cache, spec.V)
+        tok = sampler.sample(logits)
+        sampler.accept(tok)
+        spec.pending = tok
+        spec.head.add([tok])
+        emitted = 1
+        yield tok
+        while emitted < params.max_tokens:
+            out = spec.round(params.max_tokens - emitted)
+            spec.finish(run_stats)
+            for tok in out:
+                emitted += 1
+                yield tok
+    finally:
+        spec.finish(run_stats)
+        spec.cache = None
