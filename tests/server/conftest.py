@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_forced_model(path: Path, chain: list[int], *, max_seq_len: int = 256) -> Path:
+def write_forced_model(path: Path, chain: list[int], tokenizer, *, max_seq_len: int = 256) -> Path:
     """A tiny model that, from any token of `chain`, predicts the next one (cyclically) with logit 80.
 
     Every block's output projections are zero (blocks are identities), each chain token's embedding is
@@ -50,18 +50,7 @@ def write_forced_model(path: Path, chain: list[int], *, max_seq_len: int = 256) 
         for i, tok in enumerate(chain):
             model.embed.weight[tok, i] = 1.0
             model.lm_head.weight[chain[(i + 1) % len(chain)], i] = 10.0
-    return write_model(path, model, tokenizer=_tokenizer(), provenance={"tool": "tests/server", "forced": True})
-
-
-_TOK = None
-
-
-def _tokenizer():
-    global _TOK
-    if _TOK is None:
-        from tinyloop.tokenizer import Tokenizer
-        _TOK = Tokenizer.gpt2()
-    return _TOK
+    return write_model(path, model, tokenizer=tokenizer, provenance={"tool": "tests/server", "forced": True})
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +59,9 @@ def forced_chain(tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def forced_model_path(tmp_path_factory, forced_chain):
-    return write_forced_model(tmp_path_factory.mktemp("forced") / "forced.tinyloop", forced_chain, max_seq_len=9000)
+def forced_model_path(tmp_path_factory, forced_chain, tokenizer):
+    return write_forced_model(tmp_path_factory.mktemp("forced") / "forced.tinyloop", forced_chain, tokenizer,
+                              max_seq_len=9000)
 
 
 class ServerThread:

@@ -93,13 +93,16 @@ async def collect(handle: RequestHandle, request: Request) -> Result:
     toks: list[int] = []
     parts: list[str] = []
     done = False
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while True:
+            if time.monotonic() >= next_check:  # tokens may arrive faster than the poll: check by the clock
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise APIError(499, "client closed the request", code="client_closed")
             try:
                 item = await handle.next(DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise APIError(499, "client closed the request", code="client_closed") from None
                 continue
             if isinstance(item, BaseException):
                 done = True

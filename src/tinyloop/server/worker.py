@@ -155,19 +155,21 @@ class EngineWorker:
             m.aborted.inc()
             return
         m.active.inc()
-        first = True
+        n_tokens = 0
         try:
             stream = self.engine.stream(handle.prompt_ids, handle.params)
             try:
                 for ev in stream:
-                    if first and ev.token_ids:
+                    if n_tokens == 0 and ev.token_ids:
                         m.ttft.observe(time.perf_counter() - handle.submitted)
-                        first = False
+                    n_tokens += len(ev.token_ids)
                     if ev.finish_reason is not None:
                         self._account(ev.stats or {}, ev.finish_reason, handle)
                     handle._put(ev)
                     if ev.finish_reason is None and handle.aborted:
                         m.aborted.inc()
+                        m.prompt_tokens.inc(len(handle.prompt_ids))
+                        m.generated_tokens.inc(n_tokens)
                         break
             finally:
                 stream.close()  # frees the request's KV cache now, not at garbage collection
@@ -192,18 +194,19 @@ class EngineWorker:
 def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
     """Load the model file and pick the KV format: the requested one if the engine supports it.
 
-    Returns (engine, warnings). A KV mode the cache cannot build yet is reported and fp16 is used."""
+    Returns (engine, warnings). A KV mode the engine or its cache rejects is reported and fp16 is used."""
     from ..engine.generate import new_cache
     from ..modelfile import load_model
 
     loaded = load_model(settings.model_path)
-    warnings: list[str] = []
     kv = settings.kv_cache_mode
     if kv != "fp16":
         try:
-            new_cache(loaded.model, 1, 1, 0, kv_format=kv)
-        except Exception as exc:  # noqa: BLE001 - CacheError or an unknown format
-            warnings.append(f"KV cache mode {kv!r} was requested but the engine rejected it ({exc}); "
-                            f"serving with 'fp16'")
-            kv = "fp16"
-    return Engine(loaded, max_seq_len=settings.max_seq_len, kv_format=kv), warnings
+            engine = Engine(loaded, max_seq_len=settings.max_seq_len, kv_format=kv)
+            new_cache(loaded.model, 1, 1, 0, kv_format=kv)  # the cache is where a format is finally built
+            return engine, []
+        except Exception as exc:  # noqa: BLE001 - ValidationError / CacheError / an unknown format
+            msg = getattr(exc, "message", None) or str(exc)
+            warning = f"KV cache mode {kv!r} was requested but the engine rejected it ({msg}); serving with 'fp16'"
+            return Engine(loaded, max_seq_len=settings.max_seq_len, kv_format="fp16"), [warning]
+    return Engine(loaded, max_seq_len=settings.max_seq_len, kv_format=kv), []
