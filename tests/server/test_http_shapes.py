@@ -252,3 +252,39 @@ def test_kv_mode_from_env_is_reported(tiny_model_path):
                                       ({"TINYLOOP_KV_H_MODE": "1"}, "fp16"), ({"TINYLOOP_KV_INT8": "0"}, "fp16")])
 def test_kv_env_mapping(env, mode):
     assert Settings.from_env(env).kv_cache_mode == mode
+
+
+def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
+    engine = tiny_server.app.state.tl.worker.engine
+    real = engine.token_ids
+
+    def failing(prompt_ids, params, run_stats):
+        def gen():
+            it = real(prompt_ids, params, run_stats)
+            try:
+                yield next(it)
+                yield next(it)
+                raise RuntimeError("simulated kernel failure")
+            finally:
+                it.close()
+        return gen()
+
+    monkeypatch.setattr(engine, "token_ids", failing)
+    e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 5}), 500)
+    assert e["type"] == "server_error" and "simulated kernel failure" in e["message"]
+    r = post(tiny_server, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                   "max_tokens": 5, "stream": True, "temperature": 0})
+    assert r.status_code == 200  # the stream had started: the error arrives as an event, then [DONE]
+    frames = data_frames(r.content)
+    assert frames[-1] == b"[DONE]"
+    err = json.loads(frames[-2])
+    assert set(err) == {"error"} and "simulated kernel failure" in err["error"]["message"]
+    monkeypatch.undo()
+    assert post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_queue_full_is_429(tiny_server, monkeypatch):
+    monkeypatch.setattr(tiny_server.app.state.tl.settings, "max_queue", 0)
+    r = post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 2})
+    assert_error(r, 429)
+    assert r.headers["retry-after"] == "1"
