@@ -119,7 +119,8 @@ def _eval(args: argparse.Namespace) -> int:
     from .train.data import read_text
 
     try:
-        lm = load_model(args.model)
+        import torch
+        lm = load_model(args.model, dtype=torch.float32)  # eval math in fp32 whatever the storage
         loops_list = [int(x) for x in args.loops.split(",") if x]
         text = read_text(Path(args.text))
     except (ModelFileError, ValueError, OSError) as exc:
@@ -139,6 +140,25 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{'loops':>5}  {'loss':>7}  {'ppl':>9}  {'seconds':>7}")
     for r in rows:
         print(f"{r['loops']:>5}  {r['loss']:>7.4f}  {r['perplexity']:>9.2f}  {r['seconds']:>7.1f}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .modelfile import ModelFileError
+    from .quant.packing import QuantError
+    from .tools.gptq import QuantSpec
+    from .tools.quantize import quantize_file
+
+    group = None if args.bits == 8 else args.group_size
+    spec = QuantSpec(bits=args.bits, group_size=group, method=args.method, act_order=args.act_order,
+                     percdamp=args.damp, loops=args.calib_loops)
+    try:
+        report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
+                               calib_seq_len=args.calib_seq_len, progress=not args.quiet)
+    except (ModelFileError, QuantError) as exc:
+        return _fail(str(exc))
+    print(report["text"])
+    print(f"wrote {args.output} ({report['file_bytes'] / 2**20:.1f} MiB)")
     return 0
 
 
@@ -204,6 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--overrides", help="JSON of ModelConfig fields")
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     n.set_defaults(func=_init)
+
+    qz = sub.add_parser("quantize", help="quantize a model file's block weights (GPTQ or round-to-nearest)")
+    qz.add_argument("input", help="a float .tinyloop file")
+    qz.add_argument("output", help="the quantized .tinyloop file to write")
+    qz.add_argument("--bits", type=int, default=4, help="4 or 2 (8: per-channel int8)")
+    qz.add_argument("--group-size", type=int, default=32, help="input columns per scale/zero (32, 64, 128)")
+    qz.add_argument("--method", default="gptq", help="gptq (needs --calib) or rtn")
+    qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    qz.add_argument("--calib", help="calibration text (.txt or .txt.gz) for GPTQ")
+    qz.add_argument("--calib-tokens", type=int, default=8192)
+    qz.add_argument("--calib-seq-len", type=int, default=256)
+    qz.add_argument("--calib-loops", type=int, help="loops to calibrate with (default: the model's default)")
+    qz.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean Hessian diagonal")
+    qz.add_argument("--quiet", action="store_true", help="no progress bar")
+    qz.set_defaults(func=_quantize)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

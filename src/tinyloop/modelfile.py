@@ -145,7 +145,10 @@ def check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> M
     weights = header["weights"]
     if weights.get("dtype") not in DTYPES:
         raise ModelFileError(path, f"unknown weight dtype {weights.get('dtype')!r}")
-    expected = expected_tensors(cfg, weights)
+    try:
+        expected = expected_tensors(cfg, weights)
+    except ValueError as exc:  # quant.packing.QuantError: a quant section this version cannot read
+        raise ModelFileError(path, f"bad quant section in header: {exc}") from None
     present = {k: v for k, v in index.items() if k != header["tokenizer"].get("tensor")}
     missing = sorted(set(expected) - set(present))
     if missing:

@@ -54,6 +54,11 @@ class Engine:
         self.config = loaded.config
         self.header = loaded.header
         self.path = loaded.path
+        from ..model.cache import CacheError, check_kv_format
+        try:
+            check_kv_format(self.config, kv_format)
+        except CacheError as exc:
+            raise ValidationError(f"kv_format: {exc}", param="kv_format") from None
         self.kv_format = kv_format
         limit = self.config.max_seq_len
         if max_seq_len is not None and max_seq_len > 0:

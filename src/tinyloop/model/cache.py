@@ -27,6 +27,17 @@ class CacheError(RuntimeError):
     pass
 
 
+def check_kv_format(cfg: ModelConfig, kv_format: str) -> int | None:
+    """Bits per stored KV value for `kv_format` (None: unquantized); CacheError if this model cannot use it."""
+    try:
+        bits = kv_format_bits(kv_format)
+    except ValueError as exc:
+        raise CacheError(str(exc)) from None
+    if kv_format_rotates(kv_format) and not is_power_of_two(cfg.head_dim):
+        raise CacheError(f"KV format {kv_format!r} needs a power-of-two head dim, got {cfg.head_dim}")
+    return bits
+
+
 class QuantizedKV:
     """Quantized keys (or values) of every slot: codes + float16 scale/offset per (token, head) vector.
 
@@ -77,12 +88,7 @@ class KVCache:
                  loops: int | None = None, window: int = 0, rollback_margin: int = 72,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  kv_format: str = "fp16"):
-        try:
-            bits = kv_format_bits(kv_format)
-        except ValueError as exc:
-            raise CacheError(str(exc)) from None
-        if kv_format_rotates(kv_format) and not is_power_of_two(cfg.head_dim):
-            raise CacheError(f"KV format {kv_format!r} needs a power-of-two head dim, got {cfg.head_dim}")
+        bits = check_kv_format(cfg, kv_format)
         self.kv_format = kv_format
         self.cfg = cfg
         self.batch = batch

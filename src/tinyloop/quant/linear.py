@@ -5,8 +5,8 @@ portable codes for the device and checks the kernel against a dequantized refere
 falling back to a dequantized dense weight (with a warning) when a kernel is missing or disagrees.
 
     bits 4, CPU   torch.ops.aten._weight_int4pack_mm_for_cpu  (bf16 activations, group-wise scale + zero)
-    bits 2        the same int4 kernels: 2-bit codes 0..3 are valid 4-bit codes with the same scale and
-                  zero point, so int2 runs at int4 speed (the file is smaller, the bytes read are int4's)
+    bits 2        the same int4 kernels: 2-bit codes 0..3 become 4-bit codes 6..9 with the same scale and a
+                  shifted offset, so int2 runs at int4 speed (the file is smaller, the bytes read are int4's)
     bits 4/2 CUDA torch.ops.aten._weight_int4pack_mm (tinygemm)
     bits 8        torch.ops.aten._weight_int8pack_mm (per-channel symmetric)
 
@@ -30,10 +30,17 @@ KERNEL_DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 2e-2  # relative max error of a kernel against the dequantized reference (bf16 inputs)
 
 
-def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Portable (N, K/G) scale + integer zero -> torch's (K/G, N, 2) [scale, offset] for w = (q - 8) * s + o."""
+def _int4_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes -> the int4 kernel's codes: 2-bit codes 0..3 are shifted to 6..9, around the kernel's 8, so
+    that the bf16 rounding of scale and offset is multiplied by |q - 8| <= 2 instead of up to 8."""
+    return q.to(torch.int32) + (6 if bits == 2 else 0)
+
+
+def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Portable (N, K/G) scale + integer zero -> torch's (K/G, N, 2) [scale, offset] for w = (q4 - 8) * s + o."""
     s = scales.float()
-    offset = (8.0 - zeros.float()) * s            # (q - z) s = (q - 8) s + (8 - z) s
+    shift = 6 if bits == 2 else 0
+    offset = (8.0 - shift - zeros.float()) * s    # (q - z) s = (q + shift - 8) s + (8 - shift - z) s
     return torch.stack([s.t(), offset.t()], dim=-1).contiguous()  # (K/G, N, 2)
 
 
@@ -62,15 +69,15 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     if kernel == "auto":
         try:
             if bits in (2, 4) and device.type == "cpu":
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_int4_codes(q, bits), 1)
                 kind, bufs = "int4pack_cpu", {"packed": packed,
-                                              "sz": _int4_scales_zeros(scales, zeros).to(KERNEL_DTYPE)}
+                                              "sz": _int4_scales_zeros(scales, zeros, bits).to(KERNEL_DTYPE)}
             elif bits in (2, 4) and device.type == "cuda":
-                q8 = q.to(torch.uint8)
+                q8 = _int4_codes(q, bits).to(torch.uint8)
                 u8 = (q8[:, ::2] << 4 | q8[:, 1::2]).to(device)    # tinygemm's input: high nibble first
                 packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
                 kind, bufs = "int4pack_cuda", {"packed": packed,
-                                               "sz": _int4_scales_zeros(scales, zeros).to(device, KERNEL_DTYPE)}
+                                               "sz": _int4_scales_zeros(scales, zeros, bits).to(device, KERNEL_DTYPE)}
             elif bits == 8:
                 w8 = (q.to(torch.int16) - zeros.to(torch.int16)).to(torch.int8)  # symmetric: zero point 128
                 kind, bufs = "int8pack", {"w8": w8.to(device),

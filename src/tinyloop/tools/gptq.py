@@ -1,0 +1,237 @@
+"""Quantize a loaded float model: GPTQ (calibrated, sequential) or round-to-nearest.
+
+GPTQ runs unit by unit in the order the model computes them (per block: q/k/v, o, gate/up, down).
+For each unit a calibration pass through the partially quantized model accumulates the Hessian
+H = mean(x x^T) of the unit's inputs, `quant.gptq.gptq_quantize` quantizes its weights, and the
+dequantized weights replace the float ones so later units calibrate on what the quantized model will
+really feed them. A shared core layer is called once per loop, so its Hessian sums its inputs over
+every loop; for the report, each core layer is also quantized with the loop-1 Hessian alone and both
+are scored by the relative output error tr(dW H dW^T) / tr(W H W^T) under the all-loops Hessian.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..quant.formats import is_quantizable, portable_tensors, quant_header
+from ..quant.gptq import gptq_quantize
+from ..quant.packing import QuantError, SUPPORTED_BITS, dequantize, quantize_rtn, resolve_group_size
+
+
+@dataclass
+class QuantSpec:
+    bits: int = 4
+    group_size: int | None = 32
+    method: str = "gptq"                 # "gptq" | "rtn"
+    act_order: bool = False
+    percdamp: float = 0.01
+    blocksize: int = 128
+    hessian: str = "all"                 # core layers: "all" loops' inputs, or "loop1" only (ablation)
+    compare_loop1: bool = True           # report all-loops vs loop-1 Hessian for core layers
+    loops: int | None = None             # calibration loops (default: the model's default_loops)
+
+    def validate(self, model: nn.Module) -> None:
+        if self.method not in ("gptq", "rtn"):
+            raise QuantError(f"method must be 'gptq' or 'rtn', got {self.method!r}")
+        if self.bits not in SUPPORTED_BITS:
+            raise QuantError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.hessian not in ("all", "loop1"):
+            raise QuantError(f"hessian must be 'all' or 'loop1', got {self.hessian!r}")
+        if not 0 <= self.percdamp < 1:
+            raise QuantError(f"dampening must be in [0, 1), got {self.percdamp}")
+        for name, mod in quantizable_linears(model):
+            resolve_group_size(self.bits, self.group_size, mod.in_features, name)
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules()
+            if type(m) is nn.Linear and is_quantizable(f"{n}.weight", tuple(m.weight.shape))]
+
+
+def units(model: nn.Module) -> list[list[str]]:
+    """Groups of linears that share one input, in the order a forward pass computes them."""
+    out: list[list[str]] = []
+    present = {n for n, _ in quantizable_linears(model)}
+    stacks = [("prelude", model.prelude), ("core", model.core), ("coda", model.coda)]
+    for stack_name, blocks in stacks:
+        if stack_name == "core" and "adapter" in present:
+            out.append(["adapter"])
+        for i, _ in enumerate(blocks):
+            p = f"{stack_name}.{i}"
+            for group in ([f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"], [f"{p}.attn.wo"],
+                          [f"{p}.mlp.w_gate", f"{p}.mlp.w_up"], [f"{p}.mlp.w_down"]):
+                group = [n for n in group if n in present]
+                if group:
+                    out.append(group)
+    return out
+
+
+def relative_output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """tr(dW H dW^T) / tr(W H W^T): the layer's output error on inputs with second moment H."""
+    W, dW = W.double(), (W.double() - W_hat.double())
+    return float(torch.einsum("nk,kl,nl->", dW, H, dW) / torch.einsum("nk,kl,nl->", W, H, W))
+
+
+class _HessianCollector:
+    """Forward pre-hooks summing x x^T of each watched linear's input: all loops, and loop 1 alone."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        self.model = model
+        self.loop_idx: int | None = None
+        self.H: dict[str, torch.Tensor] = {}
+        self.H1: dict[str, torch.Tensor] = {}
+        self.n: dict[str, int] = {}
+        self.n1: dict[str, int] = {}
+        self.handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name: str):
+        def hook(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()   # (tokens, K)
+            xx = (x.t() @ x).double()
+            if name not in self.H:
+                self.H[name] = torch.zeros_like(xx)
+                self.n[name] = 0
+            self.H[name] += xx
+            self.n[name] += x.shape[0]
+            if self.loop_idx == 0:
+                self.H1[name] = self.H1.get(name, torch.zeros_like(xx)) + xx
+                self.n1[name] = self.n1.get(name, 0) + x.shape[0]
+        return hook
+
+    def hessian(self, name: str, loop1: bool = False) -> torch.Tensor:
+        if loop1 and name in self.H1:
+            return self.H1[name] / self.n1[name]
+        return self.H[name] / self.n[name]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def _calibration_pass(model: nn.Module, calib: torch.Tensor, loops: int, collector: _HessianCollector,
+                      batch: int = 8) -> None:
+    """Run calibration sequences (N, T) up to the coda's output (the LM head needs no Hessian)."""
+    for s in range(0, calib.shape[0], batch):
+        tokens = calib[s:s + batch]
+        ctx = model.context(tokens.shape[1])
+        collector.loop_idx = None
+        e = model.embed_prelude(tokens, ctx)
+        h = model.init_state(e)
+        for r in range(loops):
+            collector.loop_idx = r
+            h = model.core_loop(h, e, r, ctx)
+        collector.loop_idx = None
+        for blk in model.coda:
+            h = blk(h, ctx, None)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr, dynamic_ncols=True)
+    except ImportError:  # pragma: no cover - tqdm is a dependency of the dev environment only
+        return None
+
+
+def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None = None, *,
+                   progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Quantize every block linear of `model` (a float LoopedTransformer; its linears are overwritten with
+    their dequantized weights). Returns (file tensors, header quant section, report)."""
+    spec.validate(model)
+    if spec.method == "gptq" and calib is None:
+        raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
+    loops = spec.loops or model.cfg.default_loops
+    bits, G = spec.bits, spec.group_size
+    names = [n for u in units(model) for n in u]
+    core_names = {n for n in names if n.startswith("core.") or n == "adapter"}
+    out: dict[str, torch.Tensor] = {}
+    report: dict[str, Any] = {"method": spec.method, "bits": bits, "group_size": G, "layers": []}
+    t0 = time.perf_counter()
+    bar = _progress(len(names), f"{spec.method} int{bits}", progress)
+    device = next(model.parameters()).device
+    for unit in units(model):
+        collector = None
+        if spec.method == "gptq":
+            collector = _HessianCollector(model, unit)
+            try:
+                _calibration_pass(model, calib.to(device), loops, collector)
+            finally:
+                collector.close()
+        for name in unit:
+            lin: nn.Linear = model.get_submodule(name)
+            W = lin.weight.detach().float()
+            row: dict[str, Any] = {"name": name, "shape": list(W.shape)}
+            if spec.method == "rtn":
+                q, s, z = quantize_rtn(W, bits, G)
+            else:
+                use_loop1 = spec.hessian == "loop1" and name in core_names
+                H = collector.hessian(name, loop1=use_loop1)
+                q, s, z = gptq_quantize(W, H, bits, G, blocksize=spec.blocksize, percdamp=spec.percdamp,
+                                        act_order=spec.act_order)
+                H_all = collector.hessian(name)
+                W_hat = dequantize(q, s, z)
+                row["err_gptq"] = relative_output_error(W, W_hat, H_all)
+                row["err_rtn"] = relative_output_error(W, dequantize(*quantize_rtn(W, bits, G)), H_all)
+                if spec.compare_loop1 and name in core_names and name in collector.H1:
+                    H1 = collector.hessian(name, loop1=True)
+                    other = H1 if not use_loop1 else H_all
+                    q2, s2, z2 = gptq_quantize(W, other, bits, G, blocksize=spec.blocksize,
+                                               percdamp=spec.percdamp, act_order=spec.act_order)
+                    err_other = relative_output_error(W, dequantize(q2, s2, z2), H_all)
+                    row["err_all_loops_hessian"] = row["err_gptq"] if not use_loop1 else err_other
+                    row["err_loop1_hessian"] = err_other if not use_loop1 else row["err_gptq"]
+            out.update(portable_tensors(name, q, s, z, bits))
+            with torch.no_grad():  # later units calibrate on the quantized weights
+                lin.weight.copy_(dequantize(q, s, z, lin.weight.dtype))
+            report["layers"].append(row)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    quantized = set(names)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if k[: -len(".weight")] not in quantized}
+    high_precision = sorted(state)
+    out.update(state)
+    extra: dict[str, Any] = {}
+    if spec.method == "gptq":
+        extra = {"calibration": {"tokens": int(calib.numel()), "seq_len": int(calib.shape[1]), "loops": loops,
+                                 "hessian": "sum over all loops" if spec.hessian == "all" else "loop 1 only",
+                                 "percdamp": spec.percdamp, "blocksize": spec.blocksize}}
+    quant = quant_header(spec.method, bits, G, act_order=spec.act_order, high_precision=high_precision, **extra)
+    core_rows = [r for r in report["layers"] if "err_loop1_hessian" in r]
+    if core_rows:
+        report["core_hessian"] = {
+            "mean_err_all_loops": sum(r["err_all_loops_hessian"] for r in core_rows) / len(core_rows),
+            "mean_err_loop1": sum(r["err_loop1_hessian"] for r in core_rows) / len(core_rows)}
+    return out, quant, report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A plain-text table of per-layer relative output errors (GPTQ runs)."""
+    rows = report["layers"]
+    lines = [f"{report['method']} int{report['bits']} group {report['group_size']}: {len(rows)} layers "
+             f"in {report['seconds']} s"]
+    if rows and "err_gptq" in rows[0]:
+        lines.append(f"{'layer':<24} {'shape':>12} {'rtn err':>9} {'gptq err':>9} {'H loop1':>9} {'H all':>9}")
+        for r in rows:
+            l1 = f"{r['err_loop1_hessian']:.5f}" if "err_loop1_hessian" in r else "-"
+            la = f"{r['err_all_loops_hessian']:.5f}" if "err_all_loops_hessian" in r else "-"
+            lines.append(f"{r['name']:<24} {'x'.join(map(str, r['shape'])):>12} {r['err_rtn']:>9.5f} "
+                         f"{r['err_gptq']:>9.5f} {l1:>9} {la:>9}")
+    ch = report.get("core_hessian")
+    if ch:
+        lines.append(f"core layers, relative output error on all loops' inputs: Hessian from all loops "
+                     f"{ch['mean_err_all_loops']:.5f} vs loop 1 only {ch['mean_err_loop1']:.5f} "
+                     f"({ch['mean_err_loop1'] / max(ch['mean_err_all_loops'], 1e-12):.2f}x)")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""`tinyloop quantize IN OUT`: read a float .tinyloop file, quantize its block linears, write a quantized one.
+
+The output loads with `Engine.load` like any model file (`quant.formats.load_quantized` swaps in the
+quantized modules) and `tinyloop info` reports `quant: int4` (or int2 / int8) from its header.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..modelfile import load_model, make_header, write_model
+from ..quant.formats import load_quantized
+from ..quant.packing import QuantError
+from ..tokenizer import Tokenizer
+from .gptq import QuantSpec, format_report, quantize_model
+
+
+def read_calibration(path: str | Path, tokenizer: Tokenizer, n_tokens: int, seq_len: int,
+                     seed: int = 0) -> torch.Tensor:
+    """(n_tokens // seq_len, seq_len) token windows at seeded random offsets of a text file (.txt or .txt.gz)."""
+    from ..train.data import read_text
+
+    path = Path(path)
+    if not path.exists():
+        raise QuantError(f"calibration file {path} does not exist")
+    ids = torch.tensor(tokenizer.encode(read_text(path)), dtype=torch.long)
+    n_seq = max(1, n_tokens // seq_len)
+    if len(ids) < seq_len + 1:
+        raise QuantError(f"calibration file {path} has {len(ids)} tokens; need at least {seq_len + 1}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seq_len, (n_seq,), generator=g)
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])  # (N, T)
+
+
+def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any], dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build a quantized LoopedTransformer in memory from `quantize_model`'s tensors (what loading the file gives)."""
+    from ..model import LoopedTransformer
+    from ..modelfile import DTYPES
+
+    with torch.device("meta"):
+        model = LoopedTransformer(cfg)
+    name = {v: k for k, v in DTYPES.items()}[dtype]
+    return load_quantized(model, dict(tensors), {"dtype": name, "quant": quant}, device=device).eval()
+
+
+def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *, calib: str | Path | None = None,
+                  calib_tokens: int = 8192, calib_seq_len: int = 256, progress: bool = True) -> dict[str, Any]:
+    loaded = load_model(src)
+    model, tok = loaded.model, loaded.tokenizer
+    if (loaded.header["weights"].get("quant") or {}).get("method", "none") != "none":
+        raise QuantError(f"{src} is already quantized; quantize a float model file")
+    dtype = next(model.parameters()).dtype  # the file's float dtype: high-precision tensors keep it
+    if dtype in (torch.float16, torch.bfloat16):
+        model.float()  # calibrate in fp32
+    calib_ids = None
+    if spec.method == "gptq":
+        if calib is None:
+            raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
+        calib_ids = read_calibration(calib, tok, calib_tokens, min(calib_seq_len, model.cfg.max_seq_len))
+    tensors, quant, report = quantize_model(model, spec, calib_ids, progress=progress)
+    tensors = {k: v.to(dtype) if v.is_floating_point() and k in quant["high_precision"] else v
+               for k, v in tensors.items()}
+    if calib is not None and spec.method == "gptq":
+        quant["calibration"]["file"] = os.path.basename(str(calib))
+    header = make_header(model.cfg, dtype, tok, {"tool": "tinyloop quantize", "source": os.path.basename(str(src)),
+                                                 "source_provenance": loaded.header.get("provenance", {})},
+                         quant=quant)
+    write_model(dst, None, tokenizer=tok, tensors=tensors, header=header)
+    report["file_bytes"] = os.path.getsize(dst)
+    report["text"] = format_report(report)
+    return report
