@@ -1,0 +1,93 @@
+import json
+
+import pytest
+import torch
+
+from tinyloop.cli import main
+from tinyloop.config import preset
+from tinyloop.model import build_model
+from tinyloop.modelfile import ModelFileError, load_model, make_header, model_info, read_header, write_model
+from tinyloop.quant.linear import QuantLinear
+from tinyloop.quant.packing import QuantError
+from tinyloop.tools.gptq import QuantSpec, quantize_model
+from tinyloop.tools.quantize import quantized_model
+
+CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511)
+
+
+def calib(n=8, T=32, seed=0):
+    return torch.randint(0, CFG.vocab_size, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_error(model, ref_model, x):
+    with torch.inference_mode():
+        a, b = model(x, 3), ref_model(x, 3)
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("method,bits", [("rtn", 4), ("gptq", 4), ("gptq", 2), ("rtn", 8)])
+def test_quantized_file_round_trips(tmp_path, tokenizer, method, bits):
+    ref = build_model(CFG, seed=0)
+    model = build_model(CFG, seed=0)
+    spec = QuantSpec(bits=bits, group_size=None if bits == 8 else 32, method=method)
+    tensors, quant, report = quantize_model(model, spec, calib() if method == "gptq" else None, progress=False)
+    header = make_header(CFG, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
+    path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+
+    h, _ = read_header(path)
+    q = h["weights"]["quant"]
+    assert (q["method"], q["bits"], q["group_size"]) == (method, bits, None if bits == 8 else 32)
+    assert "embed.weight" in q["high_precision"] and "core.0.attn.wq.weight" not in q["high_precision"]
+    info = model_info(h)
+    assert info["quant"] == f"int{bits}" and info["quant_method"] == method
+
+    loaded = load_model(path)
+    lin = loaded.model.core[0].attn.wq
+    assert isinstance(lin, QuantLinear) and lin.bits == bits
+    assert loaded.model.embed.weight.dtype == torch.float32
+    # the file's model computes what the in-memory fake-quantized model computes (bf16 activations aside)
+    x = calib(1, 24, seed=5)
+    assert logits_error(loaded.model, model, x) < 2e-2
+    mem = quantized_model(CFG, tensors, quant, torch.float32)
+    assert logits_error(mem, loaded.model, x) < 1e-5
+    # and it stays close to the float model (looser at 2 bits)
+    assert logits_error(loaded.model, ref, x) < {8: 0.02, 4: 0.15, 2: 0.6}[bits]
+
+
+def test_gptq_report_compares_loop_hessians():
+    model = build_model(CFG, seed=0)
+    _, quant, report = quantize_model(model, QuantSpec(bits=4, group_size=32), calib(), progress=False)
+    assert quant["calibration"]["hessian"] == "sum over all loops" and quant["calibration"]["loops"] == 3
+    core = [r for r in report["layers"] if r["name"].startswith("core.")]
+    assert core and all("err_loop1_hessian" in r for r in core)
+    assert report["core_hessian"]["mean_err_all_loops"] <= report["core_hessian"]["mean_err_loop1"] * 1.05
+    assert all(r["err_gptq"] < r["err_rtn"] for r in report["layers"])
+
+
+def test_bad_requests_fail_clearly(tmp_path, tokenizer):
+    model = build_model(CFG, seed=0)
+    with pytest.raises(QuantError, match="bits must be one of"):
+        quantize_model(model, QuantSpec(bits=3, group_size=32, method="rtn"), progress=False)
+    with pytest.raises(QuantError, match="group size 128 does not divide the 64 input features"):
+        quantize_model(model, QuantSpec(bits=4, group_size=128, method="rtn"), progress=False)
+    with pytest.raises(QuantError, match="needs calibration"):
+        quantize_model(model, QuantSpec(bits=4, group_size=32, method="gptq"), None, progress=False)
+    # a header claiming 3 bits is a model-file error naming the problem
+    tensors, quant, _ = quantize_model(model, QuantSpec(bits=4, group_size=32, method="rtn"), progress=False)
+    header = make_header(CFG, torch.float32, tokenizer, {}, quant={**quant, "bits": 3})
+    path = write_model(tmp_path / "bad.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    with pytest.raises(ModelFileError, match="bits must be one of"):
+        load_model(path)
+
+
+def test_cli_quantize_then_info(tmp_path, tiny_model_path, capsys):
+    out = tmp_path / "tiny-int4.tinyloop"
+    assert main(["quantize", str(tiny_model_path), str(out), "--bits", "4", "--group-size", "32",
+                 "--method", "rtn", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["quant"] == "int4" and info["quant_method"] == "rtn" and info["quant_group_size"] == 32
+    assert info["file_bytes"] < tiny_model_path.stat().st_size
+    assert main(["quantize", str(tiny_model_path), str(out), "--bits", "3", "--method", "rtn", "--quiet"]) == 2
+    assert "bits must be one of" in capsys.readouterr().err
