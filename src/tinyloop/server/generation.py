@@ -133,37 +133,41 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
     if isinstance(first, BaseException):
         raise from_engine_failure(first)
 
+    def frames_for(item) -> tuple[list[bytes], bool]:
+        """SSE frames for one worker item, and whether the stream ends with it."""
+        if item is None:  # ended without a final event: should not happen, but never hang
+            return [DONE], True
+        if isinstance(item, BaseException):
+            return framer.error(from_engine_failure(item).body()), True
+        if item.finish_reason is not None:
+            return framer.close(item), True
+        return framer.event(item), False
+
     async def body():
         finished = False
         pending = first
         try:
-            for b in framer.open():
-                yield b
-            while True:
+            opening = framer.open()
+            if opening:
+                yield b"".join(opening)
+            while not finished:
                 if pending is not _NOT_YET:
-                    item, pending = pending, _NOT_YET
+                    items, pending = [pending], _NOT_YET
                 else:
                     try:
-                        item = await handle.next(keepalive_s)
+                        items = [await handle.next(keepalive_s)]
                     except asyncio.TimeoutError:
                         yield KEEPALIVE  # the engine is still busy (queue wait or a long prefill)
                         continue
-                if item is None:  # ended without a final event: should not happen, but never hang
-                    finished = True
-                    yield DONE
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    for b in framer.error(from_engine_failure(item).body()):
-                        yield b
-                    return
-                if item.finish_reason is not None:
-                    finished = True
-                    for b in framer.close(item):
-                        yield b
-                    return
-                for b in framer.event(item):
-                    yield b
+                items += handle.ready_now()  # whatever else is ready goes out in the same write
+                out: list[bytes] = []
+                for item in items:
+                    frames, finished = frames_for(item)
+                    out += frames
+                    if finished:
+                        break
+                if out:
+                    yield b"".join(out)
         finally:
             if finished:
                 handle.delivered = True

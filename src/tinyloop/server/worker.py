@@ -58,6 +58,17 @@ class RequestHandle:
             self.finished = True
         return item
 
+    def ready_now(self) -> list[StreamEvent | BaseException | None]:
+        """Everything already queued, without waiting (lets a stream send several events in one write)."""
+        out = []
+        while not self._events.empty():
+            item = self._events.get_nowait()
+            out.append(item)
+            if item is None:
+                self.finished = True
+                break
+        return out
+
     def abort(self) -> None:
         self._abort.set()
 

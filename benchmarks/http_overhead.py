@@ -1,0 +1,170 @@
+"""HTTP serving overhead: tokens/s streamed through `tinyloop serve` against the direct engine.
+
+Same model, same prompt, same greedy settings, same thread count, in one run: the direct engine runs in
+this process while the server (a `tinyloop serve` subprocess on loopback) idles, and the HTTP runs go
+through real sockets with a streaming client that parses every SSE event. Runs alternate
+(direct, native SSE, OpenAI SSE, direct, ...) so drifting machine load hits all paths alike; the table
+reports medians.
+
+    .venv/bin/python benchmarks/http_overhead.py [--model M.tinyloop] [--max-tokens 128] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPT = "The king said to his people that"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINYLOOP_MODEL_PATH": str(model)}
+    exe = Path(sys.executable).with_name("tinyloop")
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit("tinyloop serve exited during start-up")
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit("tinyloop serve did not become healthy")
+
+
+def run_direct(engine, max_tokens: int, loops: int | None) -> dict:
+    from tinyloop.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, loops=loops, temperature=0.0)
+    t0 = time.perf_counter()
+    ttft, n, text = None, 0, []
+    for ev in engine.stream(PROMPT, params):
+        if ev.token_ids and ttft is None:
+            ttft = time.perf_counter() - t0
+        text.append(ev.text)
+        if ev.finish_reason is not None:
+            n = ev.stats["completion_tokens"]
+    wall = time.perf_counter() - t0
+    return {"tokens": n, "wall_s": wall, "ttft_s": ttft, "text": "".join(text)}
+
+
+def run_http(client: httpx.Client, url: str, route: str, max_tokens: int, loops: int | None) -> dict:
+    if route == "/generate":
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "top_k": 0,
+                "top_p": 1.0}
+    else:
+        body = {"model": "tinyloop", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+    if loops is not None:
+        body["loops"] = loops
+    t0 = time.perf_counter()
+    ttft, n, text = None, 0, []
+    with client.stream("POST", url + route, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if route == "/generate":
+                if ev["token_id"] >= 0 and ttft is None:
+                    ttft = time.perf_counter() - t0
+                if ev["token_id"] == -1:
+                    n = ev["stats"]["completion_tokens"]
+                text.append(ev["text"])
+            else:
+                if ev.get("usage"):
+                    n = ev["usage"]["completion_tokens"]
+                for ch in ev["choices"]:
+                    if ch["text"] and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(ch["text"])
+    wall = time.perf_counter() - t0
+    return {"tokens": n, "wall_s": wall, "ttft_s": ttft, "text": "".join(text)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--loops", type=int, help="default: the model's default_loops")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the server alike")
+    ap.add_argument("--out", default="benchmarks/results/http_overhead.json")
+    args = ap.parse_args()
+
+    import torch
+
+    from tinyloop.engine import Engine
+    from tinyloop.modelfile import default_model_path
+
+    torch.set_num_threads(args.threads)
+    model = Path(args.model) if args.model else default_model_path()
+    engine = Engine.load(model)
+    proc, url = start_server(model, args.threads)
+    paths = {"direct engine (Engine.stream)": None, "HTTP /generate (native SSE)": "/generate",
+             "HTTP /v1/completions (OpenAI SSE)": "/v1/completions"}
+    runs: dict[str, list[dict]] = {k: [] for k in paths}
+    try:
+        with httpx.Client(timeout=600) as client:
+            for name, route in paths.items():  # warm-up, not counted
+                run_direct(engine, 8, args.loops) if route is None else run_http(client, url, route, 8, args.loops)
+            for _ in range(args.repeats):
+                for name, route in paths.items():
+                    r = (run_direct(engine, args.max_tokens, args.loops) if route is None
+                         else run_http(client, url, route, args.max_tokens, args.loops))
+                    runs[name].append(r)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+    texts = {r["text"] for rs in runs.values() for r in rs}
+    assert len(texts) == 1, "greedy output differs between paths"
+    rows = []
+    base = None
+    for name, rs in runs.items():
+        tps = statistics.median(r["tokens"] / r["wall_s"] for r in rs)
+        ttft = statistics.median(r["ttft_s"] for r in rs)
+        base = base or tps
+        rows.append({"path": name, "tokens": rs[0]["tokens"], "tokens_per_s": round(tps, 2),
+                     "ttft_ms": round(ttft * 1000, 1), "ratio_vs_direct": round(tps / base, 3),
+                     "all_tokens_per_s": [round(r["tokens"] / r["wall_s"], 2) for r in rs]})
+    load = os.getloadavg()
+    meta = {"model": str(model), "prompt": PROMPT, "max_tokens": args.max_tokens, "loops": args.loops,
+            "repeats": args.repeats, "threads": args.threads, "cpu_count": os.cpu_count(),
+            "loadavg_at_end": [round(x, 2) for x in load], "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    print(f"model {model}  max_tokens {args.max_tokens}  loops {args.loops or 'default'}  threads {args.threads}  "
+          f"repeats {args.repeats}  load avg {load[0]:.2f}")
+    print(f"| {'path':<36} | tokens | tokens/s (median) | TTFT ms | ratio vs direct |")
+    print(f"|{'-' * 38}|--------|-------------------|---------|-----------------|")
+    for r in rows:
+        print(f"| {r['path']:<36} | {r['tokens']:>6} | {r['tokens_per_s']:>17.2f} | {r['ttft_ms']:>7.1f} | "
+              f"{r['ratio_vs_direct']:>15.3f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
