@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=Path("docs/img/loss-curve.png"))
     args = ap.parse_args()
 
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, dtype=torch.float32)  # 16-bit files are storage; CPU math in fp32
     ids, per_file = validation_ids(engine, args.corpus, 0.01)
     rows = []
     for loops in [int(x) for x in args.loops.split(",")]:

@@ -15,6 +15,7 @@ def _train(args: argparse.Namespace) -> int:
                      steps=args.steps, batch=args.batch, seq=args.seq, accum=args.accum, lr=args.lr,
                      warmup=args.warmup, seed=args.seed, bf16=not args.no_bf16, device=args.device,
                      max_train_loops=args.max_train_loops, backprop_loops=args.backprop_loops,
+                     deep_from_step=args.deep_from_step, deep_mean=args.deep_mean,
                      overrides=overrides)
     import torch
     if args.threads:
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-train-loops", type=int, default=12)
     t.add_argument("--backprop-loops", type=int, default=4)
+    t.add_argument("--deep-from-step", type=int, help="from this step on, sample depth from the deep mixture "
+                   "(see docs/training.md); default: never")
+    t.add_argument("--deep-mean", type=float, default=7.0)
     t.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
     t.add_argument("--device", default="auto")
     t.add_argument("--threads", type=int, default=0)

@@ -48,6 +48,10 @@ class TrainConfig:
     clip: float = 1.0
     max_train_loops: int = 12
     tail_prob: float = 0.15
+    # From this step on, depth follows the deep mixture (see `sample_depth`); None -> never.
+    deep_from_step: int | None = None
+    deep_mean: float = 7.0
+    shallow_prob: float = 0.15
     backprop_loops: int = 4
     seed: int = 0
     bf16: bool = True
@@ -67,6 +71,22 @@ def sample_loops(rng: np.random.Generator, default_loops: int, max_train_loops: 
     if max_train_loops > default_loops and rng.random() < tail_prob:
         return int(rng.integers(default_loops + 1, max_train_loops + 1))
     return int(rng.integers(1, default_loops + 1))
+
+
+def sample_deep(rng: np.random.Generator, max_train_loops: int, deep_mean: float, shallow_prob: float) -> int:
+    """The deep mixture: with probability `shallow_prob` uniform over 1..4 (keeps 1-2 loop drafts
+    trained), else 1 + Poisson(lambda) with lambda ~ LogNormal(ln deep_mean, 0.5) - the heavy-tailed
+    depth of recurrent-depth LMs - capped at max_train_loops."""
+    if rng.random() < shallow_prob:
+        return int(rng.integers(1, 5))
+    lam = rng.lognormal(np.log(deep_mean), 0.5)
+    return int(min(max_train_loops, 1 + rng.poisson(lam)))
+
+
+def sample_depth(rng: np.random.Generator, step: int, tc: TrainConfig, default_loops: int) -> int:
+    if tc.deep_from_step is not None and step >= tc.deep_from_step:
+        return sample_deep(rng, tc.max_train_loops, tc.deep_mean, tc.shallow_prob)
+    return sample_loops(rng, default_loops, tc.max_train_loops, tc.tail_prob)
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -182,7 +202,7 @@ class Trainer:
                 total = 0.0
                 depths = []
                 for _ in range(tc.accum):
-                    loops = sample_loops(rng, self.cfg.default_loops, tc.max_train_loops, tc.tail_prob)
+                    loops = sample_depth(rng, self.step, tc, self.cfg.default_loops)
                     depths.append(loops)
                     b = torch.from_numpy(self.data.batch("train", tc.batch, tc.seq, rng)).to(self.device)
                     with self._autocast():
