@@ -123,10 +123,14 @@ class Attention(nn.Module):
             K, V, mask = k, v, ctx.self_mask
             causal = mask is None and T > 1
         else:
-            K, V, key_pos = ctx.cache.update(slot, ctx.start, k.to(ctx.cache.k.dtype), v.to(ctx.cache.v.dtype))
+            cdt = ctx.cache.k.dtype
+            if k.dtype != cdt:
+                k, v = k.to(cdt), v.to(cdt)
+            K, V, key_pos = ctx.cache.update(slot, ctx.start, k, v)
             mask = ctx.mask_for(key_pos)
         adt = torch.promote_types(q.dtype, torch.float32)
-        q, K, V = q.to(adt), K.to(adt), V.to(adt)
+        if q.dtype != adt or K.dtype != adt:  # (a no-op .to still costs a dispatch per call)
+            q, K, V = q.to(adt), K.to(adt), V.to(adt)
         rep = H // Hkv
         if rep > 1:
             # Query heads g*rep .. g*rep+rep-1 share kv head g: fold them into the query axis instead of
@@ -141,8 +145,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, K, V, is_causal=causal)
         else:
             out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
-        out = out.reshape(B, H, T, D).to(x.dtype).transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return self.wo(out)
+        out = out.reshape(B, H, T, D)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))                 # (B, T, H*D)
 
 
 class MLP(nn.Module):
