@@ -213,3 +213,21 @@ def test_fp32_model_keeps_fp32_weights_unless_asked():
     assert m.decode_prepared["weights"] == "keep" and m.head_linear is None
     assert all(type(c) is nn.Linear for mod in m.modules() if isinstance(mod, (Attention, MLP))
                for c in mod.children())
+
+
+def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
+    """Quantized modules (quant.linear.QuantLinear) are not nn.Linear: neither fused nor swapped."""
+    from tinyloop.modelfile import load_model, make_header, write_model
+    from tinyloop.quant.linear import QuantLinear
+    from tinyloop.tools.gptq import QuantSpec, quantize_model
+
+    cfg = preset("tiny").replace(vocab_size=512, eos_token_id=511)
+    tensors, quant, _ = quantize_model(build_model(cfg, seed=0), QuantSpec(bits=4, group_size=32, method="rtn"),
+                                       None, progress=False)
+    header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
+    path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, threads=None)
+    assert isinstance(fast.core[0].attn.wq, QuantLinear) and fast.core[0].attn.wqkv is None
+    x = toks(1, 12, vocab=512)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, loops=3), plain(x, loops=3), rtol=0, atol=0)
