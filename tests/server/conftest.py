@@ -116,6 +116,7 @@ class ServeProcess:
         exe = Path(sys.executable).with_name("tinyloop")
         cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env.pop("TINYLOOP_MODEL_PATH", None)  # None: the default model, as on a fresh install
         if model is not None:
             full_env["TINYLOOP_MODEL_PATH"] = str(model)
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -167,6 +167,8 @@ def test_errors(tiny_server):
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "stop": [""]}), 400, "stop")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "logprobs": True}), 400, "logprobs")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
+    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "seed": 2**70}), 400, "seed")
+    assert_error(post(tiny_server, "/generate", {"prompt": "Hi", "sample_seed": -(2**64)}), 400, "sample_seed")
     e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 300}), 400)
     assert e["code"] == "context_length_exceeded"
     assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": [70000]}), 400, "prompt")

@@ -3,8 +3,6 @@ HTTP result equal to the direct engine's (greedy)."""
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 
@@ -15,14 +13,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def shipped_server(shipped_model_path):
-    env = {k: v for k, v in os.environ.items() if k != "TINYLOOP_MODEL_PATH"}
-    os.environ.pop("TINYLOOP_MODEL_PATH", None)
-    try:
-        with ServeProcess(None) as srv:  # no --model, no TINYLOOP_MODEL_PATH: the packaged model
-            yield srv
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
+    with ServeProcess(None) as srv:  # no --model, no TINYLOOP_MODEL_PATH: the packaged model
+        yield srv
 
 
 def test_shipped_model_through_openai_client(shipped_server, shipped_model_path):

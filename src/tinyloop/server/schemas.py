@@ -75,6 +75,13 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _seed(value: int | None, param: str) -> int | None:
+    """Seeds go to torch.Generator.manual_seed, which takes [-2**63, 2**64)."""
+    if value is not None and not -(2**63) <= value < 2**64:
+        raise ValidationError(f"{param}: must fit in 64 bits, got {value}", param=param)
+    return value
+
+
 class OpenAIRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
 
@@ -126,7 +133,7 @@ class OpenAIRequest(BaseModel):
             max_tokens=self.requested_max_tokens(), loops=self.loops,
             temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
             presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-            seed=self.seed, stop=self.stop_list(), **self.extension_params())
+            seed=_seed(self.seed, "seed"), stop=self.stop_list(), **self.extension_params())
 
     def extension_params(self) -> dict[str, Any]:
         return {}
@@ -219,8 +226,8 @@ class GenerateRequest(BaseModel):
         return SamplingParams(
             max_tokens=self.max_tokens, loops=self.loops, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.sample_seed, stop=stop, stop_token_ids=stop_ids,
-            cache_window=self.cache_window, mode=self.MODE, **self.speculative_params())
+            frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
+            stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}
