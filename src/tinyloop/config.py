@@ -40,6 +40,9 @@ class ModelConfig:
     #   add            - every loop's input is state + e (state starts at 0)
     #   concat-adapter - every loop's input is Linear(2*dim -> dim)(cat(state, e)) (Huginn-style)
     injection: str = "add"
+    # RMSNorm at the end of every loop (keeps the state's scale fixed). Without it the loops form a
+    # tied-weight pre-norm residual stack (Universal-Transformer style) whose updates accumulate.
+    loop_norm: bool = True
     eos_token_id: int = 50256
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -95,7 +98,8 @@ class ModelConfig:
         block = attn + mlp + 2 * d  # two RMSNorm weights
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         total = n_blocks * block + self.vocab_size * d + d  # embedding + final norm
-        total += d  # core_norm (end of each loop)
+        if self.loop_norm:
+            total += d  # core_norm (end of each loop)
         if self.injection == "concat-adapter":
             total += 2 * d * d
         if not self.tie_embeddings:
@@ -113,7 +117,7 @@ PRESETS: dict[str, ModelConfig] = {
                                   mlp="gelu", injection="add"),
     # The shipped model's shape (trained by `tinyloop train`, see docs/model-card.md).
     "tinyloop-16m": ModelConfig(dim=256, n_heads=4, ffn_dim=768, n_prelude=1, n_core=2, n_coda=1,
-                                mlp="swiglu", injection="add", max_seq_len=1024),
+                                mlp="swiglu", injection="none", loop_norm=False, max_seq_len=512),
     # A tiny random model for tests: GQA, every block kind, GPT-2 vocabulary so text works.
     "tiny": ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_prelude=1, n_core=2, n_coda=1,
                         default_loops=3, max_seq_len=256, mlp="swiglu", injection="add"),

@@ -28,9 +28,10 @@ def test_config_roundtrip_and_errors():
         preset("nope")
 
 
-@pytest.mark.parametrize("injection", ["none", "add", "concat-adapter"])
-def test_cached_decode_equals_full_forward(injection):
-    cfg = preset("tiny").replace(vocab_size=300, injection=injection)
+@pytest.mark.parametrize("injection,loop_norm", [("none", True), ("add", True), ("concat-adapter", True),
+                                                 ("none", False)])
+def test_cached_decode_equals_full_forward(injection, loop_norm):
+    cfg = preset("tiny").replace(vocab_size=300, injection=injection, loop_norm=loop_norm)
     m = build_model(cfg, dtype=torch.float64)
     toks = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     full = m(toks, loops=4)
@@ -50,20 +51,27 @@ def unrolled_reference(m, toks, loops):
     for blk in m.prelude:
         x = blk(x, ctx, None)
     e = x
-    h = torch.zeros_like(e)
+    h = e if cfg.injection == "none" else torch.zeros_like(e)
     for _ in range(loops):
-        y = h + e
+        if cfg.injection == "add":
+            y = h + e
+        elif cfg.injection == "concat-adapter":
+            y = F.linear(torch.cat([h, e], -1), m.adapter.weight)
+        else:
+            y = h
         for blk in m.core:
             y = blk(y, ctx, None)
-        h = F.rms_norm(y, (cfg.dim,), m.core_norm.weight, cfg.norm_eps)
+        h = F.rms_norm(y, (cfg.dim,), m.core_norm.weight, cfg.norm_eps) if cfg.loop_norm else y
     for blk in m.coda:
         h = blk(h, ctx, None)
     return F.linear(F.rms_norm(h, (cfg.dim,), m.norm.weight, cfg.norm_eps), m.embed.weight)
 
 
 @pytest.mark.parametrize("loops", [1, 2, 5, 11])
-def test_loops_equal_unrolled_reference(loops):
-    cfg = preset("tiny").replace(vocab_size=300)
+@pytest.mark.parametrize("shape", [dict(), dict(injection="none", loop_norm=False),
+                                   dict(injection="concat-adapter", n_prelude=0, n_coda=0)])
+def test_loops_equal_unrolled_reference(loops, shape):
+    cfg = preset("tiny").replace(vocab_size=300, **shape)
     m = build_model(cfg, dtype=torch.float64)
     toks = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(m(toks, loops=loops), unrolled_reference(m, toks, loops))

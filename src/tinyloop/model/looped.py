@@ -23,7 +23,7 @@ class LoopedTransformer(nn.Module):
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
-        self.core_norm = RMSNorm(cfg.dim, cfg.norm_eps)  # ends every loop: keeps the state's scale fixed
+        self.core_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.loop_norm else None  # ends every loop
         self.adapter = nn.Linear(2 * cfg.dim, cfg.dim, bias=False) if cfg.injection == "concat-adapter" else None
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -81,7 +81,7 @@ class LoopedTransformer(nn.Module):
         for j, blk in enumerate(self.core):
             x = blk(x, ctx, ctx.cache.slot_core(loop_idx, j) if ctx.cache is not None else None)
         self.core_loop_tokens += h.shape[0] * h.shape[1]
-        return self.core_norm(x)
+        return x if self.core_norm is None else self.core_norm(x)
 
     def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
         x = h
