@@ -207,17 +207,18 @@ def test_health_and_metrics(tiny_server):
     assert 'route="/generate"' in text
 
 
-def test_keepalive_while_engine_busy(tiny_model_path):
+def test_keepalive_while_engine_busy(tiny_server, monkeypatch):
     """A stream that waits (queued behind another request, or prefilling) gets `: keepalive` comments."""
-    with ServerThread(Settings(model_path=tiny_model_path, keepalive_s=0.02)) as srv:
-        long = threading.Thread(target=post, args=(srv, "/generate", {"prompt": "Hi", "max_tokens": 200, "loops": 12}))
-        long.start()
-        deadline = time.monotonic() + 10
-        while metric(srv.url, "tinyloop_active_generations") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        r = post(srv, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 2, "stream": True})
-        long.join()
+    monkeypatch.setattr(tiny_server.app.state.tl.settings, "keepalive_s", 0.02)  # read per request
+    srv = tiny_server
+    long = threading.Thread(target=post, args=(srv, "/generate", {"prompt": "Hi", "max_tokens": 200, "loops": 12}))
+    long.start()
+    deadline = time.monotonic() + 30
+    while metric(srv.url, "tinyloop_active_generations") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = post(srv, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 2, "stream": True})
+    long.join()
     frames = sse_events(r.content)
     assert frames[0] == b": keepalive"
     data = [f for f in frames if not f.startswith(b":")]

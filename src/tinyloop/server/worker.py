@@ -53,7 +53,10 @@ class RequestHandle:
         keepalive and wait again)."""
         if self.finished and self._events.empty():
             return None
-        item = await asyncio.wait_for(self._events.get(), timeout)
+        if not self._events.empty():  # the common case while decoding: no timer, no task
+            item = self._events.get_nowait()
+        else:
+            item = await asyncio.wait_for(self._events.get(), timeout)
         if item is None:
             self.finished = True
         return item
