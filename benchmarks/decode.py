@@ -175,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     default_threads = torch.get_num_threads()
+    load_start = os.getloadavg()
+    torch.set_num_threads(1)
+    bw_1t = measure_bandwidth()
+    torch.set_num_threads(default_threads)
     bw = measure_bandwidth()
     log(f"read bandwidth: {bw['best_GBps']:.1f} GB/s best, {bw['median_GBps']:.1f} median "
-        f"({default_threads} threads, 1 GiB fp32 sum)")
+        f"({default_threads} threads, 1 GiB fp32 sum); 1 thread: {bw_1t['best_GBps']:.1f} GB/s")
     loops_list = [int(x) for x in args.loops.split(",")]
     rows = []
     t0 = time.perf_counter()
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "decode", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-        "default_threads": default_threads, "bandwidth": bw, "bandwidth_after": bw_after,
+        "default_threads": default_threads, "bandwidth": bw, "bandwidth_1_thread": bw_1t,
+        "bandwidth_after": bw_after, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "rows": rows, "table_md": md,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
