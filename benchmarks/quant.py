@@ -1,0 +1,417 @@
+"""Quantization quality, memory and speed tables for docs/quantization.md (one command).
+
+    .venv/bin/python benchmarks/quant.py            # shipped model; writes benchmarks/results/quant.json
+                                                    # and the tables block of docs/quantization.md
+
+1. Validation perplexity of the shipped model (or `--checkpoint runs/.../checkpoint.pt` while it trains)
+   at loops 1/4/8 for fp32, bf16, int8-rtn and int4/int2 x rtn/gptq x group 32/64/128, each through the
+   real quantized modules (`tools.quantize.quantized_model`: what loading the quantized file gives), and
+   for each KV format (fp32 weights). Validation text = the shipped model's held-out split: the last 1%
+   of each corpus file (`train.data.split_text`), the first `--val-tokens` tokens of each file's split.
+   GPTQ calibrates on windows drawn from the training split of the same files.
+2. Bytes: model file (each quantized file is written), weights read per decode token (loops x core +
+   prelude + coda + LM head, in the bytes the kernels read), KV bytes per token per slot.
+3. Decode tokens/s at batch 1 and 8 per weight format, on the shipped model and on `tinyloop-407m`
+   (random weights, `build_model`), all in the same run so the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from tinyloop.config import ModelConfig, preset
+from tinyloop.model import KVCache, LoopedTransformer, build_model
+from tinyloop.modelfile import load_model, make_header, packaged_model_path, write_model
+from tinyloop.quant.formats import quantized_weight_bytes
+from tinyloop.quant.kv import KV_FORMATS
+from tinyloop.quant.linear import QuantLinear
+from tinyloop.tokenizer import Tokenizer
+from tinyloop.tools.evaluate import perplexity
+from tinyloop.tools.gptq import QuantSpec, quantize_model
+from tinyloop.tools.quantize import quantized_model
+from tinyloop.train.data import read_text, split_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path("/work/shared/corpus")
+DOC = ROOT / "docs" / "quantization.md"
+BEGIN, END = "<!-- quant-tables:begin -->", "<!-- quant-tables:end -->"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- data ------------------------------------------------------------------------------------
+def corpus_files(corpus: Path) -> list[Path]:
+    return sorted(corpus.glob("*.txt.gz")) + sorted(corpus.glob("*.txt"))
+
+
+def validation_tokens(tok: Tokenizer, corpus: Path, per_file: int) -> list[int]:
+    ids: list[int] = []
+    for f in corpus_files(corpus):
+        _, val = split_text(read_text(f), 0.01)
+        ids += tok.encode(val[: per_file * 12])[:per_file] + [tok.eos_id]  # ~4 chars a token: 12 is ample
+    return ids
+
+
+def calibration_windows(tok: Tokenizer, corpus: Path, n_tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """(N, seq_len) windows from random places in each file's training split (never the validation text)."""
+    rng = random.Random(seed)
+    files = corpus_files(corpus)
+    per_file = max(1, n_tokens // seq_len // len(files))
+    rows = []
+    for f in files:
+        train, _ = split_text(read_text(f), 0.01)
+        for _ in range(per_file):
+            start = rng.randrange(0, max(1, len(train) - seq_len * 8))
+            ids = tok.encode(train[start:start + seq_len * 8])
+            if len(ids) > seq_len:
+                rows.append(ids[:seq_len])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# -- models ----------------------------------------------------------------------------------
+def load_float(args) -> tuple[LoopedTransformer, Tokenizer, str, int | None]:
+    if args.checkpoint:
+        ck = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+        cfg = ModelConfig.from_dict(ck["model_config"])
+        with torch.device("meta"):
+            model = LoopedTransformer(cfg)
+        model.load_state_dict({k: v.float() for k, v in ck["model"].items()}, assign=True)
+        return model.eval(), Tokenizer.gpt2(), f"{args.checkpoint} (step {ck.get('step')})", None
+    path = Path(args.model) if args.model else packaged_model_path()
+    lm = load_model(path, dtype=torch.float32)
+    return lm.model, lm.tokenizer, str(path), path.stat().st_size
+
+
+def file_bytes(cfg, tok, tensors, quant, dtype) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "m.tinyloop"
+        write_model(p, None, tokenizer=tok, tensors=tensors,
+                    header=make_header(cfg, dtype, tok, {"tool": "benchmarks/quant.py"}, quant=quant))
+        return p.stat().st_size
+
+
+def float_file_bytes(model, tok) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "m.tinyloop"
+        write_model(p, model, tokenizer=tok, provenance={"tool": "benchmarks/quant.py"})
+        return p.stat().st_size
+
+
+def weights_read_per_token(model: LoopedTransformer, loops: int) -> int:
+    """Bytes one decode token reads: prelude + coda once, core x loops, the LM head (norm weights aside)."""
+    cfg = model.cfg
+
+    def blocks_bytes(blocks) -> int:
+        total = 0
+        for mod in blocks.modules():
+            if isinstance(mod, QuantLinear):
+                total += mod.weight_bytes
+            elif isinstance(mod, torch.nn.Linear):
+                total += mod.weight.numel() * mod.weight.element_size()
+        return total
+
+    head = model.head_weight
+    return (blocks_bytes(model.prelude) + blocks_bytes(model.coda) + loops * blocks_bytes(model.core)
+            + head.numel() * head.element_size() + (0 if cfg.injection != "concat-adapter" else
+                                                    loops * model.adapter.weight.numel() * 2))
+
+
+# -- measurements ----------------------------------------------------------------------------
+def ppl_row(model, val, loops_list, seq_len, kv="fp16") -> dict[int, float]:
+    out = {}
+    for loops in loops_list:
+        r = perplexity(model, val, loops, seq_len=seq_len, stride=seq_len - 128, kv_format=kv)
+        out[loops] = r["perplexity"]
+    return out
+
+
+@torch.inference_mode()
+def decode_speed(model, batch: int, loops: int, steps: int, prompt_len: int = 8, kv_format: str = "fp16") -> float:
+    """Tokens/s (all rows) of one-token decode steps after a prefill of `prompt_len`; best of two timings."""
+    cfg = model.cfg
+    p = next(model.parameters())
+    cache = KVCache(cfg, batch=batch, max_positions=prompt_len + 2 * steps + 4, loops=loops,
+                    dtype=p.dtype, device=p.device, kv_format=kv_format)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g)
+    model(x, loops, cache=cache, start=0, last_only=True)
+    cache.length = prompt_len
+    tok = x[:, -1:]
+    best = 0.0
+    for _ in range(2):
+        model(tok, loops, cache=cache, start=cache.length, last_only=True)  # warm-up
+        cache.length += 1
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(tok, loops, cache=cache, start=cache.length, last_only=True)
+            cache.length += 1
+        best = max(best, batch * steps / (time.perf_counter() - t0))
+        cache.length -= steps + 1
+    return best
+
+
+def quantize_copy(model, spec: QuantSpec, calib, out_dtype=torch.float32):
+    m = copy.deepcopy(model)
+    tensors, quant, report = quantize_model(m, spec, calib, progress=False)
+    del m
+    tensors = {k: v.to(out_dtype) if v.is_floating_point() and k in quant["high_precision"] else v
+               for k, v in tensors.items()}
+    return quantized_model(model.cfg, tensors, quant, out_dtype), tensors, quant, report
+
+
+# -- main ------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="float .tinyloop file (default: the shipped model)")
+    ap.add_argument("--checkpoint", help="a training checkpoint instead of a model file (development)")
+    ap.add_argument("--corpus", default=str(CORPUS))
+    ap.add_argument("--val-tokens", type=int, default=1536, help="validation tokens per corpus file")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--loops", default="1,4,8")
+    ap.add_argument("--groups", default="32,64,128")
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per speed measurement")
+    ap.add_argument("--kv-context", type=int, default=256, help="prompt length before timing decode per KV format")
+    ap.add_argument("--skip-407m", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quant.json"))
+    ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/quantization.md's tables")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loops_list = [int(x) for x in args.loops.split(",")]
+    groups = [int(x) for x in args.groups.split(",")]
+    t_start = time.perf_counter()
+    busy = os.popen("pgrep -f 'tinyloop train'").read().strip()
+
+    model, tok, source, src_bytes = load_float(args)
+    cfg = model.cfg
+    corpus = Path(args.corpus)
+    val = validation_tokens(tok, corpus, args.val_tokens)
+    calib = calibration_windows(tok, corpus, args.calib_tokens, args.calib_seq_len)
+    log(f"{source}: {len(val)} validation tokens, calibration {tuple(calib.shape)}")
+    res: dict = {"source": source, "val_tokens": len(val), "seq_len": args.seq_len, "loops": loops_list,
+                 "kv_context": args.kv_context,
+                 "calibration": {"windows": list(calib.shape), "from": "training split of each corpus file"},
+                 "weights": [], "kv": [], "speed": [], "hessian": []}
+
+    # 1. weight formats: quality, bytes, speed (shipped model)
+    configs = [("fp32", None), ("bf16", None), ("int8-rtn", QuantSpec(bits=8, group_size=None, method="rtn"))]
+    for bits in (4, 2):
+        for method in ("rtn", "gptq"):
+            for G in groups:
+                configs.append((f"int{bits}-{method}-g{G}",
+                                QuantSpec(bits=bits, group_size=G, method=method, compare_loop1=True)))
+    speed_models = {}
+    for name, spec in configs:
+        t0 = time.perf_counter()
+        report = None
+        if spec is None:
+            dtype = torch.float32 if name == "fp32" else torch.bfloat16
+            m = copy.deepcopy(model).to(dtype)
+            fbytes = float_file_bytes(m, tok)
+        else:
+            m, tensors, quant, report = quantize_copy(model, spec, calib if spec.method == "gptq" else None)
+            fbytes = file_bytes(cfg, tok, tensors, quant, torch.float32)
+        ppl = ppl_row(m, val, loops_list, args.seq_len)
+        row = {"name": name, "ppl": ppl, "file_bytes": fbytes,
+               "weights_read_per_token": weights_read_per_token(m, cfg.default_loops),
+               "seconds": round(time.perf_counter() - t0, 1)}
+        if report and "core_hessian" in report:
+            row["core_hessian"] = report["core_hessian"]
+            res["hessian"].append({"name": name, **report["core_hessian"],
+                                   "layers": [r for r in report["layers"] if "err_loop1_hessian" in r]})
+        res["weights"].append(row)
+        log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())} ({row['seconds']} s)")
+        if name in ("bf16", "int8-rtn", f"int4-gptq-g{groups[0]}", f"int2-gptq-g{groups[0]}"):
+            speed_models[name] = m
+        else:
+            del m
+        gc.collect()
+
+    # 2. KV formats (fp32 weights)
+    for kv in KV_FORMATS:
+        t0 = time.perf_counter()
+        ppl = ppl_row(model, val, loops_list, args.seq_len, kv=kv)
+        c = KVCache(cfg, max_positions=1, loops=cfg.default_loops, kv_format=kv, dtype=torch.float16)
+        tps = decode_speed(model, 1, cfg.default_loops, args.steps, prompt_len=args.kv_context, kv_format=kv)
+        res["kv"].append({"name": kv, "ppl": ppl, "bytes_per_token_per_slot": c.bytes_per_token_per_slot(),
+                          "slots_at_default_loops": c.n_slots, "decode_tokens_per_s": tps,
+                          "seconds": round(time.perf_counter() - t0, 1)})
+        log(f"kv {kv}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}")
+
+    res["kv_16bit_bytes_per_token_per_slot"] = 2 * cfg.n_kv_heads * cfg.head_dim * 2
+
+    # 3. decode speed
+    loops = cfg.default_loops
+    for name, m in speed_models.items():
+        for batch in (1, 8):
+            tps = decode_speed(m, batch, loops, args.steps)
+            res["speed"].append({"model": "shipped", "format": name.split("-g")[0], "batch": batch,
+                                 "loops": loops, "tokens_per_s": tps})
+            log(f"shipped {name} batch {batch}: {tps:.1f} tok/s")
+    speed_models.clear()
+    gc.collect()
+    if not args.skip_407m:
+        big_cfg = preset("tinyloop-407m")
+        big = build_model(big_cfg, seed=0, dtype=torch.bfloat16)
+        steps = max(4, args.steps // 4)
+        rows = [("bf16", big)]
+        for nm, spec in (("int8-rtn", QuantSpec(bits=8, group_size=None, method="rtn")),
+                         ("int4-rtn", QuantSpec(bits=4, group_size=32, method="rtn")),
+                         ("int2-rtn", QuantSpec(bits=2, group_size=32, method="rtn"))):
+            rows.append((nm, None, spec))
+        for item in rows:
+            nm = item[0]
+            if len(item) == 3:
+                m, tensors, quant, _ = quantize_copy(big, item[2], None, out_dtype=torch.bfloat16)
+                del tensors
+            else:
+                m = item[1]
+            for batch in (1, 8):
+                tps = decode_speed(m, batch, big_cfg.default_loops, steps)
+                res["speed"].append({"model": "tinyloop-407m", "format": nm, "batch": batch,
+                                     "loops": big_cfg.default_loops, "tokens_per_s": tps,
+                                     "weights_read_per_token": weights_read_per_token(m, big_cfg.default_loops)})
+                log(f"407m {nm} batch {batch}: {tps:.2f} tok/s")
+            if m is not big:
+                del m
+            gc.collect()
+        del big
+    res["machine"] = {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "python": platform.python_version(), "cpus": os.cpu_count(),
+                      "training_running": bool(busy)}
+    res["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    res["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    text = tables(res, cfg)
+    print(text)
+    if not args.no_doc:
+        write_doc(text)
+    return 0
+
+
+# -- tables ------------------------------------------------------------------------------------
+def tables(res: dict, cfg: ModelConfig) -> str:
+    L = res["loops"]
+    w = {r["name"]: r for r in res["weights"]}
+    base = w["bf16"]["ppl"]
+    lines = [f"Measured {res['date']} by `benchmarks/quant.py` on {res['source']}: {res['val_tokens']} validation "
+             f"tokens, windows of {res['seq_len']} (each token scored with >= 128 tokens of context after the first window), torch {res['machine']['torch']}, {res['machine']['cpu_threads']} "
+             f"thread(s){' (while a training job shared the CPU)' if res['machine']['training_running'] else ''}; "
+             f"{res['total_seconds']:.0f} s in all.", "",
+             "### Weights: validation perplexity", "",
+             "| format | " + " | ".join(f"ppl loops {n}" for n in L) + f" | vs bf16 at loops {L[-1]} | file MiB | "
+             f"weights read / token MiB |",
+             "|---|" + "---:|" * (len(L) + 3)]
+    for r in res["weights"]:
+        rel = r["ppl"][L[-1]] / base[L[-1]] - 1 if isinstance(next(iter(r["ppl"])), int) else \
+            r["ppl"][str(L[-1])] / base[str(L[-1])] - 1
+        ppl = r["ppl"]
+        vals = [ppl.get(n, ppl.get(str(n))) for n in L]
+        lines.append(f"| {r['name']} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {rel:+.1%} | "
+                     f"{r['file_bytes'] / 2**20:.1f} | {r['weights_read_per_token'] / 2**20:.2f} |")
+    lines += ["", "### KV cache formats (fp32 weights): validation perplexity and bytes", "",
+              "| KV format | " + " | ".join(f"ppl loops {n}" for n in L) + f" | vs fp16 at loops {L[-1]} | "
+              "bytes / token / slot | vs 16-bit | bytes / token, all slots at default loops | "
+              f"decode tok/s at {res.get('kv_context', '?')} tokens of context |",
+              "|---|" + "---:|" * (len(L) + 5)]
+    kv0 = res["kv"][0]["ppl"]
+    fp16_bytes = res["kv_16bit_bytes_per_token_per_slot"]
+    for r in res["kv"]:
+        ppl = r["ppl"]
+        vals = [ppl.get(n, ppl.get(str(n))) for n in L]
+        last0 = kv0.get(L[-1], kv0.get(str(L[-1])))
+        b = r["bytes_per_token_per_slot"]
+        lines.append(f"| {r['name']} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {vals[-1] / last0 - 1:+.2%} | "
+                     f"{b} | {b / fp16_bytes:.2f}x | {b * r['slots_at_default_loops']} | "
+                     f"{r['decode_tokens_per_s']:.1f} |")
+    lines += ["", "The fp16 row is the unquantized cache (stored in the model's float dtype, here fp32); its bytes "
+              "column is a 16-bit cache's.", "",
+              "### Decode speed (tokens/s, all rows of the batch)", "",
+              "| model | format | batch 1 | batch 8 | weights read / token MiB |", "|---|---|---:|---:|---:|"]
+    seen = {}
+    for r in res["speed"]:
+        seen.setdefault((r["model"], r["format"]), {})[r["batch"]] = r
+    for (model, fmt), rows in seen.items():
+        wr = rows[1].get("weights_read_per_token")
+        if wr is None:
+            wr = next((x["weights_read_per_token"] for x in res["weights"] if x["name"].startswith(fmt)), 0)
+        lines.append(f"| {model} | {fmt} | {rows[1]['tokens_per_s']:.1f} | {rows[8]['tokens_per_s']:.1f} | "
+                     f"{wr / 2**20:.1f} |")
+    if res["hessian"]:
+        lines += ["", "### GPTQ on the shared core: Hessian over all loops vs loop 1 only", "",
+                  "Mean relative output error tr(dW H dW^T) / tr(W H W^T) of the core layers, scored on all "
+                  "loops' inputs (lower is better).", "",
+                  "| run | Hessian from all loops | from loop 1 only | ratio |", "|---|---:|---:|---:|"]
+        for h in res["hessian"]:
+            lines.append(f"| {h['name']} | {h['mean_err_all_loops']:.5f} | {h['mean_err_loop1']:.5f} | "
+                         f"{h['mean_err_loop1'] / max(h['mean_err_all_loops'], 1e-12):.2f}x |")
+    lines += ["", bars(res)]
+    return "\n".join(lines)
+
+
+def bars(res: dict) -> str:
+    L = res["loops"][-1]
+
+    def p(rows, name):
+        r = next(x for x in rows if x["name"] == name)["ppl"]
+        return r.get(L, r.get(str(L)))
+
+    w, kv = res["weights"], res["kv"]
+    groups = sorted({int(x["name"].split("-g")[1]) for x in w if "-g" in x["name"]})
+    g0 = groups[0]
+    out = ["### Bars", ""]
+    b = p(w, "bf16")
+    best4 = min(p(w, f"int4-gptq-g{g}") for g in groups)
+    out.append(f"- int4-gptq (g{g0}) within 5% of bf16 at loops {L}: {p(w, f'int4-gptq-g{g0}') / b - 1:+.1%} "
+               f"({'met' if p(w, f'int4-gptq-g{g0}') <= 1.05 * b else 'NOT met'}; best group {best4 / b - 1:+.1%})")
+    for bits in (4, 2):
+        wins = [(g, p(w, f"int{bits}-gptq-g{g}"), p(w, f"int{bits}-rtn-g{g}")) for g in groups]
+        ok = all(gp < rp for _, gp, rp in wins)
+        out.append(f"- GPTQ better than RTN at {bits} bits: " + ", ".join(f"g{g} {gp:.2f} vs {rp:.2f}"
+                                                                          for g, gp, rp in wins)
+                   + f" ({'met' if ok else 'NOT met'})")
+    f = p(kv, "fp16")
+    i8, i4, i4h = p(kv, "int8"), p(kv, "int4"), p(kv, "int4-h")
+    out.append(f"- int8 KV within 1% of fp16: {i8 / f - 1:+.2%} ({'met' if i8 <= 1.01 * f else 'NOT met'})")
+    out.append(f"- int4-h KV within 4% and better than int4: {i4h / f - 1:+.2%} vs int4 {i4 / f - 1:+.2%} "
+               f"({'met' if i4h <= 1.04 * f and i4h < i4 else 'NOT met'})")
+    kb = {r["name"]: r["bytes_per_token_per_slot"] for r in kv}
+    ratio = kb["int4"] / res["kv_16bit_bytes_per_token_per_slot"]
+    out.append(f"- int4 KV bytes per token <= 0.3x fp16: {ratio:.2f}x ({'met' if ratio <= 0.3 else 'NOT met'})")
+    sp = {(r["model"], r["format"], r["batch"]): r["tokens_per_s"] for r in res["speed"]}
+    if ("tinyloop-407m", "int4-rtn", 1) in sp:
+        r = sp[("tinyloop-407m", "int4-rtn", 1)] / sp[("tinyloop-407m", "bf16", 1)]
+        out.append(f"- tinyloop-407m int4 batch-1 decode >= 2x bf16: {r:.2f}x ({'met' if r >= 2 else 'NOT met'})")
+    return "\n".join(out)
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else f"# Quantization\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in doc:
+        doc += f"\n{BEGIN}\n{END}\n"
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
