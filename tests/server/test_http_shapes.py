@@ -211,7 +211,8 @@ def test_keepalive_while_engine_busy(tiny_server, monkeypatch):
     """A stream that waits (queued behind another request, or prefilling) gets `: keepalive` comments."""
     monkeypatch.setattr(tiny_server.app.state.tl.settings, "keepalive_s", 0.02)  # read per request
     srv = tiny_server
-    long = threading.Thread(target=post, args=(srv, "/generate", {"prompt": "Hi", "max_tokens": 200, "loops": 12}))
+    long = threading.Thread(target=httpx.post, args=(srv.url + "/generate",),
+                            kwargs={"json": {"prompt": "Hi", "max_tokens": 80, "loops": 12}, "timeout": 300})
     long.start()
     deadline = time.monotonic() + 30
     while metric(srv.url, "tinyloop_active_generations") < 1:
