@@ -103,7 +103,8 @@ def bench_model(name: str, dtype_name: str, loops_list: list[int], tokens: int, 
         for loops in loops_list:
             r = decode_rate(m, loops, tokens)
             rows[loops][f"{label}_tok_s"] = r["tok_s"]
-            log(f"  {name} {dtype_name} loops={loops} {label} ({torch.get_num_threads()} threads): "
+            n = getattr(m, "decode_threads", None) or torch.get_num_threads()
+            log(f"  {name} {dtype_name} loops={loops} {label} ({n} decode threads): "
                 f"{r['tok_s']:.2f} tok/s")
 
     for threads in thread_options:
@@ -115,14 +116,17 @@ def bench_model(name: str, dtype_name: str, loops_list: list[int], tokens: int, 
     prepare_for_decode(model)  # default options, thread policy included
     prep_s = time.perf_counter() - t
     info = dict(model.decode_prepared)
-    policy_threads = torch.get_num_threads()
-    run(model, "fast", None)
-    if small:  # check the thread policy: the fast path at every thread count
+    policy = model.decode_threads
+    policy_threads = default_threads if policy is None else policy
+    run(model, "fast", default_threads)
+    if small:  # check the thread policy: the fast path's decode steps at every thread count
         for threads in thread_options:
+            model.decode_threads = threads
             run(model, f"fast_{threads}t", threads)
+        model.decode_threads = policy
     if fp16w is not None:
-        prepare_for_decode(fp16w, weights="fp16", threads=policy_threads)
-        run(fp16w, "fast_fp16_weights", None)
+        prepare_for_decode(fp16w, weights="fp16", threads=policy)
+        run(fp16w, "fast_fp16_weights", default_threads)
         del fp16w
     for loops in loops_list:
         row = rows[loops]

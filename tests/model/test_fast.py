@@ -231,3 +231,20 @@ def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
     x = toks(1, 12, vocab=512)
     with torch.inference_mode():
         torch.testing.assert_close(fast(x, loops=3), plain(x, loops=3), rtol=0, atol=0)
+
+
+def test_decode_threads_apply_to_one_token_steps_only():
+    m = prepare_for_decode(build_model(tiny_cfg()), threads=1)
+    seen = []
+    m.core[0].register_forward_hook(lambda mod, args, out: seen.append((args[0].shape[1], torch.get_num_threads())))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = KVCache(m.cfg, loops=2)
+        with torch.inference_mode():
+            m(toks(1, 4), loops=2, cache=cache, start=0)
+            m(toks(1, 1), loops=2, cache=cache, start=4)
+        assert torch.get_num_threads() == 2  # restored after the step
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(4, 2), (4, 2), (1, 1), (1, 1)]

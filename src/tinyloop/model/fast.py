@@ -7,7 +7,8 @@ of the engine uses (`forward`, `embed_prelude`/`core_loop`/`coda_logits`, `StepC
   blocks then run one RoPE over q and k together and grouped-query attention without copying K/V;
 - for 16-bit models on CPU, swaps every `nn.Linear` of the blocks (and the LM head) for FBGEMM's fp16-weight
   kernel (`quant.fp16.FP16Linear`) and runs activations in fp32;
-- sets the thread count for models too small to gain from a second thread (`threads="auto"`).
+- runs one-token steps on fewer threads where a second thread does not pay (`threads="auto"`; prefill
+  keeps every thread).
 
 The `.tinyloop` file is untouched: fusion and packing happen at load time, from the file's tensor names.
 A prepared model is for inference: its state dict no longer has the file's names (wq/wk/wv are gone,
@@ -104,7 +105,8 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
              "fp16" - FBGEMM fp16 also for fp32 models (lossy: weights rounded to fp16, opt-in);
              "keep" - leave the linears' dtype and kernels alone.
     fuse:    fuse QKV and gate/up projections (exact).
-    threads: "auto" - `recommended_threads`; an int - that many; None - leave torch's setting alone.
+    threads: torch threads for one-token forward calls (decode steps; prefill keeps torch's setting):
+             "auto" - `recommended_threads`; an int - that many; None - torch's setting.
     """
     from ..quant.fp16 import FP16Linear, fbgemm_fp16_available
 
@@ -131,7 +133,6 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
             if isinstance(mod, RMSNorm):
                 mod.weight = nn.Parameter(mod.weight.detach().float(), requires_grad=False)
     n_threads = recommended_threads(model) if threads == "auto" else threads
-    if n_threads is not None:
-        torch.set_num_threads(int(n_threads))
+    model.decode_threads = None if n_threads is None else int(n_threads)
     model.decode_prepared = {"weights": weights, "fused": fused, "swapped": swapped, "threads": n_threads}
     return model

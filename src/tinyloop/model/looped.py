@@ -33,6 +33,7 @@ class LoopedTransformer(nn.Module):
         # module computing the LM head (None: F.linear with head_weight).
         self.act_dtype: torch.dtype | None = None
         self.head_linear: nn.Module | None = None
+        self.decode_threads: int | None = None  # torch threads for one-token forward calls (None: as set)
 
     def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
         gen_state = torch.random.get_rng_state()
@@ -103,6 +104,14 @@ class LoopedTransformer(nn.Module):
         loops = self.cfg.default_loops if loops is None else loops
         if not 1 <= loops <= self.cfg.max_loops:
             raise ValueError(f"loops must be in 1..{self.cfg.max_loops}, got {loops}")
+        n = self.decode_threads
+        if n is not None and tokens.shape[1] == 1 and torch.get_num_threads() != n:
+            prev = torch.get_num_threads()
+            torch.set_num_threads(n)  # ~0.5 us a switch; prefill keeps every thread
+            try:
+                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only)
+            finally:
+                torch.set_num_threads(prev)
         ctx = self.context(tokens.shape[1], cache=cache, start=start)
         e = self.embed_prelude(tokens, ctx)
         h = self.init_state(e)
