@@ -119,6 +119,55 @@ class DraftHead:
         return out
 
 
+class ExactArgmax:
+    """The full LM head's argmax without the full fp32 head: fp16-weight logits, then exact rescoring.
+
+    Verification scores several positions at once, where fp32 GEMM on this CPU costs 2-3x a single row
+    while FBGEMM's fp16-weight kernel costs about the same as one. For each row the fp16 logits a'
+    differ from the fp32 logits a by at most B = ||x|| * (max_v ||w_v - fp16(w_v)|| + 2 * gamma *
+    max_v ||w_v||) (weight rounding plus both accumulations; gamma = n * 2^-24, a 2x safety factor on
+    top), so the true argmax is among the candidates a'_v >= max(a') - 2B; those few rows are
+    rescored with the fp32 (or float64) weights and the best one is taken. Greedy decoding without
+    penalties only; anything else uses the full head.
+    """
+
+    def __init__(self, model: LoopedTransformer):
+        from ..quant.fp16 import FP16Linear
+
+        w = model.head_weight.detach()
+        self.model, self.weight = model, w
+        self.fp16 = FP16Linear(w)
+        wf = w.double()
+        err = (wf - w.half().double()).norm(dim=1).max().item()
+        gamma = w.shape[1] * 2.0 ** -24
+        self.slack = 2.0 * (err + 2.0 * gamma * wf.norm(dim=1).max().item() + 2.0 ** -20)
+
+    @staticmethod
+    def usable(model: LoopedTransformer) -> bool:
+        from ..quant.fp16 import fbgemm_fp16_available
+
+        w = model.head_weight
+        plain_head = getattr(model, "head_linear", None) is None  # the fast path may replace logits()
+        return (plain_head and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
+                and fbgemm_fp16_available())
+
+    def __call__(self, x: torch.Tensor) -> list[int]:
+        """x: (T, dim) coda output -> the full head's argmax token of each row."""
+        xn = self.model.norm(x)                                  # (T, dim)
+        approx = self.fp16(xn)                                   # (T, vocab) fp32
+        bound = 2.0 * self.slack * xn.double().norm(dim=1)      # (T,)
+        top = approx.max(dim=1).values.double()
+        out = []
+        for row in range(xn.shape[0]):
+            cand = (approx[row].double() >= top[row] - bound[row]).nonzero().flatten()
+            if cand.numel() == 1:
+                out.append(int(cand[0]))
+                continue
+            exact = F.linear(xn[row:row + 1], self.weight[cand])[0]
+            out.append(int(cand[int(torch.argmax(exact))]))
+        return out
+
+
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -128,7 +177,7 @@ class Speculator:
 
     def __init__(self, model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
                  sampler: Sampler, kv_format: str = "fp16", draft_vocab: int | None = DRAFT_VOCAB,
-                 draft_stop: float = DRAFT_STOP):
+                 draft_stop: float = DRAFT_STOP, fast_head: bool = True):
         self.model, self.params, self.sampler = model, params, sampler
         self.d = params.draft_loops
         self.V = params.effective_loops(model.cfg.default_loops)
@@ -143,9 +192,12 @@ class Speculator:
         self.head = DraftHead(model, draft_vocab)
         self.head.add(prompt_ids)
         self.penalties = _has_penalties(params)
+        plain_greedy = params.greedy and not self.penalties
+        self.argmax = ExactArgmax(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
-                      "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0}
+                      "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0,
+                      "compactions": 0}
 
     # -- model passes ---------------------------------------------------------------------
     def _ctx(self, start: int, positions: list[int], tree_mask: torch.Tensor | None = None,
@@ -240,8 +292,7 @@ class Speculator:
         hs.append(h)
         t1 = time.perf_counter()
         x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1), self._ctx(L, list(range(L, L + n + 1))))
-        logits = self._full_logits(x)  # (n+1, vocab)
-        out = self._accept_chain(toks, logits, qs)
+        out = self._accept_chain(toks, x, qs)
         cache.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
         st = self.stats
         st["draft_s"] += t1 - t0
@@ -251,14 +302,19 @@ class Speculator:
         st["accepted"] += len(out) - 1
         return out
 
-    def _accept_chain(self, toks: list[int], logits: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
-        """toks = [pending, x1..xn]; logits[j] scores the token after toks[j]. Accepts a prefix + one."""
+    def _accept_chain(self, toks: list[int], x: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
+        """toks = [pending, x1..xn]; row j of x (coda output) scores the token after toks[j].
+        Accepts a prefix of the drafts plus one verifier token."""
         sampler = self.sampler
         n = len(toks) - 1
         out: list[int] = []
+        if self.argmax is not None:
+            ys = self.argmax(x)
+        else:
+            logits = self._full_logits(x)  # (n+1, vocab)
         for j in range(n + 1):
             if self.params.greedy:
-                y = sampler.greedy_token(logits[j])
+                y = ys[j] if self.argmax is not None else sampler.greedy_token(logits[j])
                 sampler.accept(y)
                 out.append(y)
                 if j < n and y == toks[j + 1]:
@@ -288,7 +344,7 @@ class Speculator:
         tree = DraftTree()
         tree.add(self.pending, -1, 0.0)
         es, hs = [], []
-        frontier = [0]
+        frontier, greedy_path = [0], [0]
         for t in range(1, depth + 2):
             first = frontier[0]
             rows = range(first, first + len(frontier))
@@ -307,14 +363,16 @@ class Speculator:
             rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
             toks = self.head.tokens(cols)
             frontier = [tree.add(tok, frontier[r], s) for r, tok, s in zip(rows_, toks, scores)]
+            greedy_path.append(frontier[0])  # beam_step puts the greedy child of the greedy node first
         t1 = time.perf_counter()
         n_nodes = len(tree)
         mask = None if K == 1 else ancestor_mask(tree.parents)
         x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1),
                          self._ctx(L, [L + dd for dd in tree.depths], mask))
-        out, path = self._accept_tree(tree, x)
+        out, path = self._accept_tree(tree, x, greedy_path)
         if any(node != i for i, node in enumerate(path)):
             cache.gather_positions([L + node for node in path[1:]], L + 1)
+            self.stats["compactions"] += 1
         cache.length = L + len(out)
         st = self.stats
         st["draft_s"] += t1 - t0
@@ -324,23 +382,23 @@ class Speculator:
         st["accepted"] += len(out) - 1
         return out
 
-    def _accept_tree(self, tree: DraftTree, x: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _accept_tree(self, tree: DraftTree, x: torch.Tensor, greedy_path: list[int]) -> tuple[list[int], list[int]]:
         """Greedy walk from the root while the verifier's token is a child. Returns (tokens, path nodes)."""
-        logits: dict[int, torch.Tensor] = {}
+        logits: dict[int, int | torch.Tensor] = {}
 
         def score(nodes: list[int]) -> None:  # the LM head over a batch of nodes
-            lg = self._full_logits(x[torch.tensor(nodes, device=x.device)])
-            for node, row in zip(nodes, lg):
-                logits[node] = row
+            rows = x[torch.tensor(nodes, device=x.device)]
+            picks = self.argmax(rows) if self.argmax is not None else list(self._full_logits(rows))
+            for node, pick in zip(nodes, picks):
+                logits[node] = pick
 
-        best_leaf = max((i for i in range(len(tree)) if tree.depths[i] == max(tree.depths)),
-                        key=lambda i: tree.scores[i])
-        score(tree.path_to(best_leaf))  # the beam's best path first: usually the only head call
+        score(greedy_path)  # the draft's greedy chain first: usually the only head call
         out, path, node = [], [0], 0
         while True:
             if node not in logits:
                 score(tree.best_chain(node))
-            y = self.sampler.greedy_token(logits[node])
+            pick = logits[node]  # a token, or a logits row (penalties depend on the accepted prefix)
+            y = pick if isinstance(pick, int) else self.sampler.greedy_token(pick)
             self.sampler.accept(y)
             out.append(y)
             child = tree.children[node].get(y)
@@ -378,21 +436,23 @@ def check_params(model: LoopedTransformer, params: SamplingParams) -> None:
 def speculative_ids(model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
                     sampler: Sampler | None = None, run_stats: dict[str, Any] | None = None,
                     kv_format: str = "fp16", *, draft_vocab: int | None = DRAFT_VOCAB,
-                    draft_stop: float = DRAFT_STOP) -> Iterator[int]:
+                    draft_stop: float = DRAFT_STOP, fast_head: bool = True) -> Iterator[int]:
     """Yield exactly the tokens plain generation at verify_loops would (greedy), as each is verified.
 
     Yields at most params.max_tokens ids; stops and EOS are the caller's job. Closing the generator frees
     the cache; `run_stats` receives acceptance figures as rounds complete.
     """
     check_params(model, params)
-    return _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop)
+    return _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
+                            fast_head)
 
 
-def _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop):
+def _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
+                     fast_head):
     sampler = sampler or Sampler(params, prompt_ids, model.cfg.vocab_size)
     run_stats = {} if run_stats is None else run_stats
     spec = Speculator(model, prompt_ids, params, sampler, kv_format=kv_format, draft_vocab=draft_vocab,
-                      draft_stop=draft_stop)
+                      draft_stop=draft_stop, fast_head=fast_head)
     try:
         logits = prefill(model, prompt_ids, spec.cache, spec.V)
         tok = sampler.sample(logits)

@@ -66,14 +66,22 @@ def ancestor_mask(parents: list[int], rows: range | None = None) -> torch.Tensor
 
 
 def beam_step(logp: torch.Tensor, frontier_scores: torch.Tensor, k: int) -> tuple[list[int], list[int], list[float]]:
-    """One beam step: the k best (frontier row, column) pairs by cumulative log-probability.
+    """One beam step: the greedy child of frontier row 0, then the k-1 best other (row, column) pairs by
+    cumulative log-probability.
 
-    logp: (F, n) draft log-probabilities of each frontier node's children over the draft vocabulary;
-    frontier_scores: (F,). Returns (rows, cols, scores), best first.
+    Row 0 is always the draft's greedy chain (the first node of every depth), so the tree contains the
+    path chain speculation would draft and never accepts less than it; the rest of the beam is ranked
+    by cumulative draft log-probability. logp: (F, n) draft log-probabilities of each frontier node's
+    children over the draft vocabulary; frontier_scores: (F,). Returns (rows, cols, scores), greedy first.
     """
     total = (logp.double() + frontier_scores.double()[:, None]).flatten()  # (F*n,)
+    greedy = int(torch.argmax(logp[0]))
+    greedy_score = float(total[greedy])
+    total[greedy] = float("inf")
     k = min(k, total.numel())
     best = torch.topk(total, k)
     n = logp.shape[1]
     idx = best.indices.tolist()
-    return [i // n for i in idx], [i % n for i in idx], best.values.tolist()
+    scores = best.values.tolist()
+    scores[0] = greedy_score
+    return [i // n for i in idx], [i % n for i in idx], scores

@@ -1,0 +1,186 @@
+"""Self-speculative decoding benchmark: plain generate at V loops against chain and tree speculation.
+
+    OMP_NUM_THREADS=1 python benchmarks/speculative.py                      # the shipped model, full grid
+    python benchmarks/speculative.py --checkpoint runs/shipped/checkpoint.pt --quick
+
+Greedy, `--tokens` new tokens per prompt over a fixed prompt set, one thread. For every setting it
+reports tokens/s, the speed-up over plain generate measured in the same run, acceptance figures, and
+whether the tokens equal plain generate's (float32: a batched pass may flip a near-tie; it is counted,
+not hidden). A cost model section times the pieces (one loop, the full and the draft LM head at a few
+widths) and the per-round figures the runs report (time per draft token, per verification pass, per
+round). Results go to stdout as markdown and, with --json, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tinyloop.engine.generate import generate_ids
+from tinyloop.engine.params import SamplingParams
+from tinyloop.engine.speculative import DRAFT_STOP, DRAFT_VOCAB, speculative_ids
+from tinyloop.model.layers import StepContext
+
+PROMPTS = [
+    "In the beginning God created the heaven and the earth. And the earth was without form, and",
+    "ROMEO. But soft, what light through yonder window breaks? It is the east, and",
+    "The :mod:`os` module provides a portable way of using operating system dependent functionality.",
+    "The jury further said in term-end presentments that the City Executive Committee, which had",
+]
+
+
+def load(args):
+    from tinyloop.tokenizer import Tokenizer
+
+    if args.checkpoint:
+        from tinyloop.config import ModelConfig
+        from tinyloop.model.looped import LoopedTransformer
+
+        ck = torch.load(args.checkpoint, weights_only=False, map_location="cpu")
+        model = LoopedTransformer(ModelConfig.from_dict(ck["model_config"]))
+        model.load_state_dict(ck["model"])
+        return model.float().eval(), Tokenizer.gpt2(), f"{args.checkpoint} (step {ck.get('step')})"
+    from tinyloop.modelfile import load_model, packaged_model_path
+
+    path = args.model or packaged_model_path()
+    loaded = load_model(path, dtype=torch.float32)
+    return loaded.model.eval(), loaded.tokenizer, str(path)
+
+
+def run(model, prompts, params, **kw):
+    """(tokens per prompt, seconds, stats summed over prompts)."""
+    outs, total, stats = [], 0.0, {}
+    for ids in prompts:
+        st: dict = {}
+        t0 = time.perf_counter()
+        if params.mode == "generate":
+            out = list(generate_ids(model, ids, params))
+        else:
+            out = list(speculative_ids(model, ids, params, None, st, **kw))
+        total += time.perf_counter() - t0
+        outs.append(out)
+        for k in ("rounds", "draft_tokens", "verify_positions", "draft_ms", "verify_ms"):
+            stats[k] = stats.get(k, 0) + st.get(k, 0)
+        stats.setdefault("acc", []).append(st.get("acceptance_rate", 0.0))
+        stats.setdefault("tpr", []).append(st.get("mean_tokens_per_round", 0.0))
+    return outs, total, stats
+
+
+def timeit(fn, n=20, reps=3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1000
+
+
+@torch.inference_mode()
+def pieces(model) -> dict[str, float]:
+    """Milliseconds for the pieces a round is made of (no cache: attention over T tokens only)."""
+    dim = model.cfg.dim
+    out = {}
+    for T in (1, 5, 9, 17, 33):
+        x = torch.randn(1, T, dim)
+        ctx = StepContext(rotary=model.rotary, positions=torch.arange(T), dtype=x.dtype)
+        out[f"loop T={T}"] = timeit(lambda: model.core_loop(x, x, 0, ctx))
+        out[f"full head T={T}"] = timeit(lambda: model.logits(x))
+    x = torch.randn(1, 1, dim)
+    ctx = StepContext(rotary=model.rotary, positions=torch.arange(1), dtype=x.dtype)
+    out["prelude+coda T=1"] = timeit(lambda: [b(x, ctx, None) for b in list(model.prelude) + list(model.coda)])
+    for n in (4096, 8192):
+        w = model.head_weight[:n].contiguous()
+        out[f"draft head {n} T=1"] = timeit(lambda: torch.nn.functional.linear(model.norm(x), w), n=100)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a .tinyloop file (default: the shipped model)")
+    ap.add_argument("--checkpoint", help="a training checkpoint instead of a model file")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--verify-loops", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="defaults and a few settings only")
+    ap.add_argument("--json", help="write every figure here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tok, source = load(args)
+    V, N = args.verify_loops, args.tokens
+    prompts = [tok.encode(p) for p in PROMPTS]
+    print(f"# speculative benchmark: {source}, V={V}, {N} new tokens x {len(prompts)} prompts, greedy, "
+          f"1 thread, torch {torch.__version__}, {platform.processor() or platform.machine()}\n")
+
+    base = SamplingParams(max_tokens=N, loops=V, ignore_eos=True)
+    ref, t_plain, _ = run(model, prompts, base)
+    plain_tps = N * len(prompts) / t_plain
+    print(f"plain generate V={V}: {plain_tps:.1f} tok/s ({t_plain / (N * len(prompts)) * 1000:.2f} ms/token)\n")
+
+    grid = []
+    ds, ks, Ks = ((1, 2, 4), (2, 4, 8), (1, 2, 4)) if not args.quick else ((1, 2), (4,), (1, 4))
+    for K in Ks:
+        for d in ds:
+            for k in ks:
+                grid.append(dict(mode="speculative" if K == 1 else "tree_speculative", draft_loops=d,
+                                 draft_ahead=k, k_branches=K))
+    variants = [("draft vocab full", dict(draft_vocab=None)), ("draft vocab 4096", dict(draft_vocab=4096)),
+                ("draft_stop 0.3", dict(draft_stop=0.3)), ("draft_stop 0.6", dict(draft_stop=0.6))]
+
+    rows = []
+    print("| mode | d | k | K | tok/s | speed-up | acceptance | tokens/round | draft ms/token | "
+          "verify ms/pass | ms/round | = plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def report(label, knobs, kw):
+        params = SamplingParams(max_tokens=N, verify_loops=V, ignore_eos=True, **knobs)
+        outs, t, st = run(model, prompts, params, **kw)
+        tps = N * len(prompts) / t
+        rounds = max(st["rounds"], 1)
+        row = dict(label=label, **knobs, **kw, tokens_per_s=tps, speedup=tps / plain_tps,
+                   acceptance=statistics.mean(st["acc"]), tokens_per_round=statistics.mean(st["tpr"]),
+                   draft_ms_per_token=st["draft_ms"] / max(st["draft_tokens"], 1),
+                   verify_ms_per_pass=st["verify_ms"] / rounds, ms_per_round=t * 1000 / rounds,
+                   exact=sum(o == r for o, r in zip(outs, ref)))
+        rows.append(row)
+        print(f"| {label} | {knobs['draft_loops']} | {knobs['draft_ahead']} | {knobs['k_branches']} | "
+              f"{tps:.1f} | {row['speedup']:.2f}x | {row['acceptance']:.2f} | {row['tokens_per_round']:.2f} | "
+              f"{row['draft_ms_per_token']:.2f} | {row['verify_ms_per_pass']:.2f} | {row['ms_per_round']:.2f} | "
+              f"{row['exact']}/{len(prompts)} |", flush=True)
+
+    for knobs in grid:
+        report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
+    default = dict(mode="speculative", draft_loops=2, draft_ahead=4, k_branches=1)
+    for label, kw in variants:
+        report(label, default, kw)
+    # plain generate again: how much the machine drifted during the run
+    _, t_plain2, _ = run(model, prompts, base)
+    plain2 = N * len(prompts) / t_plain2
+    print(f"\nplain generate again at the end: {plain2:.1f} tok/s (drift {plain2 / plain_tps - 1:+.1%})")
+    best = max(rows, key=lambda r: r["speedup"])
+    print(f"best: {best['label']} d={best['draft_loops']} k={best['draft_ahead']} K={best['k_branches']} "
+          f"{best['speedup']:.2f}x; defaults (d=2, k=4, chain): "
+          f"{next(r for r in rows if r['label'] == 'chain' and r['draft_loops'] == 2 and r['draft_ahead'] == 4)['speedup']:.2f}x")
+
+    cost = pieces(model)
+    print("\n## cost model: pieces (ms, best of 3)\n")
+    for k, v in cost.items():
+        print(f"- {k}: {v:.3f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(source=source, V=V, tokens=N, prompts=PROMPTS,
+                                                   plain_tokens_per_s=plain_tps, plain_again=plain2,
+                                                   draft_vocab=DRAFT_VOCAB, draft_stop=DRAFT_STOP,
+                                                   rows=rows, pieces=cost), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
