@@ -97,6 +97,12 @@ def pieces(model) -> dict[str, float]:
     x = torch.randn(1, 1, dim)
     ctx = StepContext(rotary=model.rotary, positions=torch.arange(1), dtype=x.dtype)
     out["prelude+coda T=1"] = timeit(lambda: [b(x, ctx, None) for b in list(model.prelude) + list(model.coda)])
+    from tinyloop.quant.fp16 import FP16Linear
+
+    h16 = FP16Linear(model.head_weight.detach().float())
+    for T in (1, 5, 9, 17):
+        xs = torch.randn(T, dim)
+        out[f"fp16-weight head T={T}"] = timeit(lambda: h16(xs))
     for n in (4096, 8192):
         w = model.head_weight[:n].contiguous()
         out[f"draft head {n} T=1"] = timeit(lambda: torch.nn.functional.linear(model.norm(x), w), n=100)
@@ -110,12 +116,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--verify-loops", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="defaults and a few settings only")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
+    ap.add_argument("--no-variants", action="store_true", help="skip the draft vocabulary/stop/head variants")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, tok, source = load(args)
     V, N = args.verify_loops, args.tokens
-    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     print(f"# speculative benchmark: {source}, V={V}, {N} new tokens x {len(prompts)} prompts, greedy, "
           f"1 thread, torch {torch.__version__}, {platform.processor() or platform.machine()}\n")
 
@@ -126,13 +134,14 @@ def main(argv=None) -> int:
 
     grid = []
     ds, ks, Ks = ((1, 2, 4), (2, 4, 8), (1, 2, 4)) if not args.quick else ((1, 2), (4,), (1, 4))
-    for K in Ks:
+    for K in Ks[:1] + Ks[1:][::-1]:  # chain, then the widest tree
         for d in ds:
             for k in ks:
                 grid.append(dict(mode="speculative" if K == 1 else "tree_speculative", draft_loops=d,
                                  draft_ahead=k, k_branches=K))
     variants = [("draft vocab full", dict(draft_vocab=None)), ("draft vocab 4096", dict(draft_vocab=4096)),
-                ("draft_stop 0.3", dict(draft_stop=0.3)), ("draft_stop 0.6", dict(draft_stop=0.6))]
+                ("draft_stop 0.3", dict(draft_stop=0.3)), ("draft_stop 0.6", dict(draft_stop=0.6)),
+                ("fp32 verify head", dict(fast_head=False))]
 
     rows = []
     print("| mode | d | k | K | tok/s | speed-up | acceptance | tokens/round | draft ms/token | "
@@ -154,12 +163,21 @@ def main(argv=None) -> int:
               f"{tps:.1f} | {row['speedup']:.2f}x | {row['acceptance']:.2f} | {row['tokens_per_round']:.2f} | "
               f"{row['draft_ms_per_token']:.2f} | {row['verify_ms_per_pass']:.2f} | {row['ms_per_round']:.2f} | "
               f"{row['exact']}/{len(prompts)} |", flush=True)
+        save(partial=True)
 
-    for knobs in grid:
-        report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
+    def save(partial=False, **extra):
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(dict(
+                source=source, V=V, tokens=N, prompts=PROMPTS[: args.prompts], plain_tokens_per_s=plain_tps,
+                draft_vocab=DRAFT_VOCAB, draft_stop=DRAFT_STOP, partial=partial, rows=rows, **extra), indent=1))
+
     default = dict(mode="speculative", draft_loops=2, draft_ahead=4, k_branches=1)
-    for label, kw in variants:
-        report(label, default, kw)
+    for knobs in [default] + [g for g in grid if g != default]:  # the defaults first
+        report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
+        if knobs is default:
+            for label, kw in ([] if args.no_variants else variants):
+                report(label, default, kw)
     # plain generate again: how much the machine drifted during the run
     _, t_plain2, _ = run(model, prompts, base)
     plain2 = N * len(prompts) / t_plain2
@@ -173,12 +191,7 @@ def main(argv=None) -> int:
     print("\n## cost model: pieces (ms, best of 3)\n")
     for k, v in cost.items():
         print(f"- {k}: {v:.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(source=source, V=V, tokens=N, prompts=PROMPTS,
-                                                   plain_tokens_per_s=plain_tps, plain_again=plain2,
-                                                   draft_vocab=DRAFT_VOCAB, draft_stop=DRAFT_STOP,
-                                                   rows=rows, pieces=cost), indent=1))
+    save(plain_again=plain2, pieces=cost)
     return 0
 
 

@@ -241,6 +241,7 @@ def test_seeded_sampling_repeats(tiny64):
     (dict(mode="tree_speculative", k_branches=5, draft_ahead=13), "K_branches"),
     (dict(mode="tree_speculative", k_branches=17), "K_branches"),
     (dict(mode="tree_speculative", k_branches=2, temperature=0.5), "temperature"),
+    (dict(mode="tree_speculative", k_branches=2, cache_window=8), "cache_window"),
     (dict(mode="nope"), "mode"),
 ])
 def test_validation_names_the_field(tiny64, kw, param):
@@ -299,3 +300,16 @@ def test_chain_sampling_matches_the_verifier_distribution(tiny64, extra):
     # power: the draft's distribution would score far above the critical value with this many samples
     draft_chi2 = sum(N * (draft.get(c, 0.0) - p) ** 2 / p for c, p in exact.items())
     assert draft_chi2 > 3 * critical
+
+
+@pytest.mark.slow
+def test_shipped_model_greedy_speculation_equals_generate(shipped_model_path):
+    """The trained model, float32, default knobs and a wide tree: token for token plain generate's."""
+    engine = Engine.load(shipped_model_path)
+    prompt = "In the beginning God created the heaven and the earth. And the earth was"
+    ref = engine.generate(prompt, SamplingParams(max_tokens=48, loops=8, ignore_eos=True))
+    for knobs in (dict(mode="speculative"), dict(mode="speculative", draft_loops=1, draft_ahead=8),
+                  dict(mode="tree_speculative", k_branches=4, draft_ahead=4)):
+        res = engine.generate(prompt, SamplingParams(max_tokens=48, verify_loops=8, ignore_eos=True, **knobs))
+        assert res.token_ids == ref.token_ids, knobs
+        assert res.stats["mode"] == knobs["mode"] and res.stats["loops_used"] == 8

@@ -322,11 +322,11 @@ class Speculator:
                 return out
             p = sampler.probs(logits[j])
             if j < n:
-                x, q = toks[j + 1], qs[j]
+                tok, q = toks[j + 1], qs[j]
                 u = float(torch.rand((), generator=sampler.generator, dtype=torch.float64))
-                if float(q[x]) > 0 and u * float(q[x]) < float(p[x]):
-                    sampler.accept(x)
-                    out.append(x)
+                if float(q[tok]) > 0 and u * float(q[tok]) < float(p[tok]):  # accept w.p. min(1, p/q)
+                    sampler.accept(tok)
+                    out.append(tok)
                     continue
                 residual = (p - q).clamp_min(0.0)
                 y = draw(residual if float(residual.sum()) > 0 else p, sampler.generator)
