@@ -1,10 +1,11 @@
 """Quantize a loaded float model: GPTQ (calibrated, sequential) or round-to-nearest.
 
-GPTQ runs unit by unit in the order the model computes them (per block: q/k/v, o, gate/up, down).
-For each unit a calibration pass through the partially quantized model accumulates the Hessian
-H = mean(x x^T) of the unit's inputs, `quant.gptq.gptq_quantize` quantizes its weights, and the
-dequantized weights replace the float ones so later units calibrate on what the quantized model will
-really feed them. A shared core layer is called once per loop, so its Hessian sums its inputs over
+GPTQ runs block by block in the order the model computes them (or, with sequential="sublayer", linear
+group by group: q/k/v, o, gate/up, down). For each step a calibration pass through the partially quantized
+model accumulates the Hessian H = mean(x x^T) of each linear's inputs, `quant.gptq.gptq_quantize`
+quantizes its weights, and the dequantized weights replace the float ones so later blocks calibrate on
+what the quantized model will really feed them. The pass stops after the stage (prelude / core / coda)
+that holds the step's layers. A shared core layer is called once per loop, so its Hessian sums its inputs over
 every loop; for the report, each core layer is also quantized with the loop-1 Hessian alone and both
 are scored by the relative output error tr(dW H dW^T) / tr(W H W^T) under the all-loops Hessian.
 """
@@ -35,12 +36,15 @@ class QuantSpec:
     hessian: str = "all"                 # core layers: "all" loops' inputs, or "loop1" only (ablation)
     compare_loop1: bool = True           # report all-loops vs loop-1 Hessian for core layers
     loops: int | None = None             # calibration loops (default: the model's default_loops)
+    sequential: str = "block"            # recalibrate after each "block" (4 linear groups) or each "sublayer"
 
     def validate(self, model: nn.Module) -> None:
         if self.method not in ("gptq", "rtn"):
             raise QuantError(f"method must be 'gptq' or 'rtn', got {self.method!r}")
         if self.bits not in SUPPORTED_BITS:
             raise QuantError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.sequential not in ("block", "sublayer"):
+            raise QuantError(f"sequential must be 'block' or 'sublayer', got {self.sequential!r}")
         if self.hessian not in ("all", "loop1"):
             raise QuantError(f"hessian must be 'all' or 'loop1', got {self.hessian!r}")
         if not 0 <= self.percdamp < 1:
@@ -52,6 +56,18 @@ class QuantSpec:
 def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules()
             if type(m) is nn.Linear and is_quantizable(f"{n}.weight", tuple(m.weight.shape))]
+
+
+def blocks(model: nn.Module) -> list[list[list[str]]]:
+    """Per block (adapter first in the core), its linear groups (`units`) in forward order."""
+    out: list[list[list[str]]] = []
+    for u in units(model):
+        prefix = u[0].split(".")[:2]
+        if out and out[-1][0][0].split(".")[:2] == prefix and u[0] != "adapter":
+            out[-1].append(u)
+        else:
+            out.append([u])
+    return out
 
 
 def units(model: nn.Module) -> list[list[str]]:
@@ -116,18 +132,23 @@ class _HessianCollector:
 
 @torch.inference_mode()
 def _calibration_pass(model: nn.Module, calib: torch.Tensor, loops: int, collector: _HessianCollector,
-                      batch: int = 8) -> None:
-    """Run calibration sequences (N, T) up to the coda's output (the LM head needs no Hessian)."""
+                      batch: int = 8, stop_after: str = "coda") -> None:
+    """Run calibration sequences (N, T) up to the end of `stop_after` ("prelude", "core" or "coda"; the LM
+    head needs no Hessian, and nothing after the watched layers changes their inputs)."""
     for s in range(0, calib.shape[0], batch):
         tokens = calib[s:s + batch]
         ctx = model.context(tokens.shape[1])
         collector.loop_idx = None
         e = model.embed_prelude(tokens, ctx)
+        if stop_after == "prelude":
+            continue
         h = model.init_state(e)
         for r in range(loops):
             collector.loop_idx = r
             h = model.core_loop(h, e, r, ctx)
         collector.loop_idx = None
+        if stop_after == "core":
+            continue
         for blk in model.coda:
             h = blk(h, ctx, None)
 
@@ -158,15 +179,18 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     t0 = time.perf_counter()
     bar = _progress(len(names), f"{spec.method} int{bits}", progress)
     device = next(model.parameters()).device
-    for unit in units(model):
+    steps = blocks(model) if spec.sequential == "block" else [[u] for u in units(model)]
+    for step in steps:
+        step_names = [n for u in step for n in u]
         collector = None
         if spec.method == "gptq":
-            collector = _HessianCollector(model, unit)
+            collector = _HessianCollector(model, step_names)
+            stage = "core" if step_names[0] == "adapter" else step_names[0].split(".")[0]
             try:
-                _calibration_pass(model, calib.to(device), loops, collector)
+                _calibration_pass(model, calib.to(device), loops, collector, stop_after=stage)
             finally:
                 collector.close()
-        for name in unit:
+        for name in step_names:
             lin: nn.Linear = model.get_submodule(name)
             W = lin.weight.detach().float()
             row: dict[str, Any] = {"name": name, "shape": list(W.shape)}
@@ -207,7 +231,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     if spec.method == "gptq":
         extra = {"calibration": {"tokens": int(calib.numel()), "seq_len": int(calib.shape[1]), "loops": loops,
                                  "hessian": "sum over all loops" if spec.hessian == "all" else "loop 1 only",
-                                 "percdamp": spec.percdamp, "blocksize": spec.blocksize}}
+                                 "percdamp": spec.percdamp, "blocksize": spec.blocksize,
+                                 "sequential": spec.sequential}}
     quant = quant_header(spec.method, bits, G, act_order=spec.act_order, high_precision=high_precision, **extra)
     core_rows = [r for r in report["layers"] if "err_loop1_hessian" in r]
     if core_rows:
