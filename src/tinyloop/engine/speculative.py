@@ -42,6 +42,7 @@ accepted prefix exactly as plain generate defines them, so the output distributi
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -142,6 +143,17 @@ class ExactArgmax:
         gamma = w.shape[1] * 2.0 ** -24
         self.slack = 2.0 * (err + 2.0 * gamma * wf.norm(dim=1).max().item() + 2.0 ** -20)
 
+    @classmethod
+    def for_model(cls, model: LoopedTransformer) -> "ExactArgmax":
+        """One per model (packing the fp16 head costs tens of ms), rebuilt if the head's weights change."""
+        w = model.head_weight
+        key = (w.data_ptr(), w._version)
+        cached = _ARGMAX_HEADS.get(model)
+        if cached is None or cached[0] != key:
+            cached = (key, cls(model))
+            _ARGMAX_HEADS[model] = cached
+        return cached[1]
+
     @staticmethod
     def usable(model: LoopedTransformer) -> bool:
         from ..quant.fp16 import fbgemm_fp16_available
@@ -166,6 +178,9 @@ class ExactArgmax:
             exact = F.linear(xn[row:row + 1], self.weight[cand])[0]
             out.append(int(cand[int(torch.argmax(exact))]))
         return out
+
+
+_ARGMAX_HEADS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -193,7 +208,7 @@ class Speculator:
         self.head.add(prompt_ids)
         self.penalties = _has_penalties(params)
         plain_greedy = params.greedy and not self.penalties
-        self.argmax = ExactArgmax(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
+        self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
                       "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0,
