@@ -212,13 +212,39 @@ def main() -> int:
                  "weights": [], "kv": [], "speed": [], "hessian": []}
 
     # 1. weight formats: quality, bytes, speed (shipped model)
+    # The first group size's rows, the KV formats and the speeds come first (every bar needs only them);
+    # the other group sizes last, so a run cut short still answers the bars.
     configs = [("fp32", None), ("bf16", None), ("int8-rtn", QuantSpec(bits=8, group_size=None, method="rtn"))]
-    for bits in (4, 2):
-        for method in ("rtn", "gptq"):
-            for G in groups:
-                configs.append((f"int{bits}-{method}-g{G}",
-                                QuantSpec(bits=bits, group_size=G, method=method, compare_loop1=True)))
+    later = []
+    for G in groups:
+        for bits in (4, 2):
+            for method in ("rtn", "gptq"):
+                (configs if G == groups[0] else later).append(
+                    (f"int{bits}-{method}-g{G}", QuantSpec(bits=bits, group_size=G, method=method)))
+    res["machine"] = {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "python": platform.python_version(), "cpus": os.cpu_count(), "training_running": bool(busy)}
+    res["kv_16bit_bytes_per_token_per_slot"] = 2 * cfg.n_kv_heads * cfg.head_dim * 2
+
+    def save(final: bool = False) -> None:
+        """Results so far -> JSON (and the doc's tables): a run cut short still leaves what it measured."""
+        res["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        res["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        res["complete"] = final
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        if not args.no_doc:
+            write_doc(tables(res, cfg))
+
     speed_models = {}
+    run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, speed_models, groups, save)
+    run_kv_and_speed(res, model, cfg, val, loops_list, args, speed_models, save)
+    run_weights(later, res, model, tok, cfg, calib, val, loops_list, args, {}, groups, save)
+    save(final=True)
+    print(tables(res, cfg))
+    return 0
+
+
+def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, speed_models, groups, save):
     for name, spec in configs:
         t0 = time.perf_counter()
         report = None
@@ -239,12 +265,15 @@ def main() -> int:
                                    "layers": [r for r in report["layers"] if "err_loop1_hessian" in r]})
         res["weights"].append(row)
         log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())} ({row['seconds']} s)")
+        save()
         if name in ("bf16", "int8-rtn", f"int4-gptq-g{groups[0]}", f"int2-gptq-g{groups[0]}"):
             speed_models[name] = m
         else:
             del m
         gc.collect()
 
+
+def run_kv_and_speed(res, model, cfg, val, loops_list, args, speed_models, save):
     # 2. KV formats (fp32 weights)
     for kv in KV_FORMATS:
         t0 = time.perf_counter()
@@ -254,9 +283,8 @@ def main() -> int:
         res["kv"].append({"name": kv, "ppl": ppl, "bytes_per_token_per_slot": c.bytes_per_token_per_slot(),
                           "slots_at_default_loops": c.n_slots, "decode_tokens_per_s": tps,
                           "seconds": round(time.perf_counter() - t0, 1)})
-        log(f"kv {kv}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}")
-
-    res["kv_16bit_bytes_per_token_per_slot"] = 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        log(f"kv {kv}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, {tps:.1f} tok/s")
+        save()
 
     # 3. decode speed
     loops = cfg.default_loops
@@ -266,6 +294,7 @@ def main() -> int:
             res["speed"].append({"model": "shipped", "format": name.split("-g")[0], "batch": batch,
                                  "loops": loops, "tokens_per_s": tps})
             log(f"shipped {name} batch {batch}: {tps:.1f} tok/s")
+        save()
     speed_models.clear()
     gc.collect()
     if not args.skip_407m:
@@ -290,29 +319,18 @@ def main() -> int:
                                      "loops": big_cfg.default_loops, "tokens_per_s": tps,
                                      "weights_read_per_token": weights_read_per_token(m, big_cfg.default_loops)})
                 log(f"407m {nm} batch {batch}: {tps:.2f} tok/s")
+            save()
             if m is not big:
                 del m
             gc.collect()
         del big
-    res["machine"] = {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "python": platform.python_version(), "cpus": os.cpu_count(),
-                      "training_running": bool(busy)}
-    res["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    res["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    text = tables(res, cfg)
-    print(text)
-    if not args.no_doc:
-        write_doc(text)
-    return 0
 
 
 # -- tables ------------------------------------------------------------------------------------
 def tables(res: dict, cfg: ModelConfig) -> str:
     L = res["loops"]
     w = {r["name"]: r for r in res["weights"]}
-    base = w["bf16"]["ppl"]
+    base = w["bf16"]["ppl"] if "bf16" in w else next(iter(w.values()))["ppl"]
     lines = [f"Measured {res['date']} by `benchmarks/quant.py` on {res['source']}: {res['val_tokens']} validation "
              f"tokens, windows of {res['seq_len']} (each token scored with >= 128 tokens of context after the first window), torch {res['machine']['torch']}, {res['machine']['cpu_threads']} "
              f"thread(s){' (while a training job shared the CPU)' if res['machine']['training_running'] else ''}; "
@@ -333,7 +351,7 @@ def tables(res: dict, cfg: ModelConfig) -> str:
               "bytes / token / slot | vs 16-bit | bytes / token, all slots at default loops | "
               f"decode tok/s at {res.get('kv_context', '?')} tokens of context |",
               "|---|" + "---:|" * (len(L) + 5)]
-    kv0 = res["kv"][0]["ppl"]
+    kv0 = res["kv"][0]["ppl"] if res["kv"] else {}
     fp16_bytes = res["kv_16bit_bytes_per_token_per_slot"]
     for r in res["kv"]:
         ppl = r["ppl"]
@@ -351,11 +369,11 @@ def tables(res: dict, cfg: ModelConfig) -> str:
     for r in res["speed"]:
         seen.setdefault((r["model"], r["format"]), {})[r["batch"]] = r
     for (model, fmt), rows in seen.items():
-        wr = rows[1].get("weights_read_per_token")
+        wr = next(iter(rows.values())).get("weights_read_per_token")
         if wr is None:
             wr = next((x["weights_read_per_token"] for x in res["weights"] if x["name"].startswith(fmt)), 0)
-        lines.append(f"| {model} | {fmt} | {rows[1]['tokens_per_s']:.1f} | {rows[8]['tokens_per_s']:.1f} | "
-                     f"{wr / 2**20:.1f} |")
+        b1, b8 = (f"{rows[b]['tokens_per_s']:.1f}" if b in rows else "-" for b in (1, 8))
+        lines.append(f"| {model} | {fmt} | {b1} | {b8} | {wr / 2**20:.1f} |")
     if res["hessian"]:
         lines += ["", "### GPTQ on the shared core: Hessian over all loops vs loop 1 only", "",
                   "Mean relative output error tr(dW H dW^T) / tr(W H W^T) of the core layers, scored on all "
@@ -364,7 +382,12 @@ def tables(res: dict, cfg: ModelConfig) -> str:
         for h in res["hessian"]:
             lines.append(f"| {h['name']} | {h['mean_err_all_loops']:.5f} | {h['mean_err_loop1']:.5f} | "
                          f"{h['mean_err_loop1'] / max(h['mean_err_all_loops'], 1e-12):.2f}x |")
-    lines += ["", bars(res)]
+    try:
+        lines += ["", bars(res)]
+    except (KeyError, StopIteration, IndexError, ValueError, RuntimeError):
+        lines += ["", "### Bars", "", "(this run stopped before every row the bars need was measured)"]
+    if not res.get("complete"):
+        lines += ["", "**Partial run**: the run was cut short; the rows above are all it measured."]
     return "\n".join(lines)
 
 
@@ -372,11 +395,15 @@ def bars(res: dict) -> str:
     L = res["loops"][-1]
 
     def p(rows, name):
-        r = next(x for x in rows if x["name"] == name)["ppl"]
-        return r.get(L, r.get(str(L)))
+        for x in rows:
+            if x["name"] == name:
+                return x["ppl"].get(L, x["ppl"].get(str(L)))
+        raise KeyError(name)
 
     w, kv = res["weights"], res["kv"]
-    groups = sorted({int(x["name"].split("-g")[1]) for x in w if "-g" in x["name"]})
+    names = {x["name"] for x in w}
+    groups = sorted({int(x["name"].split("-g")[1]) for x in w if "-g" in x["name"]
+                     if all(f"int{b}-{m}-g{x['name'].split('-g')[1]}" in names for b in (4, 2) for m in ("rtn", "gptq"))})
     g0 = groups[0]
     out = ["### Bars", ""]
     b = p(w, "bf16")
