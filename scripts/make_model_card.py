@@ -25,15 +25,17 @@ PROMPTS = ["The king said", "In the beginning", "To be, or not to be", "The func
            "She opened the door and"]
 
 
-def validation_ids(engine: Engine, corpus: Path, val_fraction: float) -> tuple[list[int], dict]:
+def validation_ids(engine: Engine, corpus: Path, val_fraction: float,
+                   per_file: int | None = None) -> tuple[list[int], dict]:
+    """The validation split of every corpus file, each cut to its first `per_file` tokens if given."""
     ids: list[int] = []
-    per_file = {}
+    counts = {}
     for f in sorted(corpus.glob("*.txt.gz")):
         _, val = split_text(read_text(f), val_fraction)
-        part = engine.tokenizer.encode(val)
-        per_file[f.name] = len(part)
+        part = engine.tokenizer.encode(val)[:per_file]
+        counts[f.name] = len(part)
         ids += part + [engine.tokenizer.eos_id]
-    return ids, per_file
+    return ids, counts
 
 
 def plot(run_dir: Path, out: Path) -> None:
@@ -70,16 +72,16 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--corpus", type=Path, default=Path("../shared/corpus"))
     ap.add_argument("--loops", default="1,2,4,8,12,16")
-    ap.add_argument("--max-eval-tokens", type=int)
+    ap.add_argument("--per-file-tokens", type=int, help="score only the first N validation tokens of each file")
     ap.add_argument("--out", type=Path, default=Path("docs/model-card-data.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/img/loss-curve.png"))
     args = ap.parse_args()
 
     engine = Engine.load(args.model, dtype=torch.float32)  # 16-bit files are storage; CPU math in fp32
-    ids, per_file = validation_ids(engine, args.corpus, 0.01)
+    ids, per_file = validation_ids(engine, args.corpus, 0.01, args.per_file_tokens)
     rows = []
     for loops in [int(x) for x in args.loops.split(",")]:
-        r = perplexity(engine.model, ids, loops, seq_len=engine.config.max_seq_len, max_tokens=args.max_eval_tokens)
+        r = perplexity(engine.model, ids, loops, seq_len=engine.config.max_seq_len)
         rows.append(r)
         print(f"loops {loops:>2}: ppl {r['perplexity']:.2f} ({r['tokens_scored']} tokens, {r['seconds']} s)", flush=True)
 

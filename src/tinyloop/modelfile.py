@@ -243,6 +243,7 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
     tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"tinyloop": json.dumps(header)})
+    os.chmod(tmp, 0o644)  # a model file is data anyone may read
     os.replace(tmp, path)
     return path
 
