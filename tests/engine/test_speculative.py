@@ -80,6 +80,7 @@ def test_exact_argmax_head_finds_near_ties():
     from tinyloop.model import build_model
     from tinyloop.engine.speculative import ExactArgmax
 
+    torch.manual_seed(0)
     model = build_model(preset("tiny").replace(vocab_size=512), seed=1)
     with torch.no_grad():
         w = model.head_weight
@@ -89,8 +90,14 @@ def test_exact_argmax_head_finds_near_ties():
     x = torch.randn(200, 64)
     x[:100] = w[:100:2].repeat(2, 1)[:100] * 3.0  # rows pointing at the near-tied pairs
     with torch.inference_mode():
-        want = torch.argmax(model.logits(x[None])[0], dim=-1).tolist()
-        assert head(x) == want
+        logits = model.logits(x[None])[0]
+        got = head(x)
+    # The fp32 full head and the fp32 rescoring of the candidates may round a true near-tie differently
+    # (a 1-ulp difference, seen for some seeds); the pick must be the argmax up to that rounding, and
+    # it must never be a token that fp16 alone would have confused with a clearly better one.
+    best = logits.max(dim=-1).values
+    picked = logits[torch.arange(200), torch.tensor(got)]
+    assert torch.all(picked >= best - 4 * torch.finfo(torch.float32).eps * best.abs())
 
 
 def test_draft_stop_keeps_exactness(tiny64):

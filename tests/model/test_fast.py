@@ -153,7 +153,7 @@ def test_prepare_keeps_file_names_and_rejects_bad_mode(tiny_model_path):
 def test_engine_fast_option_same_tokens(tiny_model_path):
     from tinyloop.engine import Engine
 
-    plain = Engine.load(tiny_model_path)
+    plain = Engine.load(tiny_model_path, fast=False)
     fast = Engine.load(tiny_model_path, fast=True)
     assert fast.model.decode_prepared and not getattr(plain.model, "decode_prepared", None)
     params = SamplingParams(max_tokens=16, loops=3, ignore_eos=True)

@@ -67,9 +67,10 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-             max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = False) -> "Engine":
-        """`fast=True` applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM weights for
-        16-bit models, thread policy): see docs/decode.md."""
+             max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True) -> "Engine":
+        """`fast=True` (the default) applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM
+        weights for 16-bit models on CPU, thread policy): see docs/decode.md. `fast=False` keeps the
+        plain eager modules (the reference the tests compare against)."""
         loaded = load_model(path, device=device, dtype=dtype)
         if fast:
             from ..model.fast import prepare_for_decode

@@ -212,7 +212,10 @@ def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
     from ..engine.generate import new_cache
     from ..modelfile import load_model
 
+    from ..model.fast import prepare_for_decode
+
     loaded = load_model(settings.model_path)
+    prepare_for_decode(loaded.model)  # fused projections, fp16 FBGEMM for 16-bit weights (docs/decode.md)
     kv = settings.kv_cache_mode
     if kv != "fp16":
         try:
