@@ -198,7 +198,7 @@ def main() -> int:
     loops_list = [int(x) for x in args.loops.split(",")]
     groups = [int(x) for x in args.groups.split(",")]
     t_start = time.perf_counter()
-    busy = os.popen("pgrep -f 'tinyloop train'").read().strip()
+    busy = os.popen("pgrep -f '[t]inyloop train'").read().strip()
 
     model, tok, source, src_bytes = load_float(args)
     cfg = model.cfg
