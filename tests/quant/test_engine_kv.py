@@ -16,10 +16,7 @@ def test_engine_generates_with_quantized_kv(loaded, kv, mode, window):
     engine = Engine(loaded, kv_format=kv)
     assert engine.model_info()["kv_cache_mode"] == kv
     params = SamplingParams(max_tokens=12, mode=mode, cache_window=window, ignore_eos=True)
-    try:
-        res = engine.generate("The cat sat on the", params)
-    except NotImplementedError:
-        pytest.skip(f"mode {mode} not in this build")
+    res = engine.generate("The cat sat on the", params)
     assert res.completion_tokens == 12
     if kv == "int8" and mode == "generate" and window == 0:
         ref = Engine(loaded).generate("The cat sat on the", params)
@@ -29,11 +26,8 @@ def test_engine_generates_with_quantized_kv(loaded, kv, mode, window):
 def test_quantized_kv_speculative_greedy_equals_plain(loaded):
     engine = Engine(loaded, kv_format="int4-h")
     plain = engine.generate("Once upon a time", SamplingParams(max_tokens=16, ignore_eos=True))
-    try:
-        spec = engine.generate("Once upon a time", SamplingParams(max_tokens=16, ignore_eos=True,
-                                                                  mode="speculative", draft_loops=1))
-    except NotImplementedError:
-        pytest.skip("speculative mode not in this build")
+    spec = engine.generate("Once upon a time", SamplingParams(max_tokens=16, ignore_eos=True,
+                                                              mode="speculative", draft_loops=1))
     assert spec.token_ids == plain.token_ids
 
 

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from tinyloop.server.generation import speculative_available
 from tinyloop.server.settings import Settings
 
 from .conftest import ServerThread, metric, sse_events
@@ -145,14 +144,11 @@ def test_speculative_routes(tiny_server):
     for path, extra in [("/generate/speculative", {"draft_loops": 1, "verify_loops": 3}),
                         ("/generate/tree_speculative", {"draft_loops": 1, "verify_loops": 3, "K_branches": 2})]:
         r = post(tiny_server, path, {"prompt": "Hello", "max_tokens": 4, **extra})
-        if speculative_available():
-            assert r.status_code == 200 and r.json()["stats"]["mode"] == path.rsplit("/", 1)[-1]
-            plain = post(tiny_server, "/generate", {"prompt": "Hello", "max_tokens": 4, "loops": 3}).json()
-            assert r.json()["tokens"] == plain["tokens"]
-        else:
-            assert assert_error(r, 501, "mode")["type"] == "not_implemented_error"
+        assert r.status_code == 200 and r.json()["stats"]["mode"] == path.rsplit("/", 1)[-1]
+        plain = post(tiny_server, "/generate", {"prompt": "Hello", "max_tokens": 4, "loops": 3}).json()
+        assert r.json()["tokens"] == plain["tokens"]
     r = post(tiny_server, "/api/v0/completions", {"model": "m", "prompt": "Hi", "mode": "speculative", "stream": True})
-    assert r.status_code == (200 if speculative_available() else 501)
+    assert r.status_code == 200
     assert_error(post(tiny_server, "/api/v0/completions", {"model": "m", "prompt": "Hi", "mode": "beam"}), 400, "mode")
 
 

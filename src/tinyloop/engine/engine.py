@@ -17,6 +17,7 @@ import torch
 from ..errors import ValidationError
 from ..modelfile import LoadedModel, load_model, model_info
 from ..stops import StopMatcher
+from . import speculative
 from .generate import generate_ids
 from .params import SamplingParams
 from .sampling import Sampler
@@ -111,10 +112,6 @@ class Engine:
         sampler = Sampler(params, prompt_ids, self.config.vocab_size)
         if params.mode == "generate":
             return generate_ids(self.model, prompt_ids, params, sampler, kv_format=self.kv_format)
-        try:
-            from . import speculative
-        except ImportError:
-            raise NotImplementedError(f"mode {params.mode!r} is not available in this build") from None
         return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats,
                                            kv_format=self.kv_format)
 

@@ -6,7 +6,6 @@ abort on disconnect).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import secrets
 import time
 from dataclasses import dataclass
@@ -48,10 +47,6 @@ class Result:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def speculative_available() -> bool:
-    return importlib.util.find_spec("tinyloop.engine.speculative") is not None
-
-
 class ServerState:
     """What routes need: the settings, the engine worker, metrics and the model's identity."""
 
@@ -82,9 +77,6 @@ class ServerState:
             return ids
 
         ids = await anyio.to_thread.run_sync(prepare)
-        if params.mode != "generate" and not speculative_available():
-            raise APIError(501, f"mode {params.mode!r} is not available in this build yet "
-                                f"(speculative decoding has not landed)", param="mode", code="mode_not_available")
         return self.worker.submit(ids, params)
 
 
