@@ -11,3 +11,7 @@ class ValidationError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class RequestTimeout(RuntimeError):
+    """A request ran out of its time (`timeout_s`) before producing anything."""

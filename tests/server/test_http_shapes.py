@@ -155,7 +155,8 @@ def test_speculative_routes(tiny_server):
 def test_errors(tiny_server):
     chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "temperature": 2.5}), 400, "temperature")
-    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "n": 3}), 400, "n")
+    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "n": 9}), 400, "n")
+    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "timeout_s": 0}), 400, "timeout_s")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "max_tokens": 0}), 400, "max_tokens")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "top_p": 0}), 400, "top_p")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "presence_penalty": -3}), 400, "presence_penalty")
@@ -255,23 +256,20 @@ def test_kv_env_mapping(env, mode):
 
 
 def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
-    engine = tiny_server.app.state.tl.worker.engine
-    real = engine.token_ids
+    runner = tiny_server.app.state.tl.worker.batch.runner
+    real = runner.execute
+    calls = {"n": 0}
 
-    def failing(prompt_ids, params, run_stats):
-        def gen():
-            it = real(prompt_ids, params, run_stats)
-            try:
-                yield next(it)
-                yield next(it)
-                raise RuntimeError("simulated kernel failure")
-            finally:
-                it.close()
-        return gen()
+    def failing(chunks, copies=()):  # the batched step fails after two good steps
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("simulated kernel failure")
+        return real(chunks, copies)
 
-    monkeypatch.setattr(engine, "token_ids", failing)
+    monkeypatch.setattr(runner, "execute", failing)
     e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 5}), 500)
     assert e["type"] == "server_error" and "simulated kernel failure" in e["message"]
+    calls["n"] = 0
     r = post(tiny_server, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
                                                    "max_tokens": 5, "stream": True, "temperature": 0})
     assert r.status_code == 200  # the stream had started: the error arrives as an event, then [DONE]

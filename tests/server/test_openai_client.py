@@ -115,7 +115,7 @@ def test_error_classes(client, served, model_id):
         client.chat.completions.create(model=model_id, messages=msgs, temperature=3.5)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model_id, messages=msgs, n=2)
+        client.chat.completions.create(model=model_id, messages=msgs, n=9)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_id, prompt="Hi", max_tokens=8192)

@@ -29,6 +29,7 @@ class StreamEvent:
     text: str                      # whole UTF-8 characters, stop text removed, may be ""
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # on the final event only
+    index: int = 0                 # which of the request's `n` choices this event belongs to
 
 
 @dataclass
@@ -45,6 +46,53 @@ class GenerationResult:
     @property
     def completion_tokens(self) -> int:
         return self.stats["completion_tokens"]
+
+
+class TextStream:
+    """Token ids -> text events for one output: streaming detokenizer, stop ids and stop strings, stats.
+
+    `feed(tok)` returns the event for one token (None when the token is a stop id: it is not shown) and
+    sets `stopped` once a stop id or stop string ended the output; `close()` gives the final event."""
+
+    def __init__(self, tokenizer, params: SamplingParams, n_prompt: int, eos_token_id: int, loops_used: int,
+                 t0: float, index: int = 0):
+        self.params, self.n_prompt, self.loops_used, self.t0, self.index = params, n_prompt, loops_used, t0, index
+        self.detok = tokenizer.detokenizer()
+        self.stops = StopMatcher(params.stop)
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.add(eos_token_id)
+        self.n = 0
+        self.ttft: float | None = None
+        self.stopped = False
+
+    def feed(self, tok: int) -> StreamEvent | None:
+        self.n += 1
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        if tok in self.stop_ids:
+            self.stopped = True
+            return None
+        text = self.stops.feed(self.detok.add(tok))
+        self.stopped = self.stops.stopped
+        return StreamEvent([tok], text, index=self.index)
+
+    def close(self, run_stats: dict[str, Any] | None = None, finish_reason: str | None = None) -> StreamEvent:
+        """The final event: the held-back text, finish_reason ("stop" or "length" unless given) and stats."""
+        tail = "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        wall = time.perf_counter() - self.t0
+        stats = {
+            "wall_ms": round(wall * 1000, 2),
+            "tokens_per_second": round(self.n / wall, 2) if wall > 0 else 0.0,
+            "time_to_first_token_ms": round((self.ttft or wall) * 1000, 2),
+            "prompt_tokens": self.n_prompt,
+            "completion_tokens": self.n,
+            "mode": self.params.mode,
+            "loops_used": self.loops_used,
+            **(run_stats or {}),
+        }
+        reason = finish_reason or ("stop" if self.stopped else "length")
+        return StreamEvent([], tail, reason, stats, index=self.index)
 
 
 class Engine:
@@ -107,9 +155,10 @@ class Engine:
         return params
 
     # -- generation -------------------------------------------------------------------------
-    def token_ids(self, prompt_ids: list[int], params: SamplingParams, run_stats: dict[str, Any]) -> Iterator[int]:
+    def token_ids(self, prompt_ids: list[int], params: SamplingParams, run_stats: dict[str, Any],
+                  sampler: Sampler | None = None) -> Iterator[int]:
         """Dispatch on params.mode to an id generator. `run_stats` collects mode-specific figures."""
-        sampler = Sampler(params, prompt_ids, self.config.vocab_size)
+        sampler = sampler or Sampler(params, prompt_ids, self.config.vocab_size)
         if params.mode == "generate":
             return generate_ids(self.model, prompt_ids, params, sampler, kv_format=self.kv_format)
         return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats,
@@ -125,40 +174,21 @@ class Engine:
     def _stream(self, ids: list[int], params: SamplingParams, t0: float) -> Iterator[StreamEvent]:
         run_stats: dict[str, Any] = {}
         gen = self.token_ids(ids, params, run_stats)
-        detok = self.tokenizer.detokenizer()
-        stops = StopMatcher(params.stop)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.add(self.config.eos_token_id)
-        n, ttft, finish = 0, None, "length"
+        text = self.text_stream(ids, params, t0)
         try:
             for tok in gen:
-                n += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if tok in stop_ids:
-                    finish = "stop"
-                    break
-                text = stops.feed(detok.add(tok))
-                yield StreamEvent([tok], text)
-                if stops.stopped:
-                    finish = "stop"
+                ev = text.feed(tok)
+                if ev is not None:
+                    yield ev
+                if text.stopped:
                     break
         finally:
             gen.close()
-        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        wall = time.perf_counter() - t0
-        stats = {
-            "wall_ms": round(wall * 1000, 2),
-            "tokens_per_second": round(n / wall, 2) if wall > 0 else 0.0,
-            "time_to_first_token_ms": round((ttft or wall) * 1000, 2),
-            "prompt_tokens": len(ids),
-            "completion_tokens": n,
-            "mode": params.mode,
-            "loops_used": params.effective_loops(self.config.default_loops),
-            **run_stats,
-        }
-        yield StreamEvent([], tail, finish, stats)
+        yield text.close(run_stats)
+
+    def text_stream(self, ids: list[int], params: SamplingParams, t0: float, index: int = 0) -> "TextStream":
+        return TextStream(self.tokenizer, params, len(ids), self.config.eos_token_id,
+                          params.effective_loops(self.config.default_loops), t0, index)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
         toks: list[int] = []

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ValidationError
+from ..errors import RequestTimeout, ValidationError
 
 log = logging.getLogger("tinyloop.server")
 
@@ -54,6 +54,8 @@ def from_engine_failure(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ValidationError):
         return from_validation(exc)
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc), code="timeout")
     if isinstance(exc, NotImplementedError):
         return APIError(501, str(exc) or "not implemented in this build", code="not_implemented")
     return APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",

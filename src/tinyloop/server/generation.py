@@ -67,7 +67,8 @@ class ServerState:
         return {"stats": stats, "model_info": self.model_info(), "runtime": self.runtime()}
 
     # -- running a request ----------------------------------------------------------------------
-    async def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
+    async def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1,
+                     timeout_s: float | None = None) -> RequestHandle:
         """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop."""
         engine = self.worker.require_engine()
 
@@ -77,13 +78,15 @@ class ServerState:
             return ids
 
         ids = await anyio.to_thread.run_sync(prepare)
-        return self.worker.submit(ids, params)
+        return self.worker.submit(ids, params, n=n, timeout_s=timeout_s)
 
 
-async def collect(handle: RequestHandle, request: Request) -> Result:
-    """Wait for a whole generation; abort it if the client goes away meanwhile."""
-    toks: list[int] = []
-    parts: list[str] = []
+async def collect(handle: RequestHandle, request: Request) -> list[Result]:
+    """Wait for a whole generation (every one of its `n` choices, in index order); abort it if the client
+    goes away meanwhile."""
+    toks: dict[int, list[int]] = {}
+    parts: dict[int, list[str]] = {}
+    results: dict[int, Result] = {}
     done = False
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
@@ -102,14 +105,24 @@ async def collect(handle: RequestHandle, request: Request) -> Result:
             if item is None:
                 done = True
                 raise APIError(500, "the engine ended a request without a result", code="engine_error")
-            toks += item.token_ids
-            parts.append(item.text)
+            toks.setdefault(item.index, []).extend(item.token_ids)
+            parts.setdefault(item.index, []).append(item.text)
             if item.finish_reason is not None:
-                done = handle.delivered = True
-                return Result(toks, "".join(parts), item.finish_reason, item.stats or {})
+                results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
+                                             item.finish_reason, item.stats or {})
+                if len(results) == handle.n:
+                    done = handle.delivered = True
+                    return [results[i] for i in range(handle.n)]
     finally:
         if not done:
             handle.abort()
+
+
+def total_usage(results: list[Result]) -> dict[str, int]:
+    """One prompt, n completions: prompt tokens counted once (the prefill is shared)."""
+    p = results[0].stats["prompt_tokens"]
+    c = sum(r.stats["completion_tokens"] for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
@@ -132,7 +145,7 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
         if isinstance(item, BaseException):
             return framer.error(from_engine_failure(item).body()), True
         if item.finish_reason is not None:
-            return framer.close(item), True
+            return framer.close(item), framer.done
         return framer.event(item), False
 
     async def body():

@@ -31,6 +31,8 @@ class Metrics:
         self.queue_depth = Gauge("tinyloop_queue_depth", "requests waiting for the engine", registry=r)
         self.active = Gauge("tinyloop_active_generations",
                             "requests the engine is generating for now (each holds a KV cache)", registry=r)
+        self.running = Gauge("tinyloop_running_sequences", "sequences in the running batch", registry=r)
+        self.kv_pages_used = Gauge("tinyloop_kv_pages_used", "KV cache pages held by sequences", registry=r)
         self.engine_loaded = Gauge("tinyloop_engine_loaded", "1 when the model is loaded and serving", registry=r)
 
     def render(self) -> bytes:

@@ -17,10 +17,10 @@ router = APIRouter()
 
 async def run_generate(request: Request, body: GenerateRequest):
     state = state_of(request)
-    handle = await state.submit(body.prompt, body.sampling_params())
+    handle = await state.submit(body.prompt, body.sampling_params(), timeout_s=body.timeout_s)
     if body.stream:
         return await stream(handle, NativeFramer(id="", created=0, model=""), state.settings.keepalive_s)
-    result = await collect(handle, request)
+    result = (await collect(handle, request))[0]
     return {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
             "stats": result.stats}
 

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from .errors import APIError
-from .generation import ServerState, collect, new_id, now, stream
+from .generation import ServerState, collect, new_id, now, stream, total_usage
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer
 
@@ -49,24 +49,28 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     """Shared by /v1 and /api/v0, chat and text completion."""
     state = state_of(request)
     params = body.sampling_params()
+    n = body.choices()
     prompt = body.prompt() if chat else body.prompt_input()
-    handle = await state.submit(prompt, params)
+    handle = await state.submit(prompt, params, n=n, timeout_s=body.timeout_s)
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     extras = state.lmstudio_extras if extended else None
     if body.wants_stream():
         cls = ChatFramer if chat else CompletionFramer
-        framer = cls(id=rid, created=created, model=body.model, include_usage=body.include_usage(), extras=extras)
+        framer = cls(id=rid, created=created, model=body.model, include_usage=body.include_usage(), extras=extras,
+                     n=n)
         return await stream(handle, framer, state.settings.keepalive_s)
-    result = await collect(handle, request)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason}
-    else:
-        choice = {"text": result.text, "index": 0, "finish_reason": result.finish_reason}
+    results = await collect(handle, request)
+    choices = []
+    for i, result in enumerate(results):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
+                            "finish_reason": result.finish_reason})
+        else:
+            choices.append({"text": result.text, "index": i, "finish_reason": result.finish_reason})
     out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-           "model": body.model, "choices": [choice], "usage": result.usage()}
+           "model": body.model, "choices": choices, "usage": total_usage(results)}
     if extras:
-        out.update(extras(result.stats))
+        out.update(extras(results[0].stats))
     return out
 
 

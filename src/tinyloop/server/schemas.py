@@ -82,6 +82,14 @@ def _seed(value: int | None, param: str) -> int | None:
     return value
 
 
+MAX_N = 8
+
+
+def check_timeout(value: float | None) -> None:
+    if value is not None and not 0 < value <= 86400:
+        raise ValidationError(f"timeout_s: must be in (0, 86400] seconds, got {value}", param="timeout_s")
+
+
 class OpenAIRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
 
@@ -100,6 +108,7 @@ class OpenAIRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     loops: int | None = None             # TinyLoop extension, 1..max_loops
+    timeout_s: float | None = None       # TinyLoop extension: time limit for this request
     user: str | None = None
 
     def check_unsupported(self) -> None:
@@ -123,10 +132,8 @@ class OpenAIRequest(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         self.check_unsupported()
-        n = _or(self.n, 1)
-        if n != 1:
-            raise ValidationError(f"n: must be 1 (got {n}); several choices per request are not implemented yet",
-                                  param="n")
+        self.choices()
+        check_timeout(self.timeout_s)
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
@@ -137,6 +144,12 @@ class OpenAIRequest(BaseModel):
 
     def extension_params(self) -> dict[str, Any]:
         return {}
+
+    def choices(self) -> int:
+        n = _or(self.n, 1)
+        if not 1 <= n <= MAX_N:
+            raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
+        return n
 
 
 class LMStudioKnobs(BaseModel):
@@ -212,8 +225,10 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     stop: str | list[str] | list[int] | None = None
     cache_window: int = 0
+    timeout_s: float | None = None          # time limit for this request (default: the server's)
 
     def sampling_params(self) -> SamplingParams:
+        check_timeout(self.timeout_s)
         stop: list[str] = []
         stop_ids: list[int] = []
         if isinstance(self.stop, str):

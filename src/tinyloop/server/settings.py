@@ -12,6 +12,11 @@ Environment (see docs/server.md):
     TINYLOOP_MAX_BODY_BYTES request bodies above this get 413 (default 1 MiB)
     TINYLOOP_MAX_QUEUE      requests waiting for the engine above this get 429 (default 64)
     TINYLOOP_SSE_KEEPALIVE_S  seconds without an event before a `: keepalive` comment (default 2)
+    TINYLOOP_MAX_NUM_SEQS   sequences in the running batch at most (default 32)
+    TINYLOOP_MAX_BATCHED_TOKENS  tokens per batched step: decode tokens + prefill chunks (default 512)
+    TINYLOOP_KV_POOL_MB     KV page pool size (default: max_num_seqs full contexts, at most 1024 MiB)
+    TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
+    TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ class Settings:
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
     keepalive_s: float = 2.0
+    max_num_seqs: int = 32
+    max_batched_tokens: int = 512
+    kv_pool_mb: int | None = None
+    request_timeout_s: float = 0.0
+    shutdown_grace_s: float = 10.0
     warnings: list[str] = field(default_factory=list)
 
     @classmethod
@@ -92,5 +102,10 @@ class Settings:
             max_body_bytes=_int_env(env, "TINYLOOP_MAX_BODY_BYTES", 1 << 20),
             max_queue=_int_env(env, "TINYLOOP_MAX_QUEUE", 64),
             keepalive_s=_float_env(env, "TINYLOOP_SSE_KEEPALIVE_S", 2.0),
+            max_num_seqs=_int_env(env, "TINYLOOP_MAX_NUM_SEQS", 32),
+            max_batched_tokens=_int_env(env, "TINYLOOP_MAX_BATCHED_TOKENS", 512),
+            kv_pool_mb=_int_env(env, "TINYLOOP_KV_POOL_MB", None),
+            request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
+            shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             warnings=warnings,
         )

@@ -28,10 +28,22 @@ class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool = False,
-                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1):
         self.id, self.created, self.model = id, created, model
         self.include_usage = include_usage
         self.extras = extras  # /api/v0: stats, model_info, runtime on the final chunk
+        self.n = n            # choices; the stream ends after the last one's final event
+        self.closed: dict[int, dict[str, Any]] = {}  # index -> stats of each finished choice
+
+    @property
+    def done(self) -> bool:
+        return len(self.closed) >= self.n
+
+    def usage(self) -> dict[str, int]:
+        """Prompt tokens once (the n choices share the prefill), completion tokens summed."""
+        p = next(iter(self.closed.values()), {}).get("prompt_tokens", 0)
+        c = sum(st.get("completion_tokens", 0) for st in self.closed.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def open(self) -> list[bytes]:
         return []
@@ -57,22 +69,26 @@ class ChatFramer(Framer):
         out.update(more)
         return out
 
-    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "finish_reason": finish}
+    def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": finish}
 
     def open(self) -> list[bytes]:
-        return [frame(self._chunk(self._delta({"role": "assistant"})))]
+        return [frame(self._chunk(self._delta({"role": "assistant"}, index=i))) for i in range(self.n)]
 
     def event(self, ev: StreamEvent) -> list[bytes]:
-        return [frame(self._chunk(self._delta({"content": ev.text})))] if ev.text else []
+        return [frame(self._chunk(self._delta({"content": ev.text}, index=ev.index)))] if ev.text else []
 
     def close(self, ev: StreamEvent) -> list[bytes]:
+        """The final chunk of one choice; after the last choice, the usage chunk (if asked) and [DONE]."""
         stats = ev.stats or {}
+        self.closed[ev.index] = stats
         out = self.event(ev)  # the flushed tail, if any
         extra = self.extras(stats) if self.extras else {}
-        out.append(frame(self._chunk(self._delta({}, ev.finish_reason), **extra)))
+        out.append(frame(self._chunk(self._delta({}, ev.finish_reason, index=ev.index), **extra)))
+        if not self.done:
+            return out
         if self.include_usage:
-            out.append(frame(self._chunk(None, usage=usage(stats))))
+            out.append(frame(self._chunk(None, usage=self.usage())))
         out.append(DONE)
         return out
 
@@ -80,8 +96,8 @@ class ChatFramer(Framer):
 class CompletionFramer(ChatFramer):
     object = "text_completion"
 
-    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"text": delta.get("content", ""), "index": 0, "finish_reason": finish}
+    def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
+        return {"text": delta.get("content", ""), "index": index, "finish_reason": finish}
 
     def open(self) -> list[bytes]:
         return []
@@ -96,5 +112,6 @@ class NativeFramer(Framer):
         return [frame({"token_id": t, "text": ev.text if i == len(ids) - 1 else ""}) for i, t in enumerate(ids)]
 
     def close(self, ev: StreamEvent) -> list[bytes]:
+        self.closed[ev.index] = ev.stats or {}
         return [frame({"token_id": -1, "text": ev.text, "finish_reason": ev.finish_reason,
                        "stats": ev.stats or {}}), DONE]

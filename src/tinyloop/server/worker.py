@@ -1,14 +1,16 @@
 """The engine owner: one thread owns the model and its KV memory; requests reach it through a queue.
 
-The HTTP side talks to it through two calls only, which a continuous-batching scheduler can keep:
+The HTTP side talks to it through three calls:
 
-    handle = worker.submit(prompt_ids, params)   # validated already; raises APIError 503/429
-    item = await handle.next(timeout)            # StreamEvent | Exception; None once finished
-    handle.abort()                               # client went away: stop and free the KV cache
+    handle = worker.submit(prompt_ids, params, n=1)  # validated already; raises APIError 503/429
+    item = await handle.next(timeout)                # StreamEvent | Exception; None once finished
+    handle.abort()                                   # client went away: stop and free its KV pages
 
-Each request's events go to its own asyncio queue via `loop.call_soon_threadsafe`, so nothing blocks
-the event loop. An aborted request is noticed between two tokens (or skipped if still queued); closing
-its stream generator frees its KV cache at once.
+The thread runs a continuous batch (`engine.serving.BatchEngine`): every iteration takes in the
+requests that arrived, drops the aborted ones (their KV pages go back to the pool at once) and runs one
+batched step for everything in flight. Each request's events go to its own asyncio queue via
+`loop.call_soon_threadsafe`, so nothing blocks the event loop. Past `max_queue` requests waiting for
+their first token, `submit` answers 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from ..engine import Engine, SamplingParams, StreamEvent
+from ..engine.serving import BatchEngine, Request
 from ..errors import ValidationError
 from .errors import APIError
 from .metrics import Metrics
@@ -39,9 +44,13 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None
+    started: float | None = None  # when it got into the running batch
+    got_token: bool = False
     _events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _abort: threading.Event = field(default_factory=threading.Event)
+    n: int = 1                   # choices to generate (siblings share the prompt's prefill)
+    timeout_s: float | None = None
+    req: Any = None              # the BatchEngine's Request once admitted
     finished: bool = False       # the HTTP side has read the end of the request's events
     delivered: bool = False      # the HTTP side has handed the final result to its client
 
@@ -88,7 +97,8 @@ class RequestHandle:
 
 
 class EngineWorker:
-    """Loads the engine in its own thread, then runs queued requests one at a time."""
+    """Loads the engine in its own thread, then serves every queued request through one `BatchEngine`:
+    each loop iteration takes in new requests, drops aborted ones, and runs one batched step."""
 
     def __init__(self, settings: Settings, metrics: Metrics,
                  loader: Callable[[Settings], tuple[Engine, list[str]]] | None = None):
@@ -96,13 +106,16 @@ class EngineWorker:
         self.metrics = metrics
         self.loader = loader or load_engine
         self.engine: Engine | None = None
+        self.batch: BatchEngine | None = None
         self.state = "loading"                # loading | ready | failed
         self.error: str | None = None         # why the engine is not ready
         self.warnings: list[str] = list(settings.warnings)
         self.ready = threading.Event()        # set once loading ended, either way
-        self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
-        self._waiting = 0
+        self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._waiting = 0                     # submitted, not yet holding a token (inbox + scheduler queue)
         self._lock = threading.Lock()
+        self._closing = False
+        self._active: dict[int, tuple[RequestHandle, Request]] = {}
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -110,9 +123,13 @@ class EngineWorker:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
+    def stop(self, timeout: float | None = None) -> None:
+        """Graceful shutdown: refuse new requests, let in-flight ones finish for up to the grace period
+        (`settings.shutdown_grace_s`), then fail what is left with a 503 error event."""
+        self._closing = True
+        self._inbox.put(None)
+        grace = self.settings.shutdown_grace_s if timeout is None else timeout
+        self._thread.join(grace + 5.0)
 
     @property
     def queue_depth(self) -> int:
@@ -127,17 +144,23 @@ class EngineWorker:
         raise APIError(503, f"the engine is not loaded: {self.error}", code="model_not_loaded")
 
     # -- the HTTP side's interface ----------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1,
+               timeout_s: float | None = None) -> RequestHandle:
         """Queue a validated request. Must be called from the event loop that will read the handle."""
         self.require_engine()
+        if self._closing:
+            raise APIError(503, "the server is shutting down; retry on another instance",
+                           code="shutting_down", headers={"Retry-After": "5"})
         with self._lock:
             if self._waiting >= self.settings.max_queue:
                 raise APIError(429, f"the request queue is full ({self.settings.max_queue} waiting); retry later",
                                code="queue_full", headers={"Retry-After": "1"})
             self._waiting += 1
         self.metrics.queue_depth.set(self._waiting)
-        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
-        self._queue.put(handle)
+        if timeout_s is None and self.settings.request_timeout_s > 0:
+            timeout_s = self.settings.request_timeout_s
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), n=n, timeout_s=timeout_s)
+        self._inbox.put(handle)
         return handle
 
     # -- the engine thread ------------------------------------------------------------------------
@@ -145,6 +168,9 @@ class EngineWorker:
         try:
             self.engine, warnings = self.loader(self.settings)
             self.warnings += warnings
+            s = self.settings
+            self.batch = BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
+                                     kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20)
             self.state = "ready"
             self.metrics.engine_loaded.set(1)
         except Exception as exc:  # noqa: BLE001 - the server stays up and reports why
@@ -152,57 +178,120 @@ class EngineWorker:
             log.error("engine failed to load: %s", self.error)
         finally:
             self.ready.set()
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-            self.metrics.queue_depth.set(self._waiting)
-            self._serve(handle)
+        if self.batch is None:
+            while self._inbox.get() is not None:  # nothing is accepted without an engine
+                pass
+            return
+        stop_at: float | None = None
+        with torch.inference_mode():
+            while True:
+                items: list[RequestHandle | None] = []
+                try:  # wait for work when idle; otherwise take what has arrived and step at once
+                    items.append(self._inbox.get(timeout=0.5) if not self.batch.has_work else self._inbox.get_nowait())
+                    while True:
+                        items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                for handle in items:
+                    if handle is None:
+                        stop_at = time.monotonic() + self.settings.shutdown_grace_s
+                    else:
+                        self._admit(handle)
+                self._drop_aborted()
+                self._update_gauges()
+                if stop_at is not None and (not self.batch.has_work or time.monotonic() >= stop_at):
+                    self._fail_all(APIError(503, "the server shut down before this request finished",
+                                            code="shutting_down"))
+                    return
+                if self.batch.has_work:
+                    self.batch.step()
 
-    def _serve(self, handle: RequestHandle) -> None:
+    def _admit(self, handle: RequestHandle) -> None:
         m = self.metrics
-        handle.started = time.perf_counter()
-        m.queue_wait.observe(handle.started - handle.submitted)
         if handle.aborted:  # the client left while queued
+            self._dequeued()
             m.aborted.inc()
             return
-        m.active.inc()
-        n_tokens = 0
         try:
-            stream = self.engine.stream(handle.prompt_ids, handle.params)
-            try:
-                for ev in stream:
-                    if n_tokens == 0 and ev.token_ids:
-                        m.ttft.observe(time.perf_counter() - handle.submitted)
-                    n_tokens += len(ev.token_ids)
-                    if ev.finish_reason is not None:
-                        self._account(ev.stats or {}, ev.finish_reason, handle)
-                    handle._put(ev)
-                    if ev.finish_reason is None and handle.aborted:
-                        m.aborted.inc()
-                        m.prompt_tokens.inc(len(handle.prompt_ids))
-                        m.generated_tokens.inc(n_tokens)
-                        break
-            finally:
-                stream.close()  # frees the request's KV cache now, not at garbage collection
-            if not handle.aborted:
-                handle._put(None)
-        except Exception as exc:  # noqa: BLE001 - reported to the request, the worker keeps serving
-            if not isinstance(exc, (NotImplementedError, ValidationError)):
-                log.exception("request %d failed in the engine", handle.id)
+            req = self.batch.add(handle.prompt_ids, handle.params, self._emitter(handle), n=handle.n,
+                                 timeout_s=handle.timeout_s, on_admit=lambda: self._started(handle))
+        except Exception as exc:  # noqa: BLE001 - reported to the request
+            self._dequeued()
             m.failed.inc()
             handle._put(exc)
             handle._put(None)
-        finally:
-            m.active.dec()
-            m.generation_seconds.observe(time.perf_counter() - handle.started)
+            return
+        handle.req = req
+        self._active[handle.id] = (handle, req)
+        m.active.inc()
 
-    def _account(self, stats: dict[str, Any], finish: str, handle: RequestHandle) -> None:
-        self.metrics.prompt_tokens.inc(stats.get("prompt_tokens", len(handle.prompt_ids)))
-        self.metrics.generated_tokens.inc(stats.get("completion_tokens", 0))
-        self.metrics.generations.labels(finish).inc()
+    def _emitter(self, handle: RequestHandle) -> Callable[[Any], None]:
+        m = self.metrics
+
+        def emit(item: Any) -> None:
+            if isinstance(item, StreamEvent):
+                if item.token_ids and not handle.got_token:
+                    handle.got_token = True
+                    m.ttft.observe(time.perf_counter() - handle.submitted)
+                if item.finish_reason is not None:
+                    stats = item.stats or {}
+                    m.generated_tokens.inc(stats.get("completion_tokens", 0))
+                    m.generations.labels(item.finish_reason).inc()
+                    if item.index == 0:
+                        m.prompt_tokens.inc(stats.get("prompt_tokens", len(handle.prompt_ids)))
+            elif isinstance(item, BaseException):
+                if not isinstance(item, (NotImplementedError, ValidationError, APIError)):
+                    log.error("request %d failed in the engine: %s", handle.id, item)
+                m.failed.inc()
+            elif item is None:
+                self._retire(handle)
+            handle._put(item)
+
+        return emit
+
+    def _started(self, handle: RequestHandle) -> None:
+        """The request got into the running batch: it no longer counts against the queue limit."""
+        if handle.started is None:
+            handle.started = time.perf_counter()
+            self._dequeued()
+            self.metrics.queue_wait.observe(handle.started - handle.submitted)
+
+    def _retire(self, handle: RequestHandle) -> None:
+        if self._active.pop(handle.id, None) is not None:
+            self.metrics.active.dec()
+            self.metrics.generation_seconds.observe(time.perf_counter() - handle.submitted)
+        if handle.started is None:  # ended (aborted, failed, timed out) before it ran
+            handle.started = time.perf_counter()
+            self._dequeued()
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+        self.metrics.queue_depth.set(self._waiting)
+
+    def _drop_aborted(self) -> None:
+        for hid, (handle, req) in list(self._active.items()):
+            if handle.aborted:
+                self.batch.abort(req)
+                self.metrics.aborted.inc()
+                self._retire(handle)
+
+    def _fail_all(self, err: APIError) -> None:
+        for handle, req in list(self._active.values()):
+            self.batch.fail(req, err)  # emits the error and the end: _retire runs through the emitter
+        while True:
+            try:
+                handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                self._dequeued()
+                handle._put(err)
+                handle._put(None)
+
+    def _update_gauges(self) -> None:
+        self.metrics.kv_pages_used.set(self.batch.sched.pool.n_pages - self.batch.sched.pool.num_free)
+        self.metrics.running.set(self.batch.num_running)
 
 
 def load_engine(settings: Settings) -> tuple[Engine, list[str]]:

@@ -1,0 +1,236 @@
+"""The batched runner: one forward pass over the chunks a `Scheduler` step chose, KV in a paged pool.
+
+All the step's tokens are packed into one (1, N, dim) row block, so every linear layer reads its
+weights once for the whole batch. Chunks are ordered by loop count, deepest first, so the rows still
+looping at loop r are a prefix: a sequence stops taking part after its last loop and its rows go
+straight on to the coda. Attention is per chunk, over that sequence's own pages.
+
+Paged storage: `PagedKV` keeps keys and values as (n_pages, Hkv, page_size, D) float tensors, or, for
+the quantized KV formats, codes plus a float16 scale and offset per (token, head) vector, exactly as
+`model.cache.QuantizedKV` does for a single request (int4-h rotates by a Hadamard matrix first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import LoopedTransformer
+from ..model.cache import check_kv_format
+from ..model.layers import apply_rope, attention_mask
+from ..quant.hadamard import hadamard_matrix
+from ..quant.kv import bytes_per_vector, dequantize_vectors, kv_format_rotates, quantize_vectors
+from .scheduler import ScheduledChunk, Sequence
+
+
+def n_slots(model: LoopedTransformer, loops: int) -> int:
+    c = model.cfg
+    return c.n_prelude + c.n_coda + loops * c.n_core
+
+
+def cache_dtype(model: LoopedTransformer) -> torch.dtype:
+    """The float dtype KV is kept in: the weights' (as for a single request's cache), at least float16."""
+    p = next(model.parameters())
+    return p.dtype if p.dtype.is_floating_point else torch.float32
+
+
+class _PagedTensor:
+    """Keys or values of every page: float storage, or codes + scale + offset (quantized formats)."""
+
+    def __init__(self, shape, dtype, device, bits: int | None, rotate: bool):
+        n_pages, hkv, ps, d = shape
+        self.dtype, self.bits = dtype, bits
+        if bits is None:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+            self.parts = [self.data]
+            self.H = None
+            return
+        self.codes = torch.zeros(n_pages, hkv, ps, d * bits // 8, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(n_pages, hkv, ps, 1, dtype=torch.float16, device=device)
+        self.offset = torch.zeros(n_pages, hkv, ps, 1, dtype=torch.float16, device=device)
+        self.parts = [self.codes, self.scale, self.offset]
+        rdt = torch.float64 if dtype == torch.float64 else torch.float32
+        self.H = hadamard_matrix(d, rdt, device) if rotate else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    def write(self, pages: torch.Tensor, offs: torch.Tensor, x: torch.Tensor) -> None:
+        """x: (Hkv, T, D) for the T positions at (pages[t], offs[t])."""
+        x = x.transpose(0, 1)                                         # (T, Hkv, D)
+        if self.bits is None:
+            self.data[pages, :, offs] = x.to(self.dtype)
+            return
+        if self.H is not None:
+            x = x.to(self.H.dtype) @ self.H
+        codes, scale, offset = quantize_vectors(x, self.bits)
+        self.codes[pages, :, offs] = codes
+        self.scale[pages, :, offs] = scale
+        self.offset[pages, :, offs] = offset
+
+    def read(self, pages: torch.Tensor, length: int) -> torch.Tensor:
+        """(Hkv, length, D) in the float dtype for a sequence whose pages (in order) are `pages`."""
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            g = t[pages]                                              # (nP, Hkv, ps, X)
+            return g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[3])[:, :length]
+        if self.bits is None:
+            return flat(self.data)
+        if self.H is None:
+            return dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.dtype)
+        x = dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.H.dtype)
+        return (x @ self.H).to(self.dtype)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in self.parts:
+            t[dst] = t[src]
+
+
+class PagedKV:
+    def __init__(self, model: LoopedTransformer, n_pages: int, page_size: int, kv_format: str = "fp16",
+                 dtype: torch.dtype | None = None):
+        cfg = model.cfg
+        bits = check_kv_format(cfg, kv_format)
+        self.kv_format, self.page_size, self.n_pages = kv_format, page_size, n_pages
+        self.dtype = dtype or cache_dtype(model)
+        device = next(model.parameters()).device
+        shape = (n_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
+        rotate = bits is not None and kv_format_rotates(kv_format)
+        self.k = _PagedTensor(shape, self.dtype, device, bits, rotate)
+        self.v = _PagedTensor(shape, self.dtype, device, bits, rotate)
+
+    @staticmethod
+    def page_bytes(model: LoopedTransformer, page_size: int, kv_format: str, dtype: torch.dtype | None = None) -> int:
+        cfg = model.cfg
+        elt = torch.tensor([], dtype=dtype or cache_dtype(model)).element_size()
+        return 2 * page_size * cfg.n_kv_heads * bytes_per_vector(cfg.head_dim, kv_format, elt)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        self.k.copy(src, dst)
+        self.v.copy(src, dst)
+
+
+class _Seg:
+    """One chunk's rows in the packed batch and its view of the pages, per step."""
+
+    def __init__(self, chunk: ScheduledChunk, row0: int, page_size: int, device):
+        self.chunk, self.seq = chunk, chunk.seq
+        self.row0, self.row1 = row0, row0 + chunk.n
+        self.start, self.end = chunk.start, chunk.start + chunk.n
+        pos = torch.arange(self.start, self.end, device=device)
+        self.positions = pos
+        self.page_idx = pos // page_size                # logical block of each new position
+        self.offs = pos % page_size
+        self.table = torch.tensor(chunk.seq.block_table, device=device)  # (blocks, slots) page ids
+        self._mask: dict[int, torch.Tensor | None] = {}
+
+    def mask(self, window: int, rep: int) -> torch.Tensor | None:
+        key = (window, rep)
+        if key not in self._mask:
+            T = self.end - self.start
+            if T == 1 and window == 0:
+                m = None  # one query sees every key up to itself
+            else:
+                m = attention_mask(self.positions, torch.arange(self.end, device=self.positions.device), window)
+                if rep > 1:
+                    m = m.repeat(rep, 1)
+            self._mask[key] = m
+        return self._mask[key]
+
+
+class BatchRunner:
+    def __init__(self, model: LoopedTransformer, kv: PagedKV):
+        self.model = model
+        self.kv = kv
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = ()) -> dict[int, torch.Tensor]:
+        """Run the chunks; returns {seq_id: logits (V,)} for each chunk that needs logits."""
+        self.kv.copy_pages(list(copies))
+        if not chunks:
+            return {}
+        m, cfg = self.model, self.model.cfg
+        order = sorted(chunks, key=lambda c: -c.seq.loops)   # deepest first: active rows are a prefix
+        segs, row = [], 0
+        for c in order:
+            segs.append(_Seg(c, row, self.kv.page_size, self.device))
+            row += c.n
+        tokens = torch.tensor([t for c in order for t in c.token_ids], device=self.device)[None]
+        positions = torch.cat([s.positions for s in segs])
+        dtype = m.act_dtype or m.embed.weight.dtype
+        cos, sin = m.rotary.cos_sin(positions, dtype)
+        x = m.embed(tokens)
+        if m.act_dtype is not None:
+            x = x.to(m.act_dtype)
+        base = cfg.n_prelude + cfg.n_coda
+        for i, blk in enumerate(m.prelude):
+            x = self._block(blk, x, i, segs, cos, sin)
+        e = x
+        h = m.init_state(e)
+        max_loops = max(c.seq.loops for c in order)
+        for r in range(max_loops):
+            active = [s for s in segs if s.seq.loops > r]
+            n = active[-1].row1
+            hx, ex = h[:, :n], e[:, :n]
+            if cfg.injection == "add":
+                hx = hx + ex
+            elif cfg.injection == "concat-adapter":
+                hx = m.adapter(torch.cat([hx, ex], dim=-1))
+            for j, blk in enumerate(m.core):
+                hx = self._block(blk, hx, base + r * cfg.n_core + j, active, cos[:n], sin[:n])
+            m.core_loop_tokens += n
+            if m.core_norm is not None:
+                hx = m.core_norm(hx)
+            h = hx if n == h.shape[1] else torch.cat([hx, h[:, n:]], dim=1)
+        x = h
+        for i, blk in enumerate(m.coda):
+            x = self._block(blk, x, cfg.n_prelude + i, segs, cos, sin)
+        want = [s for s in segs if s.chunk.needs_logits]
+        if not want:
+            return {}
+        rows = torch.tensor([s.row1 - 1 for s in want], device=self.device)
+        logits = m.logits(x[:, rows])[0]                                       # (k, V)
+        return {s.seq.seq_id: logits[i] for i, s in enumerate(want)}
+
+    def _block(self, blk, x, slot: int, segs: list[_Seg], cos, sin) -> torch.Tensor:
+        x = x + self._attention(blk.attn, blk.attn_norm(x), slot, segs, cos, sin)
+        return x + blk.mlp(blk.mlp_norm(x))
+
+    def _attention(self, attn, a: torch.Tensor, slot: int, segs: list[_Seg], cos, sin) -> torch.Tensor:
+        _, N, _ = a.shape
+        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if attn.wqkv is not None:
+            qkv = attn.wqkv(a).view(1, N, H + 2 * Hkv, D)
+            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        else:
+            q = attn.wq(a).view(1, N, H, D)
+            k = attn.wk(a).view(1, N, Hkv, D)
+            v = attn.wv(a).view(1, N, Hkv, D)
+        q = apply_rope(q.transpose(1, 2), cos, sin)[0]                       # (H, N, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)[0]                       # (Hkv, N, D)
+        v = v.transpose(1, 2)[0]                                             # (Hkv, N, D)
+        rep = H // Hkv
+        adt = torch.promote_types(q.dtype, torch.float32)
+        outs = []
+        for s in segs:
+            pages = s.table[:, slot]
+            kv_pages = pages[s.page_idx]
+            self.kv.k.write(kv_pages, s.offs, k[:, s.row0:s.row1])
+            self.kv.v.write(kv_pages, s.offs, v[:, s.row0:s.row1])
+            K = self.kv.k.read(pages, s.end).to(adt)                          # (Hkv, L, D)
+            V = self.kv.v.read(pages, s.end).to(adt)
+            T = s.row1 - s.row0
+            qs = q[:, s.row0:s.row1].to(adt).reshape(Hkv, rep * T, D)        # query heads grouped by kv head
+            mask = s.mask(s.seq.window, rep)
+            o = F.scaled_dot_product_attention(qs[None], K[None], V[None], attn_mask=mask)
+            outs.append(o[0].reshape(H, T, D))
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]           # (H, N, D)
+        out = out.to(a.dtype).transpose(0, 1).reshape(1, N, H * D)
+        return attn.wo(out)

@@ -1,0 +1,369 @@
+"""Continuous-batching scheduler: which sequences run in the next step, and with which KV pages.
+
+No torch here: the scheduler decides, a runner (engine.batch) computes, and the serving loop
+(engine.serving) samples and reports back. Tests drive it with fake runner outputs.
+
+KV memory is a pool of fixed-size pages. A page holds `page_size` consecutive positions of one cache
+slot (one prelude/coda layer, or one core layer at one loop), so a sequence served with `loops` loops
+needs `n_slots(loops)` pages per `page_size` positions: a request at loops=2 takes less memory than one
+at loops=16, and every free page fits every need, so churn cannot fragment the pool. A sequence's
+pages are grouped per logical block: `block_table[b]` lists one page per slot for positions
+b*page_size .. (b+1)*page_size - 1. Pages are reference-counted so that `n` > 1 siblings share their
+prompt's full blocks; the partly filled last block is copied for each sibling (copy-on-fork).
+
+Each `schedule()` call:
+  1. decode: every running sequence whose prompt is in the cache gets its one next token, oldest first;
+     if its next position needs a new block and the pool is empty, the newest running sequence is
+     preempted (its pages freed; it goes back to the front of the queue and is recomputed, prompt and
+     generated tokens, when memory frees up);
+  2. chunked prefill: prompts not yet fully in the cache get chunks, oldest first, within the step's
+     token budget (`max_batched_tokens`);
+  3. admission: waiting sequences join, in arrival order (FIFO: a request never overtakes an older
+     one), while `max_num_seqs`, the token budget and free pages allow.
+
+"External" sequences (speculative modes, which keep their own cache and advance one round at a time
+outside the batch) are admitted under the same FIFO, `max_num_seqs` and memory rules: they reserve the
+pages their cache is worth and hold them until they finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class SchedulerError(RuntimeError):
+    pass
+
+
+class PagePool:
+    """Fixed-size pages with reference counts. Allocation is O(n) in pages taken; there is no layout."""
+
+    def __init__(self, n_pages: int):
+        if n_pages < 1:
+            raise SchedulerError("the KV pool needs at least one page")
+        self.n_pages = n_pages
+        self._free: deque[int] = deque(range(n_pages))
+        self._refs = [0] * n_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise SchedulerError(f"asked for {n} pages, {len(self._free)} free")
+        out = [self._free.popleft() for _ in range(n)]
+        for p in out:
+            self._refs[p] = 1
+        return out
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise SchedulerError(f"page {p} is not allocated")
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise SchedulerError(f"page {p} freed twice")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output sequence. `tokens` = prompt + generated; `n_cached` of them have KV in the pool."""
+
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    n_slots: int                       # cache slots at this sequence's loop count
+    loops: int = 1                     # the runner batches rows by loops (deepest first)
+    window: int = 0                    # attention window (0: the whole context)
+    external_pages: int = 0            # > 0: runs outside the batch, reserving this many pages
+    n: int = 1                         # siblings to fork from this one once its prompt is cached
+    tokens: list[int] = field(default_factory=list)
+    n_cached: int = 0
+    status: str = WAITING
+    block_table: list[list[int]] = field(default_factory=list)
+    arrival: int = 0
+    finish_reason: str | None = None
+    preemptions: int = 0
+    parent: "Sequence | None" = None   # set on forked siblings
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def external(self) -> bool:
+        return self.external_pages > 0
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        """True while tokens other than the last sampled one still lack KV (prompt, or recompute)."""
+        return self.n_cached < len(self.tokens) - (1 if self.n_generated else 0)
+
+    def pages_for_slot(self, slot: int) -> list[int]:
+        return [blk[slot] for blk in self.block_table]
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens `seq.tokens[start:start+n]` go through the model at positions start.. this step."""
+
+    seq: Sequence
+    start: int
+    n: int
+    needs_logits: bool             # the chunk ends at the sequence's last token: sample from its logits
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens[self.start:self.start + self.n]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (src page, dst page), before the step
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)  # parent, new siblings
+    admitted_external: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.n for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.admitted_external)
+
+
+class Scheduler:
+    def __init__(self, *, n_pages: int, page_size: int = 16, max_num_seqs: int = 32,
+                 max_batched_tokens: int = 512):
+        if page_size < 1 or max_num_seqs < 1 or max_batched_tokens < 1:
+            raise SchedulerError("page_size, max_num_seqs and max_batched_tokens must be >= 1")
+        self.pool = PagePool(n_pages)
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # in admission order (oldest first)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count(1)
+
+    # -- sizing -----------------------------------------------------------------------------
+    def blocks_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.page_size)
+
+    def pages_needed(self, seq: Sequence, n_positions: int | None = None) -> int:
+        if seq.external:
+            return seq.external_pages
+        n = len(seq.tokens) if n_positions is None else n_positions
+        return self.blocks_for(n) * seq.n_slots
+
+    def max_pages(self, seq: Sequence) -> int:
+        """Pages the sequence holds at its longest (prompt + max_tokens), siblings not counted."""
+        return seq.external_pages if seq.external else self.blocks_for(len(seq.prompt) + seq.max_tokens) * seq.n_slots
+
+    def fits_ever(self, seq: Sequence) -> bool:
+        return self.max_pages(seq) * (1 if seq.external else max(1, seq.n)) <= self.pool.n_pages
+
+    # -- requests in and out ----------------------------------------------------------------
+    def new_seq_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, seq: Sequence) -> None:
+        if not self.fits_ever(seq):
+            raise SchedulerError(f"the request needs {self.max_pages(seq) * max(1, seq.n)} KV pages at its "
+                                 f"longest; the pool has {self.pool.n_pages}")
+        seq.arrival = next(self._arrivals)
+        seq.status = WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Done (length, stop, abort, error): free its pages now. Idempotent."""
+        if seq.status == FINISHED:
+            return
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = FINISHED
+        seq.finish_reason = reason
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """The serving loop sampled `token` for `seq` (its last token's KV is now in the cache)."""
+        seq.tokens.append(token)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batched_tokens
+        # 1. decode, oldest first; make room by preempting the newest when the pool is dry
+        for seq in list(self.running):
+            if seq.status != RUNNING or seq.external or seq.prefilling:
+                continue
+            if budget < 1:
+                break
+            pos = len(seq.tokens) - 1              # the last sampled token goes in at its position
+            if not self._ensure_blocks(seq, pos + 1, out):
+                continue                           # seq itself was preempted
+            out.chunks.append(ScheduledChunk(seq, pos, 1, True))
+            budget -= 1
+        # 2. chunked prefill of running sequences, oldest first
+        for seq in list(self.running):
+            if budget < 1:
+                break
+            if seq.status != RUNNING or seq.external or not seq.prefilling:
+                continue
+            budget -= self._schedule_prefill(seq, budget, out)
+        # 3. admission, FIFO
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.external:
+                if self.pool.num_free < seq.external_pages:
+                    break
+                self.waiting.popleft()
+                seq.block_table = [self.pool.allocate(seq.external_pages)]
+                seq.status = RUNNING
+                self.running.append(seq)
+                out.admitted_external.append(seq)
+                continue
+            if budget < 1:
+                break
+            first = min(budget, len(seq.tokens) - (1 if seq.n_generated else 0))
+            # admit only when the first chunk's pages and one block of headroom for decode exist
+            if self.pool.num_free < (self.blocks_for(first) + 1) * seq.n_slots:
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            budget -= self._schedule_prefill(seq, budget, out)
+        return out
+
+    def complete(self, chunk: ScheduledChunk) -> list[Sequence]:
+        """After the runner ran `chunk`: record its KV; fork siblings when a parent's prompt is cached.
+
+        Returns the sequences that sample from this chunk's logits (the sequence and any new siblings)."""
+        seq = chunk.seq
+        seq.n_cached = max(seq.n_cached, chunk.start + chunk.n)
+        if not chunk.needs_logits:
+            return []
+        group = [seq]
+        if seq.n > 1 and seq.n_generated == 0:
+            group += self._fork(seq)
+        return group
+
+    # -- internals --------------------------------------------------------------------------
+    def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the next prefill chunk of `seq`; returns the tokens it takes from the budget.
+
+        A new sequence prefills its prompt and samples from the last chunk's logits. A recomputed one
+        (after preemption) prefills everything but its last sampled token, which then goes in as a
+        normal decode step."""
+        target = len(seq.tokens) - (1 if seq.n_generated else 0)
+        start = seq.n_cached
+        n = min(budget, target - start)
+        if n <= 0:
+            return 0
+        if not self._ensure_blocks(seq, start + n, out):
+            return 0
+        needs_logits = seq.n_generated == 0 and start + n == target
+        out.chunks.append(ScheduledChunk(seq, start, n, needs_logits))
+        return n
+
+    def _ensure_blocks(self, seq: Sequence, n_positions: int, out: SchedulerOutput) -> bool:
+        """Give `seq` blocks for n_positions, preempting newer sequences if needed. False if seq itself
+        had to go (nothing newer was left to preempt)."""
+        need = self.blocks_for(n_positions) - len(seq.block_table)
+        while need > 0:
+            if self.pool.num_free >= seq.n_slots:
+                seq.block_table.append(self.pool.allocate(seq.n_slots))
+                need -= 1
+                continue
+            victim = self._newest_preemptible(exclude=seq)
+            if victim is None:
+                self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        self._unshare_last(seq, out)
+        return True
+
+    def _unshare_last(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Copy-on-write: a block still shared with a sibling is copied before this sequence writes into it."""
+        if not seq.block_table:
+            return
+        last = seq.block_table[-1]
+        if all(self.pool.refcount(p) == 1 for p in last):
+            return
+        while self.pool.num_free < len(last):
+            victim = self._newest_preemptible(exclude=seq)
+            if victim is None:
+                raise SchedulerError("no free pages for copy-on-write")  # fits_ever rules this out
+            self._preempt(victim, out)
+        fresh = self.pool.allocate(len(last))
+        out.copies += list(zip(last, fresh))
+        self.pool.free(last)
+        seq.block_table[-1] = fresh
+
+    def _newest_preemptible(self, exclude: Sequence) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude and not seq.external:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free `seq`'s pages and put it back at the head of the queue; it will be recomputed."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.n_cached = 0
+        seq.status = WAITING
+        seq.preemptions += 1
+        out.chunks = [c for c in out.chunks if c.seq is not seq]
+        out.preempted.append(seq)
+        # back in front of every sequence that arrived after it
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        for blk in seq.block_table:
+            self.pool.free(blk)
+        seq.block_table = []
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n - 1 siblings sharing the parent's cached prompt (full blocks shared, the last one copied on write)."""
+        kids = []
+        for _ in range(parent.n - 1):
+            kid = Sequence(self.new_seq_id(), parent.prompt, parent.max_tokens, parent.n_slots,
+                           loops=parent.loops, window=parent.window, tokens=list(parent.tokens), n_cached=parent.n_cached,
+                           status=RUNNING, arrival=parent.arrival, parent=parent)
+            for blk in parent.block_table:
+                self.pool.share(blk)
+            kid.block_table = [list(b) for b in parent.block_table]
+            kids.append(kid)
+        parent.n = 1
+        idx = self.running.index(parent)
+        self.running[idx + 1:idx + 1] = kids
+        return kids
