@@ -92,6 +92,7 @@ class BatchEngine:
         self._outputs: dict[int, tuple[Request, _Output]] = {}   # seq_id -> (request, output)
         self._next_id = 1
         self.steps = 0
+        self.preemptions = 0
 
     # -- requests in ------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, emit: Emit, *, n: int = 1,
@@ -167,6 +168,7 @@ class BatchEngine:
         self._expire()
         out = self.sched.schedule()
         self.steps += 1
+        self.preemptions += len(out.preempted)
         for seq in out.admitted_external:
             self._start_speculative(seq)
         for seq in [c.seq for c in out.chunks] + out.admitted_external:
@@ -190,9 +192,9 @@ class BatchEngine:
                 if not group:
                     continue
                 row = logits[chunk.seq.seq_id]
+                for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
+                    self._bind_sibling(chunk.seq, seq)
                 for seq in group:
-                    if seq.seq_id not in self._outputs:
-                        self._bind_sibling(chunk.seq, seq)
                     req, o = self._outputs[seq.seq_id]
                     tok = o.sampler.sample(row)
                     o.sampler.accept(tok)
