@@ -164,14 +164,11 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server.app import create_app
+    from .server.app import serve
     from .server.settings import Settings
 
     settings = Settings.from_env(model_path=args.model)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

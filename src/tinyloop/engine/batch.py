@@ -80,6 +80,19 @@ class _PagedTensor:
         x = dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.H.dtype)
         return (x @ self.H).to(self.dtype)
 
+    def read_batched(self, table: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, nP * page_size, D) for B sequences whose pages are the rows of `table` (B, nP)."""
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            g = t[table]                                              # (B, nP, Hkv, ps, X)
+            B, nP, hkv, ps, X = g.shape
+            return g.permute(0, 2, 1, 3, 4).reshape(B, hkv, nP * ps, X)
+        if self.bits is None:
+            return flat(self.data)
+        if self.H is None:
+            return dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.dtype)
+        x = dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.H.dtype)
+        return (x @ self.H).to(self.dtype)
+
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.parts:
             t[dst] = t[src]
@@ -144,6 +157,32 @@ class _Seg:
         return self._mask[key]
 
 
+class _DecodeGroup:
+    """The step's one-token (decode) chunks, attended together in one padded SDPA call per layer.
+
+    They keep the runner's order (deepest first), so the ones still looping at any loop are a prefix."""
+
+    def __init__(self, segs: list[_Seg], page_size: int, device):
+        self.segs = segs
+        B = len(segs)
+        n_blocks = max(s.table.shape[0] for s in segs)
+        n_slots_max = max(s.table.shape[1] for s in segs)
+        table = torch.zeros(B, n_blocks, n_slots_max, dtype=torch.long, device=device)
+        for i, s in enumerate(segs):
+            table[i, :s.table.shape[0], :s.table.shape[1]] = s.table
+        self.table = table
+        self.rows = torch.tensor([s.row0 for s in segs], device=device)
+        pos = torch.tensor([s.start for s in segs], device=device)
+        self.blk = pos // page_size
+        self.off = pos % page_size
+        self.arange = torch.arange(B, device=device)
+        key_pos = torch.arange(n_blocks * page_size, device=device)
+        allowed = key_pos[None, :] <= pos[:, None]
+        win = torch.tensor([s.seq.window for s in segs], device=device)
+        allowed &= (win[:, None] == 0) | (key_pos[None, :] > pos[:, None] - win[:, None])
+        self.mask = allowed[:, None, None, :]                                  # (B, 1, 1, L)
+
+
 class BatchRunner:
     def __init__(self, model: LoopedTransformer, kv: PagedKV):
         self.model = model
@@ -162,6 +201,8 @@ class BatchRunner:
         for c in order:
             segs.append(_Seg(c, row, self.kv.page_size, self.device))
             row += c.n
+        dec = [sg for sg in segs if sg.chunk.n == 1]
+        self._dec = _DecodeGroup(dec, self.kv.page_size, self.device) if len(dec) > 1 else None
         tokens = torch.tensor([t for c in order for t in c.token_ids], device=self.device)[None]
         positions = torch.cat([s.positions for s in segs])
         dtype = m.act_dtype or m.embed.weight.dtype
@@ -199,11 +240,28 @@ class BatchRunner:
         logits = m.logits(x[:, rows])[0]                                       # (k, V)
         return {s.seq.seq_id: logits[i] for i, s in enumerate(want)}
 
+    def _attend_decode(self, grp: _DecodeGroup, n: int, slot: int, q, k, v, out, rep: int, adt) -> None:
+        """The first n decode chunks: write their new keys/values, then one padded SDPA over their pages."""
+        H, _, D = q.shape
+        Hkv = k.shape[0]
+        rows = grp.rows[:n]
+        table = grp.table[:n, :, slot]                                         # (n, blocks)
+        wpages = table[grp.arange[:n], grp.blk[:n]]
+        self.kv.k.write(wpages, grp.off[:n], k[:, rows])
+        self.kv.v.write(wpages, grp.off[:n], v[:, rows])
+        K = self.kv.k.read_batched(table).to(adt)                              # (n, Hkv, L, D)
+        V = self.kv.v.read_batched(table).to(adt)
+        qs = q[:, rows].to(adt).transpose(0, 1).reshape(n, Hkv, rep, D)       # (n, Hkv, rep, D)
+        o = F.scaled_dot_product_attention(qs, K, V, attn_mask=grp.mask[:n])  # (n, Hkv, rep, D)
+        out[:, rows] = o.reshape(n, H, D).transpose(0, 1)
+
     def _block(self, blk, x, slot: int, segs: list[_Seg], cos, sin) -> torch.Tensor:
         x = x + self._attention(blk.attn, blk.attn_norm(x), slot, segs, cos, sin)
         return x + blk.mlp(blk.mlp_norm(x))
 
     def _attention(self, attn, a: torch.Tensor, slot: int, segs: list[_Seg], cos, sin) -> torch.Tensor:
+        """Attention for the rows of `segs` (a prefix of the step's rows): each chunk over its own pages;
+        the decode chunks all at once (`_DecodeGroup`) when there are several."""
         _, N, _ = a.shape
         H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if attn.wqkv is not None:
@@ -218,19 +276,28 @@ class BatchRunner:
         v = v.transpose(1, 2)[0]                                             # (Hkv, N, D)
         rep = H // Hkv
         adt = torch.promote_types(q.dtype, torch.float32)
-        outs = []
+        out = torch.empty(H, N, D, dtype=adt, device=a.device)
+        grp = self._dec
+        n_dec = 0
+        if grp is not None:
+            n_dec = sum(1 for s in segs if s.chunk.n == 1)  # still looping: a prefix of the group
+            if n_dec > 1:
+                self._attend_decode(grp, n_dec, slot, q, k, v, out, rep, adt)
+            else:
+                n_dec = 0
         for s in segs:
-            pages = s.table[:, slot]
-            kv_pages = pages[s.page_idx]
+            if n_dec and s.chunk.n == 1:
+                continue
+            kv_pages = s.table[:, slot][s.page_idx]
             self.kv.k.write(kv_pages, s.offs, k[:, s.row0:s.row1])
             self.kv.v.write(kv_pages, s.offs, v[:, s.row0:s.row1])
+            pages = s.table[:, slot]
             K = self.kv.k.read(pages, s.end).to(adt)                          # (Hkv, L, D)
             V = self.kv.v.read(pages, s.end).to(adt)
             T = s.row1 - s.row0
             qs = q[:, s.row0:s.row1].to(adt).reshape(Hkv, rep * T, D)        # query heads grouped by kv head
             mask = s.mask(s.seq.window, rep)
             o = F.scaled_dot_product_attention(qs[None], K[None], V[None], attn_mask=mask)
-            outs.append(o[0].reshape(H, T, D))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]           # (H, N, D)
+            out[:, s.row0:s.row1] = o[0].reshape(H, T, D)
         out = out.to(a.dtype).transpose(0, 1).reshape(1, N, H * D)
         return attn.wo(out)

@@ -107,7 +107,14 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return distribution(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
 
+    @property
+    def penalized(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
     def greedy_token(self, logits: torch.Tensor) -> int:
+        if not self.penalized:  # argmax of the raw row (widening to float64 changes no order)
+            return int(torch.argmax(logits[: self.vocab_size]))
         x = processed_logits(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
         return int(torch.argmax(x))
 

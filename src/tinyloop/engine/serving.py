@@ -93,6 +93,7 @@ class BatchEngine:
         self._next_id = 1
         self.steps = 0
         self.preemptions = 0
+        self.peak_running = 0          # most sequences in one step's batch so far
 
     # -- requests in ------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, emit: Emit, *, n: int = 1,
@@ -169,6 +170,7 @@ class BatchEngine:
         out = self.sched.schedule()
         self.steps += 1
         self.preemptions += len(out.preempted)
+        self.peak_running = max(self.peak_running, len(self.sched.running))
         for seq in out.admitted_external:
             self._start_speculative(seq)
         for seq in [c.seq for c in out.chunks] + out.admitted_external:

@@ -139,3 +139,22 @@ def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
 
     app.add_middleware(GateMiddleware, settings=settings, metrics=metrics)
     return app
+
+
+def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") -> None:
+    """Run the app under uvicorn. On SIGINT/SIGTERM the engine stops taking requests at once and gives
+    in-flight ones `shutdown_grace_s` to finish (then fails them with an error event), while uvicorn
+    waits for their connections to close."""
+    import uvicorn
+
+    app = create_app(settings)
+    worker = app.state.tl.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
+    Server(config).run()

@@ -123,13 +123,16 @@ class EngineWorker:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Graceful shutdown: refuse new requests, let in-flight ones finish for up to the grace period
-        (`settings.shutdown_grace_s`), then fail what is left with a 503 error event."""
-        self._closing = True
-        self._inbox.put(None)
-        grace = self.settings.shutdown_grace_s if timeout is None else timeout
-        self._thread.join(grace + 5.0)
+    def begin_shutdown(self) -> None:
+        """Graceful shutdown starts: new requests get 503; in-flight ones have `settings.shutdown_grace_s`
+        to finish, then what is left is failed with a 503 error event (so every stream ends properly)."""
+        if not self._closing:
+            self._closing = True
+            self._inbox.put(None)
+
+    def stop(self) -> None:
+        self.begin_shutdown()
+        self._thread.join(self.settings.shutdown_grace_s + 5.0)
 
     @property
     def queue_depth(self) -> int:
