@@ -35,22 +35,25 @@ def cache_dtype(model: LoopedTransformer) -> torch.dtype:
 
 
 class _PagedTensor:
-    """Keys or values of every page: float storage, or codes + scale + offset (quantized formats)."""
+    """Keys or values of every page: float storage, or codes + scale + offset (quantized formats).
 
-    def __init__(self, shape, dtype, device, bits: int | None, rotate: bool):
-        n_pages, hkv, ps, d = shape
+    Layout (n_pages, page_size, Hkv, X): a sequence's gathered pages reshape to (positions, Hkv, X)
+    without a copy, and attention reads them through a transposed view."""
+
+    def __init__(self, n_pages: int, page_size: int, hkv: int, d: int, dtype, device, bits: int | None,
+                 rotate: bool):
         self.dtype, self.bits = dtype, bits
+        self.H = None
         if bits is None:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)
+            self.data = torch.zeros(n_pages, page_size, hkv, d, dtype=dtype, device=device)
             self.parts = [self.data]
-            self.H = None
             return
-        self.codes = torch.zeros(n_pages, hkv, ps, d * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(n_pages, hkv, ps, 1, dtype=torch.float16, device=device)
-        self.offset = torch.zeros(n_pages, hkv, ps, 1, dtype=torch.float16, device=device)
+        self.codes = torch.zeros(n_pages, page_size, hkv, d * bits // 8, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(n_pages, page_size, hkv, 1, dtype=torch.float16, device=device)
+        self.offset = torch.zeros(n_pages, page_size, hkv, 1, dtype=torch.float16, device=device)
         self.parts = [self.codes, self.scale, self.offset]
-        rdt = torch.float64 if dtype == torch.float64 else torch.float32
-        self.H = hadamard_matrix(d, rdt, device) if rotate else None
+        if rotate:
+            self.H = hadamard_matrix(d, torch.float64 if dtype == torch.float64 else torch.float32, device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
@@ -59,39 +62,33 @@ class _PagedTensor:
         """x: (Hkv, T, D) for the T positions at (pages[t], offs[t])."""
         x = x.transpose(0, 1)                                         # (T, Hkv, D)
         if self.bits is None:
-            self.data[pages, :, offs] = x.to(self.dtype)
+            self.data[pages, offs] = x.to(self.dtype)
             return
         if self.H is not None:
             x = x.to(self.H.dtype) @ self.H
         codes, scale, offset = quantize_vectors(x, self.bits)
-        self.codes[pages, :, offs] = codes
-        self.scale[pages, :, offs] = scale
-        self.offset[pages, :, offs] = offset
+        self.codes[pages, offs] = codes
+        self.scale[pages, offs] = scale
+        self.offset[pages, offs] = offset
 
-    def read(self, pages: torch.Tensor, length: int) -> torch.Tensor:
-        """(Hkv, length, D) in the float dtype for a sequence whose pages (in order) are `pages`."""
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            g = t[pages]                                              # (nP, Hkv, ps, X)
-            return g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[3])[:, :length]
+    def _gathered(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The pages at `index` (any shape I) as (*I, page_size, Hkv, D) in `dtype` (dequantized)."""
         if self.bits is None:
-            return flat(self.data)
-        if self.H is None:
-            return dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.dtype)
-        x = dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.H.dtype)
-        return (x @ self.H).to(self.dtype)
+            return self.data[index].to(dtype)
+        x = dequantize_vectors(self.codes[index], self.scale[index], self.offset[index], self.bits,
+                               dtype if self.H is None else self.H.dtype)
+        return x if self.H is None else (x @ self.H).to(dtype)
 
-    def read_batched(self, table: torch.Tensor) -> torch.Tensor:
+    def read(self, pages: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """(Hkv, length, D) for a sequence whose pages (in order) are `pages`."""
+        g = self._gathered(pages, dtype)                              # (nP, ps, Hkv, D)
+        return g.reshape(-1, g.shape[2], g.shape[3])[:length].transpose(0, 1)
+
+    def read_batched(self, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, Hkv, nP * page_size, D) for B sequences whose pages are the rows of `table` (B, nP)."""
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            g = t[table]                                              # (B, nP, Hkv, ps, X)
-            B, nP, hkv, ps, X = g.shape
-            return g.permute(0, 2, 1, 3, 4).reshape(B, hkv, nP * ps, X)
-        if self.bits is None:
-            return flat(self.data)
-        if self.H is None:
-            return dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.dtype)
-        x = dequantize_vectors(flat(self.codes), flat(self.scale), flat(self.offset), self.bits, self.H.dtype)
-        return (x @ self.H).to(self.dtype)
+        g = self._gathered(table, dtype)                              # (B, nP, ps, Hkv, D)
+        B, nP, ps, hkv, d = g.shape
+        return g.reshape(B, nP * ps, hkv, d).transpose(1, 2)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.parts:
@@ -106,10 +103,10 @@ class PagedKV:
         self.kv_format, self.page_size, self.n_pages = kv_format, page_size, n_pages
         self.dtype = dtype or cache_dtype(model)
         device = next(model.parameters()).device
-        shape = (n_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
         rotate = bits is not None and kv_format_rotates(kv_format)
-        self.k = _PagedTensor(shape, self.dtype, device, bits, rotate)
-        self.v = _PagedTensor(shape, self.dtype, device, bits, rotate)
+        dims = (n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = _PagedTensor(*dims, self.dtype, device, bits, rotate)
+        self.v = _PagedTensor(*dims, self.dtype, device, bits, rotate)
 
     @staticmethod
     def page_bytes(model: LoopedTransformer, page_size: int, kv_format: str, dtype: torch.dtype | None = None) -> int:
@@ -188,6 +185,8 @@ class BatchRunner:
         self.model = model
         self.kv = kv
         self.device = next(model.parameters()).device
+        self.last_logits: torch.Tensor | None = None   # (k, V) of the last step, rows in `last_ids` order
+        self.last_ids: list[int] = []
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = ()) -> dict[int, torch.Tensor]:
@@ -238,6 +237,7 @@ class BatchRunner:
             return {}
         rows = torch.tensor([s.row1 - 1 for s in want], device=self.device)
         logits = m.logits(x[:, rows])[0]                                       # (k, V)
+        self.last_logits, self.last_ids = logits, [s.seq.seq_id for s in want]
         return {s.seq.seq_id: logits[i] for i, s in enumerate(want)}
 
     def _attend_decode(self, grp: _DecodeGroup, n: int, slot: int, q, k, v, out, rep: int, adt) -> None:
@@ -249,8 +249,8 @@ class BatchRunner:
         wpages = table[grp.arange[:n], grp.blk[:n]]
         self.kv.k.write(wpages, grp.off[:n], k[:, rows])
         self.kv.v.write(wpages, grp.off[:n], v[:, rows])
-        K = self.kv.k.read_batched(table).to(adt)                              # (n, Hkv, L, D)
-        V = self.kv.v.read_batched(table).to(adt)
+        K = self.kv.k.read_batched(table, adt)                                 # (n, Hkv, L, D)
+        V = self.kv.v.read_batched(table, adt)
         qs = q[:, rows].to(adt).transpose(0, 1).reshape(n, Hkv, rep, D)       # (n, Hkv, rep, D)
         o = F.scaled_dot_product_attention(qs, K, V, attn_mask=grp.mask[:n])  # (n, Hkv, rep, D)
         out[:, rows] = o.reshape(n, H, D).transpose(0, 1)
@@ -292,8 +292,8 @@ class BatchRunner:
             self.kv.k.write(kv_pages, s.offs, k[:, s.row0:s.row1])
             self.kv.v.write(kv_pages, s.offs, v[:, s.row0:s.row1])
             pages = s.table[:, slot]
-            K = self.kv.k.read(pages, s.end).to(adt)                          # (Hkv, L, D)
-            V = self.kv.v.read(pages, s.end).to(adt)
+            K = self.kv.k.read(pages, s.end, adt)                             # (Hkv, L, D)
+            V = self.kv.v.read(pages, s.end, adt)
             T = s.row1 - s.row0
             qs = q[:, s.row0:s.row1].to(adt).reshape(Hkv, rep * T, D)        # query heads grouped by kv head
             mask = s.mask(s.seq.window, rep)

@@ -112,6 +112,11 @@ class Sampler:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalties: the token is the argmax of the raw logits."""
+        return self.params.greedy and not self.penalized
+
     def greedy_token(self, logits: torch.Tensor) -> int:
         if not self.penalized:  # argmax of the raw row (widening to float64 changes no order)
             return int(torch.argmax(logits[: self.vocab_size]))

@@ -90,10 +90,19 @@ class RequestHandle:
 
     # -- engine side (worker thread) ------------------------------------------------------------
     def _put(self, item: StreamEvent | BaseException | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._events.put_nowait, item)
-        except RuntimeError:  # event loop closed (server shutting down): nobody is listening
-            self._abort.set()
+        deliver(self.loop, [(self, item)])
+
+
+def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Any]]) -> None:
+    """Hand events to their handles' queues on `loop`: one thread-safe wake-up for the whole list."""
+    def put_all() -> None:
+        for handle, item in items:
+            handle._events.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # event loop closed (server shutting down): nobody is listening
+        for handle, _ in items:
+            handle._abort.set()
 
 
 class EngineWorker:
@@ -116,6 +125,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._closing = False
         self._active: dict[int, tuple[RequestHandle, Request]] = {}
+        self._outbox: list[tuple[RequestHandle, Any]] = []   # events of this iteration, sent by _flush
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -205,9 +215,11 @@ class EngineWorker:
                 if stop_at is not None and (not self.batch.has_work or time.monotonic() >= stop_at):
                     self._fail_all(APIError(503, "the server shut down before this request finished",
                                             code="shutting_down"))
+                    self._flush()
                     return
                 if self.batch.has_work:
                     self.batch.step()
+                self._flush()
 
     def _admit(self, handle: RequestHandle) -> None:
         m = self.metrics
@@ -248,9 +260,20 @@ class EngineWorker:
                 m.failed.inc()
             elif item is None:
                 self._retire(handle)
-            handle._put(item)
+            self._outbox.append((handle, item))
 
         return emit
+
+    def _flush(self) -> None:
+        """Send the events this iteration produced: one wake-up of each event loop per step."""
+        if not self._outbox:
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for handle, item in self._outbox:
+            by_loop.setdefault(id(handle.loop), (handle.loop, []))[1].append((handle, item))
+        self._outbox = []
+        for loop, items in by_loop.values():
+            deliver(loop, items)
 
     def _started(self, handle: RequestHandle) -> None:
         """The request got into the running batch: it no longer counts against the queue limit."""
