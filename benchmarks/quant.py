@@ -375,13 +375,17 @@ def tables(res: dict, cfg: ModelConfig) -> str:
         b1, b8 = (f"{rows[b]['tokens_per_s']:.1f}" if b in rows else "-" for b in (1, 8))
         lines.append(f"| {model} | {fmt} | {b1} | {b8} | {wr / 2**20:.1f} |")
     if res["hessian"]:
-        lines += ["", "### GPTQ on the shared core: Hessian over all loops vs loop 1 only", "",
+        lines += ["", "### GPTQ on the shared core: Hessian over all loops vs loop 1 only, and vs RTN", "",
                   "Mean relative output error tr(dW H dW^T) / tr(W H W^T) of the core layers, scored on all "
-                  "loops' inputs (lower is better).", "",
-                  "| run | Hessian from all loops | from loop 1 only | ratio |", "|---|---:|---:|---:|"]
+                  "loops' inputs (lower is better); RTN = round-to-nearest at the same bits and group size.", "",
+                  "| run | GPTQ, Hessian from all loops | GPTQ, from loop 1 only | ratio | RTN | RTN / GPTQ |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for h in res["hessian"]:
+            rtn = h.get("mean_err_rtn")
+            rtn_cols = (f"{rtn:.5f} | {rtn / max(h['mean_err_all_loops'], 1e-12):.2f}x" if rtn is not None
+                        else "- | -")
             lines.append(f"| {h['name']} | {h['mean_err_all_loops']:.5f} | {h['mean_err_loop1']:.5f} | "
-                         f"{h['mean_err_loop1'] / max(h['mean_err_all_loops'], 1e-12):.2f}x |")
+                         f"{h['mean_err_loop1'] / max(h['mean_err_all_loops'], 1e-12):.2f}x | {rtn_cols} |")
     try:
         lines += ["", bars(res)]
     except (KeyError, StopIteration, IndexError, ValueError, RuntimeError):

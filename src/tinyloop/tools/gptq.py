@@ -238,7 +238,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     if core_rows:
         report["core_hessian"] = {
             "mean_err_all_loops": sum(r["err_all_loops_hessian"] for r in core_rows) / len(core_rows),
-            "mean_err_loop1": sum(r["err_loop1_hessian"] for r in core_rows) / len(core_rows)}
+            "mean_err_loop1": sum(r["err_loop1_hessian"] for r in core_rows) / len(core_rows),
+            "mean_err_rtn": sum(r["err_rtn"] for r in core_rows) / len(core_rows)}
     return out, quant, report
 
 
