@@ -140,13 +140,13 @@ def main(argv=None) -> int:
           f"{plain_cpu_tps:.1f} tok/s per CPU-second\n")
 
     grid = []
-    ds, ks, Ks = ((1, 2, 4), (2, 4, 8), (1, 2, 4)) if not args.quick else ((1, 2), (4,), (1, 4))
+    ds, ks, Ks = ((1, 2, 4), (2, 4, 8), (1, 2, 4)) if not args.quick else ((1, 2), (4, 8), (1, 4))
     for K in Ks[:1] + Ks[1:][::-1]:  # chain, then the widest tree
         for d in ds:
             for k in ks:
                 grid.append(dict(mode="speculative" if K == 1 else "tree_speculative", draft_loops=d,
                                  draft_ahead=k, k_branches=K))
-    variants = [("draft vocab full", dict(draft_vocab=None)), ("draft vocab 4096", dict(draft_vocab=4096)),
+    variants = [("draft vocab full", dict(draft_vocab=None)), ("draft vocab 8192", dict(draft_vocab=8192)),
                 ("draft_stop 0.3", dict(draft_stop=0.3)), ("draft_stop 0.6", dict(draft_stop=0.6)),
                 ("fp32 verify head", dict(fast_head=False))]
 

@@ -57,7 +57,7 @@ from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
 
-DRAFT_VOCAB = 8192      # draft head rows (most frequent tokens); None or >= vocab -> the full head
+DRAFT_VOCAB = 4096      # draft head rows (most frequent tokens); None or >= vocab -> the full head
 CONTEXT_ROWS = 1024     # extra draft rows for the request's own tokens outside the ranked set
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
 
