@@ -195,3 +195,15 @@ def test_external_sequences_reserve_pages_in_fifo_order():
     assert s.pool.num_free == 20 - 15 - 2 and a.status == RUNNING
     s.finish(ext, "length")
     assert s.pool.num_free == 20 - len(a.block_table) * 2
+
+
+def test_the_newest_sequence_gives_way_even_when_it_is_the_one_asking():
+    s = Scheduler(n_pages=6, page_size=2, max_batched_tokens=100)
+    a, b = seq(s, 3, max_tokens=8, slots=1), seq(s, 1, max_tokens=8, slots=1)
+    s.add(a)
+    s.add(b)
+    preempted = []
+    for _ in range(5):
+        preempted += run_step(s).preempted
+    # b (newer) needed a block when the pool was empty: it is preempted, not the older a
+    assert preempted == [b] and a.status == RUNNING and a.preemptions == 0

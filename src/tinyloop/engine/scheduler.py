@@ -293,44 +293,42 @@ class Scheduler:
         return n
 
     def _ensure_blocks(self, seq: Sequence, n_positions: int, out: SchedulerOutput) -> bool:
-        """Give `seq` blocks for n_positions, preempting newer sequences if needed. False if seq itself
-        had to go (nothing newer was left to preempt)."""
+        """Give `seq` blocks for n_positions, preempting newer sequences if needed. False if `seq` itself
+        had to go (it was the newest running sequence)."""
         need = self.blocks_for(n_positions) - len(seq.block_table)
         while need > 0:
             if self.pool.num_free >= seq.n_slots:
                 seq.block_table.append(self.pool.allocate(seq.n_slots))
                 need -= 1
-                continue
-            victim = self._newest_preemptible(exclude=seq)
-            if victim is None:
-                self._preempt(seq, out)
+            elif not self._preempt_newest(seq, out):
                 return False
-            self._preempt(victim, out)
-        self._unshare_last(seq, out)
-        return True
+        return self._unshare_last(seq, out)
 
-    def _unshare_last(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _unshare_last(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Copy-on-write: a block still shared with a sibling is copied before this sequence writes into it."""
         if not seq.block_table:
-            return
+            return True
         last = seq.block_table[-1]
         if all(self.pool.refcount(p) == 1 for p in last):
-            return
+            return True
         while self.pool.num_free < len(last):
-            victim = self._newest_preemptible(exclude=seq)
-            if victim is None:
-                raise SchedulerError("no free pages for copy-on-write")  # fits_ever rules this out
-            self._preempt(victim, out)
+            if not self._preempt_newest(seq, out):
+                return False
         fresh = self.pool.allocate(len(last))
         out.copies += list(zip(last, fresh))
         self.pool.free(last)
         seq.block_table[-1] = fresh
+        return True
 
-    def _newest_preemptible(self, exclude: Sequence) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq is not exclude and not seq.external:
-                return seq
-        return None
+    def _preempt_newest(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Free memory for `seq` by preempting the newest running sequence; False if that is `seq` itself
+        (then `seq` is the one preempted)."""
+        victim = next((q for q in reversed(self.running) if not q.external), None)
+        if victim is None or victim is seq:
+            self._preempt(seq, out)
+            return False
+        self._preempt(victim, out)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free `seq`'s pages and put it back at the head of the queue; it will be recomputed."""

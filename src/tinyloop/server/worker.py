@@ -50,7 +50,6 @@ class RequestHandle:
     _abort: threading.Event = field(default_factory=threading.Event)
     n: int = 1                   # choices to generate (siblings share the prompt's prefill)
     timeout_s: float | None = None
-    req: Any = None              # the BatchEngine's Request once admitted
     finished: bool = False       # the HTTP side has read the end of the request's events
     delivered: bool = False      # the HTTP side has handed the final result to its client
 
@@ -121,7 +120,7 @@ class EngineWorker:
         self.warnings: list[str] = list(settings.warnings)
         self.ready = threading.Event()        # set once loading ended, either way
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
-        self._waiting = 0                     # submitted, not yet holding a token (inbox + scheduler queue)
+        self._waiting = 0                     # submitted, not yet in the running batch (inbox + scheduler queue)
         self._lock = threading.Lock()
         self._closing = False
         self._active: dict[int, tuple[RequestHandle, Request]] = {}
@@ -236,7 +235,6 @@ class EngineWorker:
             handle._put(exc)
             handle._put(None)
             return
-        handle.req = req
         self._active[handle.id] = (handle, req)
         m.active.inc()
 
