@@ -42,10 +42,6 @@ class Result:
     finish_reason: str
     stats: dict[str, Any]
 
-    def usage(self) -> dict[str, int]:
-        p, c = self.stats["prompt_tokens"], self.stats["completion_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
 
 class ServerState:
     """What routes need: the settings, the engine worker, metrics and the model's identity."""

@@ -19,11 +19,6 @@ def frame(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-def usage(stats: dict[str, Any]) -> dict[str, int]:
-    p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
