@@ -39,7 +39,7 @@ from tinyloop.quant.formats import quantized_weight_bytes
 from tinyloop.quant.kv import KV_FORMATS
 from tinyloop.quant.linear import QuantLinear
 from tinyloop.tokenizer import Tokenizer
-from tinyloop.tools.evaluate import perplexity
+from tinyloop.tools.evaluate import kl_divergence, perplexity
 from tinyloop.tools.gptq import QuantSpec, quantize_model
 from tinyloop.tools.quantize import quantized_model
 from tinyloop.train.data import read_text, split_text
@@ -256,7 +256,9 @@ def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, spe
             m, tensors, quant, report = quantize_copy(model, spec, calib if spec.method == "gptq" else None)
             fbytes = file_bytes(cfg, tok, tensors, quant, torch.float32)
         ppl = ppl_row(m, val, loops_list, args.seq_len)
-        row = {"name": name, "ppl": ppl, "file_bytes": fbytes,
+        kl = 0.0 if name == "fp32" else kl_divergence(model, m, val, max(loops_list), seq_len=args.seq_len,
+                                                      stride=args.seq_len - 128)["kl"]
+        row = {"name": name, "ppl": ppl, "kl": kl, "file_bytes": fbytes,
                "weights_read_per_token": weights_read_per_token(m, cfg.default_loops),
                "seconds": round(time.perf_counter() - t0, 1)}
         if report and "core_hessian" in report:
@@ -264,7 +266,7 @@ def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, spe
             res["hessian"].append({"name": name, **report["core_hessian"],
                                    "layers": [r for r in report["layers"] if "err_loop1_hessian" in r]})
         res["weights"].append(row)
-        log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())} ({row['seconds']} s)")
+        log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, KL {kl:.5f} ({row['seconds']} s)")
         save()
         if name in ("bf16", "int8-rtn", f"int4-gptq-g{groups[0]}", f"int2-gptq-g{groups[0]}"):
             speed_models[name] = m
@@ -336,15 +338,19 @@ def tables(res: dict, cfg: ModelConfig) -> str:
              f"thread(s){' (while a training job shared the CPU)' if res['machine']['training_running'] else ''}; "
              f"{res['total_seconds']:.0f} s in all.", "",
              "### Weights: validation perplexity", "",
-             "| format | " + " | ".join(f"ppl loops {n}" for n in L) + f" | vs bf16 at loops {L[-1]} | file MiB | "
-             f"weights read / token MiB |",
-             "|---|" + "---:|" * (len(L) + 3)]
+             f"KL = mean KL(fp32 || format) of the next-token distributions at loops {L[-1]}, over the same "
+             "scored tokens (nats/token; lower is closer to the unquantized model). Unlike a perplexity "
+             "difference it cannot favour a format by chance.", "",
+             "| format | " + " | ".join(f"ppl loops {n}" for n in L) + f" | vs bf16 at loops {L[-1]} | "
+             f"KL at loops {L[-1]} | file MiB | weights read / token MiB |",
+             "|---|" + "---:|" * (len(L) + 4)]
     for r in res["weights"]:
         rel = r["ppl"][L[-1]] / base[L[-1]] - 1 if isinstance(next(iter(r["ppl"])), int) else \
             r["ppl"][str(L[-1])] / base[str(L[-1])] - 1
         ppl = r["ppl"]
         vals = [ppl.get(n, ppl.get(str(n))) for n in L]
-        lines.append(f"| {r['name']} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {rel:+.1%} | "
+        kl = f"{r['kl']:.2e}" if "kl" in r else "-"
+        lines.append(f"| {r['name']} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {rel:+.1%} | {kl} | "
                      f"{r['file_bytes'] / 2**20:.1f} | {r['weights_read_per_token'] / 2**20:.2f} |")
     lines += ["", "### KV cache formats (fp32 weights): validation perplexity and bytes", "",
               "| KV format | " + " | ".join(f"ppl loops {n}" for n in L) + f" | vs fp16 at loops {L[-1]} | "
@@ -414,12 +420,19 @@ def bars(res: dict) -> str:
     best4 = min(p(w, f"int4-gptq-g{g}") for g in groups)
     out.append(f"- int4-gptq (g{g0}) within 5% of bf16 at loops {L}: {p(w, f'int4-gptq-g{g0}') / b - 1:+.1%} "
                f"({'met' if p(w, f'int4-gptq-g{g0}') <= 1.05 * b else 'NOT met'}; best group {best4 / b - 1:+.1%})")
+    kls = {x["name"]: x.get("kl") for x in w}
     for bits in (4, 2):
         wins = [(g, p(w, f"int{bits}-gptq-g{g}"), p(w, f"int{bits}-rtn-g{g}")) for g in groups]
         ok = all(gp < rp for _, gp, rp in wins)
-        out.append(f"- GPTQ better than RTN at {bits} bits: " + ", ".join(f"g{g} {gp:.2f} vs {rp:.2f}"
-                                                                          for g, gp, rp in wins)
+        out.append(f"- GPTQ better than RTN at {bits} bits, by perplexity at loops {L}: "
+                   + ", ".join(f"g{g} {gp:.2f} vs {rp:.2f}" for g, gp, rp in wins)
                    + f" ({'met' if ok else 'NOT met'})")
+        kw = [(g, kls.get(f"int{bits}-gptq-g{g}"), kls.get(f"int{bits}-rtn-g{g}")) for g in groups]
+        if all(a is not None and b is not None for _, a, b in kw):
+            ok = all(a < b for _, a, b in kw)
+            out.append(f"- GPTQ better than RTN at {bits} bits, by KL from fp32 at loops {L}: "
+                       + ", ".join(f"g{g} {a:.2e} vs {b:.2e}" for g, a, b in kw)
+                       + f" ({'met' if ok else 'NOT met'})")
     f = p(kv, "fp16")
     i8, i4, i4h = p(kv, "int8"), p(kv, "int4"), p(kv, "int4-h")
     out.append(f"- int8 KV within 1% of fp16: {i8 / f - 1:+.2%} ({'met' if i8 <= 1.01 * f else 'NOT met'})")
