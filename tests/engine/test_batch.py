@@ -161,9 +161,10 @@ def test_abort_frees_pages_and_other_requests_go_on(engine64):
 
 
 def test_timeouts(engine64):
-    batch = BatchEngine(engine64, max_num_seqs=1)
-    first: list = []
-    batch.add([1, 2, 3], SamplingParams(max_tokens=200, loops=3, ignore_eos=True), first.append, timeout_s=0.3)
+    probe = BatchEngine(engine64)
+    batch = BatchEngine(engine64, max_num_seqs=1, kv_pool_bytes=probe.page_bytes * 1000)
+    first: list = []  # 16 loops: far slower than the 0.3 s limit allows for 200 tokens
+    batch.add([1, 2, 3], SamplingParams(max_tokens=200, loops=16, ignore_eos=True), first.append, timeout_s=0.3)
     queued: list = []
     batch.add([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), queued.append, timeout_s=0.2)
     while batch.has_work:
