@@ -80,9 +80,8 @@ class _PagedTensor:
         return x if self.H is None else (x @ self.H).to(dtype)
 
     def read(self, pages: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """(Hkv, length, D) for a sequence whose pages (in order) are `pages`."""
-        g = self._gathered(pages, dtype)                              # (nP, ps, Hkv, D)
-        return g.reshape(-1, g.shape[2], g.shape[3])[:length].transpose(0, 1)
+        """(Hkv, length, D) for one sequence whose pages (in order) are `pages`."""
+        return self.read_batched(pages[None], dtype)[0, :, :length]
 
     def read_batched(self, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, Hkv, nP * page_size, D) for B sequences whose pages are the rows of `table` (B, nP)."""

@@ -118,9 +118,6 @@ class Sequence:
         """True while tokens other than the last sampled one still lack KV (prompt, or recompute)."""
         return self.n_cached < len(self.tokens) - (1 if self.n_generated else 0)
 
-    def pages_for_slot(self, slot: int) -> list[int]:
-        return [blk[slot] for blk in self.block_table]
-
 
 @dataclass
 class ScheduledChunk:
@@ -148,9 +145,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.n for c in self.chunks)
 
-    def __bool__(self) -> bool:
-        return bool(self.chunks or self.admitted_external)
-
 
 class Scheduler:
     def __init__(self, *, n_pages: int, page_size: int = 16, max_num_seqs: int = 32,
@@ -169,12 +163,6 @@ class Scheduler:
     # -- sizing -----------------------------------------------------------------------------
     def blocks_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
-
-    def pages_needed(self, seq: Sequence, n_positions: int | None = None) -> int:
-        if seq.external:
-            return seq.external_pages
-        n = len(seq.tokens) if n_positions is None else n_positions
-        return self.blocks_for(n) * seq.n_slots
 
     def max_pages(self, seq: Sequence) -> int:
         """Pages the sequence holds at its longest (prompt + max_tokens), siblings not counted."""

@@ -160,10 +160,6 @@ class BatchEngine:
     def num_running(self) -> int:
         return len(self.sched.running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.sched.waiting)
-
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> None:
         self._expire()
