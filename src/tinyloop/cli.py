@@ -16,6 +16,7 @@ def _train(args: argparse.Namespace) -> int:
                      warmup=args.warmup, seed=args.seed, bf16=not args.no_bf16, device=args.device,
                      max_train_loops=args.max_train_loops, backprop_loops=args.backprop_loops,
                      deep_from_step=args.deep_from_step, deep_mean=args.deep_mean,
+                     shallow_prob=args.shallow_prob,
                      overrides=overrides)
     import torch
     if args.threads:
@@ -62,9 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .modelfile import ModelFileError, default_model_path, model_info, read_header, check_header
+    from .modelfile import ModelFileError, model_info, read_header, check_header, resolve_model_path
 
-    path = args.file or str(default_model_path())
+    path = str(resolve_model_path(args.file))
     try:
         header, index = read_header(path)
         check_header(__import__("pathlib").Path(path), header, index)
@@ -155,7 +156,8 @@ def _quantize(args: argparse.Namespace) -> int:
                      percdamp=args.damp, loops=args.calib_loops)
     try:
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
-                               calib_seq_len=args.calib_seq_len, progress=not args.quiet)
+                               calib_seq_len=args.calib_seq_len,
+                               calib_val_fraction=args.calib_val_fraction, progress=not args.quiet)
     except (ModelFileError, QuantError) as exc:
         return _fail(str(exc))
     print(report["text"])
@@ -230,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--group-size", type=int, default=32, help="input columns per scale/zero (32, 64, 128)")
     qz.add_argument("--method", default="gptq", help="gptq (needs --calib) or rtn")
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
-    qz.add_argument("--calib", help="calibration text (.txt or .txt.gz) for GPTQ")
+    qz.add_argument("--calib", nargs="+", help="calibration text files (.txt or .txt.gz) for GPTQ")
+    qz.add_argument("--calib-val-fraction", type=float, default=0.0,
+                    help="leave out the last fraction of each calibration file (0.01 = tinyloop train's "
+                         "validation split), so evaluation text stays unseen")
     qz.add_argument("--calib-tokens", type=int, default=8192)
     qz.add_argument("--calib-seq-len", type=int, default=256)
     qz.add_argument("--calib-loops", type=int, help="loops to calibrate with (default: the model's default)")
@@ -263,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--deep-from-step", type=int, help="from this step on, sample depth from the deep mixture "
                    "(see docs/training.md); default: never")
     t.add_argument("--deep-mean", type=float, default=7.0)
+    t.add_argument("--shallow-prob", type=float, default=0.15,
+                   help="deep mixture: share of steps drawn uniformly from 1..4 loops (default 0.15)")
     t.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
     t.add_argument("--device", default="auto")
     t.add_argument("--threads", type=int, default=0)

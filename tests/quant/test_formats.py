@@ -91,3 +91,31 @@ def test_cli_quantize_then_info(tmp_path, tiny_model_path, capsys):
     assert info["file_bytes"] < tiny_model_path.stat().st_size
     assert main(["quantize", str(tiny_model_path), str(out), "--bits", "3", "--method", "rtn", "--quiet"]) == 2
     assert "bits must be one of" in capsys.readouterr().err
+
+
+def test_calibration_spreads_over_files_and_skips_their_validation_split(tmp_path, tokenizer):
+    from tinyloop.tools.quantize import read_calibration
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("alpha beta gamma delta\n" * 60 + "HELDOUT HELDOUT HELDOUT\n" * 3)
+    b.write_text("one two three four\n" * 60)
+    win = read_calibration([a, b], tokenizer, n_tokens=8 * 16, seq_len=16, val_fraction=0.05)
+    assert win.shape == (8, 16)
+    texts = [tokenizer.decode(w.tolist()) for w in win]
+    assert sum("alpha" in t for t in texts) == 4 and sum("one" in t for t in texts) == 4
+    assert not any("HELD" in t for t in texts)  # the last 5% of a.txt is its validation split
+    with pytest.raises(QuantError, match="does not exist"):
+        read_calibration([a, tmp_path / "none.txt"], tokenizer, 64, 16)
+
+
+def test_cli_quantize_gptq_records_calibration(tmp_path, tiny_model_path, capsys):
+    text = tmp_path / "c.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 80)
+    out = tmp_path / "tiny-gptq.tinyloop"
+    assert main(["quantize", str(tiny_model_path), str(out), "--method", "gptq", "--calib", str(text), str(text),
+                 "--calib-tokens", "256", "--calib-seq-len", "32", "--calib-val-fraction", "0.01", "--quiet"]) == 0
+    cal = read_header(out)[0]["weights"]["quant"]["calibration"]
+    assert cal["files"] == ["c.txt", "c.txt"] and "training split" in cal["split"]
+    capsys.readouterr()
+    assert main(["quantize", str(tiny_model_path), str(out), "--method", "gptq", "--quiet"]) == 2
+    assert "calibration" in capsys.readouterr().err

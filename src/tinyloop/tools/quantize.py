@@ -19,21 +19,37 @@ from ..tokenizer import Tokenizer
 from .gptq import QuantSpec, format_report, quantize_model
 
 
-def read_calibration(path: str | Path, tokenizer: Tokenizer, n_tokens: int, seq_len: int,
-                     seed: int = 0) -> torch.Tensor:
-    """(n_tokens // seq_len, seq_len) token windows at seeded random offsets of a text file (.txt or .txt.gz)."""
-    from ..train.data import read_text
+def read_calibration(paths: str | Path | list[str | Path], tokenizer: Tokenizer, n_tokens: int, seq_len: int,
+                     seed: int = 0, val_fraction: float = 0.0) -> torch.Tensor:
+    """(n_tokens // seq_len, seq_len) token windows at seeded random offsets of text files (.txt or .txt.gz).
 
-    path = Path(path)
-    if not path.exists():
-        raise QuantError(f"calibration file {path} does not exist")
-    ids = torch.tensor(tokenizer.encode(read_text(path)), dtype=torch.long)
+    Windows are spread evenly over the files. With `val_fraction` > 0 only the part of each file that
+    `tinyloop train` trains on is read (its last `val_fraction`, cut at a line break, is left out), so a
+    model calibrated this way is still scored on text it never saw.
+    """
+    from ..train.data import read_text, split_text
+
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    if not paths:
+        raise QuantError("no calibration file given")
+    if not 0.0 <= val_fraction < 1.0:
+        raise QuantError(f"calibration val_fraction must be in [0, 1), got {val_fraction}")
     n_seq = max(1, n_tokens // seq_len)
-    if len(ids) < seq_len + 1:
-        raise QuantError(f"calibration file {path} has {len(ids)} tokens; need at least {seq_len + 1}")
     g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - seq_len, (n_seq,), generator=g)
-    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])  # (N, T)
+    windows = []
+    for i, path in enumerate(paths):
+        if not path.exists():
+            raise QuantError(f"calibration file {path} does not exist")
+        text = read_text(path)
+        if val_fraction > 0:
+            text = split_text(text, val_fraction)[0]
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        if len(ids) < seq_len + 1:
+            raise QuantError(f"calibration file {path} has {len(ids)} tokens; need at least {seq_len + 1}")
+        n_here = n_seq // len(paths) + (1 if i < n_seq % len(paths) else 0)
+        starts = torch.randint(0, len(ids) - seq_len, (n_here,), generator=g)
+        windows += [ids[s:s + seq_len] for s in starts.tolist()]
+    return torch.stack(windows)  # (N, T)
 
 
 def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any], dtype: torch.dtype,
@@ -48,8 +64,10 @@ def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any]
     return load_quantized(model, dict(tensors), {"dtype": name, "quant": quant}, device=device).eval()
 
 
-def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *, calib: str | Path | None = None,
-                  calib_tokens: int = 8192, calib_seq_len: int = 256, progress: bool = True) -> dict[str, Any]:
+def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *,
+                  calib: str | Path | list[str | Path] | None = None, calib_tokens: int = 8192,
+                  calib_seq_len: int = 256, calib_val_fraction: float = 0.0,
+                  progress: bool = True) -> dict[str, Any]:
     loaded = load_model(src)
     model, tok = loaded.model, loaded.tokenizer
     if (loaded.header["weights"].get("quant") or {}).get("method", "none") != "none":
@@ -61,12 +79,16 @@ def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *, calib: s
     if spec.method == "gptq":
         if calib is None:
             raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
-        calib_ids = read_calibration(calib, tok, calib_tokens, min(calib_seq_len, model.cfg.max_seq_len))
+        calib_ids = read_calibration(calib, tok, calib_tokens, min(calib_seq_len, model.cfg.max_seq_len),
+                                     val_fraction=calib_val_fraction)
     tensors, quant, report = quantize_model(model, spec, calib_ids, progress=progress)
     tensors = {k: v.to(dtype) if v.is_floating_point() and k in quant["high_precision"] else v
                for k, v in tensors.items()}
     if calib is not None and spec.method == "gptq":
-        quant["calibration"]["file"] = os.path.basename(str(calib))
+        files = [calib] if isinstance(calib, (str, Path)) else list(calib)
+        quant["calibration"]["files"] = [os.path.basename(str(f)) for f in files]
+        if calib_val_fraction > 0:
+            quant["calibration"]["split"] = f"training split: last {calib_val_fraction:.0%} of each file left out"
     header = make_header(model.cfg, dtype, tok, {"tool": "tinyloop quantize", "source": os.path.basename(str(src)),
                                                  "source_provenance": loaded.header.get("provenance", {})},
                          quant=quant)
