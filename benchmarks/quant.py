@@ -34,7 +34,7 @@ import torch
 
 from tinyloop.config import ModelConfig, preset
 from tinyloop.model import KVCache, LoopedTransformer, build_model
-from tinyloop.modelfile import load_model, make_header, packaged_model_path, write_model
+from tinyloop.modelfile import FLOAT_MODEL_NAME, load_model, make_header, packaged_model_path, write_model
 from tinyloop.quant.formats import quantized_weight_bytes
 from tinyloop.quant.kv import KV_FORMATS
 from tinyloop.quant.linear import QuantLinear
@@ -92,7 +92,7 @@ def load_float(args) -> tuple[LoopedTransformer, Tokenizer, str, int | None]:
             model = LoopedTransformer(cfg)
         model.load_state_dict({k: v.float() for k, v in ck["model"].items()}, assign=True)
         return model.eval(), Tokenizer.gpt2(), f"{args.checkpoint} (step {ck.get('step')})", None
-    path = Path(args.model) if args.model else packaged_model_path()
+    path = Path(args.model) if args.model else packaged_model_path(FLOAT_MODEL_NAME)
     lm = load_model(path, dtype=torch.float32)
     return lm.model, lm.tokenizer, str(path), path.stat().st_size
 
@@ -177,7 +177,7 @@ def quantize_copy(model, spec: QuantSpec, calib, out_dtype=torch.float32):
 # -- main ------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="float .tinyloop file (default: the shipped model)")
+    ap.add_argument("--model", help="float .tinyloop file (default: the shipped fp16 model)")
     ap.add_argument("--checkpoint", help="a training checkpoint instead of a model file (development)")
     ap.add_argument("--corpus", default=str(CORPUS))
     ap.add_argument("--val-tokens", type=int, default=1536, help="validation tokens per corpus file")

@@ -43,7 +43,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
              "I8": "int8", "I32": "int32", "I64": "int64", "U16": "uint16", "I16": "int16"}
 ENV_MODEL = "TINYLOOP_MODEL_PATH"
-DEFAULT_MODEL_NAME = "tinyloop-16m.tinyloop"
+MODELS_DIR = Path(__file__).parent / "assets" / "models"
+FLOAT_MODEL_NAME = "tinyloop-16m.tinyloop"          # the trained model (fp16): the source of the int4 one
+DEFAULT_MODEL_NAME = "tinyloop-16m.tinyloop"   # what serve / generate / Engine.load use by default
 
 
 class ModelFileError(RuntimeError):
@@ -66,14 +68,30 @@ class LoadedModel:
 
 
 # -- default model ---------------------------------------------------------------------------
-def packaged_model_path() -> Path:
-    return Path(__file__).parent / "assets" / "models" / DEFAULT_MODEL_NAME
+def packaged_model_path(name: str = DEFAULT_MODEL_NAME) -> Path:
+    return MODELS_DIR / name
+
+
+def packaged_models() -> list[str]:
+    """Names of the model files shipped inside the package (usable wherever a model path is)."""
+    return sorted(p.name for p in MODELS_DIR.glob("*.tinyloop"))
+
+
+def resolve_model_path(model: str | Path | None = None) -> Path:
+    """A model argument -> a file path: None -> `default_model_path()`; an existing path -> itself; else
+    the name of a packaged model, with or without `.tinyloop` (e.g. `tinyloop-16m` for the fp16 one)."""
+    if model is None:
+        model = os.environ.get(ENV_MODEL) or packaged_model_path()
+    path = Path(model)
+    if path.exists() or path.parent != Path("."):
+        return path
+    name = path.name if path.name.endswith(".tinyloop") else path.name + ".tinyloop"
+    return packaged_model_path(name) if packaged_model_path(name).exists() else path
 
 
 def default_model_path() -> Path:
-    """$TINYLOOP_MODEL_PATH if set, else the model shipped inside the package."""
-    env = os.environ.get(ENV_MODEL)
-    return Path(env) if env else packaged_model_path()
+    """$TINYLOOP_MODEL_PATH (a path or a packaged model's name) if set, else the package's default model."""
+    return resolve_model_path(None)
 
 
 # -- reading the framing ---------------------------------------------------------------------
@@ -81,7 +99,8 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tinyloop header, safetensors tensor index) after checking the framing and file size."""
     path = Path(path)
     if not path.exists():
-        raise ModelFileError(path, "no such file")
+        raise ModelFileError(path, "no such file (packaged models, usable by name: "
+                                   f"{', '.join(packaged_models()) or 'none'})")
     if path.is_dir():
         raise ModelFileError(path, "is a directory, not a .tinyloop file")
     size = path.stat().st_size
@@ -175,8 +194,8 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     """Load and check a model file (default: `default_model_path()`), optionally casting floats to `dtype`."""
     from .model import LoopedTransformer
 
-    path = Path(path) if path is not None else default_model_path()
-    if path is None or (not path.exists() and path == packaged_model_path()):
+    path = resolve_model_path(path)
+    if not path.exists() and path == packaged_model_path():
         raise ModelFileError(path, "the default model is not installed with this package; pass --model PATH "
                                    "or set TINYLOOP_MODEL_PATH (tinyloop init writes a random one for tests)")
     header, index = read_header(path)

@@ -93,9 +93,9 @@ def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
     settings = settings or Settings.from_env()
     metrics = Metrics()
     worker = EngineWorker(settings, metrics, loader=loader)
-    from ..modelfile import default_model_path
+    from ..modelfile import resolve_model_path
 
-    path = settings.model_path if settings.model_path is not None else default_model_path()
+    path = resolve_model_path(settings.model_path)
     try:
         created = int(path.stat().st_mtime)
     except OSError:
