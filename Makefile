@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test int4-model clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,15 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of
+# the corpus; docs/quantization.md). CORPUS defaults to the shared copy; scripts/build_corpus.py rebuilds it.
+CORPUS ?= ../shared/corpus
+MODELS := src/tinyloop/assets/models
+int4-model: $(STAMP)
+	$(VENV)/bin/tinyloop quantize $(MODELS)/tinyloop-16m.tinyloop $(MODELS)/tinyloop-16m-int4.tinyloop \
+	    --bits 4 --group-size 32 --method gptq --calib-tokens 8192 --calib-val-fraction 0.01 \
+	    --calib $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
 
 clean:
 	rm -rf $(VENV) .pytest_cache

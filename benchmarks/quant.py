@@ -34,7 +34,7 @@ import torch
 
 from tinyloop.config import ModelConfig, preset
 from tinyloop.model import KVCache, LoopedTransformer, build_model
-from tinyloop.modelfile import FLOAT_MODEL_NAME, load_model, make_header, packaged_model_path, write_model
+from tinyloop.modelfile import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, load_model, make_header, packaged_model_path, write_model
 from tinyloop.quant.formats import quantized_weight_bytes
 from tinyloop.quant.kv import KV_FORMATS
 from tinyloop.quant.linear import QuantLinear
@@ -237,6 +237,8 @@ def main() -> int:
 
     speed_models = {}
     run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, speed_models, groups, save)
+    if not args.model and not args.checkpoint and packaged_model_path(DEFAULT_MODEL_NAME).exists():
+        run_shipped_file(packaged_model_path(DEFAULT_MODEL_NAME), res, model, val, loops_list, args, save)
     run_kv_and_speed(res, model, cfg, val, loops_list, args, speed_models, save)
     run_weights(later, res, model, tok, cfg, calib, val, loops_list, args, {}, groups, save)
     save(final=True)
@@ -273,6 +275,20 @@ def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, spe
         else:
             del m
         gc.collect()
+
+
+def run_shipped_file(path: Path, res, model, val, loops_list, args, save):
+    """The packaged quantized model file itself (`make int4-model`), scored like the rows above."""
+    t0 = time.perf_counter()
+    m = load_model(path).model
+    ppl = ppl_row(m, val, loops_list, args.seq_len)
+    kl = kl_divergence(model, m, val, max(loops_list), seq_len=args.seq_len, stride=args.seq_len - 128)["kl"]
+    row = {"name": "shipped int4 file", "ppl": ppl, "kl": kl, "file_bytes": path.stat().st_size,
+           "weights_read_per_token": weights_read_per_token(m, model.cfg.default_loops),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    res["weights"].append(row)
+    log(f"{row['name']}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, KL {kl:.5f}")
+    save()
 
 
 def run_kv_and_speed(res, model, cfg, val, loops_list, args, speed_models, save):
@@ -420,6 +436,10 @@ def bars(res: dict) -> str:
     best4 = min(p(w, f"int4-gptq-g{g}") for g in groups)
     out.append(f"- int4-gptq (g{g0}) within 5% of bf16 at loops {L}: {p(w, f'int4-gptq-g{g0}') / b - 1:+.1%} "
                f"({'met' if p(w, f'int4-gptq-g{g0}') <= 1.05 * b else 'NOT met'}; best group {best4 / b - 1:+.1%})")
+    if "shipped int4 file" in names:
+        sh = p(w, "shipped int4 file")
+        out.append(f"- the shipped int4 file (the default model) within 5% of bf16 at loops {L}: {sh / b - 1:+.1%} "
+                   f"({'met' if sh <= 1.05 * b else 'NOT met'})")
     kls = {x["name"]: x.get("kl") for x in w}
     for bits in (4, 2):
         wins = [(g, p(w, f"int{bits}-gptq-g{g}"), p(w, f"int{bits}-rtn-g{g}")) for g in groups]

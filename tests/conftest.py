@@ -7,7 +7,7 @@ import torch
 
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import packaged_model_path, write_model
+from tinyloop.modelfile import FLOAT_MODEL_NAME, packaged_model_path, write_model
 from tinyloop.tokenizer import Tokenizer
 
 # Tiny models are bound by per-op overhead: one thread is fastest and avoids fighting other processes.
@@ -68,4 +68,13 @@ def shipped_model_path():
     path = packaged_model_path()
     if not path.exists():
         pytest.fail(f"the shipped model is missing at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shipped_float_model_path():
+    """The trained fp16 model the default int4 one is quantized from."""
+    path = packaged_model_path(FLOAT_MODEL_NAME)
+    if not path.exists():
+        pytest.fail(f"the shipped fp16 model is missing at {path}")
     return path

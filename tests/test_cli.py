@@ -55,3 +55,14 @@ def test_eval_reports_per_loop(tmp_path, tokenizer):
     assert all(x["tokens_scored"] == n - 1 for x in out["results"])
     r = run("eval", str(path), "--text", str(text), "--loops", "0")
     assert r.returncode == 2 and "--loops" in r.stderr
+
+
+def test_packaged_models_by_name():
+    # no FILE: the package's default model, the GPTQ int4 one; packaged models are also usable by name
+    info = json.loads(run("info", "--json", env={"TINYLOOP_MODEL_PATH": ""}).stdout)
+    assert info["path"].endswith("tinyloop-16m-int4.tinyloop") and info["quant"] == "int4"
+    assert info["quant_method"] == "gptq" and info["provenance"]["tool"] == "tinyloop quantize"
+    fp16 = json.loads(run("info", "tinyloop-16m", "--json").stdout)
+    assert fp16["path"].endswith("tinyloop-16m.tinyloop") and fp16["quant"] == "float16"
+    r = run("generate", "hi", "--model", "tinyloop-99m")
+    assert r.returncode == 2 and "no such file" in r.stderr and "tinyloop-16m-int4.tinyloop" in r.stderr

@@ -45,7 +45,7 @@ ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bflo
 ENV_MODEL = "TINYLOOP_MODEL_PATH"
 MODELS_DIR = Path(__file__).parent / "assets" / "models"
 FLOAT_MODEL_NAME = "tinyloop-16m.tinyloop"          # the trained model (fp16): the source of the int4 one
-DEFAULT_MODEL_NAME = "tinyloop-16m.tinyloop"   # what serve / generate / Engine.load use by default
+DEFAULT_MODEL_NAME = "tinyloop-16m-int4.tinyloop"   # what serve / generate / Engine.load use by default
 
 
 class ModelFileError(RuntimeError):

@@ -44,3 +44,42 @@ def test_quant_linear_has_no_persistent_state():
     assert lin.state_dict() == {}
     kind, bufs = to_kernel_layout(*portable(32, 64, 4, 32)[:3], 4)
     assert kind == "int4pack_cpu" and set(bufs) == {"packed", "sz"}
+
+
+@pytest.mark.parametrize("bits,group,kernel", [(4, 32, "auto"), (2, 64, "auto"), (8, None, "auto"),
+                                               (4, 32, "dense")])
+def test_concat_fuses_exactly(bits, group, kernel):
+    # fused q/k/v (or gate/up): one kernel call whose output rows are the parts' rows, bit for bit
+    parts = [QuantLinear.from_portable(*portable(n, 256, bits, group, seed=i)[:3], bits, kernel=kernel)
+             for i, n in enumerate((256, 64, 64))]
+    fused = QuantLinear.concat(parts)
+    assert fused is not None and fused.kind == parts[0].kind and fused.out_features == 384
+    x = torch.randn(3, 4, 256, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    # the CPU int4 layout packs rows in blocks of 64: parts of 32 rows do not stack, and the check says so
+    if bits in (2, 4) and kernel == "auto":
+        small = [QuantLinear.from_portable(*portable(32, 256, bits, group, seed=i)[:3], bits) for i in range(2)]
+        assert QuantLinear.concat(small) is None
+    # different formats do not fuse
+    other = QuantLinear.from_portable(*portable(64, 256, 4, 128)[:3], 4)
+    assert QuantLinear.concat([parts[0], other]) is None
+
+
+def test_quantized_model_fuses_projections_and_keeps_its_logits(tokenizer, tmp_path):
+    from tinyloop.config import preset
+    from tinyloop.model import build_model
+    from tinyloop.model.fast import prepare_for_decode
+    from tinyloop.modelfile import load_model, make_header, write_model
+    from tinyloop.tools.gptq import QuantSpec, quantize_model
+
+    cfg = preset("tiny").replace(vocab_size=512, eos_token_id=511, n_kv_heads=4)  # k, v: 64 rows each
+    tensors, quant, _ = quantize_model(build_model(cfg, seed=0), QuantSpec(bits=4, group_size=32, method="rtn"),
+                                       progress=False)
+    header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
+    path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model)
+    assert fast.decode_prepared["fused"] == 2 * (cfg.n_prelude + cfg.n_core + cfg.n_coda)
+    assert isinstance(fast.core[0].attn.wqkv, QuantLinear) and isinstance(fast.core[0].mlp.w_gate_up, QuantLinear)
+    x = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(fast(x, 3), plain(x, 3))

@@ -23,6 +23,11 @@ def test_shipped_model_through_openai_client(shipped_server, shipped_model_path)
     client = openai.OpenAI(base_url=shipped_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     (model,) = client.models.list().data
     assert model.id == str(shipped_model_path)
+    import httpx
+
+    (info,) = httpx.get(f"{shipped_server.url}/api/v0/models", timeout=30).json()["data"]
+    # the package's default model is the GPTQ int4 one (issue 6)
+    assert info["quantization"] == "int4" and info["model_info"]["quant_method"] == "gptq"
     got = client.completions.create(model=model.id, prompt="The king said", max_tokens=24, temperature=0)
     direct = Engine.load(shipped_model_path).generate("The king said", SamplingParams(max_tokens=24))
     assert got.choices[0].text == direct.text

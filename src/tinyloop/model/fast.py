@@ -66,24 +66,40 @@ def _fusable(mod: nn.Module, names: tuple[str, ...]) -> bool:
         len({(p.weight.dtype, p.weight.device, p.in_features) for p in parts}) == 1
 
 
+def _fuse(mod: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    """The fused layer for `names` of `mod` (float: concatenated weights; quantized: stacked kernel
+    buffers, see `QuantLinear.concat`), or None when they cannot be fused."""
+    from ..quant.linear import QuantLinear
+
+    parts = [getattr(mod, n, None) for n in names]
+    if _fusable(mod, names):
+        return _concat_linear(parts)
+    if all(type(p) is QuantLinear for p in parts):
+        return QuantLinear.concat(parts)
+    return None
+
+
 def fuse_projections(model: nn.Module) -> int:
     """wq/wk/wv -> wqkv (rows q, k, v) and swiglu w_gate/w_up -> w_gate_up (rows gate, up), in place.
 
     Exact: a fused GEMM computes each output row from the same weights and input as the separate ones.
-    Modules that are not plain bias-free `nn.Linear`s (e.g. already quantized) are left as they are.
-    Returns how many fusions were made.
+    Bias-free `nn.Linear`s and quantized `QuantLinear`s of one format are fused; anything else is left
+    as it is. Returns how many fusions were made.
     """
     n = 0
     for mod in model.modules():
-        if isinstance(mod, Attention) and mod.wqkv is None and _fusable(mod, ("wq", "wk", "wv")):
-            mod.wqkv = _concat_linear([mod.wq, mod.wk, mod.wv])
-            del mod.wq, mod.wk, mod.wv
-            n += 1
-        elif isinstance(mod, MLP) and mod.kind == "swiglu" and mod.w_gate_up is None \
-                and _fusable(mod, ("w_gate", "w_up")):
-            mod.w_gate_up = _concat_linear([mod.w_gate, mod.w_up])
-            del mod.w_gate, mod.w_up
-            n += 1
+        if isinstance(mod, Attention) and mod.wqkv is None:
+            fused = _fuse(mod, ("wq", "wk", "wv"))
+            if fused is not None:
+                mod.wqkv = fused
+                del mod.wq, mod.wk, mod.wv
+                n += 1
+        elif isinstance(mod, MLP) and mod.kind == "swiglu" and mod.w_gate_up is None:
+            fused = _fuse(mod, ("w_gate", "w_up"))
+            if fused is not None:
+                mod.w_gate_up = fused
+                del mod.w_gate, mod.w_up
+                n += 1
     return n
 
 

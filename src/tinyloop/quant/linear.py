@@ -131,13 +131,39 @@ class QuantLinear(nn.Module):
         """Bytes this layer reads per matmul (what bounds batch-1 decode)."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._names)
 
+    @classmethod
+    def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
+        """One layer whose output rows are `parts`' rows in order (fused q/k/v or gate/up), or None.
+
+        Every kernel here computes each output row from that row's codes and scales alone, so stacking
+        the kernel buffers along the output dimension is exact where the layout keeps rows apart (the CPU
+        int4 layout packs rows in blocks of 64, so parts must be multiples of 64 rows). The result is
+        checked against the parts on a random probe (bitwise) and None is returned if they do not stack.
+        """
+        first = parts[0]
+        if any((p.kind, p.bits, p.group_size, p.in_features, p._names) !=
+               (first.kind, first.bits, first.group_size, first.in_features, first._names) for p in parts):
+            return None
+        # output dimension of each buffer: sz is (K/G, N, 2); every other buffer has N first
+        bufs = {n: torch.cat([getattr(p, n) for p in parts], dim=1 if n == "sz" else 0) for n in first._names}
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bits, first.group_size,
+                    first.kind, bufs)
+        dev = bufs[first._names[0]].device
+        probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0)).to(dev)
+        with torch.no_grad():
+            ok = torch.equal(fused(probe), torch.cat([p(probe) for p in parts], dim=-1))
+        return fused if ok else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                      # (M, K)
-        bufs = {n: getattr(self, n) for n in self._names}
-        xin = x2 if self.kind == "dense" else x2.to(KERNEL_DTYPE)
-        y = _kernel_call(self.kind, xin, bufs, self.group_size)  # (M, N)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        if self.kind == "int4pack_cpu":  # the hot path (CPU decode): no per-call dict of buffers
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.packed, self.group_size,
+                                                            self.sz)
+        else:
+            bufs = {n: getattr(self, n) for n in self._names}
+            xin = x2 if self.kind == "dense" else x2.to(KERNEL_DTYPE)
+            y = _kernel_call(self.kind, xin, bufs, self.group_size)  # (M, N)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
