@@ -130,10 +130,10 @@ def main() -> int:
     import torch
 
     from tinyloop.engine import Engine
-    from tinyloop.modelfile import default_model_path
+    from tinyloop.modelfile import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    model = Path(args.model) if args.model else default_model_path()
+    model = resolve_model_path(args.model)
     engine = Engine.load(model)
     proc, url = start_server(model, args.threads)
     paths = {"direct engine (Engine.stream)": None, "HTTP /generate (native SSE)": "/generate",

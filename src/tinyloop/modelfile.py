@@ -78,8 +78,9 @@ def packaged_models() -> list[str]:
 
 
 def resolve_model_path(model: str | Path | None = None) -> Path:
-    """A model argument -> a file path: None -> `default_model_path()`; an existing path -> itself; else
-    the name of a packaged model, with or without `.tinyloop` (e.g. `tinyloop-16m` for the fp16 one)."""
+    """A model argument -> a file path. None -> $TINYLOOP_MODEL_PATH if set, else the package's default
+    model; an existing path -> itself; else the name of a packaged model, with or without `.tinyloop`
+    (e.g. `tinyloop-16m` for the fp16 one). The environment variable may hold a path or a name too."""
     if model is None:
         model = os.environ.get(ENV_MODEL) or packaged_model_path()
     path = Path(model)
@@ -87,11 +88,6 @@ def resolve_model_path(model: str | Path | None = None) -> Path:
         return path
     name = path.name if path.name.endswith(".tinyloop") else path.name + ".tinyloop"
     return packaged_model_path(name) if packaged_model_path(name).exists() else path
-
-
-def default_model_path() -> Path:
-    """$TINYLOOP_MODEL_PATH (a path or a packaged model's name) if set, else the package's default model."""
-    return resolve_model_path(None)
 
 
 # -- reading the framing ---------------------------------------------------------------------
@@ -191,7 +187,8 @@ def check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> M
 # -- public API ------------------------------------------------------------------------------
 def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load and check a model file (default: `default_model_path()`), optionally casting floats to `dtype`."""
+    """Load and check a model file (a path or packaged name, see `resolve_model_path`; default: the default
+    model), optionally casting floats to `dtype`."""
     from .model import LoopedTransformer
 
     path = resolve_model_path(path)

@@ -73,7 +73,7 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
 
 @dataclass
 class Settings:
-    model_path: Path | None = None          # None -> modelfile.default_model_path()
+    model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
     max_seq_len: int | None = None
     kv_cache_mode: str = "fp16"
     commit: str | None = None
