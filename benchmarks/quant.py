@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import platform
-import random
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from tinyloop.quant.linear import QuantLinear
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.tools.evaluate import kl_divergence, perplexity
 from tinyloop.tools.gptq import QuantSpec, quantize_model
-from tinyloop.tools.quantize import quantized_model
+from tinyloop.tools.quantize import quantized_model, read_calibration
 from tinyloop.train.data import read_text, split_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,22 +64,6 @@ def validation_tokens(tok: Tokenizer, corpus: Path, per_file: int) -> list[int]:
         _, val = split_text(read_text(f), 0.01)
         ids += tok.encode(val[: per_file * 12])[:per_file] + [tok.eos_id]  # ~4 chars a token: 12 is ample
     return ids
-
-
-def calibration_windows(tok: Tokenizer, corpus: Path, n_tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """(N, seq_len) windows from random places in each file's training split (never the validation text)."""
-    rng = random.Random(seed)
-    files = corpus_files(corpus)
-    per_file = max(1, n_tokens // seq_len // len(files))
-    rows = []
-    for f in files:
-        train, _ = split_text(read_text(f), 0.01)
-        for _ in range(per_file):
-            start = rng.randrange(0, max(1, len(train) - seq_len * 8))
-            ids = tok.encode(train[start:start + seq_len * 8])
-            if len(ids) > seq_len:
-                rows.append(ids[:seq_len])
-    return torch.tensor(rows, dtype=torch.long)
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -204,7 +187,8 @@ def main() -> int:
     cfg = model.cfg
     corpus = Path(args.corpus)
     val = validation_tokens(tok, corpus, args.val_tokens)
-    calib = calibration_windows(tok, corpus, args.calib_tokens, args.calib_seq_len)
+    # the same windows `tinyloop quantize --calib <corpus files> --calib-val-fraction 0.01` (make int4-model) uses
+    calib = read_calibration(corpus_files(corpus), tok, args.calib_tokens, args.calib_seq_len, val_fraction=0.01)
     log(f"{source}: {len(val)} validation tokens, calibration {tuple(calib.shape)}")
     res: dict = {"source": source, "val_tokens": len(val), "seq_len": args.seq_len, "loops": loops_list,
                  "kv_context": args.kv_context,
@@ -257,18 +241,12 @@ def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, spe
         else:
             m, tensors, quant, report = quantize_copy(model, spec, calib if spec.method == "gptq" else None)
             fbytes = file_bytes(cfg, tok, tensors, quant, torch.float32)
-        ppl = ppl_row(m, val, loops_list, args.seq_len)
-        kl = 0.0 if name == "fp32" else kl_divergence(model, m, val, max(loops_list), seq_len=args.seq_len,
-                                                      stride=args.seq_len - 128)["kl"]
-        row = {"name": name, "ppl": ppl, "kl": kl, "file_bytes": fbytes,
-               "weights_read_per_token": weights_read_per_token(m, cfg.default_loops),
-               "seconds": round(time.perf_counter() - t0, 1)}
+        row = score(name, m, model, fbytes, val, loops_list, args, t0)
         if report and "core_hessian" in report:
             row["core_hessian"] = report["core_hessian"]
             res["hessian"].append({"name": name, **report["core_hessian"],
                                    "layers": [r for r in report["layers"] if "err_loop1_hessian" in r]})
         res["weights"].append(row)
-        log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, KL {kl:.5f} ({row['seconds']} s)")
         save()
         if name in ("bf16", "int8-rtn", f"int4-gptq-g{groups[0]}", f"int2-gptq-g{groups[0]}"):
             speed_models[name] = m
@@ -277,17 +255,23 @@ def run_weights(configs, res, model, tok, cfg, calib, val, loops_list, args, spe
         gc.collect()
 
 
+def score(name: str, m, model, fbytes: int, val, loops_list, args, t0: float) -> dict:
+    """A weights-table row: perplexity per loop, KL from the fp32 `model` at the deepest loops, bytes."""
+    ppl = ppl_row(m, val, loops_list, args.seq_len)
+    kl = 0.0 if name == "fp32" else kl_divergence(model, m, val, max(loops_list), seq_len=args.seq_len,
+                                              stride=args.seq_len - 128)["kl"]
+    row = {"name": name, "ppl": ppl, "kl": kl, "file_bytes": fbytes,
+           "weights_read_per_token": weights_read_per_token(m, model.cfg.default_loops),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    log(f"{name}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, KL {kl:.5f} ({row['seconds']} s)")
+    return row
+
+
 def run_shipped_file(path: Path, res, model, val, loops_list, args, save):
     """The packaged quantized model file itself (`make int4-model`), scored like the rows above."""
     t0 = time.perf_counter()
-    m = load_model(path).model
-    ppl = ppl_row(m, val, loops_list, args.seq_len)
-    kl = kl_divergence(model, m, val, max(loops_list), seq_len=args.seq_len, stride=args.seq_len - 128)["kl"]
-    row = {"name": "shipped int4 file", "ppl": ppl, "kl": kl, "file_bytes": path.stat().st_size,
-           "weights_read_per_token": weights_read_per_token(m, model.cfg.default_loops),
-           "seconds": round(time.perf_counter() - t0, 1)}
-    res["weights"].append(row)
-    log(f"{row['name']}: ppl {' '.join(f'{v:.2f}' for v in ppl.values())}, KL {kl:.5f}")
+    res["weights"].append(score("shipped int4 file", load_model(path).model, model, path.stat().st_size, val,
+                                loops_list, args, t0))
     save()
 
 
