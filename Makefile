@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test int4-model clean
+.PHONY: install serve test int4-model draft-exit clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ int4-model: $(STAMP)
 	$(VENV)/bin/tinyloop quantize $(MODELS)/tinyloop-16m.tinyloop $(MODELS)/tinyloop-16m-int4.tinyloop \
 	    --bits 4 --group-size 32 --method gptq --calib-tokens 8192 --calib-val-fraction 0.01 \
 	    --calib $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
+
+draft-exit: $(STAMP)
+	$(VENV)/bin/tinyloop train-draft $(MODELS)/tinyloop-16m.tinyloop --threads 2 \
+	    $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -61,11 +61,14 @@ def load(args):
     from tinyloop.modelfile import resolve_model_path
 
     path = resolve_model_path(args.model)  # default: the package's default model (int4)
+    exit_flag = not args.no_draft_exit
     if args.eager:  # the plain modules in fp32, as sessions 1-2 measured
-        engine = Engine.load(path, dtype=torch.float32, fast=False)
+        engine = Engine.load(path, dtype=torch.float32, fast=False, draft_exit=exit_flag)
     else:           # what `tinyloop serve` and Engine.load() run: the decode fast path
-        engine = Engine.load(path)
-    return engine.model.eval(), engine.tokenizer, f"{path}{' (eager fp32)' if args.eager else ''}"
+        engine = Engine.load(path, draft_exit=exit_flag)
+    info = engine.model_info()["draft_exit"]
+    exits = f", draft exits {info['file']} d={info['draft_loops']}" if info else ", no draft exits"
+    return engine.model.eval(), engine.tokenizer, f"{path}{' (eager fp32)' if args.eager else ''}{exits}"
 
 
 def run(model, prompts, params, **kw):
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a .tinyloop file or packaged model name (default: the shipped default, int4)")
     ap.add_argument("--eager", action="store_true", help="plain fp32 modules instead of the decode fast path")
     ap.add_argument("--checkpoint", help="a training checkpoint instead of a model file")
+    ap.add_argument("--no-draft-exit", action="store_true",
+                    help="do not attach the model's draft exits: draft through the model's own coda")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--verify-loops", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="defaults and a few settings only")
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
     variants = [("draft vocab full", dict(draft_vocab=None)), ("draft vocab 8192", dict(draft_vocab=8192)),
                 ("draft_stop 0.3", dict(draft_stop=0.3)), ("draft_stop 0.6", dict(draft_stop=0.6)),
                 ("fp32 verify head", dict(fast_head=False))]
+    if getattr(model, "draft_exits", None):
+        variants.insert(0, ("no draft exit (coda)", dict(draft_exit=False)))
 
     rows = []
     print("| mode | d | k | K | tok/s | plain tok/s | speed-up | CPU speed-up | acceptance | tokens/round | "

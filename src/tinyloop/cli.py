@@ -165,6 +165,26 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_draft(args: argparse.Namespace) -> int:
+    import torch
+
+    from .model.draft_exit import SUFFIX
+    from .modelfile import ModelFileError, resolve_model_path
+    from .train.draft_exit import train_draft_exits
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    out = args.out or str(path.with_name(path.name.removesuffix(".tinyloop") + SUFFIX))
+    try:
+        train_draft_exits(path, args.files, out, draft_loops=tuple(args.draft_loops), tokens=args.tokens,
+                          seq=args.seq, batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                          val_fraction=args.val_fraction)
+    except (ModelFileError, ValueError) as exc:
+        return _fail(str(exc))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import serve
     from .server.settings import Settings
@@ -242,6 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean Hessian diagonal")
     qz.add_argument("--quiet", action="store_true", help="no progress bar")
     qz.set_defaults(func=_quantize)
+
+    td = sub.add_parser("train-draft", help="distil draft exits for self-speculation (docs/speculative.md)")
+    td.add_argument("model", help="a float .tinyloop file (or packaged name) to distil from")
+    td.add_argument("files", nargs="+", help="text files (.txt or .txt.gz) to draw training windows from")
+    td.add_argument("--out", help="output file (default: <model>.draft.safetensors beside the model)")
+    td.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 4], help="one exit per draft depth")
+    td.add_argument("--tokens", type=int, default=600_000, help="training tokens (teacher states are kept)")
+    td.add_argument("--epochs", type=int, default=4)
+    td.add_argument("--seq", type=int, default=256)
+    td.add_argument("--batch", type=int, default=8)
+    td.add_argument("--lr", type=float, default=3e-4)
+    td.add_argument("--val-fraction", type=float, default=0.01,
+                    help="each file's held-out tail (as tinyloop train splits it): not trained on, scored on")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--threads", type=int, default=0)
+    td.set_defaults(func=_train_draft)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -61,6 +61,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     header: dict[str, Any]
     path: Path
+    draft_exit_path: Path | None = None  # set by Engine.load when it attaches a draft-exit file
 
     @property
     def config(self) -> ModelConfig:

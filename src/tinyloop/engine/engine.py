@@ -95,6 +95,24 @@ class TextStream:
         return StreamEvent([], tail, reason, stats, index=self.index)
 
 
+def attach_draft_exit_file(loaded: LoadedModel, draft_exit: str | Path | bool = True) -> Path | None:
+    """Attach draft exits to a loaded (and, if wanted, decode-prepared) model: True - the model's own
+    `<model>.draft.safetensors` if there is one; a path - that file; False - none. Returns the file used;
+    a file that does not fit raises ModelFileError (DraftExitError)."""
+    from ..model.draft_exit import attach_draft_exits, draft_exit_path, read_draft_exits
+
+    exit_path = None
+    if draft_exit is True:
+        exit_path = draft_exit_path(loaded.path, loaded.header)
+    elif draft_exit:
+        exit_path = Path(draft_exit)
+    loaded.draft_exit_path = exit_path
+    if exit_path is not None:
+        exits, _ = read_draft_exits(exit_path, loaded.model.cfg)
+        attach_draft_exits(loaded.model, exits)
+    return exit_path
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, *, max_seq_len: int | None = None, kv_format: str = "fp16"):
         self.loaded = loaded
@@ -116,18 +134,27 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-             max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True) -> "Engine":
+             max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True,
+             draft_exit: str | Path | bool = True) -> "Engine":
         """`fast=True` (the default) applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM
         weights for 16-bit models on CPU, thread policy): see docs/decode.md. `fast=False` keeps the
-        plain eager modules (the reference the tests compare against)."""
+        plain eager modules (the reference the tests compare against).
+
+        draft_exit: True - attach the model's draft-exit file if it has one (`<model>.draft.safetensors`,
+        see model/draft_exit.py; self-speculation then drafts through it); a path - that file (an error
+        if it does not fit the model); False - none."""
         loaded = load_model(path, device=device, dtype=dtype)
         if fast:
             from ..model.fast import prepare_for_decode
             prepare_for_decode(loaded.model)
+        attach_draft_exit_file(loaded, draft_exit)
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:
-        return {**model_info(self.header), "kv_cache_mode": self.kv_format}
+        exits = getattr(self.model, "draft_exits", None) or {}
+        exit_path = getattr(self.loaded, "draft_exit_path", None)
+        return {**model_info(self.header), "kv_cache_mode": self.kv_format,
+                "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 
     # -- validation -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -17,12 +17,13 @@ PREFILL_CHUNK = 256
 
 
 def new_cache(model: LoopedTransformer, n_positions: int, loops: int, window: int,
-              dtype: torch.dtype | None = None, batch: int = 1, kv_format: str = "fp16") -> KVCache:
+              dtype: torch.dtype | None = None, batch: int = 1, kv_format: str = "fp16",
+              extra_slots: int = 0) -> KVCache:
     """A cache for one request: exactly the positions it can reach (or a ring of the window)."""
     p = next(model.parameters())
     cache_dtype = dtype if dtype is not None else (p.dtype if p.dtype.is_floating_point else torch.float32)
     return KVCache(model.cfg, batch=batch, max_positions=n_positions, loops=loops, window=window,
-                   dtype=cache_dtype, device=p.device, kv_format=kv_format)
+                   dtype=cache_dtype, device=p.device, kv_format=kv_format, extra_slots=extra_slots)
 
 
 @torch.inference_mode()

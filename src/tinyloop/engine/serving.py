@@ -120,7 +120,9 @@ class BatchEngine:
             seqs.append(seq)
         else:  # speculative: n independent sequences outside the batch, each reserving its cache's pages
             positions = len(prompt_ids) + params.max_tokens + SPEC_MARGIN
-            pages = self.sched.blocks_for(positions) * n_slots(self.model, loops)
+            exits = getattr(self.model, "draft_exits", None) or {}  # a draft exit has cache slots of its own
+            extra = len(exits[params.draft_loops].coda) if params.draft_loops in exits else 0
+            pages = self.sched.blocks_for(positions) * (n_slots(self.model, loops) + extra)
             for o in outputs:
                 o.seq = Sequence(self.sched.new_seq_id(), list(prompt_ids), params.max_tokens, 0,
                                  loops=loops, external_pages=pages)

@@ -11,7 +11,12 @@ head, all in one batched pass over the round's positions. Cache slots per round:
 - core loops d..V-1: written by the verification pass;
 - coda: the draft writes coda entries computed from d-loop states (its own attention needs them), and
   the verification pass overwrites them with V-loop entries at every position it covers, so every
-  committed position holds exactly what a plain V-loop run would have written.
+  committed position holds exactly what a plain V-loop run would have written;
+- with a trained draft exit for depth d (`model.draft_exit`, attached by `Engine.load`), the draft reads
+  out through the exit instead of the coda: the exit has cache slots of its own (`slot_extra`), written
+  from d-loop states at every prompt position (`Speculator.prefill`) and every drafted position, and the
+  coda slot is written by verification only. A last drafted token that is accepted has no exit entry
+  yet (its pass ran no read-out); it is written with the next round's first draft step (`exit_backlog`).
 
 Rejected positions are rolled back in every slot by not advancing `cache.length` past them: later
 steps write over them before anything reads them. Tree speculation stores node i of a round's tree at
@@ -52,7 +57,7 @@ from ..errors import ValidationError
 from ..model import KVCache, LoopedTransformer
 from ..model.layers import StepContext
 from .draft_vocab import frequency_ranking
-from .generate import new_cache, prefill
+from .generate import PREFILL_CHUNK, new_cache, prefill
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
@@ -68,8 +73,10 @@ class DraftHead:
     Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
     """
 
-    def __init__(self, model: LoopedTransformer, size: int | None, extra_rows: int = CONTEXT_ROWS):
+    def __init__(self, model: LoopedTransformer, size: int | None, extra_rows: int = CONTEXT_ROWS,
+                 norm: torch.nn.Module | None = None):
         self.model = model
+        self.norm = model.norm if norm is None else norm  # a draft exit brings its own final norm
         vocab = model.cfg.vocab_size
         weight = model.head_weight.detach()
         if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
@@ -102,7 +109,7 @@ class DraftHead:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
-        xn = self.model.norm(x)
+        xn = self.norm(x)
         return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
 
     def token(self, col: int) -> int:
@@ -192,7 +199,7 @@ class Speculator:
 
     def __init__(self, model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
                  sampler: Sampler, kv_format: str = "fp16", draft_vocab: int | None = DRAFT_VOCAB,
-                 draft_stop: float = DRAFT_STOP, fast_head: bool = True):
+                 draft_stop: float = DRAFT_STOP, fast_head: bool = True, draft_exit: bool = True):
         self.model, self.params, self.sampler = model, params, sampler
         self.d = params.draft_loops
         self.V = params.effective_loops(model.cfg.default_loops)
@@ -200,11 +207,18 @@ class Speculator:
         self.tree = params.mode == "tree_speculative" and params.greedy
         self.draft_stop = draft_stop
         self.device = next(model.parameters()).device
+        # A trained draft exit for this depth (model.draft_exit), if the model has one: it replaces the
+        # coda (and final norm) in the draft, with cache slots of its own.
+        exits = getattr(model, "draft_exits", None) or {}
+        self.exit = exits.get(self.d) if draft_exit else None
+        n_extra = len(self.exit.coda) if self.exit is not None else 0
         # Tree nodes are stored past the committed positions: room for a whole tree beyond the output.
         n_positions = len(prompt_ids) + params.max_tokens + self.K * params.draft_ahead + 1
         self.cache: KVCache | None = new_cache(model, n_positions, self.V, params.cache_window,
-                                               kv_format=kv_format)
-        self.head = DraftHead(model, draft_vocab)
+                                               kv_format=kv_format, extra_slots=n_extra)
+        self.exit_slots = [self.cache.slot_extra(i) for i in range(n_extra)]
+        self.exit_backlog: torch.Tensor | None = None  # loop-d state of position L-1 if its exit entry is missing
+        self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
         self.head.add(prompt_ids)
         self.penalties = _has_penalties(params)
         plain_greedy = params.greedy and not self.penalties
@@ -220,23 +234,59 @@ class Speculator:
         pos = torch.tensor(positions, device=self.device)
         kpos = None if tree_key_positions is None else torch.tensor(tree_key_positions, device=self.device)
         mask = None if tree_mask is None else tree_mask.to(self.device)
-        return StepContext(rotary=self.model.rotary, positions=pos, dtype=self.model.embed.weight.dtype,
+        return StepContext(rotary=self.model.rotary, positions=pos,
+                           dtype=self.model.act_dtype or self.model.embed.weight.dtype,
                            cache=self.cache, start=start, tree_mask=mask, tree_key_positions=kpos)
 
-    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool = True):
-        """Prelude + loops 0..d-1 (+ coda and the draft head) over `tokens`: (e, h, draft logits (T, n))."""
+    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool = True,
+               exit_prefix: tuple[torch.Tensor, StepContext] | None = None):
+        """Prelude + loops 0..d-1 (+ coda or draft exit, and the draft head) over `tokens`:
+        (e, h, draft logits (T, n) or None).
+
+        With a draft exit, its blocks run even without the head when `with_head` is None (their cache
+        entries are needed later). `exit_prefix` = (h, ctx over both): loop-d states of the positions just
+        before `tokens` whose exit entries are still missing, run through the exit in the same call."""
         model = self.model
         e = model.embed_prelude(torch.tensor([tokens], device=self.device), ctx)  # (1, T, dim)
         h = model.init_state(e)
         for loop_idx in range(self.d):
             h = model.core_loop(h, e, loop_idx, ctx)
         self.stats["draft_passes"] += 1
+        if self.exit is not None:
+            if with_head is False:
+                return e, h, None
+            if exit_prefix is not None:
+                x = self.exit.blocks(torch.cat([exit_prefix[0], h], dim=1), exit_prefix[1], self.exit_slots)
+                x = x[:, exit_prefix[0].shape[1]:]
+            else:
+                x = self.exit.blocks(h, ctx, self.exit_slots)
+            return e, h, (self.head.logits(x[0]) if with_head else None)
         if not with_head:
             return e, h, None
         x = h
         for i, blk in enumerate(model.coda):
             x = blk(x, ctx, self.cache.slot_coda(i))
         return e, h, self.head.logits(x[0])
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """The prompt through all V loops (as `generate.prefill`); with a draft exit, also the exit's cache
+        entries from the prompt's loop-d states. Returns the last position's logits (vocab,)."""
+        if self.exit is None:
+            return prefill(self.model, ids, self.cache, self.V)
+        model, cache = self.model, self.cache
+        with torch.inference_mode():
+            for s in range(0, len(ids), PREFILL_CHUNK):
+                part = torch.tensor([ids[s:s + PREFILL_CHUNK]], device=self.device)
+                ctx = model.context(part.shape[1], cache=cache, start=cache.length)
+                e = model.embed_prelude(part, ctx)
+                h = model.init_state(e)
+                for r in range(self.V):
+                    h = model.core_loop(h, e, r, ctx)
+                    if r == self.d - 1:
+                        self.exit.blocks(h, ctx, self.exit_slots)
+                logits = model.coda_logits(h, ctx, last_only=True)
+                cache.length += part.shape[1]
+        return logits[0, -1]
 
     def _verify(self, e: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Loops d..V-1 from the draft's states, then the coda: (T, dim), ready for the LM head."""
@@ -285,8 +335,12 @@ class Speculator:
         L = cache.length
         t0 = time.perf_counter()
         toks, es, hs, qs = [self.pending], [], [], []
+        backlog, self.exit_backlog = self.exit_backlog, None
         for j in range(k):
-            e, h, lg = self._draft([toks[-1]], self._ctx(L + j, [L + j]))
+            prefix = None
+            if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
+                prefix = (backlog, self._ctx(L - 1, [L - 1, L]))
+            e, h, lg = self._draft([toks[-1]], self._ctx(L + j, [L + j]), exit_prefix=prefix)
             es.append(e)
             hs.append(h)
             lg = lg[0]
@@ -309,6 +363,8 @@ class Speculator:
         x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1), self._ctx(L, list(range(L, L + n + 1))))
         out = self._accept_chain(toks, x, qs)
         cache.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
+        if self.exit is not None and len(out) == n + 1:
+            self.exit_backlog = hs[-1]  # the last draft token was accepted: its exit entry is still due
         st = self.stats
         st["draft_s"] += t1 - t0
         st["verify_s"] += time.perf_counter() - t1
@@ -369,7 +425,7 @@ class Speculator:
             else:
                 ctx = self._ctx(L + first, positions, ancestor_mask(tree.parents, rows),
                                 [L + dd for dd in tree.depths])
-            e, h, lg = self._draft([tree.tokens[i] for i in frontier], ctx, with_head=t <= depth)
+            e, h, lg = self._draft([tree.tokens[i] for i in frontier], ctx, with_head=True if t <= depth else None)
             es.append(e)
             hs.append(h)
             if t > depth:
@@ -438,6 +494,7 @@ class Speculator:
             "verify_loops": self.V,
             "draft_ahead": self.params.draft_ahead,
             "K_branches": self.K,
+            "draft_exit": self.exit is not None,
         })
 
 
@@ -451,7 +508,8 @@ def check_params(model: LoopedTransformer, params: SamplingParams) -> None:
 def speculative_ids(model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
                     sampler: Sampler | None = None, run_stats: dict[str, Any] | None = None,
                     kv_format: str = "fp16", *, draft_vocab: int | None = DRAFT_VOCAB,
-                    draft_stop: float = DRAFT_STOP, fast_head: bool = True) -> Iterator[int]:
+                    draft_stop: float = DRAFT_STOP, fast_head: bool = True,
+                    draft_exit: bool = True) -> Iterator[int]:
     """Yield exactly the tokens plain generation at verify_loops would (greedy), as each is verified.
 
     Yields at most params.max_tokens ids; stops and EOS are the caller's job. Closing the generator frees
@@ -459,17 +517,17 @@ def speculative_ids(model: LoopedTransformer, prompt_ids: list[int], params: Sam
     """
     check_params(model, params)
     return _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
-                            fast_head)
+                            fast_head, draft_exit)
 
 
 def _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
-                     fast_head):
+                     fast_head, draft_exit):
     sampler = sampler or Sampler(params, prompt_ids, model.cfg.vocab_size)
     run_stats = {} if run_stats is None else run_stats
     spec = Speculator(model, prompt_ids, params, sampler, kv_format=kv_format, draft_vocab=draft_vocab,
-                      draft_stop=draft_stop, fast_head=fast_head)
+                      draft_stop=draft_stop, fast_head=fast_head, draft_exit=draft_exit)
     try:
-        logits = prefill(model, prompt_ids, spec.cache, spec.V)
+        logits = spec.prefill(prompt_ids)
         tok = sampler.sample(logits)
         sampler.accept(tok)
         spec.pending = tok

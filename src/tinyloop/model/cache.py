@@ -1,7 +1,8 @@
 """The KV cache: one preallocated slot per (loop, core layer) plus the prelude and coda layers.
 
-Slot order: prelude layers, coda layers, then core layers loop by loop, so a cache built for more
-loops only appends slots. `slot_core(loop_idx, layer_idx)` is the one place that arithmetic lives.
+Slot order: prelude layers, coda layers, then core layers loop by loop, then `extra_slots` more (a
+draft exit's blocks, `model.draft_exit`). `slot_core(loop_idx, layer_idx)` and `slot_extra(i)` are the
+one place that arithmetic lives.
 
 Storage is a ring indexed by `position % capacity`. Without a window the capacity is the whole
 context, so the ring never wraps and reads are plain slices. With `window = W > 0` a query at
@@ -87,7 +88,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, *, batch: int = 1, max_positions: int | None = None,
                  loops: int | None = None, window: int = 0, rollback_margin: int = 72,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 kv_format: str = "fp16"):
+                 kv_format: str = "fp16", extra_slots: int = 0):
         bits = check_kv_format(cfg, kv_format)
         self.kv_format = kv_format
         self.cfg = cfg
@@ -101,7 +102,10 @@ class KVCache:
         self.window = window
         cap = self.max_positions if window == 0 else min(self.max_positions, window + rollback_margin)
         self.capacity = cap
-        self.n_slots = cfg.n_prelude + cfg.n_coda + self.loops * cfg.n_core
+        if extra_slots < 0:
+            raise CacheError("extra_slots must be >= 0")
+        self.extra_slots = extra_slots
+        self.n_slots = cfg.n_prelude + cfg.n_coda + self.loops * cfg.n_core + extra_slots
         shape = (self.n_slots, batch, cfg.n_kv_heads, cap, cfg.head_dim)  # (S, B, Hkv, P, D)
         if bits is None:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -124,6 +128,11 @@ class KVCache:
         if loop_idx >= self.loops:
             raise CacheError(f"cache was built for {self.loops} loops; loop {loop_idx} has no slot")
         return self.cfg.n_prelude + self.cfg.n_coda + loop_idx * self.cfg.n_core + layer_idx
+
+    def slot_extra(self, i: int) -> int:
+        if not 0 <= i < self.extra_slots:
+            raise CacheError(f"cache has {self.extra_slots} extra slots; slot {i} does not exist")
+        return self.cfg.n_prelude + self.cfg.n_coda + self.loops * self.cfg.n_core + i
 
     # -- size -----------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -7,6 +7,8 @@ Environment (see docs/server.md):
     TINYLOOP_KV_INT8        1 -> KV cache mode "int8"
     TINYLOOP_KV_INT4        1 -> "int4"; with TINYLOOP_KV_H_MODE=1 -> "int4-h"
     TINYLOOP_KV_H_MODE      Hadamard rotation before int4 quantization (only with TINYLOOP_KV_INT4)
+    TINYLOOP_DRAFT_EXIT     draft exits for speculation: "auto" (default: the model's
+                            <model>.draft.safetensors if present), "none", or a file path
     TINYLOOP_COMMIT         reported as runtime.commit
     TINYLOOP_API_KEY        when set, every endpoint but /health needs `Authorization: Bearer <key>`
     TINYLOOP_MAX_BODY_BYTES request bodies above this get 413 (default 1 MiB)
@@ -71,6 +73,15 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
         raise SystemExit(f"tinyloop serve: {name}={raw!r} is not a number") from None
 
 
+def _draft_exit_env(env: dict[str, str]) -> Path | bool:
+    raw = env.get("TINYLOOP_DRAFT_EXIT", "").strip()
+    if raw.lower() in ("", "auto"):
+        return True
+    if raw.lower() in ("none", "off", "0", "false"):
+        return False
+    return Path(raw)
+
+
 @dataclass
 class Settings:
     model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
@@ -86,6 +97,7 @@ class Settings:
     kv_pool_mb: int | None = None
     request_timeout_s: float = 0.0
     shutdown_grace_s: float = 10.0
+    draft_exit: Path | bool = True          # True: the model's own draft-exit file if any; False: none
     warnings: list[str] = field(default_factory=list)
 
     @classmethod
@@ -107,5 +119,6 @@ class Settings:
             kv_pool_mb=_int_env(env, "TINYLOOP_KV_POOL_MB", None),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
+            draft_exit=_draft_exit_env(env),
             warnings=warnings,
         )

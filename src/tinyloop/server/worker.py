@@ -327,8 +327,11 @@ def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
 
     from ..model.fast import prepare_for_decode
 
+    from ..engine.engine import attach_draft_exit_file
+
     loaded = load_model(settings.model_path)
     prepare_for_decode(loaded.model)  # fused projections, fp16 FBGEMM for 16-bit weights (docs/decode.md)
+    attach_draft_exit_file(loaded, settings.draft_exit)  # speculative drafts through trained exits
     kv = settings.kv_cache_mode
     if kv != "fp16":
         try:
