@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("files", nargs="+", help="text files (.txt or .txt.gz) to draw training windows from")
     td.add_argument("--out", help="output file (default: <model>.draft.safetensors beside the model)")
     td.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 4], help="one exit per draft depth")
-    td.add_argument("--tokens", type=int, default=600_000, help="training tokens (teacher states are kept)")
+    td.add_argument("--tokens", type=int, default=1_200_000, help="training tokens (teacher states are kept)")
     td.add_argument("--epochs", type=int, default=4)
     td.add_argument("--seq", type=int, default=256)
     td.add_argument("--batch", type=int, default=8)

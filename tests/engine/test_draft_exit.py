@@ -197,3 +197,28 @@ def test_cli_train_draft_bad_model(tmp_path, capsys):
 
     assert main(["train-draft", str(tmp_path / "nope.tinyloop"), str(tmp_path / "t.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+# -- the shipped file -------------------------------------------------------------------------
+def test_shipped_draft_exits_raise_acceptance(shipped_model_path):
+    """The default (int4) model attaches the packaged exits through its source model's name; drafting
+    through them keeps the output and accepts more drafts per round than the coda does."""
+    eng = Engine.load(shipped_model_path)
+    info = eng.model_info()["draft_exit"]
+    assert info == {"file": "tinyloop-16m.draft.safetensors", "draft_loops": [1, 2, 4]}
+    _, header = read_draft_exits(eng.loaded.draft_exit_path, eng.config)
+    for d, s in header["agreement"].items():
+        assert s["after"] > s["before"] + 0.02, (d, s)
+    prompts = ["In the beginning God created the heaven and the earth. And the earth was",
+               "ROMEO. But soft, what light through yonder window breaks?"]
+    per_round = {True: [], False: []}
+    for text in prompts:
+        ids = eng.encode_prompt(text)
+        ref = list(generate_ids(eng.model, ids, SamplingParams(max_tokens=48, loops=8)))
+        for flag in (True, False):
+            st = {}
+            p = SamplingParams(max_tokens=48, verify_loops=8, mode="speculative", draft_loops=2, draft_ahead=4)
+            assert list(speculative_ids(eng.model, ids, p, None, st, draft_exit=flag)) == ref
+            assert st["draft_exit"] is flag
+            per_round[flag].append(st["mean_tokens_per_round"])
+    assert sum(per_round[True]) > sum(per_round[False]), per_round

@@ -486,6 +486,8 @@ class Speculator:
             "mean_accepted_per_round": round(st["accepted"] / rounds, 3),
             "mean_tokens_per_round": round(st["emitted"] / rounds, 3),
             "rounds": st["rounds"],
+            "proposed_tokens": st["proposed"],
+            "accepted_tokens": st["accepted"],
             "draft_tokens": st["draft_tokens"],
             "verify_positions": st["verify_positions"],
             "draft_ms": round(st["draft_s"] * 1000, 2),

@@ -103,7 +103,7 @@ def evaluate(model, ex: DraftExit, data: dict[str, torch.Tensor], d: int, head_r
 
 
 def train_draft_exits(model_path: str | Path, files: list[str | Path], out: str | Path, *,
-                      draft_loops: tuple[int, ...] = DEFAULT_DRAFT_LOOPS, tokens: int = 600_000,
+                      draft_loops: tuple[int, ...] = DEFAULT_DRAFT_LOOPS, tokens: int = 1_200_000,
                       seq: int = 256, batch: int = 8, epochs: int = 4, lr: float = 3e-4,
                       val_tokens: int = 16_384, val_fraction: float = 0.01, draft_vocab: int = 4096,
                       seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
