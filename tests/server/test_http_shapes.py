@@ -288,3 +288,35 @@ def test_queue_full_is_429(tiny_server, monkeypatch):
     r = post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 2})
     assert_error(r, 429)
     assert r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("raw,want", [("", True), ("auto", True), ("none", False), ("off", False),
+                                      ("/x/y.draft.safetensors", "/x/y.draft.safetensors")])
+def test_draft_exit_env(raw, want):
+    from pathlib import Path
+
+    got = Settings.from_env({"TINYLOOP_DRAFT_EXIT": raw} if raw else {}).draft_exit
+    assert got == (Path(want) if isinstance(want, str) else want)
+
+
+def test_server_drafts_through_the_models_draft_exit(tmp_path, tokenizer):
+    """A model with a companion draft-exit file: the server attaches it, reports it in model_info, and a
+    speculative request's stats say it drafted through it; TINYLOOP_DRAFT_EXIT=none serves without."""
+    from conftest import varied_model
+    from tinyloop.config import preset
+    from tinyloop.model.draft_exit import DraftExit, write_draft_exits
+    from tinyloop.modelfile import write_model
+
+    model = varied_model(preset("tiny"), seed=3)
+    path = write_model(tmp_path / "t.tinyloop", model, tokenizer=tokenizer, provenance={"tool": "tests"})
+    write_draft_exits(tmp_path / "t.draft.safetensors", {1: DraftExit.from_model(model)}, model.cfg, {})
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 6, "mode": "speculative", "draft_loops": 1,
+            "verify_loops": 3, "draft_ahead": 2}
+    for env, attached in (({}, True), ({"TINYLOOP_DRAFT_EXIT": "none"}, False)):
+        with ServerThread(Settings.from_env(env, model_path=path)) as srv:
+            r = post(srv, "/api/v0/completions", body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["stats"]["draft_exit"] is attached
+        want = {"file": "t.draft.safetensors", "draft_loops": [1]} if attached else None
+        assert out["model_info"]["draft_exit"] == want
