@@ -139,6 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="defaults and a few settings only")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
     ap.add_argument("--no-variants", action="store_true", help="skip the draft vocabulary/stop/head variants")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="only the defaults (d=2, k=4) and, if the model has draft exits, the same without them: "
+                         "with a high --repeats, the tightest paired figure for the defaults bar")
     ap.add_argument("--repeats", type=int, default=4,
                     help="pairs (plain, setting) per prompt; the speed-up is the median pair ratio")
     ap.add_argument("--json", help="write every figure here")
@@ -227,6 +230,9 @@ def main(argv=None) -> int:
                 draft_vocab=DRAFT_VOCAB, draft_stop=DRAFT_STOP, partial=partial, rows=rows, **extra), indent=1))
 
     default = dict(mode="speculative", draft_loops=2, draft_ahead=4, k_branches=1)
+    if args.defaults_only:
+        grid = []
+        variants = [v for v in variants if v[1].get("draft_exit") is False]
     for knobs in [default] + [g for g in grid if g != default]:  # the defaults first
         report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
         if knobs is default:
