@@ -190,6 +190,9 @@ def test_train_draft_exits_distils_towards_the_deep_model(tmp_path, tokenizer):
     assert header["provenance"]["tool"] == "tinyloop train-draft"
     with pytest.raises(ValueError, match="draft_loops must be in 1..2"):
         train_draft_exits(mpath, [text], tmp_path / "x.safetensors", draft_loops=(4,), tokens=4096, seq=64)
+    with pytest.raises(ValueError, match="not found"):
+        train_draft_exits(mpath, [tmp_path / "nope.txt"], tmp_path / "x.safetensors", draft_loops=(1,), tokens=4096,
+                          seq=64)
 
 
 def test_cli_train_draft_bad_model(tmp_path, capsys):

@@ -152,7 +152,7 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}
-        exit_path = getattr(self.loaded, "draft_exit_path", None)
+        exit_path = self.loaded.draft_exit_path
         return {**model_info(self.header), "kv_cache_mode": self.kv_format,
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 

@@ -238,14 +238,15 @@ class Speculator:
                            dtype=self.model.act_dtype or self.model.embed.weight.dtype,
                            cache=self.cache, start=start, tree_mask=mask, tree_key_positions=kpos)
 
-    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool = True,
+    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool | None = True,
                exit_prefix: tuple[torch.Tensor, StepContext] | None = None):
         """Prelude + loops 0..d-1 (+ coda or draft exit, and the draft head) over `tokens`:
         (e, h, draft logits (T, n) or None).
 
-        With a draft exit, its blocks run even without the head when `with_head` is None (their cache
-        entries are needed later). `exit_prefix` = (h, ctx over both): loop-d states of the positions just
-        before `tokens` whose exit entries are still missing, run through the exit in the same call."""
+        with_head: True - read out and score; None - a draft exit still runs (its cache entries are
+        needed later) but nothing is scored; False - loops only. `exit_prefix` = (h, ctx over both):
+        loop-d states of the positions just before `tokens` whose exit entries are still missing, run
+        through the exit in the same call."""
         model = self.model
         e = model.embed_prelude(torch.tensor([tokens], device=self.device), ctx)  # (1, T, dim)
         h = model.init_state(e)

@@ -120,6 +120,9 @@ def train_draft_exits(model_path: str | Path, files: list[str | Path], out: str 
         raise ValueError(f"draft_loops must be in 1..{V - 1} (the model verifies with {V} loops), got {draft_loops}")
     if tokens < seq or epochs < 1 or batch < 1:
         raise ValueError("tokens must be >= seq, and epochs and batch >= 1")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if not files or missing:
+        raise ValueError(f"training text files not found: {missing}" if missing else "no training text file given")
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     train_w = read_calibration(list(files), loaded.tokenizer, tokens, seq, seed=seed, val_fraction=val_fraction)
