@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from ..model.cache import check_kv_format
-from ..model.layers import apply_rope, attention_mask
+from ..model.layers import apply_rope_full, attention_mask
 from ..quant.hadamard import hadamard_matrix
 from ..quant.kv import bytes_per_vector, dequantize_vectors, kv_format_rotates, quantize_vectors
 from .scheduler import ScheduledChunk, Sequence
@@ -137,6 +137,7 @@ class _Seg:
         self.page_idx = pos // page_size                # logical block of each new position
         self.offs = pos % page_size
         self.table = torch.tensor(chunk.seq.block_table, device=device)  # (blocks, slots) page ids
+        self.n_read = -(-self.end // page_size)          # blocks holding keys this step can see
         self._mask: dict[int, torch.Tensor | None] = {}
 
     def mask(self, window: int, rep: int) -> torch.Tensor | None:
@@ -161,11 +162,12 @@ class _DecodeGroup:
     def __init__(self, segs: list[_Seg], page_size: int, device):
         self.segs = segs
         B = len(segs)
-        n_blocks = max(s.table.shape[0] for s in segs)
+        n_blocks = max(s.n_read for s in segs)          # only blocks some query can see are read
         n_slots_max = max(s.table.shape[1] for s in segs)
         table = torch.zeros(B, n_blocks, n_slots_max, dtype=torch.long, device=device)
         for i, s in enumerate(segs):
-            table[i, :s.table.shape[0], :s.table.shape[1]] = s.table
+            nb = min(n_blocks, s.table.shape[0])
+            table[i, :nb, :s.table.shape[1]] = s.table[:nb]
         self.table = table
         self.rows = torch.tensor([s.row0 for s in segs], device=device)
         pos = torch.tensor([s.start for s in segs], device=device)
@@ -205,6 +207,8 @@ class BatchRunner:
         positions = torch.cat([s.positions for s in segs])
         dtype = m.act_dtype or m.embed.weight.dtype
         cos, sin = m.rotary.cos_sin(positions, dtype)
+        # RoPE tables in the 4-op form (`apply_rope_full`, bit-identical to apply_rope), made once per step
+        cos, sin = torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]  # (N, 1, D)
         x = m.embed(tokens)
         if m.act_dtype is not None:
             x = x.to(m.act_dtype)
@@ -263,16 +267,16 @@ class BatchRunner:
         the decode chunks all at once (`_DecodeGroup`) when there are several."""
         _, N, _ = a.shape
         H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        # cos, sin: the step's (N, 1, D) tables for `apply_rope_full`
         if attn.wqkv is not None:
-            qkv = attn.wqkv(a).view(1, N, H + 2 * Hkv, D)
-            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+            qkv = attn.wqkv(a).view(N, H + 2 * Hkv, D)
+            qk = apply_rope_full(qkv[:, :H + Hkv], cos, sin)                   # one RoPE over q and k
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
         else:
-            q = attn.wq(a).view(1, N, H, D)
-            k = attn.wk(a).view(1, N, Hkv, D)
-            v = attn.wv(a).view(1, N, Hkv, D)
-        q = apply_rope(q.transpose(1, 2), cos, sin)[0]                       # (H, N, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)[0]                       # (Hkv, N, D)
-        v = v.transpose(1, 2)[0]                                             # (Hkv, N, D)
+            q = apply_rope_full(attn.wq(a).view(N, H, D), cos, sin)
+            k = apply_rope_full(attn.wk(a).view(N, Hkv, D), cos, sin)
+            v = attn.wv(a).view(N, Hkv, D)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # (H or Hkv, N, D)
         rep = H // Hkv
         adt = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(H, N, D, dtype=adt, device=a.device)
@@ -290,7 +294,7 @@ class BatchRunner:
             kv_pages = s.table[:, slot][s.page_idx]
             self.kv.k.write(kv_pages, s.offs, k[:, s.row0:s.row1])
             self.kv.v.write(kv_pages, s.offs, v[:, s.row0:s.row1])
-            pages = s.table[:, slot]
+            pages = s.table[:s.n_read, slot]                                   # not the blocks past `end`
             K = self.kv.k.read(pages, s.end, adt)                             # (Hkv, L, D)
             V = self.kv.v.read(pages, s.end, adt)
             T = s.row1 - s.row0
