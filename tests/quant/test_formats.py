@@ -106,6 +106,14 @@ def test_calibration_spreads_over_files_and_skips_their_validation_split(tmp_pat
     assert not any("HELD" in t for t in texts)  # the last 5% of a.txt is its validation split
     with pytest.raises(QuantError, match="does not exist"):
         read_calibration([a, tmp_path / "none.txt"], tokenizer, 64, 16)
+    # held_out=True reads only that last part (the draft-exit trainer's evaluation windows)
+    c = tmp_path / "c.txt"
+    c.write_text("alpha beta gamma delta\n" * 60 + "HELDOUT zeta\n" * 30)
+    held = read_calibration([c], tokenizer, n_tokens=4 * 16, seq_len=16, val_fraction=0.2, held_out=True)
+    texts = [tokenizer.decode(w.tolist()) for w in held]
+    assert held.shape == (4, 16) and all("HELDOUT" in t and "alpha" not in t for t in texts)
+    with pytest.raises(QuantError, match="> 0 for held-out"):
+        read_calibration([c], tokenizer, 64, 16, held_out=True)
 
 
 def test_cli_quantize_gptq_records_calibration(tmp_path, tiny_model_path, capsys):

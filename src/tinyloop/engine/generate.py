@@ -28,13 +28,14 @@ def new_cache(model: LoopedTransformer, n_positions: int, loops: int, window: in
 
 @torch.inference_mode()
 def prefill(model: LoopedTransformer, ids: list[int], cache: KVCache, loops: int,
-            chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """Run the prompt through the model in chunks; returns the last position's logits (V,)."""
+            chunk: int = PREFILL_CHUNK, after_loop=None) -> torch.Tensor:
+    """Run the prompt through the model in chunks; returns the last position's logits (V,).
+    `after_loop` is passed to the model's forward (see `LoopedTransformer.forward`)."""
     device = next(model.parameters()).device
     logits = None
     for s in range(0, len(ids), chunk):
         part = torch.tensor([ids[s:s + chunk]], device=device)
-        logits = model(part, loops, cache=cache, start=cache.length, last_only=True)
+        logits = model(part, loops, cache=cache, start=cache.length, last_only=True, after_loop=after_loop)
         cache.length += part.shape[1]
     return logits[0, -1]
 

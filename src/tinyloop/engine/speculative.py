@@ -57,7 +57,7 @@ from ..errors import ValidationError
 from ..model import KVCache, LoopedTransformer
 from ..model.layers import StepContext
 from .draft_vocab import frequency_ranking
-from .generate import PREFILL_CHUNK, new_cache, prefill
+from .generate import new_cache, prefill
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
@@ -274,20 +274,12 @@ class Speculator:
         entries from the prompt's loop-d states. Returns the last position's logits (vocab,)."""
         if self.exit is None:
             return prefill(self.model, ids, self.cache, self.V)
-        model, cache = self.model, self.cache
-        with torch.inference_mode():
-            for s in range(0, len(ids), PREFILL_CHUNK):
-                part = torch.tensor([ids[s:s + PREFILL_CHUNK]], device=self.device)
-                ctx = model.context(part.shape[1], cache=cache, start=cache.length)
-                e = model.embed_prelude(part, ctx)
-                h = model.init_state(e)
-                for r in range(self.V):
-                    h = model.core_loop(h, e, r, ctx)
-                    if r == self.d - 1:
-                        self.exit.blocks(h, ctx, self.exit_slots)
-                logits = model.coda_logits(h, ctx, last_only=True)
-                cache.length += part.shape[1]
-        return logits[0, -1]
+
+        def exit_entries(r: int, h: torch.Tensor, ctx: StepContext) -> None:
+            if r == self.d - 1:
+                self.exit.blocks(h, ctx, self.exit_slots)
+
+        return prefill(self.model, ids, self.cache, self.V, after_loop=exit_entries)
 
     def _verify(self, e: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Loops d..V-1 from the draft's states, then the coda: (T, dim), ready for the LM head."""

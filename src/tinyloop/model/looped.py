@@ -99,8 +99,11 @@ class LoopedTransformer(nn.Module):
 
     # -- whole pass -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,
-                start: int = 0, last_only: bool = False) -> torch.Tensor:
-        """tokens: (B, T) at positions start..start+T-1 -> logits (B, T or 1, vocab)."""
+                start: int = 0, last_only: bool = False, after_loop=None) -> torch.Tensor:
+        """tokens: (B, T) at positions start..start+T-1 -> logits (B, T or 1, vocab).
+
+        after_loop: optional `f(loop_idx, h, ctx)` called with each loop's output state (speculation
+        uses it to run a draft exit on the loop-d states during prefill)."""
         loops = self.cfg.default_loops if loops is None else loops
         if not 1 <= loops <= self.cfg.max_loops:
             raise ValueError(f"loops must be in 1..{self.cfg.max_loops}, got {loops}")
@@ -109,7 +112,8 @@ class LoopedTransformer(nn.Module):
             prev = torch.get_num_threads()
             torch.set_num_threads(n)  # ~0.5 us a switch; prefill keeps every thread
             try:
-                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only)
+                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only,
+                                    after_loop=after_loop)
             finally:
                 torch.set_num_threads(prev)
         ctx = self.context(tokens.shape[1], cache=cache, start=start)
@@ -117,6 +121,8 @@ class LoopedTransformer(nn.Module):
         h = self.init_state(e)
         for r in range(loops):
             h = self.core_loop(h, e, r, ctx)
+            if after_loop is not None:
+                after_loop(r, h, ctx)
         return self.coda_logits(h, ctx, last_only=last_only)
 
 

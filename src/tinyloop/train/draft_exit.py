@@ -25,29 +25,8 @@ import torch.nn.functional as F
 from ..engine.draft_vocab import frequency_ranking
 from ..modelfile import load_model
 from ..model.draft_exit import DraftExit, write_draft_exits
-from ..tokenizer import Tokenizer
 
 DEFAULT_DRAFT_LOOPS = (1, 2, 4)
-
-
-def held_out_windows(paths: list[str | Path], tokenizer: Tokenizer, n_tokens: int, seq_len: int,
-                     val_fraction: float, seed: int = 0) -> torch.Tensor:
-    """(N, seq_len) windows at seeded offsets of each file's held-out part (its last `val_fraction`)."""
-    from ..train.data import read_text, split_text
-
-    g = torch.Generator().manual_seed(seed)
-    n_seq = max(1, n_tokens // seq_len)
-    windows = []
-    for i, path in enumerate(paths):
-        ids = torch.tensor(tokenizer.encode(split_text(read_text(Path(path)), val_fraction)[1]), dtype=torch.long)
-        if len(ids) < seq_len + 1:
-            continue
-        n_here = n_seq // len(paths) + (1 if i < n_seq % len(paths) else 0)
-        starts = torch.randint(0, len(ids) - seq_len, (n_here,), generator=g)
-        windows += [ids[s:s + seq_len] for s in starts.tolist()]
-    if not windows:
-        raise ValueError(f"no held-out part of {[str(p) for p in paths]} has {seq_len + 1} tokens")
-    return torch.stack(windows)
 
 
 @torch.no_grad()
@@ -126,7 +105,8 @@ def train_draft_exits(model_path: str | Path, files: list[str | Path], out: str 
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     train_w = read_calibration(list(files), loaded.tokenizer, tokens, seq, seed=seed, val_fraction=val_fraction)
-    val_w = held_out_windows(list(files), loaded.tokenizer, val_tokens, seq, val_fraction, seed=seed + 1)
+    val_w = read_calibration(list(files), loaded.tokenizer, val_tokens, seq, seed=seed + 1, val_fraction=val_fraction,
+                             held_out=True)
     log(f"windows: {tuple(train_w.shape)} train, {tuple(val_w.shape)} held out ({time.perf_counter() - t0:.0f} s)")
     t0 = time.perf_counter()
     train = teacher_pass(model, train_w, draft_loops, batch)
