@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tinyloop.config import preset
-from tinyloop.model import build_model
-from tinyloop.modelfile import FLOAT_MODEL_NAME, packaged_model_path, write_model
+from tinyloop.model import KVCache, build_model
+from tinyloop.modelfile import FLOAT_MODEL_NAME, LoadedModel, packaged_model_path, write_model
 from tinyloop.tokenizer import Tokenizer
 
 # Tiny models are bound by per-op overhead: one thread is fastest and avoids fighting other processes.
@@ -33,6 +33,50 @@ def varied_model(cfg, seed=0, dtype=torch.float32):
             if p.dim() >= 2:
                 p.mul_(8.0)
     return model
+
+
+@torch.inference_mode()
+def reference_ids(model, prompt: list[int], params, kv_format: str = "fp16") -> list[int]:
+    """Plain generation the simple way: the contiguous cache, the whole prompt in one forward, then one
+    `model(...)` call per token. The engine core (pool, batching, chunking, speculation) is tested
+    against this."""
+    from tinyloop.engine.sampling import Sampler
+
+    loops = params.loops or model.cfg.default_loops
+    p = next(model.parameters())
+    cache = KVCache(model.cfg, max_positions=len(prompt) + params.max_tokens, loops=loops,
+                    window=params.cache_window, kv_format=kv_format,
+                    dtype=p.dtype if p.dtype.is_floating_point else torch.float32)
+    sampler = Sampler(params, prompt, model.cfg.vocab_size)
+    logits = model(torch.tensor([prompt]), loops, cache=cache, start=0, last_only=True)[0, -1]
+    cache.length = len(prompt)
+    out = []
+    for i in range(params.max_tokens):
+        tok = sampler.sample(logits)
+        sampler.accept(tok)
+        out.append(tok)
+        if i + 1 < params.max_tokens:
+            logits = model(torch.tensor([[tok]]), loops, cache=cache, start=cache.length, last_only=True)[0, -1]
+            cache.length += 1
+    return out
+
+
+def core_ids(model, prompt: list[int], params, stats: dict | None = None, kv_format: str = "fp16",
+             **speculation) -> list[int]:
+    """One request through the engine core (a batch of one) on a bare model: its token ids (stop ids
+    included, as `reference_ids` does); `stats` gets the final event's stats."""
+    from tinyloop.engine import Engine
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+
+    engine = Engine(LoadedModel(model, None, {}, None), kv_format=kv_format)
+    params = params.replace(ignore_eos=True)
+    probe = BatchEngine(engine, kv_pool_bytes=1, speculation=speculation)
+    pool = probe.pages_needed(engine.plan(prompt, params)) * probe.page_bytes
+    events = run_to_completion(BatchEngine(engine, max_num_seqs=4, kv_pool_bytes=pool, speculation=speculation),
+                               [(prompt, params)])[0]
+    if stats is not None:
+        stats.update(events[-1].stats)
+    return [t for e in events for t in e.token_ids]
 
 
 @pytest.fixture(scope="session")

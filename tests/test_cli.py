@@ -69,3 +69,15 @@ def test_packaged_models_by_name():
     assert info["draft_exit"].endswith("tinyloop-16m.draft.safetensors") and info["draft_exit"] == fp16["draft_exit"]
     r = run("generate", "hi", "--model", "tinyloop-99m")
     assert r.returncode == 2 and "no such file" in r.stderr and "tinyloop-16m-int4.tinyloop" in r.stderr
+
+
+def test_generate_defaults_are_sampling_params():
+    from tinyloop.cli import build_parser
+    from tinyloop.engine import SamplingParams
+
+    args = build_parser().parse_args(["generate", "hi"])
+    want = SamplingParams()
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "cache_window", "mode", "draft_loops", "verify_loops", "draft_ahead",
+                 "k_branches", "loops"):
+        assert getattr(args, name) == getattr(want, name), name

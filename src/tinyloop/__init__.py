@@ -7,12 +7,11 @@
         print(event.text, end="")
 """
 
-__version__ = "0.1.0"
-
-from .config import ModelConfig, preset  # noqa: E402
-from .engine import Engine, GenerationResult, SamplingParams, StreamEvent  # noqa: E402
-from .errors import ValidationError  # noqa: E402
-from .modelfile import ModelFileError, load_model, write_model  # noqa: E402
+from .config import ModelConfig, preset
+from .engine import Engine, GenerationResult, SamplingParams, StreamEvent
+from .errors import ModelFileError, ValidationError
+from .modelfile import load_model, write_model
+from .version import __version__
 
 __all__ = ["Engine", "GenerationResult", "ModelConfig", "ModelFileError", "SamplingParams", "StreamEvent",
            "ValidationError", "load_model", "preset", "write_model", "__version__"]

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .engine.params import MODES, param_default
+
 
 def _train(args: argparse.Namespace) -> int:
     from .train.trainer import TrainConfig, Trainer
@@ -205,22 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt")
     g.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
-    g.add_argument("--loops", type=int)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py
+    g.add_argument("--loops", type=int, help="default: the model's default_loops")
+    for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-k", int), ("--top-p", float),
+                       ("--repetition-penalty", float), ("--presence-penalty", float),
+                       ("--frequency-penalty", float)):
+        g.add_argument(flag, type=kind, default=param_default(flag[2:].replace("-", "_")), help="default: %(default)s")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--cache-window", type=int, default=0)
-    g.add_argument("--mode", default="generate", choices=["generate", "speculative", "tree_speculative"])
-    g.add_argument("--draft-loops", type=int, default=2)
-    g.add_argument("--verify-loops", type=int)
-    g.add_argument("--draft-ahead", type=int, default=4)
-    g.add_argument("--k-branches", type=int, default=1)
+    g.add_argument("--cache-window", type=int, default=param_default("cache_window"), help="default: %(default)s")
+    g.add_argument("--mode", default=param_default("mode"), choices=MODES)
+    g.add_argument("--draft-loops", type=int, default=param_default("draft_loops"), help="default: %(default)s")
+    g.add_argument("--verify-loops", type=int, help="default: --loops, else the model's default_loops")
+    g.add_argument("--draft-ahead", type=int, default=param_default("draft_ahead"), help="default: %(default)s")
+    g.add_argument("--k-branches", type=int, default=param_default("k_branches"), help="default: %(default)s")
     g.add_argument("--kv", default="fp16", help="KV cache format")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--stats", action="store_true", help="print generation stats as JSON on stderr")

@@ -31,9 +31,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import __version__
 from .config import ConfigError, ModelConfig
+from .errors import ModelFileError
 from .tokenizer import Tokenizer, TokenizerError
+from .version import __version__
 
 FORMAT = "tinyloop"
 FORMAT_VERSION = 1
@@ -46,13 +47,6 @@ ENV_MODEL = "TINYLOOP_MODEL_PATH"
 MODELS_DIR = Path(__file__).parent / "assets" / "models"
 FLOAT_MODEL_NAME = "tinyloop-16m.tinyloop"          # the trained model (fp16): the source of the int4 one
 DEFAULT_MODEL_NAME = "tinyloop-16m-int4.tinyloop"   # what serve / generate / Engine.load use by default
-
-
-class ModelFileError(RuntimeError):
-    def __init__(self, path: str | Path, problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
 
 
 @dataclass

@@ -144,9 +144,9 @@ def test_stop_strings_and_eos_inside_the_batch(engine64):
 def test_abort_frees_pages_and_other_requests_go_on(engine64):
     batch = BatchEngine(engine64, page_size=4)
     seen: list = []
-    a = batch.add(list(range(20)), SamplingParams(max_tokens=50, loops=3, ignore_eos=True), seen.append)
+    a = batch.add(engine64.plan(list(range(20)), SamplingParams(max_tokens=50, loops=3, ignore_eos=True)), seen.append)
     b_events: list = []
-    batch.add(list(range(9)), SamplingParams(max_tokens=5, loops=3, ignore_eos=True), b_events.append)
+    batch.add(engine64.plan(list(range(9)), SamplingParams(max_tokens=5, loops=3, ignore_eos=True)), b_events.append)
     for _ in range(3):
         batch.step()
     held = batch.sched.pool.n_pages - batch.sched.pool.num_free
@@ -164,9 +164,9 @@ def test_timeouts(engine64):
     probe = BatchEngine(engine64)
     batch = BatchEngine(engine64, max_num_seqs=1, kv_pool_bytes=probe.page_bytes * 1000)
     first: list = []  # 16 loops: far slower than the 0.3 s limit allows for 200 tokens
-    batch.add([1, 2, 3], SamplingParams(max_tokens=200, loops=16, ignore_eos=True), first.append, timeout_s=0.3)
+    batch.add(engine64.plan([1, 2, 3], SamplingParams(max_tokens=200, loops=16, ignore_eos=True)), first.append, timeout_s=0.3)
     queued: list = []
-    batch.add([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), queued.append, timeout_s=0.2)
+    batch.add(engine64.plan([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)), queued.append, timeout_s=0.2)
     while batch.has_work:
         batch.step()
     # the running one ends like max_tokens, with what it made; the queued one never started: an error
@@ -179,14 +179,14 @@ def test_a_request_that_never_fits_the_pool_is_refused(engine64):
     probe = BatchEngine(engine64, page_size=4)
     batch = BatchEngine(engine64, page_size=4, kv_pool_bytes=probe.page_bytes * 20)
     with pytest.raises(ValidationError, match="KV pages"):
-        batch.add(list(range(30)), SamplingParams(max_tokens=50, ignore_eos=True), lambda ev: None)
+        batch.add(engine64.plan(list(range(30)), SamplingParams(max_tokens=50, ignore_eos=True)), lambda ev: None)
     assert not batch.has_work
 
 
 def test_float32_batched_logits_match_single_forward(tiny_engine):
     """float32: GEMM results depend on the batch's row count, so bit-equality with a single run is not
     promised (docs/serving.md); the logits must agree to float32 rounding."""
-    from tinyloop.engine.batch import n_slots
+    from tinyloop.model.cache import SlotLayout
     from tinyloop.engine.scheduler import Sequence
 
     model = tiny_engine.model
@@ -195,7 +195,7 @@ def test_float32_batched_logits_match_single_forward(tiny_engine):
                [("The king said", 2), ("Once upon a time there was", 3), ("Hello", 1)]]
     seqs = []
     for ids, loops in prompts:
-        seqs.append(Sequence(batch.sched.new_seq_id(), ids, 4, n_slots(model, loops), loops=loops))
+        seqs.append(Sequence(batch.sched.new_seq_id(), ids, 4, SlotLayout(model.cfg, loops).n_slots, loops=loops))
         batch.sched.add(seqs[-1])
     out = batch.sched.schedule()
     logits = batch.runner.execute(out.chunks)

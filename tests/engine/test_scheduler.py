@@ -186,13 +186,14 @@ def test_fork_shares_full_blocks_and_copies_the_last_on_write():
 
 def test_external_sequences_reserve_pages_in_fifo_order():
     s = Scheduler(n_pages=20, page_size=4, max_num_seqs=4)
-    ext = Sequence(s.new_seq_id(), [1, 2, 3], 4, 0, external_pages=15)
+    ext = Sequence(s.new_seq_id(), [1, 2, 3], 4, 3, reserve_positions=18)  # 5 blocks x 3 slots = 15 pages
     a = seq(s, 4)
     s.add(ext)
     s.add(a)
     out = s.schedule()
     assert out.admitted_external == [ext] and ext.status == RUNNING
     assert s.pool.num_free == 20 - 15 - 2 and a.status == RUNNING
+    assert len(ext.block_table) == 5 and all(len(b) == 3 for b in ext.block_table)
     s.finish(ext, "length")
     assert s.pool.num_free == 20 - len(a.block_table) * 2
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import core_ids, reference_ids
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.generate import decode_step, generate_ids, new_cache, prefill
 from tinyloop.engine.sampling import Sampler
-from tinyloop.engine.speculative import Speculator, speculative_ids
+from tinyloop.engine.speculative import Speculator
 from tinyloop.errors import ValidationError
+from tinyloop.model import KVCache
+from tinyloop.model.paged import PagedKV, PagedStep, Rows
 
 PROMPTS = [[5, 17, 300, 42, 7], [1], [400, 3, 3, 3, 9, 250, 77, 12, 100, 5, 6], [0, 511, 256]]
 
@@ -27,15 +29,48 @@ def plain(model, prompt, n, V, **kw):
     """Plain generate's tokens (memoised: the tiny64 fixture is rebuilt identically for every test)."""
     key = (tuple(prompt), n, V, tuple(sorted(kw.items())))
     if key not in _PLAIN:
-        _PLAIN[key] = list(generate_ids(model, prompt, SamplingParams(max_tokens=n, loops=V, **kw)))
+        _PLAIN[key] = reference_ids(model, prompt, SamplingParams(max_tokens=n, loops=V, **kw))
     return _PLAIN[key]
 
 
 def spec(model, prompt, n, V, mode="speculative", stats=None, draft_vocab=None, draft_stop=0.0, fast_head=True,
          **kw):
     p = SamplingParams(max_tokens=n, mode=mode, verify_loops=V, **kw)
-    return list(speculative_ids(model, prompt, p, None, stats, draft_vocab=draft_vocab, draft_stop=draft_stop,
-                                fast_head=fast_head))
+    return core_ids(model, prompt, p, stats, draft_vocab=draft_vocab, draft_stop=draft_stop, fast_head=fast_head)
+
+
+def drive(model, kv, gen):
+    """Run a speculator's pass generator alone (each pass as a step of its own); its return value."""
+    dtype = model.act_dtype or model.embed.weight.dtype
+    with torch.inference_mode():
+        try:
+            item = next(gen)
+            while True:
+                if isinstance(item, Rows):
+                    model.run(PagedStep(kv, [item], model.rotary, dtype, "cpu"))
+                item = next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def standalone(model, prompt, params, page_size=4, **kw):
+    """A Speculator on a pool of its own: (speculator, pool)."""
+    from tinyloop.engine.plan import plan_request
+    from tinyloop.engine.speculative import speculative_layout
+
+    plan = plan_request(prompt, params, model.cfg, max_seq_len=model.cfg.max_seq_len)
+    slots = speculative_layout(model, plan, kw.get("draft_exit", True)).n_slots
+    blocks = plan.blocks(page_size)
+    kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=torch.float64)
+    table = torch.arange(blocks * slots).view(blocks, slots)
+    return Speculator(model, plan, Sampler(params, prompt, model.cfg.vocab_size), kv, table, **kw), kv
+
+
+def pool_entries(kv, table, slot, n):
+    """Keys and values of positions 0..n-1 of one slot of a pooled sequence: (n, Hkv, D) each."""
+    pos = torch.arange(n)
+    idx = (table[pos // kv.page_size, slot], pos % kv.page_size)
+    return kv.k.read(idx), kv.v.read(idx)
 
 
 def test_tiny_model_is_not_degenerate(tiny64):
@@ -152,40 +187,44 @@ def test_chain_with_cache_window_equals_generate(tiny64, window):
 @pytest.mark.parametrize("mode,K", [("speculative", 1), ("tree_speculative", 4)])
 def test_quantized_kv_cache_equals_generate_with_it(tiny64, kv_format, mode, K):
     p = SamplingParams(max_tokens=30, loops=6)
-    ref = list(generate_ids(tiny64, PROMPTS[0], p, kv_format=kv_format))
+    ref = reference_ids(tiny64, PROMPTS[0], p, kv_format=kv_format)
     sp = SamplingParams(max_tokens=30, mode=mode, verify_loops=6, draft_loops=2, draft_ahead=4, k_branches=K)
-    assert list(speculative_ids(tiny64, PROMPTS[0], sp, kv_format=kv_format)) == ref
+    assert core_ids(tiny64, PROMPTS[0], sp, kv_format=kv_format) == ref
 
 
 def _plain_cache(model, prompt, tokens, V):
-    """The cache of a plain V-loop run that has processed prompt + tokens."""
-    cache = new_cache(model, len(prompt) + len(tokens) + 1, V, 0)
-    prefill(model, prompt, cache, V)
-    for t in tokens:
-        decode_step(model, t, cache, V)
+    """The contiguous cache of a plain V-loop run that has processed prompt + tokens."""
+    cache = KVCache(model.cfg, max_positions=len(prompt) + len(tokens) + 1, loops=V, dtype=torch.float64)
+    with torch.inference_mode():
+        model(torch.tensor([prompt + tokens]), V, cache=cache, start=0)
+    cache.length = len(prompt) + len(tokens)
     return cache
 
 
 @pytest.mark.parametrize("mode,K,d", [("speculative", 1, 2), ("tree_speculative", 3, 1), ("tree_speculative", 4, 3)])
 def test_cache_after_rounds_equals_plain_cache(tiny64, mode, K, d):
+    """After rounds (rejections, rollbacks, tree compactions), the sequence's pool pages hold exactly what
+    a plain V-loop run writes, in every slot."""
     prompt, V = PROMPTS[0], 6
     params = SamplingParams(max_tokens=40, mode=mode, verify_loops=V, draft_loops=d, draft_ahead=5, k_branches=K)
-    sampler = Sampler(params, prompt, 512)
-    sp = Speculator(tiny64, prompt, params, sampler, draft_vocab=None)
-    first = sampler.sample(prefill(tiny64, prompt, sp.cache, V))
+    sp, kv = standalone(tiny64, prompt, params, draft_vocab=None)
+    sampler = sp.sampler
+    first = sampler.sample(drive(tiny64, kv, sp.prefill()))
     sampler.accept(first)
     sp.pending, out = first, [first]
     while len(out) < 30:
-        out += sp.round(40 - len(out))
+        out += drive(tiny64, kv, sp.round(40 - len(out)))
     assert sp.stats["accepted"] < sp.stats["proposed"]  # some rounds rolled back drafted positions
     if K > 1:
         assert sp.stats["compactions"] > 0  # some accepted paths left the beam's first column
-    n = sp.cache.length
+    n = sp.length
     assert n == len(prompt) + len(out) - 1  # every emitted token but the pending one is in the cache
     ref = _plain_cache(tiny64, prompt, out[:-1], V)
-    assert ref.length == n
-    torch.testing.assert_close(sp.cache.k[:, :, :, :n], ref.k[:, :, :, :n], rtol=0, atol=1e-12)
-    torch.testing.assert_close(sp.cache.v[:, :, :, :n], ref.v[:, :, :, :n], rtol=0, atol=1e-12)
+    for slot in range(ref.n_slots):
+        k, v = pool_entries(kv, sp.table, slot, n)
+        at = (slot, 0, slice(None), slice(0, n))
+        torch.testing.assert_close(k, ref.k.read(at).transpose(0, 1), rtol=0, atol=1e-12)
+        torch.testing.assert_close(v, ref.v.read(at).transpose(0, 1), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode,K", [("speculative", 1), ("tree_speculative", 4)])
@@ -255,7 +294,7 @@ def test_seeded_sampling_repeats(tiny64):
 def test_validation_names_the_field(tiny64, kw, param):
     p = SamplingParams(max_tokens=4, **{"mode": "speculative", **kw})
     with pytest.raises(ValidationError) as err:
-        list(speculative_ids(tiny64, [1, 2], p))
+        core_ids(tiny64, [1, 2], p)
     assert err.value.param == param
     assert param in str(err.value)
 
@@ -289,16 +328,16 @@ def test_chain_sampling_matches_the_verifier_distribution(tiny64, extra):
                 for b, pb in enumerate(dist(loops, [a]).tolist()) if pb > 0}
 
     exact, draft = joint(V), joint(d)
-    sp = Speculator(tiny64, prompt, base, Sampler(base, prompt, 512), draft_vocab=None)
-    prefill(tiny64, prompt, sp.cache, V)
+    sp, kv = standalone(tiny64, prompt, base, draft_vocab=None)
+    drive(tiny64, kv, sp.prefill())
     counts: dict[tuple[int, int], int] = {}
     for seed in range(N):
         sp.sampler = Sampler(base.replace(seed=seed), prompt, 512)
         sp.sampler.accept(t1)
-        sp.cache.length, sp.pending = len(prompt), t1
+        sp.length, sp.pending = len(prompt), t1
         out: list[int] = []
         while len(out) < 2:
-            out += sp.round(3 - len(out))
+            out += drive(tiny64, kv, sp.round(3 - len(out)))
         counts[tuple(out[:2])] = counts.get(tuple(out[:2]), 0) + 1
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(c, 0) - N * p) ** 2 / (N * p) for c, p in exact.items())

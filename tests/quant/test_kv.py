@@ -101,9 +101,10 @@ def test_gather_positions_moves_codes(model, fmt):
     x = tokens(12, seed=3)
     cache = KVCache(CFG, max_positions=16, loops=3, kv_format=fmt)
     model(x, 3, cache=cache, start=0)
-    before = cache.k.read(2, torch.tensor([7, 9]))
+    at = lambda *pos: (2, slice(None), slice(None), torch.tensor(pos))  # noqa: E731
+    before = cache.k.read(at(7, 9))
     cache.gather_positions([7, 9], 4)
-    assert torch.equal(cache.k.read(2, torch.tensor([4, 5])), before)
+    assert torch.equal(cache.k.read(at(4, 5)), before)
 
 
 def test_unknown_format_and_bad_head_dim():

@@ -1,14 +1,16 @@
 """The engine's public face: load a model file, then `generate` (blocking) or `stream` (text deltas).
 
-Layers, lowest first: `generate_ids` (token ids) -> `Engine.stream` (detokenizer + stop strings ->
-`StreamEvent`s) -> `Engine.generate` (one `GenerationResult`). The HTTP server, the CLI and the tests
-all use these same pieces.
+Layers, lowest first: the model's forward (`model/`) -> the engine core (`serving.BatchEngine`: token
+ids, one batched step for every request in flight, one KV pool) -> output streams (`text`: detokenizer,
+stop strings, events) -> `Engine.stream` / `Engine.generate`, the CLI and the HTTP server. A request is
+checked and resolved once into a `RequestPlan` (`Engine.plan`) before it is queued; everything after
+reads the plan. `Engine.generate` and `stream` run their request as a batch of one on the same core the
+server uses.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,83 +18,11 @@ import torch
 
 from ..errors import ValidationError
 from ..modelfile import LoadedModel, load_model, model_info
-from ..stops import StopMatcher
-from . import speculative
-from .generate import generate_ids
 from .params import SamplingParams
-from .sampling import Sampler
+from .plan import RequestPlan, plan_request
+from .text import GenerationResult, StreamEvent, TextStream, TokenStream
 
-
-@dataclass
-class StreamEvent:
-    token_ids: list[int]           # tokens this event accounts for (empty on the final event)
-    text: str                      # whole UTF-8 characters, stop text removed, may be ""
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None  # on the final event only
-    index: int = 0                 # which of the request's `n` choices this event belongs to
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.stats["prompt_tokens"]
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.stats["completion_tokens"]
-
-
-class TextStream:
-    """Token ids -> text events for one output: streaming detokenizer, stop ids and stop strings, stats.
-
-    `feed(tok)` returns the event for one token (None when the token is a stop id: it is not shown) and
-    sets `stopped` once a stop id or stop string ended the output; `close()` gives the final event."""
-
-    def __init__(self, tokenizer, params: SamplingParams, n_prompt: int, eos_token_id: int, loops_used: int,
-                 t0: float, index: int = 0):
-        self.params, self.n_prompt, self.loops_used, self.t0, self.index = params, n_prompt, loops_used, t0, index
-        self.detok = tokenizer.detokenizer()
-        self.stops = StopMatcher(params.stop)
-        self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids.add(eos_token_id)
-        self.n = 0
-        self.ttft: float | None = None
-        self.stopped = False
-
-    def feed(self, tok: int) -> StreamEvent | None:
-        self.n += 1
-        if self.ttft is None:
-            self.ttft = time.perf_counter() - self.t0
-        if tok in self.stop_ids:
-            self.stopped = True
-            return None
-        text = self.stops.feed(self.detok.add(tok))
-        self.stopped = self.stops.stopped
-        return StreamEvent([tok], text, index=self.index)
-
-    def close(self, run_stats: dict[str, Any] | None = None, finish_reason: str | None = None) -> StreamEvent:
-        """The final event: the held-back text, finish_reason ("stop" or "length" unless given) and stats."""
-        tail = "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
-        wall = time.perf_counter() - self.t0
-        stats = {
-            "wall_ms": round(wall * 1000, 2),
-            "tokens_per_second": round(self.n / wall, 2) if wall > 0 else 0.0,
-            "time_to_first_token_ms": round((self.ttft or wall) * 1000, 2),
-            "prompt_tokens": self.n_prompt,
-            "completion_tokens": self.n,
-            "mode": self.params.mode,
-            "loops_used": self.loops_used,
-            **(run_stats or {}),
-        }
-        reason = finish_reason or ("stop" if self.stopped else "length")
-        return StreamEvent([], tail, reason, stats, index=self.index)
+__all__ = ["Engine", "GenerationResult", "StreamEvent", "attach_draft_exit_file"]
 
 
 def attach_draft_exit_file(loaded: LoadedModel, draft_exit: str | Path | bool = True) -> Path | None:
@@ -170,52 +100,61 @@ class Engine:
             raise ValidationError("prompt: is empty; give at least one token", param="prompt")
         return ids
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Every check, model-dependent ones included, before any work starts."""
-        params.validate(max_loops=self.config.max_loops, vocab_size=self.config.vocab_size)
-        need = len(prompt_ids) + params.max_tokens
-        if need > self.max_seq_len:
-            raise ValidationError(
-                f"prompt_tokens ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {need} exceeds the "
-                f"context length {self.max_seq_len}; shorten the prompt or lower max_tokens",
-                param="max_tokens", code="context_length_exceeded")
-        return params
+    def plan(self, prompt_ids: list[int], params: SamplingParams | None = None, *, n: int = 1) -> RequestPlan:
+        """Every check, model-dependent ones included, before any work starts; the request's defaults
+        resolved from the model (`plan.plan_request`). ValidationError names the field."""
+        return plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n)
+
+    def open_stream(self, plan: RequestPlan, t0: float, index: int = 0) -> TokenStream:
+        """The output stream the core feeds one choice's tokens to: text (detokenizer and stop strings)
+        when the engine has a tokenizer, else ids only."""
+        if self.tokenizer is None:
+            return TokenStream(plan, self.config.eos_token_id, t0, index)
+        return TextStream(self.tokenizer, plan, self.config.eos_token_id, t0, index)
 
     # -- generation -------------------------------------------------------------------------
-    def token_ids(self, prompt_ids: list[int], params: SamplingParams, run_stats: dict[str, Any],
-                  sampler: Sampler | None = None) -> Iterator[int]:
-        """Dispatch on params.mode to an id generator. `run_stats` collects mode-specific figures."""
-        sampler = sampler or Sampler(params, prompt_ids, self.config.vocab_size)
-        if params.mode == "generate":
-            return generate_ids(self.model, prompt_ids, params, sampler, kv_format=self.kv_format)
-        return speculative.speculative_ids(self.model, prompt_ids, params, sampler, run_stats,
-                                           kv_format=self.kv_format)
+    def core(self, plan: RequestPlan | None = None):
+        """The engine core this object runs its own requests on (a `serving.BatchEngine`), with a pool
+        big enough for `plan`; made on first use and grown when a request needs more pages."""
+        from .serving import BatchEngine
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        core = getattr(self, "_core", None)
+        if core is None or (plan is not None and core.pages_needed(plan) > core.sched.pool.n_pages):
+            probe = core or BatchEngine(self, max_num_seqs=8, kv_pool_bytes=1)
+            pages = 2 * probe.pages_needed(plan) if plan is not None else 1
+            if core is not None:
+                pages = max(pages, core.sched.pool.n_pages)
+            core = self._core = BatchEngine(self, max_num_seqs=8, kv_pool_bytes=pages * probe.page_bytes)
+        return core
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               n: int = 1) -> Iterator[StreamEvent]:
+        """Text deltas of one request (of each of its `n` choices, by `index`), then one final event per
+        choice. Runs on this engine's core; closing the iterator early frees the request's pages."""
         t0 = time.perf_counter()
-        params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        self.check(ids, params)
-        return self._stream(ids, params, t0)
+        plan = self.plan(self.encode_prompt(prompt), params, n=n)
+        return self._stream(plan, t0)
 
-    def _stream(self, ids: list[int], params: SamplingParams, t0: float) -> Iterator[StreamEvent]:
-        run_stats: dict[str, Any] = {}
-        gen = self.token_ids(ids, params, run_stats)
-        text = self.text_stream(ids, params, t0)
+    def _stream(self, plan: RequestPlan, t0: float) -> Iterator[StreamEvent]:
+        core = self.core(plan)
+        items: list[Any] = []
+        req = core.add(plan, items.append, t0=t0)
         try:
-            for tok in gen:
-                ev = text.feed(tok)
-                if ev is not None:
-                    yield ev
-                if text.stopped:
-                    break
+            with torch.inference_mode():
+                while True:
+                    while not items:
+                        if not core.has_work:  # cannot happen: every accepted request ends with None
+                            raise RuntimeError("the engine core stopped without finishing the request")
+                        core.step()
+                    item = items.pop(0)
+                    if item is None:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
         finally:
-            gen.close()
-        yield text.close(run_stats)
-
-    def text_stream(self, ids: list[int], params: SamplingParams, t0: float, index: int = 0) -> "TextStream":
-        return TextStream(self.tokenizer, params, len(ids), self.config.eos_token_id,
-                          params.effective_loops(self.config.default_loops), t0, index)
+            if not req.done:
+                core.abort(req)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
         toks: list[int] = []

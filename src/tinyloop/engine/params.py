@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..config import ModelConfig
 from ..errors import ValidationError
 
 MODES = ("generate", "speculative", "tree_speculative")
+DEFAULT_LOOPS = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "default_loops")
 
 
 @dataclass
@@ -46,8 +49,10 @@ class SamplingParams:
             return self.verify_loops
         return default_loops if self.loops is None else self.loops
 
-    def validate(self, *, max_loops: int = 64, vocab_size: int | None = None) -> "SamplingParams":
-        """Range checks that need no model. Raises ValidationError naming the field."""
+    def validate(self, *, max_loops: int = 64, vocab_size: int | None = None,
+                 default_loops: int = DEFAULT_LOOPS) -> "SamplingParams":
+        """Range checks against the model's limits (`max_loops`, `vocab_size`, and `default_loops`, the
+        depth used when a request names none). Raises ValidationError naming the field."""
         def need(ok: bool, param: str, msg: str) -> None:
             if not ok:
                 raise ValidationError(f"{param}: {msg}", param=param)
@@ -73,7 +78,7 @@ class SamplingParams:
             need(not bad, "stop", f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
         need(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
         if self.mode != "generate":
-            verify = self.effective_loops(8)
+            verify = self.effective_loops(default_loops)
             need(1 <= self.draft_loops <= 32, "draft_loops", f"must be in 1..32, got {self.draft_loops}")
             need(1 <= verify <= max_loops, "verify_loops", f"must be in 1..{max_loops}, got {verify}")
             need(self.draft_loops < verify, "draft_loops",
@@ -88,3 +93,10 @@ class SamplingParams:
             need(self.cache_window == 0 or self.k_branches == 1, "cache_window",
                  "tree speculation with K_branches > 1 needs the full cache: set cache_window to 0")
         return self
+
+
+def param_default(name: str) -> Any:
+    """The default of SamplingParams field `name`: the one place request defaults are written (the HTTP
+    schemas and the CLI read theirs from here)."""
+    f = {f.name: f for f in dataclasses.fields(SamplingParams)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -21,9 +21,10 @@ Each `schedule()` call:
   3. admission: waiting sequences join, in arrival order (FIFO: a request never overtakes an older
      one), while `max_num_seqs`, the token budget and free pages allow.
 
-"External" sequences (speculative modes, which keep their own cache and advance one round at a time
-outside the batch) are admitted under the same FIFO, `max_num_seqs` and memory rules: they reserve the
-pages their cache is worth and hold them until they finish.
+"External" sequences (speculative modes, whose passes the serving loop builds itself: drafts,
+verifications, rollbacks) are admitted under the same FIFO, `max_num_seqs` and memory rules. They get
+every block they can reach (`reserve_positions`) at admission, hold it until they finish, and are never
+preempted; their rows still run inside the batched step.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Sequence:
     n_slots: int                       # cache slots at this sequence's loop count
     loops: int = 1                     # the runner batches rows by loops (deepest first)
     window: int = 0                    # attention window (0: the whole context)
-    external_pages: int = 0            # > 0: runs outside the batch, reserving this many pages
+    reserve_positions: int = 0         # > 0: external (speculative): all blocks for these positions at admission
     n: int = 1                         # siblings to fork from this one once its prompt is cached
     tokens: list[int] = field(default_factory=list)
     n_cached: int = 0
@@ -107,7 +108,7 @@ class Sequence:
 
     @property
     def external(self) -> bool:
-        return self.external_pages > 0
+        return self.reserve_positions > 0
 
     @property
     def n_generated(self) -> int:
@@ -166,7 +167,8 @@ class Scheduler:
 
     def max_pages(self, seq: Sequence) -> int:
         """Pages the sequence holds at its longest (prompt + max_tokens), siblings not counted."""
-        return seq.external_pages if seq.external else self.blocks_for(len(seq.prompt) + seq.max_tokens) * seq.n_slots
+        n = seq.reserve_positions if seq.external else len(seq.prompt) + seq.max_tokens
+        return self.blocks_for(n) * seq.n_slots
 
     def fits_ever(self, seq: Sequence) -> bool:
         return self.max_pages(seq) * (1 if seq.external else max(1, seq.n)) <= self.pool.n_pages
@@ -229,10 +231,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.external:
-                if self.pool.num_free < seq.external_pages:
+                if self.pool.num_free < self.max_pages(seq):
                     break
                 self.waiting.popleft()
-                seq.block_table = [self.pool.allocate(seq.external_pages)]
+                seq.block_table = [self.pool.allocate(seq.n_slots)
+                                   for _ in range(self.blocks_for(seq.reserve_positions))]
                 seq.status = RUNNING
                 self.running.append(seq)
                 out.admitted_external.append(seq)
@@ -240,8 +243,10 @@ class Scheduler:
             if budget < 1:
                 break
             first = min(budget, len(seq.tokens) - (1 if seq.n_generated else 0))
-            # admit only when the first chunk's pages and one block of headroom for decode exist
-            if self.pool.num_free < (self.blocks_for(first) + 1) * seq.n_slots:
+            # admit only when the first chunk's pages and one block of headroom for decode exist (never
+            # more than the sequence can ever hold: a pool exactly that big must still admit it)
+            blocks = min(self.blocks_for(first) + 1, self.blocks_for(len(seq.prompt) + seq.max_tokens))
+            if self.pool.num_free < blocks * seq.n_slots:
                 break
             self.waiting.popleft()
             seq.status = RUNNING

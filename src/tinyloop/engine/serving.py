@@ -1,21 +1,23 @@
-"""The serving engine: many requests, one model, one batched forward pass per step.
+"""The engine core: many requests, one model, one KV pool, one batched forward pass per step.
 
     batch = BatchEngine(engine)
-    req = batch.add(prompt_ids, params, emit, n=2)   # emit(StreamEvent | Exception | None) per event
+    req = batch.add(engine.plan(prompt_ids, params, n=2), emit)  # emit(StreamEvent | Exception | None)
     while batch.has_work:
-        batch.step()                                 # schedule -> run the batch -> sample -> text events
+        batch.step()                 # schedule -> one batched forward -> sample -> events
 
-Plain generation goes through the continuous batch (`Scheduler` + `BatchRunner`): each step batches
-the decode tokens of every running sequence with chunks of waiting prompts. Every request keeps its own
-`Sampler` (seed, penalties, top-k/top-p), loops, stop strings and cache window inside the batch.
+Every path runs through it: the server's engine thread, `Engine.generate`/`stream` (a batch of one),
+the CLI. Each step batches the decode tokens of every running sequence, chunks of waiting prompts, and
+the current pass of every speculative sequence (a prefill chunk, a draft step or a verification:
+`speculative.Speculator.passes`), all as rows of one `LoopedTransformer.run` over the paged pool.
+Every request keeps its own `Sampler` (seed, penalties, top-k/top-p), loops, stop strings and cache
+window inside the batch. Speculative sequences are admitted under the same FIFO order, `max_num_seqs`
+and KV memory as the others: their pages are pool pages, reserved whole at admission.
 
-Speculative modes keep their own cache and run outside the batch: each step advances every running
-speculative request by one token (a draft-and-verify round when its verified tokens are used up), so
-they are interleaved with the batch instead of waiting for it. They are admitted under the same FIFO
-order, `max_num_seqs` and KV memory as the batch (they reserve the pages their cache is worth).
+The core works on token ids. What an output's tokens mean to the caller (text, stop strings) is the
+output stream's business (`engine.text`), made per output by `engine.open_stream`.
 
-`emit` is called on the engine thread: StreamEvents (text deltas; a final one per choice with
-finish_reason and stats), an Exception if the request failed, and None once the request is over.
+`emit` is called on the engine thread: StreamEvents (deltas; a final one per choice with finish_reason
+and stats), an Exception if the request failed, and None once the request is over.
 """
 
 from __future__ import annotations
@@ -23,31 +25,35 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 import torch
 
 from ..errors import RequestTimeout, ValidationError
-from .batch import BatchRunner, PagedKV, n_slots
-from .engine import Engine, StreamEvent, TextStream
-from .params import SamplingParams
+from ..model.cache import SlotLayout
+from ..model.paged import PagedKV, Rows
+from .batch import BatchRunner, cache_dtype
+from .plan import RequestPlan
 from .sampling import Sampler
 from .scheduler import Scheduler, SchedulerError, Sequence
+from .speculative import Speculator, speculative_layout
+from .text import StreamEvent
 
 log = logging.getLogger("tinyloop.engine")
 
 Emit = Callable[[Any], None]
 DEFAULT_POOL_BYTES_CAP = 1 << 30        # the default pool: enough for max_num_seqs full contexts, at most 1 GiB
-SPEC_MARGIN = 72                        # positions a speculative cache holds beyond prompt + max_tokens
 
 
 @dataclass(eq=False)
 class _Output:
     index: int
     sampler: Sampler
-    text: TextStream
+    stream: Any                                  # engine.text.TokenStream or TextStream
     seq: Sequence | None = None
-    gen: Iterator[int] | None = None             # speculative modes: the request's token generator
+    spec: Speculator | None = None               # speculative modes
+    passes: Generator | None = None              # the speculator's pass generator
+    pending: Rows | None = None                  # the pass it waits on (runs in the next step)
     run_stats: dict[str, Any] = field(default_factory=dict)
     done: bool = False
 
@@ -55,8 +61,7 @@ class _Output:
 @dataclass(eq=False)
 class Request:
     req_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
+    plan: RequestPlan
     emit: Emit
     outputs: list[_Output]
     t0: float
@@ -66,24 +71,33 @@ class Request:
     started: bool = False                         # a token has gone out
 
     @property
+    def params(self):
+        return self.plan.params
+
+    @property
     def done(self) -> bool:
         return all(o.done for o in self.outputs)
 
 
 class BatchEngine:
-    def __init__(self, engine: Engine, *, max_num_seqs: int = 32, max_batched_tokens: int = 512,
-                 page_size: int = 16, kv_pool_bytes: int | None = None):
+    def __init__(self, engine, *, max_num_seqs: int = 32, max_batched_tokens: int = 512,
+                 page_size: int = 16, kv_pool_bytes: int | None = None,
+                 speculation: dict[str, Any] | None = None):
+        """engine: an `Engine` (its model, KV format, context limit and output streams are used).
+        speculation: options for every `Speculator` (draft_vocab, draft_stop, fast_head, draft_exit)."""
         self.engine = engine
         model = engine.model
         self.model = model
-        cfg = engine.config
-        page_bytes = PagedKV.page_bytes(model, page_size, engine.kv_format)
+        self.speculation = dict(speculation or {})
+        cfg = model.cfg
+        dtype = cache_dtype(model)
+        page_bytes = PagedKV.page_bytes(cfg, page_size, engine.kv_format, dtype)
         blocks_full = -(-engine.max_seq_len // page_size)
         if kv_pool_bytes is None:
-            want = max_num_seqs * blocks_full * n_slots(model, cfg.default_loops) * page_bytes
+            want = max_num_seqs * blocks_full * SlotLayout(cfg, cfg.default_loops).n_slots * page_bytes
             kv_pool_bytes = min(want, DEFAULT_POOL_BYTES_CAP)
         n_pages = max(1, kv_pool_bytes // page_bytes)
-        self.kv = PagedKV(model, n_pages, page_size, engine.kv_format)
+        self.kv = PagedKV(cfg, n_pages, page_size, engine.kv_format, dtype, next(model.parameters()).device)
         self.runner = BatchRunner(model, self.kv)
         self.sched = Scheduler(n_pages=n_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                                max_batched_tokens=max_batched_tokens)
@@ -95,37 +109,42 @@ class BatchEngine:
         self.preemptions = 0
         self.peak_running = 0          # most sequences in one step's batch so far
 
+    # -- sizing -----------------------------------------------------------------------------
+    def layout(self, plan: RequestPlan) -> SlotLayout:
+        """The cache slots one sequence of `plan` uses (a speculative one adds its draft exit's)."""
+        if plan.speculative:
+            return speculative_layout(self.model, plan, self.speculation.get("draft_exit", True))
+        return SlotLayout(self.model.cfg, plan.loops)
+
+    def pages_needed(self, plan: RequestPlan) -> int:
+        """Pages the whole request holds at its longest (every choice)."""
+        return plan.blocks(self.sched.page_size) * self.layout(plan).n_slots * plan.n
+
     # -- requests in ------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, emit: Emit, *, n: int = 1,
-            timeout_s: float | None = None, on_admit: Callable[[], None] | None = None) -> Request:
-        """Queue a validated request (`Engine.check` has run). ValidationError if it can never fit."""
-        if not 1 <= n <= 8:
-            raise ValidationError(f"n: must be in 1..8, got {n}", param="n")
-        t0 = time.perf_counter()
-        cfg = self.engine.config
+    def add(self, plan: RequestPlan, emit: Emit, *, timeout_s: float | None = None,
+            on_admit: Callable[[], None] | None = None, t0: float | None = None) -> Request:
+        """Queue a planned request (`Engine.plan` has checked it). ValidationError if it can never fit."""
+        t0 = time.perf_counter() if t0 is None else t0
+        cfg, params, n = self.model.cfg, plan.params, plan.n
+        prompt = list(plan.prompt_ids)
         outputs = []
         for i in range(n):
             p = params if (i == 0 or params.seed is None) else params.replace(seed=params.seed + i)
-            outputs.append(_Output(i, Sampler(p, prompt_ids, cfg.vocab_size),
-                                   self.engine.text_stream(prompt_ids, params, t0, index=i)))
-        req = Request(self._next_id, list(prompt_ids), params, emit, outputs, t0,
+            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size), self.engine.open_stream(plan, t0, i)))
+        req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
         self._next_id += 1
-        loops = params.effective_loops(cfg.default_loops)
+        slots = self.layout(plan).n_slots
         seqs = []
-        if params.mode == "generate":
-            seq = Sequence(self.sched.new_seq_id(), list(prompt_ids), params.max_tokens, n_slots(self.model, loops),
-                           loops=loops, window=params.cache_window, n=n)
+        if not plan.speculative:
+            seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
+                           loops=plan.loops, window=plan.window, n=n)
             outputs[0].seq = seq
             seqs.append(seq)
-        else:  # speculative: n independent sequences outside the batch, each reserving its cache's pages
-            positions = len(prompt_ids) + params.max_tokens + SPEC_MARGIN
-            exits = getattr(self.model, "draft_exits", None) or {}  # a draft exit has cache slots of its own
-            extra = len(exits[params.draft_loops].coda) if params.draft_loops in exits else 0
-            pages = self.sched.blocks_for(positions) * (n_slots(self.model, loops) + extra)
+        else:  # n independent sequences, each with every block it can reach
             for o in outputs:
-                o.seq = Sequence(self.sched.new_seq_id(), list(prompt_ids), params.max_tokens, 0,
-                                 loops=loops, external_pages=pages)
+                o.seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
+                                 loops=plan.loops, window=plan.window, reserve_positions=plan.max_positions)
                 seqs.append(o.seq)
         try:
             for s in seqs:
@@ -178,33 +197,35 @@ class BatchEngine:
                 req.admitted = time.perf_counter()
                 if req.on_admit is not None:
                     req.on_admit()
-        if out.chunks:
-            try:
-                logits = self.runner.execute(out.chunks, out.copies)
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-                log.exception("batch step failed")
-                for req in {id(r): r for r in (self._outputs[c.seq.seq_id][0] for c in out.chunks
-                                                if c.seq.seq_id in self._outputs)}.values():
-                    self.fail(req, exc)
-                return
-            argmax = self._plain_greedy_argmax(logits)
-            for chunk in out.chunks:
-                group = self.sched.complete(chunk)
-                if not group:
-                    continue
-                row = logits[chunk.seq.seq_id]
-                for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
-                    self._bind_sibling(chunk.seq, seq)
-                for seq in group:
-                    req, o = self._outputs[seq.seq_id]
-                    quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
-                    tok = quick if quick is not None else o.sampler.sample(row)
-                    o.sampler.accept(tok)
-                    self.sched.append_token(seq, tok)
-                    self._token(req, o, tok)
-        for seq in list(self.sched.running):
-            if seq.external and seq.seq_id in self._outputs:
+        spec = [self._outputs[s.seq_id] for s in self.sched.running
+                if s.external and s.seq_id in self._outputs and self._outputs[s.seq_id][1].pending is not None]
+        if not out.chunks and not spec:
+            return
+        try:
+            logits = self.runner.execute(out.chunks, out.copies, [o.pending for _, o in spec])
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            log.exception("batch step failed")
+            reqs = [self._outputs[c.seq.seq_id][0] for c in out.chunks if c.seq.seq_id in self._outputs]
+            for req in {id(r): r for r in reqs + [r for r, _ in spec]}.values():
+                self.fail(req, exc)
+            return
+        argmax = self._plain_greedy_argmax(logits)
+        for chunk in out.chunks:
+            group = self.sched.complete(chunk)
+            if not group:
+                continue
+            row = logits[chunk.seq.seq_id]
+            for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
+                self._bind_sibling(chunk.seq, seq)
+            for seq in group:
                 req, o = self._outputs[seq.seq_id]
+                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
+                tok = quick if quick is not None else o.sampler.sample(row)
+                o.sampler.accept(tok)
+                self.sched.append_token(seq, tok)
+                self._token(req, o, tok)
+        for req, o in spec:
+            if not o.done:
                 self._advance_speculative(req, o)
 
     # -- internals --------------------------------------------------------------------------
@@ -214,7 +235,7 @@ class BatchEngine:
         ids = self.runner.last_ids
         if sum(1 for sid in ids if sid in self._outputs and self._outputs[sid][1].sampler.plain_greedy) < 2:
             return {}
-        best = self.runner.last_logits[:, :self.engine.config.vocab_size].argmax(dim=-1).tolist()
+        best = self.runner.last_logits[:, :self.model.cfg.vocab_size].argmax(dim=-1).tolist()
         return dict(zip(ids, best))
 
     def _bind_sibling(self, parent: Sequence, kid: Sequence) -> None:
@@ -225,17 +246,17 @@ class BatchEngine:
 
     def _token(self, req: Request, o: _Output, tok: int) -> None:
         req.started = True
-        ev = o.text.feed(tok)
+        ev = o.stream.feed(tok)
         if ev is not None:
             req.emit(ev)
-        if o.text.stopped:
+        if o.stream.stopped:
             self._finish(req, o, None)
-        elif o.text.n >= req.params.max_tokens:
+        elif o.stream.n >= req.params.max_tokens:
             self._finish(req, o, "length")
 
     def _finish(self, req: Request, o: _Output, reason: str | None) -> None:
         self._release(o, reason or "stop")
-        req.emit(o.text.close(o.run_stats, reason))
+        req.emit(o.stream.close(o.run_stats, reason))
         if req.done:
             self.requests.pop(req.req_id, None)
             req.emit(None)
@@ -244,28 +265,42 @@ class BatchEngine:
         if o.done:
             return
         o.done = True
-        if o.gen is not None:
-            o.gen.close()  # frees the speculative cache now
-            o.gen = None
+        if o.spec is not None:
+            o.spec.finish(o.run_stats)
+        if o.passes is not None:
+            o.passes.close()
+            o.passes = o.pending = None
         if o.seq is not None:
             self.sched.finish(o.seq, reason)
             self._outputs.pop(o.seq.seq_id, None)
 
     def _start_speculative(self, seq: Sequence) -> None:
         req, o = self._outputs[seq.seq_id]
-        o.gen = self.engine.token_ids(req.prompt_ids, req.params, o.run_stats, sampler=o.sampler)
+        table = torch.tensor(seq.block_table, device=self.kv.k.parts[0].device)
+        o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, **self.speculation)
+        o.passes = o.spec.passes()
+        self._advance_speculative(req, o)
 
     def _advance_speculative(self, req: Request, o: _Output) -> None:
+        """Resume the speculator after its pass ran: emit what it verified, up to its next pass."""
+        o.pending = None
         try:
-            tok = next(o.gen)
+            while True:
+                item = next(o.passes)
+                if isinstance(item, Rows):
+                    o.pending = item
+                    return
+                o.spec.finish(o.run_stats)
+                for tok in item:
+                    self._token(req, o, tok)
+                    if o.done:
+                        return
         except StopIteration:
-            self._finish(req, o, "length")
-            return
+            if not o.done:
+                self._finish(req, o, "length")
         except Exception as exc:  # noqa: BLE001
             log.exception("speculative request %d failed", req.req_id)
             self.fail(req, exc)
-            return
-        self._token(req, o, tok)
 
     def _expire(self) -> None:
         now = time.perf_counter()
@@ -283,11 +318,12 @@ class BatchEngine:
 
 
 @torch.inference_mode()
-def run_to_completion(batch: BatchEngine, items: list[tuple[list[int], SamplingParams]], n: int = 1) -> list[list[StreamEvent]]:
-    """Run several requests together to the end (tests and benchmarks): the events of each, in order."""
+def run_to_completion(batch: BatchEngine, items: list[tuple[list[int], Any]], n: int = 1) -> list[list[StreamEvent]]:
+    """Run several requests (prompt ids, SamplingParams) together to the end (tests and benchmarks): the
+    events of each, in order."""
     events: list[list[StreamEvent]] = [[] for _ in items]
     for i, (ids, params) in enumerate(items):
-        batch.add(ids, params, lambda ev, i=i: ev is not None and events[i].append(ev), n=n)
+        batch.add(batch.engine.plan(ids, params, n=n), lambda ev, i=i: ev is not None and events[i].append(ev))
     while batch.has_work:
         batch.step()
     return events

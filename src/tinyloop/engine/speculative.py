@@ -5,7 +5,12 @@ The draft is the model itself run with `draft_loops = d` loops; the verifier is 
 so the draft's keys and values for those loops (and for the prelude, which depends on the tokens only)
 are the verifier's: verification continues from each drafted position's state after loop d-1 (and its
 prelude output, which every loop receives) through loops d..V-1 only, then runs the coda and the LM
-head, all in one batched pass over the round's positions. Cache slots per round:
+head, all in one batched pass over the round's positions.
+
+A speculative request is an ordinary sequence of the engine core (`engine.serving`): its KV lives on
+pool pages like every other sequence's, and its passes (prefill, each draft step, the verification)
+are rows of the core's batched steps, next to the plain sequences' rows (`Speculator.passes`). Cache
+slots per round:
 
 - prelude and core loops 0..d-1: written by the draft, kept as they are for the accepted positions;
 - core loops d..V-1: written by the verification pass;
@@ -13,15 +18,15 @@ head, all in one batched pass over the round's positions. Cache slots per round:
   the verification pass overwrites them with V-loop entries at every position it covers, so every
   committed position holds exactly what a plain V-loop run would have written;
 - with a trained draft exit for depth d (`model.draft_exit`, attached by `Engine.load`), the draft reads
-  out through the exit instead of the coda: the exit has cache slots of its own (`slot_extra`), written
-  from d-loop states at every prompt position (`Speculator.prefill`) and every drafted position, and the
+  out through the exit instead of the coda: the exit has cache slots of its own (`SlotLayout.extra_slot`),
+  written from d-loop states at every prompt position (prefill) and every drafted position, and the
   coda slot is written by verification only. A last drafted token that is accepted has no exit entry
   yet (its pass ran no read-out); it is written with the next round's first draft step (`exit_backlog`).
 
-Rejected positions are rolled back in every slot by not advancing `cache.length` past them: later
-steps write over them before anything reads them. Tree speculation stores node i of a round's tree at
-cache index L + i (L = committed length); the accepted path's entries are then copied into positions
-L+1.. with `KVCache.gather_positions` in every slot, never recomputed.
+Rejected positions are rolled back in every slot by not advancing `Speculator.length` past them: later
+passes write over them before anything reads them. Tree speculation stores node i of a round's tree at
+storage index L + i (L = committed length); the accepted path's entries are then copied into positions
+L+1.. with `PagedKV.copy_positions` in every slot, never recomputed.
 
 Round shapes:
 
@@ -36,7 +41,7 @@ Round shapes:
 
 The draft scores a reduced, frequency-ranked vocabulary (`draft_vocab` rows of the LM head plus every
 token of the prompt and output); verification always scores the full vocabulary, so exactness holds.
-Greedy output equals `generate_ids(..., loops=V)` token for token in exact arithmetic; in floating point
+Greedy output equals plain generation at V loops token for token in exact arithmetic; in floating point
 a batched pass can round differently from one-token passes (float64 tests see no difference; float32
 can flip only a near-tie). Sampling (chain) uses the standard speculative-sampling rule: a draft token x
 drawn from q is accepted with probability min(1, p(x)/q(x)), otherwise the token is drawn from
@@ -48,16 +53,15 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Iterator
+from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ValidationError
-from ..model import KVCache, LoopedTransformer
-from ..model.layers import StepContext
+from ..model import LoopedTransformer
+from ..model.cache import SlotLayout
+from ..model.paged import PagedKV, Rows
 from .draft_vocab import frequency_ranking
-from .generate import new_cache, prefill
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
@@ -65,6 +69,7 @@ from .tree import DraftTree, ancestor_mask, beam_step
 DRAFT_VOCAB = 4096      # draft head rows (most frequent tokens); None or >= vocab -> the full head
 CONTEXT_ROWS = 1024     # extra draft rows for the request's own tokens outside the ranked set
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
+PREFILL_CHUNK = 256     # prompt positions per prefill pass
 
 
 class DraftHead:
@@ -195,31 +200,35 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 
 class Speculator:
-    """One request's speculative decoding state: the cache, the pending token and the figures."""
+    """One speculative sequence of the engine core: its rounds as a generator of model passes.
 
-    def __init__(self, model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
-                 sampler: Sampler, kv_format: str = "fp16", draft_vocab: int | None = DRAFT_VOCAB,
-                 draft_stop: float = DRAFT_STOP, fast_head: bool = True, draft_exit: bool = True):
-        self.model, self.params, self.sampler = model, params, sampler
-        self.d = params.draft_loops
-        self.V = params.effective_loops(model.cfg.default_loops)
-        self.K = params.k_branches if params.mode == "tree_speculative" else 1
+    `passes()` yields either a `model.paged.Rows` (a pass over this sequence's pool pages, for the core
+    to run inside its next batched step; its results are in the same object when the generator resumes)
+    or a list of tokens (newly verified output). The core runs the passes of every speculative sequence
+    with the plain sequences' rows in one forward, so speculation is an ordinary member of the batch.
+    """
+
+    def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
+                 draft_vocab: int | None = DRAFT_VOCAB, draft_stop: float = DRAFT_STOP, fast_head: bool = True,
+                 draft_exit: bool = True):
+        params = plan.params
+        self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
+        self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
         self.tree = params.mode == "tree_speculative" and params.greedy
         self.draft_stop = draft_stop
-        self.device = next(model.parameters()).device
+        self.kv, self.table = kv, table       # the pool, and this sequence's pages in it (blocks, slots)
+        self.length = 0                       # positions committed in every slot
         # A trained draft exit for this depth (model.draft_exit), if the model has one: it replaces the
         # coda (and final norm) in the draft, with cache slots of its own.
         exits = getattr(model, "draft_exits", None) or {}
         self.exit = exits.get(self.d) if draft_exit else None
-        n_extra = len(self.exit.coda) if self.exit is not None else 0
-        # Tree nodes are stored past the committed positions: room for a whole tree beyond the output.
-        n_positions = len(prompt_ids) + params.max_tokens + self.K * params.draft_ahead + 1
-        self.cache: KVCache | None = new_cache(model, n_positions, self.V, params.cache_window,
-                                               kv_format=kv_format, extra_slots=n_extra)
-        self.exit_slots = [self.cache.slot_extra(i) for i in range(n_extra)]
+        self.layout = speculative_layout(model, plan, draft_exit)
+        self.exit_readout = None if self.exit is None else \
+            (self.exit, [self.layout.extra_slot(i) for i in range(len(self.exit.coda))])
+        self.draft_readout = self.exit_readout or "coda"
         self.exit_backlog: torch.Tensor | None = None  # loop-d state of position L-1 if its exit entry is missing
         self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
-        self.head.add(prompt_ids)
+        self.head.add(list(plan.prompt_ids))
         self.penalties = _has_penalties(params)
         plain_greedy = params.greedy and not self.penalties
         self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
@@ -228,69 +237,63 @@ class Speculator:
                       "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0,
                       "compactions": 0}
 
-    # -- model passes ---------------------------------------------------------------------
-    def _ctx(self, start: int, positions: list[int], tree_mask: torch.Tensor | None = None,
-             tree_key_positions: list[int] | None = None) -> StepContext:
-        pos = torch.tensor(positions, device=self.device)
-        kpos = None if tree_key_positions is None else torch.tensor(tree_key_positions, device=self.device)
-        mask = None if tree_mask is None else tree_mask.to(self.device)
-        return StepContext(rotary=self.model.rotary, positions=pos,
-                           dtype=self.model.act_dtype or self.model.embed.weight.dtype,
-                           cache=self.cache, start=start, tree_mask=mask, tree_key_positions=kpos)
+    # -- passes ---------------------------------------------------------------------------
+    def _rows(self, start: int, n: int, last_loop: int, **kw) -> Rows:
+        return Rows(table=self.table, start=start, n=n, last_loop=last_loop, window=self.plan.window, tag=self, **kw)
 
-    def _draft(self, tokens: list[int], ctx: StepContext, with_head: bool | None = True,
-               exit_prefix: tuple[torch.Tensor, StepContext] | None = None):
-        """Prelude + loops 0..d-1 (+ coda or draft exit, and the draft head) over `tokens`:
-        (e, h, draft logits (T, n) or None).
-
-        with_head: True - read out and score; None - a draft exit still runs (its cache entries are
-        needed later) but nothing is scored; False - loops only. `exit_prefix` = (h, ctx over both):
-        loop-d states of the positions just before `tokens` whose exit entries are still missing, run
-        through the exit in the same call."""
-        model = self.model
-        e = model.embed_prelude(torch.tensor([tokens], device=self.device), ctx)  # (1, T, dim)
-        h = model.init_state(e)
-        for loop_idx in range(self.d):
-            h = model.core_loop(h, e, loop_idx, ctx)
+    def _draft(self, tokens: list[int], start: int, readout, **kw) -> Rows:
+        """Prelude + loops 0..d-1 over `tokens` (their states kept for verification), then `readout`."""
         self.stats["draft_passes"] += 1
-        if self.exit is not None:
-            if with_head is False:
-                return e, h, None
-            if exit_prefix is not None:
-                x = self.exit.blocks(torch.cat([exit_prefix[0], h], dim=1), exit_prefix[1], self.exit_slots)
-                x = x[:, exit_prefix[0].shape[1]:]
-            else:
-                x = self.exit.blocks(h, ctx, self.exit_slots)
-            return e, h, (self.head.logits(x[0]) if with_head else None)
-        if not with_head:
-            return e, h, None
-        x = h
-        for i, blk in enumerate(model.coda):
-            x = blk(x, ctx, self.cache.slot_coda(i))
-        return e, h, self.head.logits(x[0])
+        return self._rows(start, len(tokens), self.d, tokens=tokens, capture=True, readout=readout, **kw)
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """The prompt through all V loops (as `generate.prefill`); with a draft exit, also the exit's cache
-        entries from the prompt's loop-d states. Returns the last position's logits (vocab,)."""
-        if self.exit is None:
-            return prefill(self.model, ids, self.cache, self.V)
+    def _verify(self, e: torch.Tensor, h: torch.Tensor, start: int, **kw) -> Rows:
+        """Loops d..V-1 from the draft's states, then the coda."""
+        self.stats["verify_positions"] += h.shape[0]
+        return self._rows(start, h.shape[0], self.V, state=(e, h), first_loop=self.d, readout="coda", **kw)
 
-        def exit_entries(r: int, h: torch.Tensor, ctx: StepContext) -> None:
-            if r == self.d - 1:
-                self.exit.blocks(h, ctx, self.exit_slots)
+    def passes(self) -> Generator[Rows | list[int], None, None]:
+        """The whole request: prefill, the first token, then rounds until max_tokens (stops are the
+        caller's: it closes the generator)."""
+        logits = yield from self.prefill()
+        tok = self.sampler.sample(logits)
+        self.sampler.accept(tok)
+        self.pending = tok
+        self.head.add([tok])
+        yield [tok]
+        emitted = 1
+        while emitted < self.params.max_tokens:
+            out = yield from self.round(self.params.max_tokens - emitted)
+            emitted += len(out)
+            yield out
 
-        return prefill(self.model, ids, self.cache, self.V, after_loop=exit_entries)
+    def prefill(self) -> Generator[Rows, None, torch.Tensor]:
+        """The prompt through all V loops (and, with a draft exit, the exit's entries from the prompt's
+        loop-d states); returns the last position's logits (vocab,)."""
+        prompt = list(self.plan.prompt_ids)
+        last = None
+        for s in range(0, len(prompt), PREFILL_CHUNK):
+            part = prompt[s:s + PREFILL_CHUNK]
+            if self.exit is None:
+                last = self._rows(s, len(part), self.V, tokens=part)
+                yield last
+            else:  # loops 0..d-1 and the exit, then loops d..V-1 from the loop-d states
+                a = self._draft(part, s, self.exit_readout)
+                yield a
+                last = self._verify(*a.out_state, s)
+                yield last
+        self.length = len(prompt)
+        return self.model.logits(last.hidden[-1:][None])[0, 0]
 
-    def _verify(self, e: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Loops d..V-1 from the draft's states, then the coda: (T, dim), ready for the LM head."""
-        model = self.model
-        for loop_idx in range(self.d, self.V):
-            h = model.core_loop(h, e, loop_idx, ctx)
-        x = h
-        for i, blk in enumerate(model.coda):
-            x = blk(x, ctx, self.cache.slot_coda(i))
-        self.stats["verify_positions"] += h.shape[1]
-        return x[0]
+    def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
+        """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
+        ahead = min(self.params.draft_ahead, remaining - 1)
+        out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
+        self.head.add(out)
+        self.pending = out[-1]
+        st = self.stats
+        st["rounds"] += 1
+        st["emitted"] += len(out)
+        return out
 
     def _full_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.logits(x[None])[0]  # (T, vocab)
@@ -310,33 +313,25 @@ class Speculator:
     def _draft_greedy(self, lg: torch.Tensor) -> int:
         return self.head.token(int(torch.argmax(self._penalised(lg))))
 
-    # -- rounds ---------------------------------------------------------------------------
-    def round(self, remaining: int) -> list[int]:
-        """One draft + verify round: the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
-        ahead = min(self.params.draft_ahead, remaining - 1)
-        with torch.inference_mode():
-            out = self._tree_round(ahead) if self.tree else self._chain_round(ahead)
-        self.head.add(out)
-        self.pending = out[-1]
-        st = self.stats
-        st["rounds"] += 1
-        st["emitted"] += len(out)
-        return out
-
-    def _chain_round(self, k: int) -> list[int]:
-        cache, sampler = self.cache, self.sampler
-        L = cache.length
+    def _chain_round(self, k: int):
+        sampler = self.sampler
+        L = self.length
         t0 = time.perf_counter()
         toks, es, hs, qs = [self.pending], [], [], []
         backlog, self.exit_backlog = self.exit_backlog, None
         for j in range(k):
-            prefix = None
+            draft = self._draft([toks[-1]], L + j, self.draft_readout)
             if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
-                prefix = (backlog, self._ctx(L - 1, [L - 1, L]))
-            e, h, lg = self._draft([toks[-1]], self._ctx(L + j, [L + j]), exit_prefix=prefix)
+                catch_up = self._rows(L - 1, 1, self.d, state=(backlog, backlog), first_loop=self.d,
+                                      readout=self.exit_readout)
+                yield catch_up
+                yield draft
+            else:
+                yield draft
+            e, h = draft.out_state
             es.append(e)
             hs.append(h)
-            lg = lg[0]
+            lg = self.head.logits(draft.hidden)[0]
             if self.params.greedy:
                 x = self._draft_greedy(lg)
             else:
@@ -349,13 +344,15 @@ class Speculator:
                 if top < self.draft_stop:
                     break
         n = len(toks) - 1
-        e, h, _ = self._draft([toks[-1]], self._ctx(L + n, [L + n]), with_head=False)
-        es.append(e)
-        hs.append(h)
+        draft = self._draft([toks[-1]], L + n, None)
+        yield draft
+        es.append(draft.out_state[0])
+        hs.append(draft.out_state[1])
         t1 = time.perf_counter()
-        x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1), self._ctx(L, list(range(L, L + n + 1))))
-        out = self._accept_chain(toks, x, qs)
-        cache.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
+        verify = self._verify(torch.cat(es), torch.cat(hs), L)
+        yield verify
+        out = self._accept_chain(toks, verify.hidden, qs)
+        self.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
         if self.exit is not None and len(out) == n + 1:
             self.exit_backlog = hs[-1]  # the last draft token was accepted: its exit entry is still due
         st = self.stats
@@ -401,9 +398,9 @@ class Speculator:
             return out
         raise AssertionError("unreachable")
 
-    def _tree_round(self, depth: int) -> list[int]:
-        cache, sampler, K = self.cache, self.sampler, self.K
-        L = cache.length
+    def _tree_round(self, depth: int):
+        sampler, K = self.sampler, self.K
+        L = self.length
         t0 = time.perf_counter()
         tree = DraftTree()
         tree.add(self.pending, -1, 0.0)
@@ -412,17 +409,18 @@ class Speculator:
         for t in range(1, depth + 2):
             first = frontier[0]
             rows = range(first, first + len(frontier))
-            positions = [L + t - 1] * len(frontier)
-            if K == 1:
-                ctx = self._ctx(L + first, positions)  # a one-node-wide tree is the causal chain
-            else:
-                ctx = self._ctx(L + first, positions, ancestor_mask(tree.parents, rows),
-                                [L + dd for dd in tree.depths])
-            e, h, lg = self._draft([tree.tokens[i] for i in frontier], ctx, with_head=True if t <= depth else None)
-            es.append(e)
-            hs.append(h)
+            kw = {"positions": torch.tensor([L + t - 1] * len(frontier))}
+            if K > 1:  # (a one-node-wide tree is the causal chain)
+                kw["tree_mask"] = ancestor_mask(tree.parents, rows)
+                kw["tree_key_positions"] = torch.tensor([L + dd for dd in tree.depths])
+            readout = self.draft_readout if t <= depth else self.exit_readout  # the exit's entries are due
+            draft = self._draft([tree.tokens[i] for i in frontier], L + first, readout, **kw)
+            yield draft
+            es.append(draft.out_state[0])
+            hs.append(draft.out_state[1])
             if t > depth:
                 break
+            lg = self.head.logits(draft.hidden)
             logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
             rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
             toks = self.head.tokens(cols)
@@ -430,14 +428,17 @@ class Speculator:
             greedy_path.append(frontier[0])  # beam_step puts the greedy child of the greedy node first
         t1 = time.perf_counter()
         n_nodes = len(tree)
-        mask = None if K == 1 else ancestor_mask(tree.parents)
-        x = self._verify(torch.cat(es, dim=1), torch.cat(hs, dim=1),
-                         self._ctx(L, [L + dd for dd in tree.depths], mask))
-        out, path = self._accept_tree(tree, x, greedy_path)
+        kw = {"positions": torch.tensor([L + dd for dd in tree.depths])}
+        if K > 1:
+            kw["tree_mask"] = ancestor_mask(tree.parents)
+            kw["tree_key_positions"] = kw["positions"]
+        verify = self._verify(torch.cat(es), torch.cat(hs), L, **kw)
+        yield verify
+        out, path = self._accept_tree(tree, verify.hidden, greedy_path)
         if any(node != i for i, node in enumerate(path)):
-            cache.gather_positions([L + node for node in path[1:]], L + 1)
+            self.kv.copy_positions(self.table, [L + node for node in path[1:]], L + 1)
             self.stats["compactions"] += 1
-        cache.length = L + len(out)
+        self.length = L + len(out)
         st = self.stats
         st["draft_s"] += t1 - t0
         st["verify_s"] += time.perf_counter() - t1
@@ -493,48 +494,8 @@ class Speculator:
         })
 
 
-def check_params(model: LoopedTransformer, params: SamplingParams) -> None:
-    params.validate(max_loops=model.cfg.max_loops, vocab_size=model.cfg.vocab_size)
-    if params.mode == "generate":
-        raise ValidationError("mode: speculative decoding needs mode 'speculative' or 'tree_speculative'",
-                              param="mode")
-
-
-def speculative_ids(model: LoopedTransformer, prompt_ids: list[int], params: SamplingParams,
-                    sampler: Sampler | None = None, run_stats: dict[str, Any] | None = None,
-                    kv_format: str = "fp16", *, draft_vocab: int | None = DRAFT_VOCAB,
-                    draft_stop: float = DRAFT_STOP, fast_head: bool = True,
-                    draft_exit: bool = True) -> Iterator[int]:
-    """Yield exactly the tokens plain generation at verify_loops would (greedy), as each is verified.
-
-    Yields at most params.max_tokens ids; stops and EOS are the caller's job. Closing the generator frees
-    the cache; `run_stats` receives acceptance figures as rounds complete.
-    """
-    check_params(model, params)
-    return _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
-                            fast_head, draft_exit)
-
-
-def _speculative_ids(model, prompt_ids, params, sampler, run_stats, kv_format, draft_vocab, draft_stop,
-                     fast_head, draft_exit):
-    sampler = sampler or Sampler(params, prompt_ids, model.cfg.vocab_size)
-    run_stats = {} if run_stats is None else run_stats
-    spec = Speculator(model, prompt_ids, params, sampler, kv_format=kv_format, draft_vocab=draft_vocab,
-                      draft_stop=draft_stop, fast_head=fast_head, draft_exit=draft_exit)
-    try:
-        logits = spec.prefill(prompt_ids)
-        tok = sampler.sample(logits)
-        sampler.accept(tok)
-        spec.pending = tok
-        spec.head.add([tok])
-        emitted = 1
-        yield tok
-        while emitted < params.max_tokens:
-            out = spec.round(params.max_tokens - emitted)
-            spec.finish(run_stats)
-            for tok in out:
-                emitted += 1
-                yield tok
-    finally:
-        spec.finish(run_stats)
-        spec.cache = None
+def speculative_layout(model: LoopedTransformer, plan, draft_exit: bool = True) -> SlotLayout:
+    """The cache slots of a speculative sequence: the verifier's loops, plus its draft exit's blocks."""
+    exits = getattr(model, "draft_exits", None) or {}
+    ex = exits.get(plan.draft_loops) if draft_exit else None
+    return SlotLayout(model.cfg, plan.loops, len(ex.coda) if ex is not None else 0)

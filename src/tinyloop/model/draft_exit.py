@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..modelfile import ModelFileError
+from ..errors import ModelFileError
 from .layers import Block, RMSNorm
 
 FORMAT = "tinyloop-draft-exit"

@@ -70,7 +70,49 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tor
     return allowed
 
 
+def build_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int, tree_mask: torch.Tensor | None = None,
+               tree_key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean (T, L) mask for queries at `q_pos` over keys at `key_pos`: causal and within `window`.
+
+    With a `tree_mask` (T, S) the last S keys are uncommitted tree nodes (the step's own tokens last)
+    whose storage index is not their position: the tree mask replaces the causal part there, and the
+    window is measured on their real positions `tree_key_positions` (S,)."""
+    mask = attention_mask(q_pos, key_pos, window)
+    if tree_mask is not None:
+        S = tree_mask.shape[1]
+        tree = tree_mask
+        if window > 0:
+            tree = tree & attention_mask(q_pos, tree_key_positions, window)
+        mask[:, mask.shape[1] - S:] = tree
+    return mask
+
+
+def grouped_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads, without copying K and V.
+
+    q: (G, H, T, D); K, V: (G, Hkv, L, D), all in the attention dtype; mask: None, (T, L) or (G, 1, T, L)
+    boolean (True = may attend). Query heads g*rep .. g*rep+rep-1 share kv head g: they are folded into
+    the query axis (row r*T + t of a group is query head g*rep + r at token t). Returns (G, H, T, D)."""
+    G, H, T, D = q.shape
+    rep = H // K.shape[1]
+    if rep > 1:
+        q = q.reshape(G, K.shape[1], rep * T, D)
+        if causal:
+            mask, causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), False
+        if mask is not None and mask.shape[-2] != 1:
+            mask = mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, 1, rep, 1)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, K, V, is_causal=causal)
+    else:
+        out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+    return out.reshape(G, H, T, D)
+
+
 class Attention(nn.Module):
+    """Projections, RoPE and the output projection; which keys each query sees (and where new keys are
+    stored) is the step context's business: `ctx.attend(slot, q, k, v)`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -80,75 +122,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.wqkv: nn.Module | None = None  # set by model.fast.fuse_projections (wq, wk, wv removed)
 
-    def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
-        if self.wqkv is not None:
-            return self._forward_fused(x, ctx, slot)
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, T, D)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
-        if ctx.cache is None or slot is None:
-            K, V, mask = k, v, ctx.self_mask
-        else:
-            K, V, key_pos = ctx.cache.update(slot, ctx.start, k.to(ctx.cache.k.dtype), v.to(ctx.cache.v.dtype))
-            mask = ctx.mask_for(key_pos)
-        # Attention math in at least fp32 (bf16 SDPA at decode is slow on CPU and less exact).
-        adt = torch.promote_types(q.dtype, torch.float32)
-        q, K, V = q.to(adt), K.to(adt), V.to(adt)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            K = K.repeat_interleave(rep, dim=1)
-            V = V.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, K, V, is_causal=(T > 1 and ctx.cache is None))
-        else:
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
-        out = out.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
-        return self.wo(out)
-
-    def _forward_fused(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
-        """The decode fast path: one QKV projection, one RoPE over q and k together, GQA without copies."""
+    def forward(self, x: torch.Tensor, ctx, slot: int | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)                           # (B, T, H+2Hkv, D)
+        if self.wqkv is not None:
+            qkv = self.wqkv(x)
+        else:
+            qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)
         cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
-        qk = apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed)         # (B, T, H+Hkv, D)
-        q = qk[:, :, :H].transpose(1, 2)                                        # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)                                        # (B, Hkv, T, D)
-        v = qkv[:, :, H + Hkv:].transpose(1, 2)                                 # (B, Hkv, T, D)
-        causal = False
-        if ctx.cache is None or slot is None:
-            K, V, mask = k, v, ctx.self_mask
-            causal = mask is None and T > 1
-        else:
-            cdt = ctx.cache.k.dtype
-            if k.dtype != cdt:
-                k, v = k.to(cdt), v.to(cdt)
-            K, V, key_pos = ctx.cache.update(slot, ctx.start, k, v)
-            mask = ctx.mask_for(key_pos)
-        adt = torch.promote_types(q.dtype, torch.float32)
-        if q.dtype != adt or K.dtype != adt:  # (a no-op .to still costs a dispatch per call)
-            q, K, V = q.to(adt), K.to(adt), V.to(adt)
-        rep = H // Hkv
-        if rep > 1:
-            # Query heads g*rep .. g*rep+rep-1 share kv head g: fold them into the query axis instead of
-            # copying K and V rep times. Row r*T + t of a group is query head g*rep + r at token t.
-            q = q.reshape(B, Hkv, rep * T, D)                                   # (B, Hkv, rep*T, D)
-            if causal:
-                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-                causal = False
-            if mask is not None:
-                mask = mask.repeat(rep, 1)                                      # (rep*T, L)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, K, V, is_causal=causal)
-        else:
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
-        out = out.reshape(B, H, T, D)
+        qk = apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed)         # one RoPE over q and k
+        out = ctx.attend(slot, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:])  # (B, T, H, D)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
-        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))                 # (B, T, H*D)
+        return self.wo(out.reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -184,20 +171,22 @@ class Block(nn.Module):
 
 
 class StepContext:
-    """Everything one forward step shares across layers: positions, rotary tables, masks, cache.
+    """One forward step over a contiguous cache (or none): positions, rotary tables, masks, the cache.
 
-    `tree_mask` (T, T) optionally restricts which of the step's own tokens see each other (tree
-    speculation); by default the step's tokens are causal in their position order. A wider
-    `tree_mask` (T, S), S > T, covers the last S keys attention sees: S - T tree nodes an earlier
-    step wrote just below `start` (not yet committed), then the step's own T tokens; their positions
-    are `tree_key_positions` (S,) (default: `positions` when S == T). The window, if any, is applied
-    on those positions, not on storage indices.
+    Every (B, T) row block of a step shares positions. `tree_mask` (T, T) optionally restricts which of
+    the step's own tokens see each other (tree speculation); by default the step's tokens are causal in
+    their position order. A wider `tree_mask` (T, S), S > T, covers the last S keys attention sees: S - T
+    tree nodes an earlier step wrote just below `start` (not yet committed), then the step's own T
+    tokens; their positions are `tree_key_positions` (S,) (default: `positions` when S == T). The window,
+    if any, is applied on those positions, not on storage indices. The paged pool's counterpart is
+    `model.paged.PagedStep`; both give the model `slots`, `rope_full()` and `attend()`.
     """
 
     def __init__(self, *, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype, cache=None,
                  start: int = 0, tree_mask: torch.Tensor | None = None,
                  tree_key_positions: torch.Tensor | None = None):
         self.cache = cache
+        self.slots = cache.layout if cache is not None else None
         self.start = start
         self.positions = positions  # (T,) absolute positions of the step's tokens
         self.cos, self.sin = rotary.cos_sin(positions, dtype)
@@ -208,40 +197,47 @@ class StepContext:
             tree_key_positions = positions
         self.tree_key_positions = tree_key_positions
         self.window = cache.window if cache is not None else 0
-        T = positions.shape[0]
-        self.self_mask = None if tree_mask is None else tree_mask
         self._mask_cache: dict[int, torch.Tensor | None] = {}
         self._simple = tree_mask is None and self.window == 0
-        self.T = T
+        self.T = positions.shape[0]
         self._rope_full: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cat(cos, cos), cat(-sin, sin)), each (T, 1, D): the tables `apply_rope_full` takes, made once per step."""
         if self._rope_full is None:
-            cos_full = torch.cat([self.cos, self.cos], dim=-1).unsqueeze(1)
-            sin_signed = torch.cat([-self.sin, self.sin], dim=-1).unsqueeze(1)
-            self._rope_full = (cos_full, sin_signed)
+            self._rope_full = rope_tables(self.cos, self.sin)
         return self._rope_full
 
     def mask_for(self, key_pos: torch.Tensor) -> torch.Tensor | None:
         L = key_pos.shape[0]
-        if L in self._mask_cache:
-            return self._mask_cache[L]
-        if self._simple and self.T == 1:
-            mask = None  # one query sees every cached key
+        if L not in self._mask_cache:
+            if self._simple and self.T == 1:
+                mask = None  # one query sees every cached key
+            else:
+                mask = build_mask(self.positions, key_pos, self.window, self.tree_mask, self.tree_key_positions)
+            self._mask_cache[L] = mask
+        return self._mask_cache[L]
+
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (B, T, H, D), k, v: (B, T, Hkv, D) -> (B, T, H, D): store k, v in the cache slot (if any),
+        then attend over what the cache holds for these positions."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
+        causal = False
+        if self.cache is None or slot is None:
+            K, V, mask = k, v, self.tree_mask
+            causal = mask is None and self.T > 1
         else:
-            mask = attention_mask(self.positions, key_pos, self.window)
-            if self.tree_mask is not None:
-                # the last S keys are uncommitted tree nodes (this step's tokens last): their storage
-                # index is not their position, so the tree mask replaces the causal part, and the
-                # window is measured on their real positions
-                S = self.tree_mask.shape[1]
-                tree = self.tree_mask
-                if self.window > 0:
-                    tree = tree & attention_mask(self.positions, self.tree_key_positions, self.window)
-                mask[:, L - S:] = tree
-        self._mask_cache[L] = mask
-        return mask
+            K, V, key_pos = self.cache.update(slot, self.start, k, v)
+            mask = self.mask_for(key_pos)
+        adt = torch.promote_types(q.dtype, torch.float32)  # attention math in at least fp32
+        if q.dtype != adt or K.dtype != adt:  # (a no-op .to still costs a dispatch per call)
+            q, K, V = q.to(adt), K.to(adt), V.to(adt)
+        return grouped_sdpa(q, K, V, mask, causal).transpose(1, 2)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, D/2) cos/sin -> the (T, 1, D) tables `apply_rope_full` takes."""
+    return torch.cat([cos, cos], dim=-1).unsqueeze(1), torch.cat([-sin, sin], dim=-1).unsqueeze(1)
 
 
 def init_weights(module: nn.Module, n_residual_layers: int) -> None:

@@ -1,7 +1,11 @@
 """The weight-shared looped transformer: prelude once -> core x loops -> coda once -> LM head.
 
-The forward pass is split into the pieces speculation needs (`embed_prelude`, `core_loop`,
-`coda_logits`) so a caller can run loops d..V-1 on top of states a draft already computed.
+This module owns the model's one forward. Its pieces (`embed_prelude`, `core_loop`, `coda`, `logits`)
+take a step context that says where keys go and which keys each query sees: `layers.StepContext`
+over a contiguous `KVCache` (or none: training, evaluation) or a view of `paged.PagedStep` over the
+serving pool. `forward` runs one (B, T) block through all of them; `run` runs a serving step: many
+sequences' rows packed together, each with its own loops (a row leaves after its last loop), positions,
+starting point (tokens, or a draft's states after loop d-1) and read-out.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .cache import KVCache
+from .paged import PagedStep, Rows
 from .layers import Block, RMSNorm, Rotary, StepContext, init_weights
 
 
@@ -65,7 +70,7 @@ class LoopedTransformer(nn.Module):
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
         for i, blk in enumerate(self.prelude):
-            x = blk(x, ctx, ctx.cache.slot_prelude(i) if ctx.cache is not None else None)
+            x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None)
         return x
 
     def init_state(self, e: torch.Tensor) -> torch.Tensor:
@@ -80,14 +85,19 @@ class LoopedTransformer(nn.Module):
         else:
             x = h
         for j, blk in enumerate(self.core):
-            x = blk(x, ctx, ctx.cache.slot_core(loop_idx, j) if ctx.cache is not None else None)
+            x = blk(x, ctx, ctx.slots.core(loop_idx, j) if ctx.slots is not None else None)
         self.core_loop_tokens += h.shape[0] * h.shape[1]
         return x if self.core_norm is None else self.core_norm(x)
 
-    def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
+    def run_coda(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        """The coda blocks (the final norm and head are `logits`)."""
         x = h
         for i, blk in enumerate(self.coda):
-            x = blk(x, ctx, ctx.cache.slot_coda(i) if ctx.cache is not None else None)
+            x = blk(x, ctx, ctx.slots.coda(i) if ctx.slots is not None else None)
+        return x
+
+    def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
+        x = self.run_coda(h, ctx)
         if last_only:
             x = x[:, -1:]
         return self.logits(x)
@@ -124,6 +134,66 @@ class LoopedTransformer(nn.Module):
             if after_loop is not None:
                 after_loop(r, h, ctx)
         return self.coda_logits(h, ctx, last_only=last_only)
+
+    # -- a serving step ---------------------------------------------------------------------
+    def run(self, step: PagedStep) -> None:
+        """Run every sequence's rows of a paged step; results land in each `Rows` (`hidden`, `out_state`).
+
+        Rows are in the step's order; each phase (prelude, loop r, each read-out) runs once over the
+        sequences taking part, packed (a contiguous slice when they are adjacent, else gathered)."""
+        n = self.decode_threads
+        if n is not None and step.n == 1 and torch.get_num_threads() != n:
+            prev = torch.get_num_threads()
+            torch.set_num_threads(n)  # ~0.5 us a switch; bigger steps keep every thread
+            try:
+                return self.run(step)
+            finally:
+                torch.set_num_threads(prev)
+        rows = step.rows
+        N, dim = step.n, self.cfg.dim
+        fresh = [r for r in rows if r.tokens is not None]
+        e = h = None
+        if fresh:
+            v = step.view(fresh)
+            toks = torch.tensor([t for r in fresh for t in r.tokens], device=step.device)[None]
+            e_f = self.embed_prelude(toks, v)
+            if len(fresh) == len(rows):
+                e = e_f
+                h = self.init_state(e)
+                if h is e:
+                    h = e.clone()  # h is updated in place below; e must stay
+        if e is None:
+            dtype = self.act_dtype or self.embed.weight.dtype
+            e = torch.empty(1, N, dim, dtype=dtype, device=step.device)
+            h = torch.empty(1, N, dim, dtype=dtype, device=step.device)
+            if fresh:
+                v = step.view(fresh)
+                e = v.put(e, e_f)
+                h = v.put(h, self.init_state(e_f).clone())
+            for r in rows:
+                if r.state is not None:
+                    e[0, r.row0:r.row0 + r.n] = r.state[0]
+                    h[0, r.row0:r.row0 + r.n] = r.state[1]
+        for loop in range(max(r.last_loop for r in rows)):
+            members = [r for r in rows if r.first_loop <= loop < r.last_loop]
+            if not members:
+                continue
+            v = step.view(members)
+            h = v.put(h, self.core_loop(v.take(h), v.take(e), loop, v))
+            for r in members:
+                if r.capture and loop == r.last_loop - 1:
+                    r.out_state = (e[0, r.row0:r.row0 + r.n].clone(), h[0, r.row0:r.row0 + r.n].clone())
+        readouts: dict[int, list[Rows]] = {}
+        for r in rows:
+            if r.readout is not None:
+                key = "coda" if r.readout == "coda" else (id(r.readout[0]), tuple(r.readout[1]))
+                readouts.setdefault(key, []).append(r)
+        for members in readouts.values():
+            v = step.view(members)
+            ro = members[0].readout
+            x = self.run_coda(v.take(h), v) if ro == "coda" else ro[0].blocks(v.take(h), v, ro[1])
+            for r, a in zip(members, v.local):
+                r.hidden = x[0, a:a + r.n]
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = 0, dtype: torch.dtype = torch.float32,

@@ -60,3 +60,76 @@ def bytes_per_vector(head_dim: int, kv_format: str, float_bytes: int = 2) -> int
     if bits is None:
         return head_dim * float_bytes
     return head_dim * bits // 8 + 4  # codes + float16 scale + float16 offset
+
+
+class KVTensor:
+    """Keys (or values) of a KV store, the one storage implementation every cache layout uses.
+
+    `shape` is (*lead, D): the contiguous cache uses (slots, batch, positions, Hkv, D) and the paged pool
+    (pages, page_size, Hkv, D). "fp16" keeps floats in `dtype`; the quantized formats keep codes plus a
+    float16 scale and offset per D-vector (`quantize_vectors`), and int4-h multiplies each vector by the
+    orthonormal Hadamard matrix H before quantizing and again (H @ H = I) after dequantizing, so readers
+    always see the original basis in `dtype`.
+
+    `write(index, x)` stores x at `storage[index]`; `read(index)` returns `storage[index]` dequantized;
+    `index` is anything tensor indexing takes (an int, slices, index tensors).
+    """
+
+    def __init__(self, shape: tuple[int, ...], kv_format: str, dtype: torch.dtype, device):
+        from .hadamard import hadamard_matrix
+
+        bits = kv_format_bits(kv_format)
+        *lead, D = shape
+        self.shape, self.bits, self.dtype, self.kv_format = tuple(shape), bits, dtype, kv_format
+        self.H = None
+        if bits is None:
+            self.data = torch.zeros(*lead, D, dtype=dtype, device=device)
+            self.parts = (self.data,)
+            return
+        self.codes = torch.zeros(*lead, D * bits // 8, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(*lead, 1, dtype=torch.float16, device=device)
+        self.offset = torch.zeros(*lead, 1, dtype=torch.float16, device=device)
+        self.parts = (self.codes, self.scale, self.offset)
+        if kv_format_rotates(kv_format):
+            self.H = hadamard_matrix(D, torch.float64 if dtype == torch.float64 else torch.float32, device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    def write(self, index, x: torch.Tensor) -> None:
+        if self.bits is None:
+            self.data[index] = x.to(self.dtype)
+            return
+        if self.H is not None:
+            x = x.to(self.H.dtype) @ self.H
+        codes, scale, offset = quantize_vectors(x, self.bits)
+        self.codes[index] = codes
+        self.scale[index] = scale
+        self.offset[index] = offset
+
+    def read(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.bits is None:
+            x = self.data[index]
+            return x if x.dtype == dtype else x.to(dtype)
+        x = dequantize_vectors(self.codes[index], self.scale[index], self.offset[index], self.bits,
+                               dtype if self.H is None else self.H.dtype)
+        return x if self.H is None else (x @ self.H).to(dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it would read back after a write (quantized and dequantized; float formats: cast)."""
+        if self.bits is None:
+            return x.to(self.dtype)
+        if self.H is not None:
+            x = x.to(self.H.dtype) @ self.H
+        x = dequantize_vectors(*quantize_vectors(x, self.bits), self.bits, x.dtype if self.H is not None else self.dtype)
+        return x if self.H is None else (x @ self.H).to(self.dtype)
+
+    def copy(self, src, dst) -> None:
+        """storage[dst] = storage[src] (codes move with their own scale and offset)."""
+        for t in self.parts:
+            t[dst] = t[src].clone()

@@ -15,7 +15,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .. import __version__
+from ..version import __version__
 from ..engine import SamplingParams
 from .errors import APIError, from_engine_failure
 from .sse import DONE, KEEPALIVE, Framer
@@ -68,13 +68,11 @@ class ServerState:
         """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop."""
         engine = self.worker.require_engine()
 
-        def prepare() -> list[int]:
-            ids = engine.encode_prompt(prompt)
-            engine.check(ids, params)
-            return ids
+        def prepare():
+            return engine.plan(engine.encode_prompt(prompt), params, n=n)
 
-        ids = await anyio.to_thread.run_sync(prepare)
-        return self.worker.submit(ids, params, n=n, timeout_s=timeout_s)
+        plan = await anyio.to_thread.run_sync(prepare)
+        return self.worker.submit(plan, timeout_s=timeout_s)
 
 
 async def collect(handle: RequestHandle, request: Request) -> list[Result]:
@@ -106,9 +104,9 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
             if item.finish_reason is not None:
                 results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
                                              item.finish_reason, item.stats or {})
-                if len(results) == handle.n:
+                if len(results) == handle.plan.n:
                     done = handle.delivered = True
-                    return [results[i] for i in range(handle.n)]
+                    return [results[i] for i in range(handle.plan.n)]
     finally:
         if not done:
             handle.abort()

@@ -10,10 +10,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine import SamplingParams
+from ..engine import SamplingParams, param_default
+from ..engine.plan import MAX_N
 from ..errors import ValidationError
 
-DEFAULT_MAX_TOKENS = 128
+# Request defaults are SamplingParams' (one place); only where an API's own spec says otherwise (OpenAI's
+# temperature 1.0, the native API's top_k 50 / top_p 0.9) is a default written here.
+DEFAULT_MAX_TOKENS = param_default("max_tokens")
+OPENAI_TEMPERATURE = 1.0
 ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 ASSISTANT_CUE = "Assistant:"
 
@@ -82,9 +86,6 @@ def _seed(value: int | None, param: str) -> int | None:
     return value
 
 
-MAX_N = 8
-
-
 def check_timeout(value: float | None) -> None:
     if value is not None and not 0 < value <= 86400:
         raise ValidationError(f"timeout_s: must be in (0, 86400] seconds, got {value}", param="timeout_s")
@@ -138,8 +139,10 @@ class OpenAIRequest(BaseModel):
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
             max_tokens=self.requested_max_tokens(), loops=self.loops,
-            temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
-            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            temperature=_or(self.temperature, OPENAI_TEMPERATURE), top_p=_or(self.top_p, param_default("top_p")),
+            top_k=_or(self.top_k, param_default("top_k")),
+            presence_penalty=_or(self.presence_penalty, param_default("presence_penalty")),
+            frequency_penalty=_or(self.frequency_penalty, param_default("frequency_penalty")),
             seed=_seed(self.seed, "seed"), stop=self.stop_list(), **self.extension_params())
 
     def extension_params(self) -> dict[str, Any]:
@@ -164,10 +167,10 @@ class LMStudioKnobs(BaseModel):
     repetition_penalty: float | None = None
 
     def extension_params(self) -> dict[str, Any]:
-        return {"mode": _or(self.mode, "generate"), "draft_loops": _or(self.draft_loops, 2),
-                "verify_loops": self.verify_loops, "draft_ahead": _or(self.draft_ahead, 4),
-                "k_branches": _or(self.K_branches, 1), "cache_window": _or(self.cache_window, 0),
-                "repetition_penalty": _or(self.repetition_penalty, 1.0)}
+        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
+                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
+                 "repetition_penalty": self.repetition_penalty}
+        return {name: _or(value, param_default(name)) for name, value in given.items()}
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -215,16 +218,16 @@ class GenerateRequest(BaseModel):
     prompt: str | list[int]
     max_tokens: int = DEFAULT_MAX_TOKENS
     loops: int | None = None                # None -> the model's default_loops (8 for the shipped model)
-    temperature: float = 0.0
-    top_k: int = 50
+    temperature: float = param_default("temperature")
+    top_k: int = 50                         # the native API's own defaults (spec)
     top_p: float = 0.9
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = param_default("repetition_penalty")
+    presence_penalty: float = param_default("presence_penalty")
+    frequency_penalty: float = param_default("frequency_penalty")
     sample_seed: int = 0
     stream: bool = False
     stop: str | list[str] | list[int] | None = None
-    cache_window: int = 0
+    cache_window: int = param_default("cache_window")
     timeout_s: float | None = None          # time limit for this request (default: the server's)
 
     def sampling_params(self) -> SamplingParams:
@@ -250,9 +253,9 @@ class GenerateRequest(BaseModel):
 
 class SpeculativeRequest(GenerateRequest):
     MODE: ClassVar[str] = "speculative"
-    draft_loops: int = 2
+    draft_loops: int = param_default("draft_loops")
     verify_loops: int | None = None          # None -> loops, else the model's default_loops
-    draft_ahead: int = 4
+    draft_ahead: int = param_default("draft_ahead")
 
     def speculative_params(self) -> dict[str, Any]:
         return {"draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
@@ -261,7 +264,7 @@ class SpeculativeRequest(GenerateRequest):
 
 class TreeSpeculativeRequest(SpeculativeRequest):
     MODE: ClassVar[str] = "tree_speculative"
-    K_branches: int = 1
+    K_branches: int = param_default("k_branches")
 
     def speculative_params(self) -> dict[str, Any]:
         return {**super().speculative_params(), "k_branches": self.K_branches}

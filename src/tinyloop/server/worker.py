@@ -2,7 +2,7 @@
 
 The HTTP side talks to it through three calls:
 
-    handle = worker.submit(prompt_ids, params, n=1)  # validated already; raises APIError 503/429
+    handle = worker.submit(plan)                     # an Engine.plan (checked); raises APIError 503/429
     item = await handle.next(timeout)                # StreamEvent | Exception; None once finished
     handle.abort()                                   # client went away: stop and free its KV pages
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..engine import Engine, SamplingParams, StreamEvent
+from ..engine import Engine, RequestPlan, StreamEvent
 from ..engine.serving import BatchEngine, Request
 from ..errors import ValidationError
 from .errors import APIError
@@ -39,8 +39,7 @@ _ids = itertools.count(1)
 
 @dataclass
 class RequestHandle:
-    prompt_ids: list[int]
-    params: SamplingParams
+    plan: RequestPlan
     loop: asyncio.AbstractEventLoop
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
@@ -48,7 +47,6 @@ class RequestHandle:
     got_token: bool = False
     _events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _abort: threading.Event = field(default_factory=threading.Event)
-    n: int = 1                   # choices to generate (siblings share the prompt's prefill)
     timeout_s: float | None = None
     finished: bool = False       # the HTTP side has read the end of the request's events
     delivered: bool = False      # the HTTP side has handed the final result to its client
@@ -156,9 +154,8 @@ class EngineWorker:
         raise APIError(503, f"the engine is not loaded: {self.error}", code="model_not_loaded")
 
     # -- the HTTP side's interface ----------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, n: int = 1,
-               timeout_s: float | None = None) -> RequestHandle:
-        """Queue a validated request. Must be called from the event loop that will read the handle."""
+    def submit(self, plan: RequestPlan, *, timeout_s: float | None = None) -> RequestHandle:
+        """Queue a planned request (`Engine.plan`). Must be called from the event loop that will read the handle."""
         self.require_engine()
         if self._closing:
             raise APIError(503, "the server is shutting down; retry on another instance",
@@ -171,7 +168,7 @@ class EngineWorker:
         self.metrics.queue_depth.set(self._waiting)
         if timeout_s is None and self.settings.request_timeout_s > 0:
             timeout_s = self.settings.request_timeout_s
-        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), n=n, timeout_s=timeout_s)
+        handle = RequestHandle(plan, asyncio.get_running_loop(), timeout_s=timeout_s)
         self._inbox.put(handle)
         return handle
 
@@ -227,8 +224,7 @@ class EngineWorker:
             m.aborted.inc()
             return
         try:
-            req = self.batch.add(handle.prompt_ids, handle.params, self._emitter(handle), n=handle.n,
-                                 timeout_s=handle.timeout_s, on_admit=lambda: self._started(handle))
+            req = self.batch.add(handle.plan, self._emitter(handle), timeout_s=handle.timeout_s, on_admit=lambda: self._started(handle))
         except Exception as exc:  # noqa: BLE001 - reported to the request
             self._dequeued()
             m.failed.inc()
@@ -251,7 +247,7 @@ class EngineWorker:
                     m.generated_tokens.inc(stats.get("completion_tokens", 0))
                     m.generations.labels(item.finish_reason).inc()
                     if item.index == 0:
-                        m.prompt_tokens.inc(stats.get("prompt_tokens", len(handle.prompt_ids)))
+                        m.prompt_tokens.inc(stats.get("prompt_tokens", handle.plan.n_prompt))
             elif isinstance(item, BaseException):
                 if not isinstance(item, (NotImplementedError, ValidationError, APIError)):
                     log.error("request %d failed in the engine: %s", handle.id, item)
@@ -319,27 +315,17 @@ class EngineWorker:
 
 
 def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
-    """Load the model file and pick the KV format: the requested one if the engine supports it.
+    """`Engine.load` (the one loader) with the KV format the settings ask for, if the engine supports it.
 
-    Returns (engine, warnings). A KV mode the engine or its cache rejects is reported and fp16 is used."""
-    from ..engine.generate import new_cache
-    from ..modelfile import load_model
-
-    from ..model.fast import prepare_for_decode
-
-    from ..engine.engine import attach_draft_exit_file
-
-    loaded = load_model(settings.model_path)
-    prepare_for_decode(loaded.model)  # fused projections, fp16 FBGEMM for 16-bit weights (docs/decode.md)
-    attach_draft_exit_file(loaded, settings.draft_exit)  # speculative drafts through trained exits
+    Returns (engine, warnings). A KV mode the engine rejects is reported and fp16 is used; the model is
+    loaded once (in fp16 KV) and re-wrapped for the requested format."""
+    engine = Engine.load(settings.model_path, max_seq_len=settings.max_seq_len, kv_format="fp16",
+                         draft_exit=settings.draft_exit)
     kv = settings.kv_cache_mode
-    if kv != "fp16":
-        try:
-            engine = Engine(loaded, max_seq_len=settings.max_seq_len, kv_format=kv)
-            new_cache(loaded.model, 1, 1, 0, kv_format=kv)  # the cache is where a format is finally built
-            return engine, []
-        except Exception as exc:  # noqa: BLE001 - ValidationError / CacheError / an unknown format
-            msg = getattr(exc, "message", None) or str(exc)
-            warning = f"KV cache mode {kv!r} was requested but the engine rejected it ({msg}); serving with 'fp16'"
-            return Engine(loaded, max_seq_len=settings.max_seq_len, kv_format="fp16"), [warning]
-    return Engine(loaded, max_seq_len=settings.max_seq_len, kv_format=kv), []
+    if kv == "fp16":
+        return engine, []
+    try:
+        return Engine(engine.loaded, max_seq_len=settings.max_seq_len, kv_format=kv), []
+    except ValidationError as exc:
+        warning = f"KV cache mode {kv!r} was requested but the engine rejected it ({exc.message}); serving with 'fp16'"
+        return engine, [warning]

@@ -15,42 +15,8 @@ import torch
 from ..modelfile import load_model, make_header, write_model
 from ..quant.formats import load_quantized
 from ..quant.packing import QuantError
-from ..tokenizer import Tokenizer
+from ..train.data import read_calibration  # noqa: F401 - re-exported: calibration windows are training data
 from .gptq import QuantSpec, format_report, quantize_model
-
-
-def read_calibration(paths: str | Path | list[str | Path], tokenizer: Tokenizer, n_tokens: int, seq_len: int,
-                     seed: int = 0, val_fraction: float = 0.0, held_out: bool = False) -> torch.Tensor:
-    """(n_tokens // seq_len, seq_len) token windows at seeded random offsets of text files (.txt or .txt.gz).
-
-    Windows are spread evenly over the files. With `val_fraction` > 0 only the part of each file that
-    `tinyloop train` trains on is read (its last `val_fraction`, cut at a line break, is left out), so a
-    model calibrated this way is still scored on text it never saw; `held_out=True` reads that last part
-    instead (evaluation windows).
-    """
-    from ..train.data import read_text, split_text
-
-    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
-    if not paths:
-        raise QuantError("no calibration file given")
-    if not 0.0 <= val_fraction < 1.0 or (held_out and val_fraction == 0.0):
-        raise QuantError(f"calibration val_fraction must be in [0, 1) (> 0 for held-out windows), got {val_fraction}")
-    n_seq = max(1, n_tokens // seq_len)
-    g = torch.Generator().manual_seed(seed)
-    windows = []
-    for i, path in enumerate(paths):
-        if not path.exists():
-            raise QuantError(f"calibration file {path} does not exist")
-        text = read_text(path)
-        if val_fraction > 0:
-            text = split_text(text, val_fraction)[1 if held_out else 0]
-        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-        if len(ids) < seq_len + 1:
-            raise QuantError(f"calibration file {path} has {len(ids)} tokens; need at least {seq_len + 1}")
-        n_here = n_seq // len(paths) + (1 if i < n_seq % len(paths) else 0)
-        starts = torch.randint(0, len(ids) - seq_len, (n_here,), generator=g)
-        windows += [ids[s:s + seq_len] for s in starts.tolist()]
-    return torch.stack(windows)  # (N, T)
 
 
 def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any], dtype: torch.dtype,

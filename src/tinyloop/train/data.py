@@ -2,7 +2,8 @@
 
 Each input file is split by characters: the last `val_fraction` of it (cut at a line break) is
 validation text that training never sees. Token arrays are cached under `cache_dir`, keyed by the
-files' contents and the split, so a resumed or repeated run tokenizes nothing.
+files' contents and the split, so a resumed or repeated run tokenizes nothing. `read_calibration`
+draws token windows from the training part (GPTQ calibration, draft-exit training) or the held-out part.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ..quant.packing import QuantError
 from ..tokenizer import Tokenizer
 
 
@@ -30,6 +33,38 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     nl = text.rfind("\n", 0, cut)
     cut = nl + 1 if nl > 0 else cut
     return text[:cut], text[cut:]
+
+
+def read_calibration(paths: str | Path | list[str | Path], tokenizer: Tokenizer, n_tokens: int, seq_len: int,
+                     seed: int = 0, val_fraction: float = 0.0, held_out: bool = False) -> torch.Tensor:
+    """(n_tokens // seq_len, seq_len) token windows at seeded random offsets of text files (.txt or .txt.gz).
+
+    Windows are spread evenly over the files. With `val_fraction` > 0 only the part of each file that
+    `tinyloop train` trains on is read (its last `val_fraction`, cut at a line break, is left out), so a
+    model calibrated this way is still scored on text it never saw; `held_out=True` reads that last part
+    instead (evaluation windows).
+    """
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    if not paths:
+        raise QuantError("no calibration file given")
+    if not 0.0 <= val_fraction < 1.0 or (held_out and val_fraction == 0.0):
+        raise QuantError(f"calibration val_fraction must be in [0, 1) (> 0 for held-out windows), got {val_fraction}")
+    n_seq = max(1, n_tokens // seq_len)
+    g = torch.Generator().manual_seed(seed)
+    windows = []
+    for i, path in enumerate(paths):
+        if not path.exists():
+            raise QuantError(f"calibration file {path} does not exist")
+        text = read_text(path)
+        if val_fraction > 0:
+            text = split_text(text, val_fraction)[1 if held_out else 0]
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        if len(ids) < seq_len + 1:
+            raise QuantError(f"calibration file {path} has {len(ids)} tokens; need at least {seq_len + 1}")
+        n_here = n_seq // len(paths) + (1 if i < n_seq % len(paths) else 0)
+        starts = torch.randint(0, len(ids) - seq_len, (n_here,), generator=g)
+        windows += [ids[s:s + seq_len] for s in starts.tolist()]
+    return torch.stack(windows)  # (N, T)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..engine.draft_vocab import frequency_ranking
 from ..modelfile import load_model
 from ..model.draft_exit import DraftExit, write_draft_exits
+from .data import read_calibration
 
 DEFAULT_DRAFT_LOOPS = (1, 2, 4)
 
@@ -87,8 +88,6 @@ def train_draft_exits(model_path: str | Path, files: list[str | Path], out: str 
                       val_tokens: int = 16_384, val_fraction: float = 0.01, draft_vocab: int = 4096,
                       seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train one exit per d in `draft_loops` for the model file at `model_path` and write them to `out`."""
-    from ..tools.quantize import read_calibration
-
     loaded = load_model(model_path, dtype=torch.float32)
     model, cfg = loaded.model.eval(), loaded.model.cfg
     for p in model.parameters():

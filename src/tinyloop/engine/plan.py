@@ -1,0 +1,76 @@
+"""One request plan: every knob of a request resolved once, before it is queued.
+
+`plan_request` runs every check (SamplingParams' ranges against the model's limits, `n`, the context
+length) and resolves the defaults that depend on the model (`loops` -> its `default_loops`). Everything
+downstream (the engine, the scheduler's page count) reads the plan instead of re-deriving it. Pure: no
+torch, no model, only the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..errors import ValidationError
+from .params import SamplingParams
+
+MAX_N = 8  # choices per request
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams        # validated
+    n: int                        # choices, 1..MAX_N
+    loops: int                    # depth of the output distribution: loops, or verify_loops when speculative
+    draft_loops: int | None       # speculative modes only
+    draft_ahead: int              # tokens drafted per round (0 for plain generation)
+    k_branches: int               # draft tree branching; 1 unless tree_speculative
+    window: int                   # params.cache_window (0: full context)
+    max_positions: int            # positions the sequence can reach (see plan_request)
+
+    @property
+    def mode(self) -> str:
+        return self.params.mode
+
+    @property
+    def speculative(self) -> bool:
+        return self.params.mode != "generate"
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def blocks(self, page_size: int) -> int:
+        """KV pages (of `page_size` positions) one sequence of this request needs at its longest."""
+        return -(-self.max_positions // page_size)
+
+
+def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig, *, max_seq_len: int,
+                 n: int = 1) -> RequestPlan:
+    """Check a request against the model and resolve its defaults. Raises ValidationError naming the field.
+
+    `max_seq_len` is the context limit the engine serves (the model's, or lower). `max_positions` is
+    prompt + max_tokens, plus for the speculative modes room for one draft tree past the last accepted
+    token (k_branches * draft_ahead + 1 positions)."""
+    params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
+    if not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
+    need = len(prompt_ids) + params.max_tokens
+    if need > max_seq_len:
+        raise ValidationError(
+            f"prompt_tokens ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {need} exceeds the "
+            f"context length {max_seq_len}; shorten the prompt or lower max_tokens",
+            param="max_tokens", code="context_length_exceeded")
+    speculative = params.mode != "generate"
+    k_branches = params.k_branches if params.mode == "tree_speculative" else 1
+    draft_ahead = params.draft_ahead if speculative else 0
+    max_positions = need + (k_branches * draft_ahead + 1 if speculative else 0)
+    return RequestPlan(
+        prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
+        draft_loops=params.draft_loops if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
+        window=params.cache_window, max_positions=max_positions)

@@ -1,0 +1,107 @@
+"""The layer above the engine core: token ids -> text events (detokenizer, stop strings, stats).
+
+The core (`engine.serving.BatchEngine`) works on token ids only. For each output it feeds every new token
+to an output stream and asks it whether the output is over; the stream decides what the caller sees.
+`TokenStream` is the ids-only stream (stop token ids and EOS); `TextStream` adds the streaming
+detokenizer and stop strings, for the Python API, the CLI and the server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..stops import StopMatcher
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]           # tokens this event accounts for (empty on the final event)
+    text: str                      # whole UTF-8 characters, stop text removed, may be ""
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # on the final event only
+    index: int = 0                 # which of the request's `n` choices this event belongs to
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats["prompt_tokens"]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.stats["completion_tokens"]
+
+
+class TokenStream:
+    """Token ids -> events for one output, without text: stop ids (and EOS unless ignored), counts, stats.
+
+    `feed(tok)` returns the event for one token (None when the token is a stop id: it is not shown) and
+    sets `stopped` once the output is over; `close()` gives the final event."""
+
+    def __init__(self, plan, eos_token_id: int, t0: float, index: int = 0):
+        params = plan.params
+        self.params, self.n_prompt, self.loops_used, self.t0, self.index = params, plan.n_prompt, plan.loops, t0, index
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.add(eos_token_id)
+        self.n = 0
+        self.ttft: float | None = None
+        self.stopped = False
+
+    def _text(self, tok: int) -> str:
+        return ""
+
+    def _tail(self) -> str:
+        return ""
+
+    def feed(self, tok: int) -> StreamEvent | None:
+        self.n += 1
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        if tok in self.stop_ids:
+            self.stopped = True
+            return None
+        return StreamEvent([tok], self._text(tok), index=self.index)
+
+    def close(self, run_stats: dict[str, Any] | None = None, finish_reason: str | None = None) -> StreamEvent:
+        """The final event: the held-back text, finish_reason ("stop" or "length" unless given) and stats."""
+        tail = self._tail()
+        wall = time.perf_counter() - self.t0
+        stats = {
+            "wall_ms": round(wall * 1000, 2),
+            "tokens_per_second": round(self.n / wall, 2) if wall > 0 else 0.0,
+            "time_to_first_token_ms": round((self.ttft or wall) * 1000, 2),
+            "prompt_tokens": self.n_prompt,
+            "completion_tokens": self.n,
+            "mode": self.params.mode,
+            "loops_used": self.loops_used,
+            **(run_stats or {}),
+        }
+        reason = finish_reason or ("stop" if self.stopped else "length")
+        return StreamEvent([], tail, reason, stats, index=self.index)
+
+
+class TextStream(TokenStream):
+    """`TokenStream` plus text: a streaming detokenizer (whole UTF-8 characters) and stop strings, matched
+    on decoded text across token boundaries and never returned."""
+
+    def __init__(self, tokenizer, plan, eos_token_id: int, t0: float, index: int = 0):
+        super().__init__(plan, eos_token_id, t0, index)
+        self.detok = tokenizer.detokenizer()
+        self.stops = StopMatcher(plan.params.stop)
+
+    def _text(self, tok: int) -> str:
+        text = self.stops.feed(self.detok.add(tok))
+        self.stopped = self.stops.stopped
+        return text
+
+    def _tail(self) -> str:
+        return "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()

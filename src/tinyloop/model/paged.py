@@ -1,0 +1,265 @@
+"""The paged KV pool and the batched step over it: the serving side of the model's one forward.
+
+`PagedKV` is the pool: keys and values of every page, `(n_pages, page_size, Hkv, D)`, stored by
+`quant.kv.KVTensor` (float, or int8/int4/int4-h codes) exactly as the contiguous `KVCache` stores them.
+A sequence's pages form a block table `(blocks, slots)`: page `table[b, s]` holds positions
+`b*page_size .. (b+1)*page_size - 1` of cache slot `s` (`cache.SlotLayout`).
+
+A step runs many sequences' rows through `LoopedTransformer.run` at once, packed into one `(1, N, dim)`
+row block, so every linear layer reads its weights once for the whole batch. Each sequence contributes a
+`Rows`: its tokens (or, to continue a draft, its states after some loop), the loops to run, the
+read-out, and where its keys go. `PagedStep` is the step context the model's attention calls: it stores
+each row's new keys in its sequence's pages and attends over that sequence's own pages, the one-token
+rows of many sequences together in one padded call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from ..quant.kv import KVTensor, bytes_per_vector
+from .cache import SlotLayout, check_kv_format
+from .layers import build_mask, grouped_sdpa, rope_tables
+
+
+class PagedKV:
+    """The KV pool: fixed-size pages of keys and values, any sequence, any slot."""
+
+    def __init__(self, cfg: ModelConfig, n_pages: int, page_size: int, kv_format: str = "fp16",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        check_kv_format(cfg, kv_format)
+        self.cfg, self.kv_format, self.page_size, self.n_pages, self.dtype = cfg, kv_format, page_size, n_pages, dtype
+        shape = (n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = KVTensor(shape, kv_format, dtype, device)
+        self.v = KVTensor(shape, kv_format, dtype, device)
+
+    @staticmethod
+    def page_bytes(cfg: ModelConfig, page_size: int, kv_format: str, dtype: torch.dtype) -> int:
+        elt = torch.tensor([], dtype=dtype).element_size()
+        return 2 * page_size * cfg.n_kv_heads * bytes_per_vector(cfg.head_dim, kv_format, elt)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        self.k.copy(src, dst)
+        self.v.copy(src, dst)
+
+    def copy_positions(self, table: torch.Tensor, src: list[int], dst_start: int) -> None:
+        """In every slot of one sequence (`table` (blocks, slots)), the entries at storage indices `src`
+        move to dst_start, dst_start+1, ... (tree speculation's compaction of an accepted path)."""
+        ps = self.page_size
+        s = torch.tensor(src)
+        d = torch.arange(dst_start, dst_start + len(src))
+        src_idx = (table[s // ps].T, (s % ps).expand(table.shape[1], -1))     # (slots, n) each
+        dst_idx = (table[d // ps].T, (d % ps).expand(table.shape[1], -1))
+        self.k.copy(src_idx, dst_idx)
+        self.v.copy(src_idx, dst_idx)
+
+
+@dataclass(eq=False)
+class Rows:
+    """One sequence's rows in a step, and what the model does with them.
+
+    Storage: the rows' keys go to storage indices start .. start+n-1 of the sequence's pages (`table`);
+    they attend to every key below (window permitting), causally among themselves, or as `tree_mask`
+    (n, S) says over the last S keys (uncommitted tree nodes at `tree_key_positions`). `positions`
+    (n,) are the rows' real positions (RoPE, window); by default start .. start+n-1.
+
+    Program: core loops `first_loop .. last_loop - 1`. Rows with `first_loop == 0` start from `tokens`
+    (embedding and prelude); others continue from `state` = (e, h), each (n, dim): the prelude output and
+    the state after loop first_loop - 1 (a draft's). Then `readout`: "coda" (the model's coda), a
+    (blocks module, slots) pair such as a draft exit, or None. `capture`: keep (e, h) after the last loop
+    (`out.state`). The step's results are in `out`: `hidden` (n, dim) after the read-out, `state`.
+    """
+
+    table: torch.Tensor
+    start: int
+    n: int
+    last_loop: int
+    tokens: list[int] | None = None
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+    first_loop: int = 0
+    readout: Any = "coda"
+    capture: bool = False
+    positions: torch.Tensor | None = None
+    window: int = 0
+    tree_mask: torch.Tensor | None = None
+    tree_key_positions: torch.Tensor | None = None
+    tag: Any = None                       # the caller's (which sequence, which pass)
+    # filled by the step
+    row0: int = 0
+    hidden: torch.Tensor | None = None
+    out_state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self):
+        if self.positions is None:
+            self.positions = torch.arange(self.start, self.start + self.n)
+        if (self.tokens is None) == (self.state is None):
+            raise ValueError("a Rows starts from tokens or from a state, not both or neither")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    @property
+    def decode_like(self) -> bool:
+        """One causal row: attended together with the step's other such rows."""
+        return self.n == 1 and self.tree_mask is None
+
+
+class _DecodeGroup:
+    """The view's one-row sequences, attended together in one padded SDPA call per layer."""
+
+    def __init__(self, rows: list[Rows], local_row0: list[int], page_size: int, device):
+        B = len(rows)
+        n_blocks = max(-(-r.end // page_size) for r in rows)          # only blocks some query can see
+        n_slots = max(r.table.shape[1] for r in rows)
+        table = torch.zeros(B, n_blocks, n_slots, dtype=torch.long, device=device)
+        for i, r in enumerate(rows):
+            nb = min(n_blocks, r.table.shape[0])
+            table[i, :nb, :r.table.shape[1]] = r.table[:nb]
+        self.table = table
+        self.rows = torch.tensor(local_row0, device=device)
+        start = torch.tensor([r.start for r in rows], device=device)
+        pos = torch.cat([r.positions for r in rows]).to(device)
+        self.blk, self.off, self.arange = start // page_size, start % page_size, torch.arange(B, device=device)
+        key_idx = torch.arange(n_blocks * page_size, device=device)
+        allowed = key_idx[None, :] <= start[:, None]                      # storage index == position here
+        win = torch.tensor([r.window for r in rows], device=device)
+        allowed &= (win[:, None] == 0) | (key_idx[None, :] > pos[:, None] - win[:, None])
+        self.mask = allowed[:, None, None, :]                             # (B, 1, 1, L)
+
+
+class PagedView:
+    """The step context for a subset of a step's sequences (those taking part in one phase: the prelude,
+    loop r, a read-out). Row i of the model's (1, n, dim) input is row `rows[i]` of the step."""
+
+    def __init__(self, step: "PagedStep", members: list[Rows]):
+        self.kv, self.slots = step.kv, step.slots
+        self.members = members
+        ps, dev = step.kv.page_size, step.device
+        self.local: list[int] = []
+        idx, r0 = [], 0
+        for m in members:
+            self.local.append(r0)
+            idx.append(torch.arange(m.row0, m.row0 + m.n))
+            r0 += m.n
+        self.n = r0
+        first, last = members[0].row0, members[-1].row0 + members[-1].n
+        self.span = (first, last) if last - first == r0 else None      # contiguous rows: slice, not gather
+        self.rows = None if self.span else torch.cat(idx).to(dev)
+        self._rope = step.rope_rows(self)
+        dec = [i for i, m in enumerate(members) if m.decode_like]
+        self.dec = _DecodeGroup([members[i] for i in dec], [self.local[i] for i in dec], ps, dev) \
+            if len(dec) > 1 else None
+        self.dec_members = set(dec) if self.dec is not None else set()
+        self._masks: dict[int, torch.Tensor | None] = {}
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This view's rows of a (1, N, .) step tensor."""
+        if self.span is not None:
+            a, b = self.span
+            return x if (a, b) == (0, x.shape[1]) else x[:, a:b]
+        return x[:, self.rows]
+
+    def put(self, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """x with this view's rows replaced by `part` (in place where possible)."""
+        if self.span is not None:
+            a, b = self.span
+            if (a, b) == (0, x.shape[1]):
+                return part
+            x[:, a:b] = part
+            return x
+        x[:, self.rows] = part
+        return x
+
+    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rope
+
+    def _mask(self, i: int, m: Rows) -> torch.Tensor | None:
+        if i not in self._masks:
+            if m.n == 1 and m.window == 0 and m.tree_mask is None:
+                mask = None
+            else:
+                key_pos = torch.arange(m.end, device=m.positions.device)
+                mask = build_mask(m.positions, key_pos, m.window, m.tree_mask, m.tree_key_positions)
+            self._masks[i] = mask
+        return self._masks[i]
+
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D)."""
+        q, k, v = q[0], k[0], v[0]
+        n, H, D = q.shape
+        adt = torch.promote_types(q.dtype, torch.float32)
+        out = torch.empty(n, H, D, dtype=adt, device=q.device)
+        ps = self.kv.page_size
+        grp = self.dec
+        # every row's keys first, then the reads: rows of one sequence in one step (a draft exit's
+        # catch-up row and the next draft row) see each other as a batched causal step would
+        if grp is not None:
+            table = grp.table[:, :, slot]                                        # (G, blocks)
+            wpages = table[grp.arange, grp.blk]
+            self.kv.k.write((wpages, grp.off), k[grp.rows])
+            self.kv.v.write((wpages, grp.off), v[grp.rows])
+        spans = []
+        for i, m in enumerate(self.members):
+            if i in self.dec_members:
+                continue
+            a = self.local[i]
+            idx = torch.arange(m.start, m.end)
+            pages = m.table[idx // ps, slot]
+            self.kv.k.write((pages, idx % ps), k[a:a + m.n])
+            self.kv.v.write((pages, idx % ps), v[a:a + m.n])
+            spans.append((i, m, a))
+        if grp is not None:
+            G, nb = table.shape
+            K = self.kv.k.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)   # (G, Hkv, L, D)
+            V = self.kv.v.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)
+            qs = q[grp.rows].to(adt)[:, :, None]                                # (G, H, 1, D)
+            out[grp.rows] = grouped_sdpa(qs, K, V, grp.mask)[:, :, 0]
+        for i, m, a in spans:
+            nb = -(-m.end // ps)
+            K = self.kv.k.read(m.table[:nb, slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+            V = self.kv.v.read(m.table[:nb, slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+            qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
+            out[a:a + m.n] = grouped_sdpa(qs, K, V, self._mask(i, m))[0].transpose(0, 1)
+        return out[None]
+
+
+class PagedStep:
+    """A step over the pool: the sequences' `Rows` in row order, their RoPE tables, and one cached
+    `PagedView` per distinct subset of sequences the model asks for."""
+
+    def __init__(self, kv: PagedKV, rows: list[Rows], rotary, dtype: torch.dtype, device):
+        self.kv, self.rows, self.device = kv, rows, device
+        self.slots = SlotLayout(kv.cfg, kv.cfg.max_loops)   # prelude, coda and core slots are the same at any depth
+        r0 = 0
+        for r in rows:
+            r.row0 = r0
+            r0 += r.n
+        self.n = r0
+        positions = torch.cat([r.positions for r in rows]).to(device)
+        self._rope = rope_tables(*rotary.cos_sin(positions, dtype))              # (N, 1, D) each
+        self._views: dict[tuple[int, ...], PagedView] = {}
+
+    def rope_rows(self, view: PagedView) -> tuple[torch.Tensor, torch.Tensor]:
+        if view.span is not None:
+            a, b = view.span
+            return self._rope if (a, b) == (0, self.n) else (self._rope[0][a:b], self._rope[1][a:b])
+        return self._rope[0][view.rows], self._rope[1][view.rows]
+
+    def view(self, members: list[Rows]) -> PagedView:
+        key = tuple(id(m) for m in members)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = PagedView(self, members)
+        return v
