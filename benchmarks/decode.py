@@ -9,8 +9,9 @@ For each model (random weights, `tinyloop.model.build_model`) and weight dtype, 
             bytes per weight of that format) over the read bandwidth measured here, in this run, by summing a
             1 GiB tensor.
 
-Every figure is tokens/s of `engine.generate.decode_step` after an 8-token prefill, timed over
-`--tokens` steps after 2 warm-up steps. Run on an otherwise idle machine:
+Every figure is tokens/s of one request's decode steps on the engine core (`BatchEngine.step`, the path
+the server and `Engine.generate` use: scheduling, the batched forward over the paged pool, sampling)
+after an 8-token prefill, timed over `--tokens` steps after 2 warm-up steps. Run on an otherwise idle machine:
 
     .venv/bin/python benchmarks/decode.py            # table + benchmarks/results/decode.json
 """
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 
 from tinyloop.config import ModelConfig, preset
-from tinyloop.engine.generate import decode_step, new_cache, prefill
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.modelfile import LoadedModel
 from tinyloop.model import build_model
 from tinyloop.model.fast import prepare_for_decode
 
@@ -71,17 +73,18 @@ def weight_bytes_per_token(cfg: ModelConfig, loops: int, bytes_per_weight: int) 
 
 @torch.inference_mode()
 def decode_rate(model, loops: int, tokens: int, warmup: int = 2) -> dict:
-    cache = new_cache(model, len(PROMPT) + warmup + tokens + 1, loops, 0)
-    prefill(model, PROMPT, cache, loops)
-    tok = 262
-    for _ in range(warmup):
-        decode_step(model, tok, cache, loops)
+    engine = Engine(LoadedModel(model, None, {}, None))
+    plan = engine.plan(PROMPT, SamplingParams(max_tokens=warmup + tokens + 2, loops=loops, ignore_eos=True))
+    core = engine.core(plan)
+    req = core.add(plan, lambda ev: None)
+    for _ in range(1 + warmup):  # prefill (and the first token), then warm-up steps
+        core.step()
     times = []
     for _ in range(tokens):
         t = time.perf_counter()
-        decode_step(model, tok, cache, loops)
+        core.step()
         times.append(time.perf_counter() - t)
-    del cache
+    core.abort(req)
     return {"tok_s": len(times) / sum(times), "median_ms": 1000 * statistics.median(times)}
 
 

@@ -24,7 +24,7 @@ from speculative import PROMPTS  # noqa: E402
 
 from tinyloop.engine import Engine  # noqa: E402
 from tinyloop.engine.params import SamplingParams  # noqa: E402
-from tinyloop.engine.speculative import speculative_ids  # noqa: E402
+from tinyloop.engine.serving import run_ids  # noqa: E402
 from tinyloop.train.data import read_text, split_text  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                     st: dict = {}
                     p = SamplingParams(max_tokens=args.tokens, verify_loops=8, mode="speculative", draft_loops=d,
                                        draft_ahead=k, ignore_eos=True)
-                    list(speculative_ids(eng.model, ids, p, None, st, draft_exit=flag))
+                    run_ids(eng, ids, p, stats=st, draft_exit=flag)
                     rounds += st["rounds"]
                     emitted += st["accepted_tokens"] + st["rounds"]  # each round: its accepted drafts + 1
                     accepted += st["accepted_tokens"]

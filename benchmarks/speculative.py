@@ -33,9 +33,11 @@ from pathlib import Path
 
 import torch
 
-from tinyloop.engine.generate import generate_ids
+from tinyloop.engine import Engine
 from tinyloop.engine.params import SamplingParams
-from tinyloop.engine.speculative import DRAFT_STOP, DRAFT_VOCAB, speculative_ids
+from tinyloop.engine.serving import run_ids
+from tinyloop.engine.speculative import DRAFT_STOP, DRAFT_VOCAB
+from tinyloop.modelfile import LoadedModel
 from tinyloop.model.layers import StepContext
 
 PROMPTS = [
@@ -72,15 +74,13 @@ def load(args):
 
 
 def run(model, prompts, params, **kw):
-    """(tokens per prompt, seconds, stats summed over prompts)."""
+    """(tokens per prompt, seconds, stats summed over prompts): each prompt alone on the engine core."""
+    engine = Engine(LoadedModel(model, None, {}, None))
     outs, total, stats = [], 0.0, {"cpu_s": 0.0}
     for ids in prompts:
         st: dict = {}
         t0, c0 = time.perf_counter(), time.process_time()
-        if params.mode == "generate":
-            out = list(generate_ids(model, ids, params))
-        else:
-            out = list(speculative_ids(model, ids, params, None, st, **kw))
+        out = run_ids(engine, ids, params, stats=st, **kw)
         total += time.perf_counter() - t0
         stats["cpu_s"] += time.process_time() - c0
         outs.append(out)

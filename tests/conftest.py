@@ -66,17 +66,48 @@ def core_ids(model, prompt: list[int], params, stats: dict | None = None, kv_for
     """One request through the engine core (a batch of one) on a bare model: its token ids (stop ids
     included, as `reference_ids` does); `stats` gets the final event's stats."""
     from tinyloop.engine import Engine
-    from tinyloop.engine.serving import BatchEngine, run_to_completion
+    from tinyloop.engine.serving import run_ids
 
     engine = Engine(LoadedModel(model, None, {}, None), kv_format=kv_format)
-    params = params.replace(ignore_eos=True)
-    probe = BatchEngine(engine, kv_pool_bytes=1, speculation=speculation)
-    pool = probe.pages_needed(engine.plan(prompt, params)) * probe.page_bytes
-    events = run_to_completion(BatchEngine(engine, max_num_seqs=4, kv_pool_bytes=pool, speculation=speculation),
-                               [(prompt, params)])[0]
-    if stats is not None:
-        stats.update(events[-1].stats)
-    return [t for e in events for t in e.token_ids]
+    return run_ids(engine, prompt, params.replace(ignore_eos=True), stats=stats, **speculation)
+
+
+def drive(model, kv, gen):
+    """Run a speculator's pass generator alone (each pass as a step of its own); its return value."""
+    from tinyloop.model.paged import PagedStep, Rows
+
+    dtype = model.act_dtype or model.embed.weight.dtype
+    with torch.inference_mode():
+        try:
+            item = next(gen)
+            while True:
+                if isinstance(item, Rows):
+                    model.run(PagedStep(kv, [item], model.rotary, dtype, "cpu"))
+                item = next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def standalone(model, prompt, params, page_size=4, **kw):
+    """A Speculator on a pool of its own: (speculator, pool)."""
+    from tinyloop.engine.plan import plan_request
+    from tinyloop.engine.sampling import Sampler
+    from tinyloop.engine.speculative import Speculator, speculative_layout
+    from tinyloop.model.paged import PagedKV
+
+    plan = plan_request(prompt, params, model.cfg, max_seq_len=model.cfg.max_seq_len)
+    slots = speculative_layout(model, plan, kw.get("draft_exit", True)).n_slots
+    blocks = plan.blocks(page_size)
+    kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=torch.float64)
+    table = torch.arange(blocks * slots).view(blocks, slots)
+    return Speculator(model, plan, Sampler(params, prompt, model.cfg.vocab_size), kv, table, **kw), kv
+
+
+def pool_entries(kv, table, slot, n):
+    """Keys and values of positions 0..n-1 of one slot of a pooled sequence: (n, Hkv, D) each."""
+    pos = torch.arange(n)
+    idx = (table[pos // kv.page_size, slot], pos % kv.page_size)
+    return kv.k.read(idx), kv.v.read(idx)
 
 
 @pytest.fixture(scope="session")

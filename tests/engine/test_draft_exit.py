@@ -8,9 +8,8 @@ from safetensors.torch import save_file
 
 from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.generate import generate_ids
-from tinyloop.engine.sampling import Sampler
-from tinyloop.engine.speculative import Speculator, speculative_ids
+from tinyloop.model import KVCache
+from conftest import core_ids, drive, pool_entries, reference_ids, standalone
 from tinyloop.model.draft_exit import (DraftExit, DraftExitError, attach_draft_exits, draft_exit_path,
                                        read_draft_exits, write_draft_exits)
 from tinyloop.modelfile import ModelFileError, write_model
@@ -35,14 +34,14 @@ def with_exits(model, ds=(1, 2, 3)):
 
 def spec(model, prompt, n, V, stats=None, **kw):
     p = SamplingParams(max_tokens=n, verify_loops=V, **{"mode": "speculative", **kw})
-    return list(speculative_ids(model, prompt, p, None, stats, draft_vocab=None))
+    return core_ids(model, prompt, p, stats, draft_vocab=None)
 
 
 @pytest.mark.parametrize("d,V,k", [(1, 6, 4), (2, 6, 3), (3, 8, 8), (2, 4, 1)])
 def test_greedy_chain_through_exit_equals_generate(tiny64, d, V, k):
     with_exits(tiny64)
     for prompt in PROMPTS[:3]:
-        ref = list(generate_ids(tiny64, prompt, SamplingParams(max_tokens=24, loops=V)))
+        ref = reference_ids(tiny64, prompt, SamplingParams(max_tokens=24, loops=V))
         stats = {}
         assert spec(tiny64, prompt, 24, V, stats, draft_loops=d, draft_ahead=k) == ref
         assert stats["draft_exit"] is True
@@ -52,7 +51,7 @@ def test_greedy_chain_through_exit_equals_generate(tiny64, d, V, k):
 def test_greedy_tree_through_exit_equals_generate(tiny64, K, k):
     with_exits(tiny64)
     for prompt in PROMPTS[:2]:
-        ref = list(generate_ids(tiny64, prompt, SamplingParams(max_tokens=20, loops=6)))
+        ref = reference_ids(tiny64, prompt, SamplingParams(max_tokens=20, loops=6))
         got = spec(tiny64, prompt, 20, 6, mode="tree_speculative", draft_loops=2, draft_ahead=k, k_branches=K)
         assert got == ref
 
@@ -70,7 +69,7 @@ def test_exit_changes_the_drafts_and_can_be_switched_off(tiny64):
         else:
             tiny64.draft_exits = {}
         st = {}
-        list(speculative_ids(tiny64, prompt, p, None, st, draft_vocab=None, draft_exit=flag))
+        core_ids(tiny64, prompt, p, st, draft_vocab=None, draft_exit=flag)
         runs[label] = (st["draft_exit"], st["acceptance_rate"], st["draft_tokens"])
     assert runs["coda"][0] is False and runs["off"][0] is False and runs["other depth"][0] is False
     assert runs["exit"][0] is True
@@ -87,42 +86,44 @@ def test_exit_cache_entries_match_a_full_pass(tiny64, k):
     attach_draft_exits(tiny64, {d: DraftExit.from_model(tiny64)})  # the coda's drafts: some rounds accept all
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=30, verify_loops=V, mode="speculative", draft_loops=d, draft_ahead=k)
-    sp = Speculator(tiny64, prompt, params, Sampler(params, prompt, 512), draft_vocab=None)
+    sp, kv = standalone(tiny64, prompt, params, draft_vocab=None)
     sampler = sp.sampler
-    tok = sampler.sample(sp.prefill(prompt))
+    tok = sampler.sample(drive(tiny64, kv, sp.prefill()))
     sampler.accept(tok)
     sp.pending = tok
     out = [tok]
     full_rounds = 0
     while len(out) < 25:
-        got = sp.round(30 - len(out))
+        got = drive(tiny64, kv, sp.round(30 - len(out)))
         full_rounds += len(got) == min(k, 30 - len(out) - 1) + 1
         out += got
     assert full_rounds > 0 and sp.stats["accepted"] < sp.stats["proposed"]  # both kinds of round happened
     if sp.exit_backlog is not None:  # a deferred entry is written with the next round's first draft
-        sp.round(30 - len(out))
-    L = sp.cache.length
+        drive(tiny64, kv, sp.round(30 - len(out)))
+    L = sp.length
     seq = torch.tensor([(prompt + out)[:L]])
-    ctx = tiny64.context(L)
-    e = tiny64.embed_prelude(seq, ctx)
-    h = tiny64.init_state(e)
-    for r in range(d):
-        h = tiny64.core_loop(h, e, r, ctx)
-    ref_model = tiny64.draft_exits[d]
-    ref_cache = type(sp.cache)(tiny64.cfg, max_positions=L, loops=V, dtype=torch.float64, extra_slots=1)
-    ref_ctx = tiny64.context(L, cache=ref_cache)
-    ref_model.blocks(h, ref_ctx, [ref_cache.slot_extra(0)])
-    slot, ref_slot = sp.exit_slots[0], ref_cache.slot_extra(0)
-    torch.testing.assert_close(sp.cache.k[slot, :, :, :L], ref_cache.k[ref_slot, :, :, :L], rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(sp.cache.v[slot, :, :, :L], ref_cache.v[ref_slot, :, :, :L], rtol=1e-9, atol=1e-9)
+    with torch.inference_mode():
+        ctx = tiny64.context(L)
+        e = tiny64.embed_prelude(seq, ctx)
+        h = tiny64.init_state(e)
+        for r in range(d):
+            h = tiny64.core_loop(h, e, r, ctx)
+        ref_cache = KVCache(tiny64.cfg, max_positions=L, loops=V, dtype=torch.float64, extra_slots=1)
+        tiny64.draft_exits[d].blocks(h, tiny64.context(L, cache=ref_cache), [ref_cache.slot_extra(0)])
+    slot = sp.exit_readout[1][0]
+    assert slot == ref_cache.slot_extra(0)
+    k, v = pool_entries(kv, sp.table, slot, L)
+    at = (slot, 0, slice(None), slice(0, L))
+    torch.testing.assert_close(k, ref_cache.k.read(at).transpose(0, 1), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(v, ref_cache.v.read(at).transpose(0, 1), rtol=1e-9, atol=1e-9)
 
 
 def test_sampling_through_exit_is_seeded_and_complete(tiny64):
     with_exits(tiny64, (2,))
     p = SamplingParams(max_tokens=30, verify_loops=6, mode="speculative", draft_loops=2, draft_ahead=4,
                        temperature=0.9, seed=7)
-    a = list(speculative_ids(tiny64, PROMPTS[0], p, None, None, draft_vocab=None))
-    b = list(speculative_ids(tiny64, PROMPTS[0], p, None, None, draft_vocab=None))
+    a = core_ids(tiny64, PROMPTS[0], p, draft_vocab=None)
+    b = core_ids(tiny64, PROMPTS[0], p, draft_vocab=None)
     assert a == b and len(a) == 30
 
 
@@ -217,11 +218,11 @@ def test_shipped_draft_exits_raise_acceptance(shipped_model_path):
     per_round = {True: [], False: []}
     for text in prompts:
         ids = eng.encode_prompt(text)
-        ref = list(generate_ids(eng.model, ids, SamplingParams(max_tokens=48, loops=8)))
+        ref = reference_ids(eng.model, ids, SamplingParams(max_tokens=48, loops=8))
         for flag in (True, False):
             st = {}
             p = SamplingParams(max_tokens=48, verify_loops=8, mode="speculative", draft_loops=2, draft_ahead=4)
-            assert list(speculative_ids(eng.model, ids, p, None, st, draft_exit=flag)) == ref
+            assert core_ids(eng.model, ids, p, st, draft_exit=flag) == ref
             assert st["draft_exit"] is flag
             per_round[flag].append(st["mean_tokens_per_round"])
     assert sum(per_round[True]) > sum(per_round[False]), per_round

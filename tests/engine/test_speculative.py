@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import core_ids, reference_ids
+from conftest import core_ids, drive, pool_entries, reference_ids, standalone
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.sampling import Sampler
-from tinyloop.engine.speculative import Speculator
 from tinyloop.errors import ValidationError
 from tinyloop.model import KVCache
-from tinyloop.model.paged import PagedKV, PagedStep, Rows
 
 PROMPTS = [[5, 17, 300, 42, 7], [1], [400, 3, 3, 3, 9, 250, 77, 12, 100, 5, 6], [0, 511, 256]]
 
@@ -37,40 +35,6 @@ def spec(model, prompt, n, V, mode="speculative", stats=None, draft_vocab=None, 
          **kw):
     p = SamplingParams(max_tokens=n, mode=mode, verify_loops=V, **kw)
     return core_ids(model, prompt, p, stats, draft_vocab=draft_vocab, draft_stop=draft_stop, fast_head=fast_head)
-
-
-def drive(model, kv, gen):
-    """Run a speculator's pass generator alone (each pass as a step of its own); its return value."""
-    dtype = model.act_dtype or model.embed.weight.dtype
-    with torch.inference_mode():
-        try:
-            item = next(gen)
-            while True:
-                if isinstance(item, Rows):
-                    model.run(PagedStep(kv, [item], model.rotary, dtype, "cpu"))
-                item = next(gen)
-        except StopIteration as stop:
-            return stop.value
-
-
-def standalone(model, prompt, params, page_size=4, **kw):
-    """A Speculator on a pool of its own: (speculator, pool)."""
-    from tinyloop.engine.plan import plan_request
-    from tinyloop.engine.speculative import speculative_layout
-
-    plan = plan_request(prompt, params, model.cfg, max_seq_len=model.cfg.max_seq_len)
-    slots = speculative_layout(model, plan, kw.get("draft_exit", True)).n_slots
-    blocks = plan.blocks(page_size)
-    kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=torch.float64)
-    table = torch.arange(blocks * slots).view(blocks, slots)
-    return Speculator(model, plan, Sampler(params, prompt, model.cfg.vocab_size), kv, table, **kw), kv
-
-
-def pool_entries(kv, table, slot, n):
-    """Keys and values of positions 0..n-1 of one slot of a pooled sequence: (n, Hkv, D) each."""
-    pos = torch.arange(n)
-    idx = (table[pos // kv.page_size, slot], pos % kv.page_size)
-    return kv.k.read(idx), kv.v.read(idx)
 
 
 def test_tiny_model_is_not_degenerate(tiny64):

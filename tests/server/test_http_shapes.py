@@ -226,12 +226,11 @@ def test_keepalive_while_engine_busy(tiny_server, monkeypatch):
 
 
 def test_kv_mode_from_env_is_reported(tiny_model_path):
-    from tinyloop.engine.generate import new_cache
-    from tinyloop.model import build_model
+    from tinyloop.model import KVCache
     from tinyloop.config import preset
 
     try:
-        new_cache(build_model(preset("tiny")), 1, 1, 0, kv_format="int8")
+        KVCache(preset("tiny"), max_positions=1, loops=1, kv_format="int8")
         supported = True
     except Exception:  # noqa: BLE001
         supported = False
@@ -262,11 +261,11 @@ def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
     real = runner.execute
     calls = {"n": 0}
 
-    def failing(chunks, copies=()):  # the batched step fails after two good steps
+    def failing(chunks, copies=(), extra=()):  # the batched step fails after two good steps
         calls["n"] += 1
         if calls["n"] > 2:
             raise RuntimeError("simulated kernel failure")
-        return real(chunks, copies)
+        return real(chunks, copies, extra)
 
     monkeypatch.setattr(runner, "execute", failing)
     e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 5}), 500)

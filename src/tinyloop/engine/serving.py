@@ -327,3 +327,18 @@ def run_to_completion(batch: BatchEngine, items: list[tuple[list[int], Any]], n:
     while batch.has_work:
         batch.step()
     return events
+
+
+def run_ids(engine, prompt_ids: list[int], params, *, stats: dict[str, Any] | None = None,
+            **speculation) -> list[int]:
+    """One request to the end on a core of its own, sized for it (benchmarks, tests): its token ids (a stop
+    id ends the output and is not included); `stats` receives the final event's stats. `speculation`:
+    the `Speculator` options (draft_vocab, draft_stop, fast_head, draft_exit)."""
+    plan = engine.plan(prompt_ids, params)
+    probe = BatchEngine(engine, kv_pool_bytes=1, speculation=speculation)
+    core = BatchEngine(engine, max_num_seqs=1, kv_pool_bytes=probe.pages_needed(plan) * probe.page_bytes,
+                       speculation=speculation)
+    events = run_to_completion(core, [(prompt_ids, params)])[0]
+    if stats is not None:
+        stats.update(events[-1].stats)
+    return [t for e in events for t in e.token_ids]
