@@ -163,6 +163,20 @@ class PagedView:
             if len(dec) > 1 else None
         self.dec_members = set(dec) if self.dec is not None else set()
         self._masks: dict[int, torch.Tensor | None] = {}
+        # per other member, made once for every layer of the step: where its rows' keys go (a page per
+        # slot; python ints for one row, the cheapest index) and the pages its queries read, slot-major
+        self._io = {}
+        for i, m in enumerate(members):
+            if i in self.dec_members:
+                continue
+            nb = -(-m.end // ps)
+            read = m.table[:nb].T.contiguous()                                   # (slots, nb)
+            if m.n == 1:
+                write = (m.table[m.start // ps].tolist(), m.start % ps)
+            else:
+                idx = torch.arange(m.start, m.end, device=dev)
+                write = (m.table[idx // ps].T.contiguous(), idx % ps)             # (slots, n), (n,)
+            self._io[i] = (write, read, nb)
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """This view's rows of a (1, N, .) step tensor."""
@@ -211,25 +225,26 @@ class PagedView:
             self.kv.k.write((wpages, grp.off), k[grp.rows])
             self.kv.v.write((wpages, grp.off), v[grp.rows])
         spans = []
-        for i, m in enumerate(self.members):
-            if i in self.dec_members:
-                continue
-            a = self.local[i]
-            idx = torch.arange(m.start, m.end)
-            pages = m.table[idx // ps, slot]
-            self.kv.k.write((pages, idx % ps), k[a:a + m.n])
-            self.kv.v.write((pages, idx % ps), v[a:a + m.n])
-            spans.append((i, m, a))
+        for i, (write, read, nb) in self._io.items():
+            m, a = self.members[i], self.local[i]
+            if m.n == 1:
+                at = (write[0][slot], write[1])
+                self.kv.k.write(at, k[a])
+                self.kv.v.write(at, v[a])
+            else:
+                at = (write[0][slot], write[1])
+                self.kv.k.write(at, k[a:a + m.n])
+                self.kv.v.write(at, v[a:a + m.n])
+            spans.append((i, m, a, read[slot], nb))
         if grp is not None:
             G, nb = table.shape
             K = self.kv.k.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)   # (G, Hkv, L, D)
             V = self.kv.v.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)
             qs = q[grp.rows].to(adt)[:, :, None]                                # (G, H, 1, D)
             out[grp.rows] = grouped_sdpa(qs, K, V, grp.mask)[:, :, 0]
-        for i, m, a in spans:
-            nb = -(-m.end // ps)
-            K = self.kv.k.read(m.table[:nb, slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
-            V = self.kv.v.read(m.table[:nb, slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+        for i, m, a, pages, nb in spans:
+            K = self.kv.k.read(pages, adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+            V = self.kv.v.read(pages, adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
             out[a:a + m.n] = grouped_sdpa(qs, K, V, self._mask(i, m))[0].transpose(0, 1)
         return out[None]

@@ -114,7 +114,10 @@ class KVTensor:
     def read(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         if self.bits is None:
-            x = self.data[index]
+            if isinstance(index, torch.Tensor) and index.dim() == 1:
+                x = torch.index_select(self.data, 0, index)  # (cheaper than indexing's argument parsing)
+            else:
+                x = self.data[index]
             return x if x.dtype == dtype else x.to(dtype)
         x = dequantize_vectors(self.codes[index], self.scale[index], self.offset[index], self.bits,
                                dtype if self.H is None else self.H.dtype)
