@@ -11,7 +11,6 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import SamplingParams, param_default
-from ..engine.plan import MAX_N
 from ..errors import ValidationError
 
 # Request defaults are SamplingParams' (one place); only where an API's own spec says otherwise (OpenAI's
@@ -133,7 +132,6 @@ class OpenAIRequest(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         self.check_unsupported()
-        self.choices()
         check_timeout(self.timeout_s)
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
@@ -149,10 +147,8 @@ class OpenAIRequest(BaseModel):
         return {}
 
     def choices(self) -> int:
-        n = _or(self.n, 1)
-        if not 1 <= n <= MAX_N:
-            raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
-        return n
+        """`n` as asked (default 1); the request plan checks its range with every other knob."""
+        return _or(self.n, 1)
 
 
 class LMStudioKnobs(BaseModel):
