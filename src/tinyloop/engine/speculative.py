@@ -83,9 +83,7 @@ class DraftHead:
         self.model = model
         self.norm = model.norm if norm is None else norm  # a draft exit brings its own final norm
         vocab = model.cfg.vocab_size
-        weight = model.head_weight.detach()
-        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
-            weight = weight.float()  # 16-bit GEMV is slow on CPU and the draft needs no exactness
+        weight = _draft_head_weight(model)
         self.ids: torch.Tensor | None = None
         if size is None or size <= 0 or size >= vocab:
             self.weight, self.n = weight, vocab
@@ -130,6 +128,24 @@ class DraftHead:
         out = torch.full((vocab,), float("-inf"), dtype=torch.float64, device=lg.device)
         out[self.ids[: self.n]] = lg.double()
         return out
+
+
+_DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
+    """The LM head as drafts read it: 16-bit weights in fp32 on CPU (16-bit GEMV is slow there and the
+    draft needs no exactness). Made once per model (a 50k-row conversion costs tens of ms), rebuilt if
+    the head changes; read only."""
+    w = model.head_weight
+    key = (w.data_ptr(), w._version)
+    cached = _DRAFT_WEIGHTS.get(model)
+    if cached is None or cached[0] != key:
+        weight = w.detach()
+        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
+            weight = weight.float()
+        cached = _DRAFT_WEIGHTS[model] = (key, weight)
+    return cached[1]
 
 
 class ExactArgmax:
