@@ -16,6 +16,7 @@ their first token, `submit` answers 429 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -45,7 +46,8 @@ class RequestHandle:
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when it got into the running batch
     got_token: bool = False
-    _events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _events: collections.deque = field(default_factory=collections.deque)
+    _waiter: asyncio.Future | None = None   # the reader's future while it waits for an event
     _abort: threading.Event = field(default_factory=threading.Event)
     timeout_s: float | None = None
     finished: bool = False       # the HTTP side has read the end of the request's events
@@ -57,21 +59,34 @@ class RequestHandle:
 
         Raises asyncio.TimeoutError when nothing came within `timeout` seconds (the caller may send a
         keepalive and wait again)."""
-        if self.finished and self._events.empty():
+        if self.finished and not self._events:
             return None
-        if not self._events.empty():  # the common case while decoding: no timer, no task
-            item = self._events.get_nowait()
-        else:
-            item = await asyncio.wait_for(self._events.get(), timeout)
+        if not self._events:  # wait on a bare future (no task per event; a timer only with a timeout)
+            fut = self._waiter = self.loop.create_future()
+            timer = None if timeout is None else self.loop.call_later(timeout, _time_out, fut)
+            try:
+                await fut
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        item = self._events.popleft()
         if item is None:
             self.finished = True
         return item
 
+    def _push(self, item: Any) -> None:
+        """(event loop) Queue an item and wake the reader."""
+        self._events.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     def ready_now(self) -> list[StreamEvent | BaseException | None]:
         """Everything already queued, without waiting (lets a stream send several events in one write)."""
         out = []
-        while not self._events.empty():
-            item = self._events.get_nowait()
+        while self._events:
+            item = self._events.popleft()
             out.append(item)
             if item is None:
                 self.finished = True
@@ -90,11 +105,16 @@ class RequestHandle:
         deliver(self.loop, [(self, item)])
 
 
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
 def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Any]]) -> None:
     """Hand events to their handles' queues on `loop`: one thread-safe wake-up for the whole list."""
     def put_all() -> None:
         for handle, item in items:
-            handle._events.put_nowait(item)
+            handle._push(item)
     try:
         loop.call_soon_threadsafe(put_all)
     except RuntimeError:  # event loop closed (server shutting down): nobody is listening
