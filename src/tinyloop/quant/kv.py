@@ -62,6 +62,14 @@ def bytes_per_vector(head_dim: int, kv_format: str, float_bytes: int = 2) -> int
     return head_dim * bits // 8 + 4  # codes + float16 scale + float16 offset
 
 
+def _take(t: torch.Tensor, index) -> torch.Tensor:
+    """t[index]; an index tensor (rows of the first dimension, any shape) goes through index_select, which
+    skips the argument parsing of general indexing (it runs for every layer of every step)."""
+    if isinstance(index, torch.Tensor):
+        return torch.index_select(t, 0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+    return t[index]
+
+
 class KVTensor:
     """Keys (or values) of a KV store, the one storage implementation every cache layout uses.
 
@@ -114,13 +122,10 @@ class KVTensor:
     def read(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         if self.bits is None:
-            if isinstance(index, torch.Tensor) and index.dim() == 1:
-                x = torch.index_select(self.data, 0, index)  # (cheaper than indexing's argument parsing)
-            else:
-                x = self.data[index]
+            x = _take(self.data, index)
             return x if x.dtype == dtype else x.to(dtype)
-        x = dequantize_vectors(self.codes[index], self.scale[index], self.offset[index], self.bits,
-                               dtype if self.H is None else self.H.dtype)
+        x = dequantize_vectors(_take(self.codes, index), _take(self.scale, index), _take(self.offset, index),
+                               self.bits, dtype if self.H is None else self.H.dtype)
         return x if self.H is None else (x @ self.H).to(dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
