@@ -211,6 +211,8 @@ class PagedView:
 
     def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D)."""
+        if len(self.members) == 1:
+            return self._attend_one(slot, q, k, v)
         q, k, v = q[0], k[0], v[0]
         n, H, D = q.shape
         adt = torch.promote_types(q.dtype, torch.float32)
@@ -248,6 +250,22 @@ class PagedView:
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
             out[a:a + m.n] = grouped_sdpa(qs, K, V, self._mask(i, m))[0].transpose(0, 1)
         return out[None]
+
+
+    def _attend_one(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attend` for a view of one sequence (a batch of one, a speculative pass alone): no row bookkeeping."""
+        (write, read, nb), m = self._io[0], self.members[0]
+        at = (write[0][slot], write[1])
+        self.kv.k.write(at, k[0, 0] if m.n == 1 else k[0])
+        self.kv.v.write(at, v[0, 0] if m.n == 1 else v[0])
+        adt = torch.promote_types(q.dtype, torch.float32)
+        ps, D = self.kv.page_size, q.shape[-1]
+        K = self.kv.k.read(read[slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+        V = self.kv.v.read(read[slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+        q = q.transpose(1, 2)
+        if q.dtype != adt:
+            q = q.to(adt)
+        return grouped_sdpa(q, K, V, self._mask(0, m)).transpose(1, 2)             # (1, n, H, D)
 
 
 class PagedStep:
