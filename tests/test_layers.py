@@ -119,3 +119,21 @@ def test_engine_model_quant_never_reach_the_server():
     for low in LOWER:
         chain = reachable(graph, low).get("server")
         assert chain is None, f"{low} reaches the server through {chain}"
+
+
+# The model owns the forward: the engine core builds step metadata and samples; it has no attention,
+# normalisation, MLP, rotary or cache-slot arithmetic of its own (issue 13).
+MODEL_MATH = {"scaled_dot_product_attention", "rms_norm", "layer_norm", "silu", "gelu", "softmax_attention",
+              "apply_rope", "apply_rope_full", "cos_sin", "n_prelude", "n_core", "n_coda", "wqkv", "wq", "wk",
+              "wv", "wo", "w_gate_up", "w_down", "core_loop", "embed_prelude", "run_coda"}
+
+
+def test_the_engine_core_has_no_model_math_of_its_own():
+    found = []
+    for name in ("batch", "serving", "speculative", "scheduler"):
+        path = SRC / "engine" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            ident = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if ident in MODEL_MATH:
+                found.append(f"engine/{name}.py:{node.lineno} {ident}")
+    assert not found, found
