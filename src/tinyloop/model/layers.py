@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -109,6 +110,23 @@ def grouped_sdpa(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.
     return out.reshape(G, H, T, D)
 
 
+class AttentionContext(Protocol):
+    """The one storage protocol: what a step gives the model's blocks. `StepContext` (a contiguous
+    `KVCache`, or no cache) and `paged.PagedView` (the serving pool) implement it.
+
+    slots:       the `cache.SlotLayout` that names each layer's cache slot (None: no cache)
+    rope_full(): the step's rows' rotary tables, each (T, 1, D), for `apply_rope_full`
+    attend(slot, q, k, v): store the rows' new keys/values (k, v: (B, T, Hkv, D)) in `slot`, then return
+                 attention of q (B, T, H, D) over every key each row may see: (B, T, H, D)
+    """
+
+    slots: Any
+
+    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     """Projections, RoPE and the output projection; which keys each query sees (and where new keys are
     stored) is the step context's business: `ctx.attend(slot, q, k, v)`."""
@@ -122,7 +140,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.wqkv: nn.Module | None = None  # set by model.fast.fuse_projections (wq, wk, wv removed)
 
-    def forward(self, x: torch.Tensor, ctx, slot: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None:

@@ -109,11 +109,8 @@ class LoopedTransformer(nn.Module):
 
     # -- whole pass -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,
-                start: int = 0, last_only: bool = False, after_loop=None) -> torch.Tensor:
-        """tokens: (B, T) at positions start..start+T-1 -> logits (B, T or 1, vocab).
-
-        after_loop: optional `f(loop_idx, h, ctx)` called with each loop's output state (speculation
-        uses it to run a draft exit on the loop-d states during prefill)."""
+                start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """tokens: (B, T) at positions start..start+T-1 -> logits (B, T or 1, vocab)."""
         loops = self.cfg.default_loops if loops is None else loops
         if not 1 <= loops <= self.cfg.max_loops:
             raise ValueError(f"loops must be in 1..{self.cfg.max_loops}, got {loops}")
@@ -122,8 +119,7 @@ class LoopedTransformer(nn.Module):
             prev = torch.get_num_threads()
             torch.set_num_threads(n)  # ~0.5 us a switch; prefill keeps every thread
             try:
-                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only,
-                                    after_loop=after_loop)
+                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only)
             finally:
                 torch.set_num_threads(prev)
         ctx = self.context(tokens.shape[1], cache=cache, start=start)
@@ -131,8 +127,6 @@ class LoopedTransformer(nn.Module):
         h = self.init_state(e)
         for r in range(loops):
             h = self.core_loop(h, e, r, ctx)
-            if after_loop is not None:
-                after_loop(r, h, ctx)
         return self.coda_logits(h, ctx, last_only=last_only)
 
     # -- a serving step ---------------------------------------------------------------------
@@ -183,7 +177,7 @@ class LoopedTransformer(nn.Module):
             for r in members:
                 if r.capture and loop == r.last_loop - 1:
                     r.out_state = (e[0, r.row0:r.row0 + r.n].clone(), h[0, r.row0:r.row0 + r.n].clone())
-        readouts: dict[int, list[Rows]] = {}
+        readouts: dict[object, list[Rows]] = {}  # one call per read-out: the coda, each exit
         for r in rows:
             if r.readout is not None:
                 key = "coda" if r.readout == "coda" else (id(r.readout[0]), tuple(r.readout[1]))
