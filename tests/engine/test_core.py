@@ -115,3 +115,15 @@ def test_engine_stream_closed_early_frees_its_pages(tiny64):
         gen.close()
         core = engine.core()
         assert core.sched.pool.num_free == core.sched.pool.n_pages and not core.has_work
+
+
+def test_engine_stream_gives_n_choices_sharing_one_prefill(tiny64):
+    engine = engine_for(tiny64)
+    params = SamplingParams(max_tokens=8, loops=3, temperature=1.0, seed=11, ignore_eos=True)
+    events = list(engine.stream([7, 8, 9], params, n=3))
+    finals = [e for e in events if e.finish_reason is not None]
+    assert sorted(e.index for e in finals) == [0, 1, 2]
+    outs = [[t for e in events if e.index == i for t in e.token_ids] for i in range(3)]
+    assert all(len(o) == 8 for o in outs) and len({tuple(o) for o in outs}) == 3  # seeds seed + index
+    alone = engine.generate([7, 8, 9], params.replace(seed=12))  # choice 1 = the same request at seed + 1
+    assert alone.token_ids == outs[1]
