@@ -116,15 +116,14 @@ class Engine:
     def core(self, plan: RequestPlan | None = None):
         """The engine core this object runs its own requests on (a `serving.BatchEngine`), with a pool
         big enough for `plan`; made on first use and grown when a request needs more pages."""
-        from .serving import BatchEngine
+        from .serving import BatchEngine, pool_bytes_for
 
         core = getattr(self, "_core", None)
         if core is None or (plan is not None and core.pages_needed(plan) > core.sched.pool.n_pages):
-            probe = core or BatchEngine(self, max_num_seqs=8, kv_pool_bytes=1)
-            pages = 2 * probe.pages_needed(plan) if plan is not None else 1
+            want = 2 * pool_bytes_for(self, plan) if plan is not None else 0
             if core is not None:
-                pages = max(pages, core.sched.pool.n_pages)
-            core = self._core = BatchEngine(self, max_num_seqs=8, kv_pool_bytes=pages * probe.page_bytes)
+                want = max(want, core.sched.pool.n_pages * core.page_bytes)
+            core = self._core = BatchEngine(self, max_num_seqs=8, kv_pool_bytes=want)
         return core
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,

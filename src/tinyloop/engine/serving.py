@@ -79,6 +79,19 @@ class Request:
         return all(o.done for o in self.outputs)
 
 
+def sequence_layout(model, plan: RequestPlan, draft_exit: bool = True) -> SlotLayout:
+    """The cache slots one sequence of `plan` uses (a speculative one adds its draft exit's)."""
+    if plan.speculative:
+        return speculative_layout(model, plan, draft_exit)
+    return SlotLayout(model.cfg, plan.loops)
+
+
+def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit: bool = True) -> int:
+    """Bytes of a pool that holds exactly `plan` (every choice, at its longest)."""
+    page = PagedKV.page_bytes(engine.model.cfg, page_size, engine.kv_format, cache_dtype(engine.model))
+    return plan.blocks(page_size) * sequence_layout(engine.model, plan, draft_exit).n_slots * plan.n * page
+
+
 class BatchEngine:
     def __init__(self, engine, *, max_num_seqs: int = 32, max_batched_tokens: int = 512,
                  page_size: int = 16, kv_pool_bytes: int | None = None,
@@ -111,10 +124,7 @@ class BatchEngine:
 
     # -- sizing -----------------------------------------------------------------------------
     def layout(self, plan: RequestPlan) -> SlotLayout:
-        """The cache slots one sequence of `plan` uses (a speculative one adds its draft exit's)."""
-        if plan.speculative:
-            return speculative_layout(self.model, plan, self.speculation.get("draft_exit", True))
-        return SlotLayout(self.model.cfg, plan.loops)
+        return sequence_layout(self.model, plan, self.speculation.get("draft_exit", True))
 
     def pages_needed(self, plan: RequestPlan) -> int:
         """Pages the whole request holds at its longest (every choice)."""
@@ -335,9 +345,8 @@ def run_ids(engine, prompt_ids: list[int], params, *, stats: dict[str, Any] | No
     id ends the output and is not included); `stats` receives the final event's stats. `speculation`:
     the `Speculator` options (draft_vocab, draft_stop, fast_head, draft_exit)."""
     plan = engine.plan(prompt_ids, params)
-    probe = BatchEngine(engine, kv_pool_bytes=1, speculation=speculation)
-    core = BatchEngine(engine, max_num_seqs=1, kv_pool_bytes=probe.pages_needed(plan) * probe.page_bytes,
-                       speculation=speculation)
+    pool = pool_bytes_for(engine, plan, draft_exit=speculation.get("draft_exit", True))
+    core = BatchEngine(engine, max_num_seqs=1, kv_pool_bytes=pool, speculation=speculation)
     events = run_to_completion(core, [(prompt_ids, params)])[0]
     if stats is not None:
         stats.update(events[-1].stats)
