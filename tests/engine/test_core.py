@@ -127,3 +127,15 @@ def test_engine_stream_gives_n_choices_sharing_one_prefill(tiny64):
     assert all(len(o) == 8 for o in outs) and len({tuple(o) for o in outs}) == 3  # seeds seed + index
     alone = engine.generate([7, 8, 9], params.replace(seed=12))  # choice 1 = the same request at seed + 1
     assert alone.token_ids == outs[1]
+
+
+def test_engine_generate_from_several_threads(tiny64):
+    """Each calling thread runs its own core: concurrent generate calls do not share a batch's state."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = engine_for(tiny64)
+    jobs = [([3, 4, 5 + i], SamplingParams(max_tokens=12, loops=1 + i % 4, ignore_eos=True)) for i in range(8)]
+    want = [reference_ids(tiny64, p, sp) for p, sp in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda job: engine.generate(*job).token_ids, jobs))
+    assert got == want

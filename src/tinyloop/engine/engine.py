@@ -10,6 +10,7 @@ server uses.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -115,15 +116,18 @@ class Engine:
     # -- generation -------------------------------------------------------------------------
     def core(self, plan: RequestPlan | None = None):
         """The engine core this object runs its own requests on (a `serving.BatchEngine`), with a pool
-        big enough for `plan`; made on first use and grown when a request needs more pages."""
+        big enough for `plan`; made on first use and grown when a request needs more pages. Each calling
+        thread gets its own core, so `generate`/`stream` may be called from several threads at once (to
+        batch many concurrent requests, drive one `BatchEngine` from one thread, as the server does)."""
         from .serving import BatchEngine, pool_bytes_for
 
-        core = getattr(self, "_core", None)
+        local = self.__dict__.setdefault("_threads", threading.local())  # one core per calling thread
+        core = getattr(local, "core", None)
         if core is None or (plan is not None and core.pages_needed(plan) > core.sched.pool.n_pages):
             want = 2 * pool_bytes_for(self, plan) if plan is not None else 0
             if core is not None:
                 want = max(want, core.sched.pool.n_pages * core.page_bytes)
-            core = self._core = BatchEngine(self, max_num_seqs=8, kv_pool_bytes=want)
+            core = local.core = BatchEngine(self, max_num_seqs=8, kv_pool_bytes=want)
         return core
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
