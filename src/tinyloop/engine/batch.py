@@ -28,6 +28,7 @@ class BatchRunner:
         self.device = next(model.parameters()).device
         self.last_logits: torch.Tensor | None = None   # (k, V) of the last step, rows in `last_ids` order
         self.last_ids: list[int] = []
+        self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
@@ -48,6 +49,8 @@ class BatchRunner:
         if not want:
             return {}
         hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)
+        if self.before_head is not None:
+            self.before_head()
         logits = m.logits(hidden[None])[0]                                     # (k, V)
         self.last_logits, self.last_ids = logits, [r.tag.seq.seq_id for r in want]
         return {r.tag.seq.seq_id: logits[i] for i, r in enumerate(want)}

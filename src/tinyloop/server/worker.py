@@ -143,6 +143,7 @@ class EngineWorker:
         self._closing = False
         self._active: dict[int, tuple[RequestHandle, Request]] = {}
         self._outbox: list[tuple[RequestHandle, Any]] = []   # events of this iteration, sent by _flush
+        self._headed = False                  # this iteration's step flushed at its LM head
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class EngineWorker:
             s = self.settings
             self.batch = BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
                                      kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20)
+            self.batch.runner.before_head = self._flush_at_head
             self.state = "ready"
             self.metrics.engine_loaded.set(1)
         except Exception as exc:  # noqa: BLE001 - the server stays up and reports why
@@ -233,9 +235,11 @@ class EngineWorker:
                                             code="shutting_down"))
                     self._flush()
                     return
+                self._headed = False
                 if self.batch.has_work:
                     self.batch.step()
-                self._flush()
+                if not self._headed or not self.batch.has_work:
+                    self._flush()
 
     def _admit(self, handle: RequestHandle) -> None:
         m = self.metrics
@@ -277,6 +281,13 @@ class EngineWorker:
             self._outbox.append((handle, item))
 
         return emit
+
+    def _flush_at_head(self) -> None:
+        """The previous step's events go out while this step's LM head runs: that GEMM releases the GIL
+        for about a millisecond, so the event loop's work on them overlaps it instead of stalling the
+        engine thread (a step that runs no head flushes at its end)."""
+        self._headed = True
+        self._flush()
 
     def _flush(self) -> None:
         """Send the events this iteration produced: one wake-up of each event loop per step."""
