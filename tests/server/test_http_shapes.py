@@ -319,3 +319,19 @@ def test_server_drafts_through_the_models_draft_exit(tmp_path, tokenizer):
         assert out["stats"]["draft_exit"] is attached
         want = {"file": "t.draft.safetensors", "draft_loops": [1]} if attached else None
         assert out["model_info"]["draft_exit"] == want
+
+
+def test_events_go_out_as_the_next_steps_head_starts(tiny_server, monkeypatch):
+    """The engine thread hands a step's events to the event loop while the next step's LM head runs (a
+    GIL-free GEMM); every event still arrives, in order, and the last ones when the engine goes idle."""
+    worker = tiny_server.app.state.tl.worker
+    runner = worker.batch.runner
+    assert runner.before_head == worker._flush_at_head
+    calls = []
+    monkeypatch.setattr(runner, "before_head", lambda: (calls.append(len(worker._outbox)), worker._flush_at_head()))
+    r = post(tiny_server, "/generate", {"prompt": "Hello", "max_tokens": 12, "stream": True})
+    frames = [json.loads(f[6:]) for f in sse_events(r.content) if f.startswith(b"data: {")]
+    assert frames[-1]["token_id"] == -1 and frames[-1]["finish_reason"] in ("stop", "length")
+    n = len(frames) - 1  # one event per token, then the final one
+    assert [f["token_id"] for f in frames[:-1]] == [f["token_id"] for f in frames[:-1] if f["token_id"] >= 0]
+    assert n >= 2 and len(calls) >= n - 1 and sum(calls) >= n - 1  # each later head carried earlier events
