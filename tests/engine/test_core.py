@@ -81,7 +81,8 @@ def test_speculative_pages_are_held_while_running_and_counted(tiny64):
     batch.add(plan, lambda ev: None)
     batch.step()
     used = batch.sched.pool.n_pages - batch.sched.pool.num_free
-    assert used == batch.pages_needed(plan) == plan.blocks(4) * (2 + 4 * tiny64.cfg.n_core)
+    cfg = tiny64.cfg
+    assert used == batch.pages_needed(plan) == plan.blocks(4) * (cfg.n_prelude + cfg.n_coda + 4 * cfg.n_core)
     while batch.has_work:
         batch.step()
     assert batch.sched.pool.num_free == batch.sched.pool.n_pages

@@ -47,18 +47,11 @@ class Rotary:
         return cos[positions], sin[positions]  # (T, D/2) each
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D) with D split in two halves (GPT-NeoX layout); cos/sin: (T, D/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 def apply_rope_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Same result as `apply_rope`, bit for bit, in 4 ops instead of 8.
-
-    x: (..., D); cos_full = cat(cos, cos) and sin_signed = cat(-sin, sin), both broadcastable to x.
-    (x1*cos + x2*(-sin) is exactly x1*cos - x2*sin in IEEE arithmetic.)
-    """
+    """Rotary embedding, GPT-NeoX half-split layout, in 4 ops: for x = (x1, x2) the result is
+    (x1*cos - x2*sin, x2*cos + x1*sin), bit for bit (x1*cos + x2*(-sin) is exactly x1*cos - x2*sin in IEEE
+    arithmetic). x: (..., D); cos_full = cat(cos, cos) and sin_signed = cat(-sin, sin), both broadcastable
+    to x (`rope_tables`)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos_full + torch.cat([x2, x1], dim=-1) * sin_signed
 
@@ -197,7 +190,7 @@ class StepContext:
     tree nodes an earlier step wrote just below `start` (not yet committed), then the step's own T
     tokens; their positions are `tree_key_positions` (S,) (default: `positions` when S == T). The window,
     if any, is applied on those positions, not on storage indices. The paged pool's counterpart is
-    `model.paged.PagedStep`; both give the model `slots`, `rope_full()` and `attend()`.
+    `model.paged.PagedView`; both implement `AttentionContext`.
     """
 
     def __init__(self, *, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype, cache=None,

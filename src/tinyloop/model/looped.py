@@ -1,14 +1,16 @@
 """The weight-shared looped transformer: prelude once -> core x loops -> coda once -> LM head.
 
-This module owns the model's one forward. Its pieces (`embed_prelude`, `core_loop`, `coda`, `logits`)
+This module owns the model's one forward. Its pieces (`embed_prelude`, `core_loop`, `run_coda`, `logits`)
 take a step context that says where keys go and which keys each query sees: `layers.StepContext`
-over a contiguous `KVCache` (or none: training, evaluation) or a view of `paged.PagedStep` over the
+over a contiguous `KVCache` (or none: training, evaluation) or a `paged.PagedView` of a step over the
 serving pool. `forward` runs one (B, T) block through all of them; `run` runs a serving step: many
 sequences' rows packed together, each with its own loops (a row leaves after its last loop), positions,
 starting point (tokens, or a draft's states after loop d-1) and read-out.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -53,6 +55,20 @@ class LoopedTransformer(nn.Module):
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @contextlib.contextmanager
+    def _decode_threads(self, n_rows: int):
+        """One-row calls (decode steps) on `decode_threads` torch threads; bigger ones keep every thread."""
+        n = self.decode_threads
+        if n is None or n_rows != 1 or torch.get_num_threads() == n:
+            yield
+            return
+        prev = torch.get_num_threads()
+        torch.set_num_threads(n)  # ~0.5 us a switch
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev)
 
     # -- pieces ---------------------------------------------------------------------------
     def context(self, T: int, *, cache: KVCache | None = None, start: int = 0,
@@ -114,20 +130,13 @@ class LoopedTransformer(nn.Module):
         loops = self.cfg.default_loops if loops is None else loops
         if not 1 <= loops <= self.cfg.max_loops:
             raise ValueError(f"loops must be in 1..{self.cfg.max_loops}, got {loops}")
-        n = self.decode_threads
-        if n is not None and tokens.shape[1] == 1 and torch.get_num_threads() != n:
-            prev = torch.get_num_threads()
-            torch.set_num_threads(n)  # ~0.5 us a switch; prefill keeps every thread
-            try:
-                return self.forward(tokens, loops, cache=cache, start=start, last_only=last_only)
-            finally:
-                torch.set_num_threads(prev)
-        ctx = self.context(tokens.shape[1], cache=cache, start=start)
-        e = self.embed_prelude(tokens, ctx)
-        h = self.init_state(e)
-        for r in range(loops):
-            h = self.core_loop(h, e, r, ctx)
-        return self.coda_logits(h, ctx, last_only=last_only)
+        with self._decode_threads(tokens.shape[1]):
+            ctx = self.context(tokens.shape[1], cache=cache, start=start)
+            e = self.embed_prelude(tokens, ctx)
+            h = self.init_state(e)
+            for r in range(loops):
+                h = self.core_loop(h, e, r, ctx)
+            return self.coda_logits(h, ctx, last_only=last_only)
 
     # -- a serving step ---------------------------------------------------------------------
     def run(self, step: PagedStep) -> None:
@@ -135,22 +144,18 @@ class LoopedTransformer(nn.Module):
 
         Rows are in the step's order; each phase (prelude, loop r, each read-out) runs once over the
         sequences taking part, packed (a contiguous slice when they are adjacent, else gathered)."""
-        n = self.decode_threads
-        if n is not None and step.n == 1 and torch.get_num_threads() != n:
-            prev = torch.get_num_threads()
-            torch.set_num_threads(n)  # ~0.5 us a switch; bigger steps keep every thread
-            try:
-                return self.run(step)
-            finally:
-                torch.set_num_threads(prev)
+        with self._decode_threads(step.n):
+            self._run(step)
+
+    def _run(self, step: PagedStep) -> None:
         rows = step.rows
         N, dim = step.n, self.cfg.dim
         fresh = [r for r in rows if r.tokens is not None]
         e = h = None
         if fresh:
-            v = step.view(fresh)
+            fv = step.view(fresh)
             toks = torch.tensor([t for r in fresh for t in r.tokens], device=step.device)[None]
-            e_f = self.embed_prelude(toks, v)
+            e_f = self.embed_prelude(toks, fv)
             if len(fresh) == len(rows):
                 e = e_f
                 h = self.init_state(e)
@@ -161,9 +166,8 @@ class LoopedTransformer(nn.Module):
             e = torch.empty(1, N, dim, dtype=dtype, device=step.device)
             h = torch.empty(1, N, dim, dtype=dtype, device=step.device)
             if fresh:
-                v = step.view(fresh)
-                e = v.put(e, e_f)
-                h = v.put(h, self.init_state(e_f).clone())
+                e = fv.put(e, e_f)
+                h = fv.put(h, self.init_state(e_f).clone())
             for r in rows:
                 if r.state is not None:
                     e[0, r.row0:r.row0 + r.n] = r.state[0]

@@ -209,15 +209,35 @@ class PagedView:
             self._masks[i] = mask
         return self._masks[i]
 
+    def _store(self, i: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Member i's new keys/values (n, Hkv, D) into its pages of `slot`."""
+        (pages, offs), _, _ = self._io[i]
+        at = (pages[slot], offs)
+        if self.members[i].n == 1:  # python-int index: one (Hkv, D) vector
+            k, v = k[0], v[0]
+        self.kv.k.write(at, k)
+        self.kv.v.write(at, v)
+
+    def _keys(self, i: int, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key/value member i's queries may see in `slot`: (1, Hkv, L, D) each, in `dtype`."""
+        _, pages, nb = self._io[i]
+        end, ps = self.members[i].end, self.kv.page_size
+        K = self.kv.k.read(pages[slot], dtype)
+        V = self.kv.v.read(pages[slot], dtype)
+        return (K.reshape(1, nb * ps, *K.shape[2:])[:, :end].transpose(1, 2),
+                V.reshape(1, nb * ps, *V.shape[2:])[:, :end].transpose(1, 2))
+
     def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D)."""
-        if len(self.members) == 1:
-            return self._attend_one(slot, q, k, v)
+        adt = torch.promote_types(q.dtype, torch.float32)
+        if len(self.members) == 1:  # a batch of one, or a speculative pass alone: no row bookkeeping
+            self._store(0, slot, k[0], v[0])
+            q = q.transpose(1, 2)
+            return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt),
+                                self._mask(0, self.members[0])).transpose(1, 2)
         q, k, v = q[0], k[0], v[0]
         n, H, D = q.shape
-        adt = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(n, H, D, dtype=adt, device=q.device)
-        ps = self.kv.page_size
         grp = self.dec
         # every row's keys first, then the reads: rows of one sequence in one step (a draft exit's
         # catch-up row and the next draft row) see each other as a batched causal step would
@@ -226,46 +246,21 @@ class PagedView:
             wpages = table[grp.arange, grp.blk]
             self.kv.k.write((wpages, grp.off), k[grp.rows])
             self.kv.v.write((wpages, grp.off), v[grp.rows])
-        spans = []
-        for i, (write, read, nb) in self._io.items():
-            m, a = self.members[i], self.local[i]
-            if m.n == 1:
-                at = (write[0][slot], write[1])
-                self.kv.k.write(at, k[a])
-                self.kv.v.write(at, v[a])
-            else:
-                at = (write[0][slot], write[1])
-                self.kv.k.write(at, k[a:a + m.n])
-                self.kv.v.write(at, v[a:a + m.n])
-            spans.append((i, m, a, read[slot], nb))
+        for i in self._io:
+            a = self.local[i]
+            self._store(i, slot, k[a:a + self.members[i].n], v[a:a + self.members[i].n])
         if grp is not None:
             G, nb = table.shape
+            ps = self.kv.page_size
             K = self.kv.k.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)   # (G, Hkv, L, D)
             V = self.kv.v.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)
             qs = q[grp.rows].to(adt)[:, :, None]                                # (G, H, 1, D)
             out[grp.rows] = grouped_sdpa(qs, K, V, grp.mask)[:, :, 0]
-        for i, m, a, pages, nb in spans:
-            K = self.kv.k.read(pages, adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
-            V = self.kv.v.read(pages, adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
+        for i in self._io:
+            m, a = self.members[i], self.local[i]
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
-            out[a:a + m.n] = grouped_sdpa(qs, K, V, self._mask(i, m))[0].transpose(0, 1)
+            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt), self._mask(i, m))[0].transpose(0, 1)
         return out[None]
-
-
-    def _attend_one(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`attend` for a view of one sequence (a batch of one, a speculative pass alone): no row bookkeeping."""
-        (write, read, nb), m = self._io[0], self.members[0]
-        at = (write[0][slot], write[1])
-        self.kv.k.write(at, k[0, 0] if m.n == 1 else k[0])
-        self.kv.v.write(at, v[0, 0] if m.n == 1 else v[0])
-        adt = torch.promote_types(q.dtype, torch.float32)
-        ps, D = self.kv.page_size, q.shape[-1]
-        K = self.kv.k.read(read[slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
-        V = self.kv.v.read(read[slot], adt).reshape(1, nb * ps, -1, D)[:, :m.end].transpose(1, 2)
-        q = q.transpose(1, 2)
-        if q.dtype != adt:
-            q = q.to(adt)
-        return grouped_sdpa(q, K, V, self._mask(0, m)).transpose(1, 2)             # (1, n, H, D)
 
 
 class PagedStep:

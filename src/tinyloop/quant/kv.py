@@ -73,7 +73,7 @@ def _take(t: torch.Tensor, index) -> torch.Tensor:
 class KVTensor:
     """Keys (or values) of a KV store, the one storage implementation every cache layout uses.
 
-    `shape` is (*lead, D): the contiguous cache uses (slots, batch, positions, Hkv, D) and the paged pool
+    `shape` is (*lead, D): the contiguous cache uses (slots, batch, Hkv, positions, D) and the paged pool
     (pages, page_size, Hkv, D). "fp16" keeps floats in `dtype`; the quantized formats keep codes plus a
     float16 scale and offset per D-vector (`quantize_vectors`), and int4-h multiplies each vector by the
     orthonormal Hadamard matrix H before quantizing and again (H @ H = I) after dequantizing, so readers
@@ -108,34 +108,34 @@ class KVTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.H is not None:
+            x = x.to(self.H.dtype) @ self.H
+        return quantize_vectors(x, self.bits)
+
+    def _decode(self, codes, scale, offset, dtype: torch.dtype) -> torch.Tensor:
+        if self.H is None:
+            return dequantize_vectors(codes, scale, offset, self.bits, dtype)
+        return (dequantize_vectors(codes, scale, offset, self.bits, self.H.dtype) @ self.H).to(dtype)
+
     def write(self, index, x: torch.Tensor) -> None:
         if self.bits is None:
             self.data[index] = x.to(self.dtype)
             return
-        if self.H is not None:
-            x = x.to(self.H.dtype) @ self.H
-        codes, scale, offset = quantize_vectors(x, self.bits)
-        self.codes[index] = codes
-        self.scale[index] = scale
-        self.offset[index] = offset
+        self.codes[index], self.scale[index], self.offset[index] = self._encode(x)
 
     def read(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         if self.bits is None:
             x = _take(self.data, index)
             return x if x.dtype == dtype else x.to(dtype)
-        x = dequantize_vectors(_take(self.codes, index), _take(self.scale, index), _take(self.offset, index),
-                               self.bits, dtype if self.H is None else self.H.dtype)
-        return x if self.H is None else (x @ self.H).to(dtype)
+        return self._decode(_take(self.codes, index), _take(self.scale, index), _take(self.offset, index), dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it would read back after a write (quantized and dequantized; float formats: cast)."""
         if self.bits is None:
             return x.to(self.dtype)
-        if self.H is not None:
-            x = x.to(self.H.dtype) @ self.H
-        x = dequantize_vectors(*quantize_vectors(x, self.bits), self.bits, x.dtype if self.H is not None else self.dtype)
-        return x if self.H is None else (x @ self.H).to(self.dtype)
+        return self._decode(*self._encode(x), self.dtype)
 
     def copy(self, src, dst) -> None:
         """storage[dst] = storage[src] (codes move with their own scale and offset)."""
