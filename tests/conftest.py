@@ -63,8 +63,8 @@ def reference_ids(model, prompt: list[int], params, kv_format: str = "fp16") -> 
 
 def core_ids(model, prompt: list[int], params, stats: dict | None = None, kv_format: str = "fp16",
              **speculation) -> list[int]:
-    """One request through the engine core (a batch of one) on a bare model: its token ids (stop ids
-    included, as `reference_ids` does); `stats` gets the final event's stats."""
+    """One request through the engine core (a batch of one) on a bare model: its token ids, with EOS not
+    a stop (as in `reference_ids`); `stats` gets the final event's stats."""
     from tinyloop.engine import Engine
     from tinyloop.engine.serving import run_ids
 
@@ -77,12 +77,13 @@ def drive(model, kv, gen):
     from tinyloop.model.paged import PagedStep, Rows
 
     dtype = model.act_dtype or model.embed.weight.dtype
+    device = model.embed.weight.device
     with torch.inference_mode():
         try:
             item = next(gen)
             while True:
                 if isinstance(item, Rows):
-                    model.run(PagedStep(kv, [item], model.rotary, dtype, "cpu"))
+                    model.run(PagedStep(kv, [item], model.rotary, dtype, device))
                 item = next(gen)
         except StopIteration as stop:
             return stop.value
@@ -98,7 +99,7 @@ def standalone(model, prompt, params, page_size=4, **kw):
     plan = plan_request(prompt, params, model.cfg, max_seq_len=model.cfg.max_seq_len)
     slots = speculative_layout(model, plan, kw.get("draft_exit", True)).n_slots
     blocks = plan.blocks(page_size)
-    kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=torch.float64)
+    kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=model.embed.weight.dtype)
     table = torch.arange(blocks * slots).view(blocks, slots)
     return Speculator(model, plan, Sampler(params, prompt, model.cfg.vocab_size), kv, table, **kw), kv
 

@@ -62,6 +62,7 @@ class Engine:
         if max_seq_len is not None and max_seq_len > 0:
             limit = min(limit, max_seq_len)
         self.max_seq_len = limit
+        self._threads = threading.local()  # `core()`: one engine core per calling thread
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -121,7 +122,7 @@ class Engine:
         batch many concurrent requests, drive one `BatchEngine` from one thread, as the server does)."""
         from .serving import BatchEngine, pool_bytes_for
 
-        local = self.__dict__.setdefault("_threads", threading.local())  # one core per calling thread
+        local = self._threads
         core = getattr(local, "core", None)
         if core is None or (plan is not None and core.pages_needed(plan) > core.sched.pool.n_pages):
             want = 2 * pool_bytes_for(self, plan) if plan is not None else 0
