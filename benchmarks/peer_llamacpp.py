@@ -10,7 +10,8 @@ TinyLoop on the `.tinyloop` file, same prompt ids, greedy, at 1 and 2 threads. I
 should, up to fp16 rounding in near-ties).
 
 Pairs: the fp16 file against GGUF F16; the int4 file against GGUF Q4_0 and Q4_1 (embedding and head kept
-in F16). Neither peer package is in the default install or CI:
+in F16); TinyLoop's default self-speculation (fp16 file, draft exits, `mode="speculative"` with its default
+knobs) against llama.cpp's plain F16 decode. Neither peer package is in the default install or CI:
 
     .venv/bin/pip install gguf llama-cpp-python      # compiles llama.cpp once (minutes)
     .venv/bin/python benchmarks/peer_llamacpp.py [--tokens 64] [--loops 8] [--threads 1,2] [--json PATH]
@@ -129,12 +130,13 @@ def run_llama(path: Path, ids: list[int], tokens: int, threads: int, repeats: in
     return {"tok_s": statistics.median(rates[1:]), "tokens": out}
 
 
-def run_tinyloop(engine, ids: list[int], tokens: int, loops: int, threads: int, repeats: int) -> dict:
+def run_tinyloop(engine, ids: list[int], tokens: int, loops: int, threads: int, repeats: int,
+                 mode: str = "generate") -> dict:
     from tinyloop.engine import SamplingParams
 
     torch.set_num_threads(threads)
     engine.model.decode_threads = threads
-    params = SamplingParams(max_tokens=tokens, loops=loops, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, loops=loops, ignore_eos=True, mode=mode)
     rates, out = [], []
     for _ in range(repeats + 1):
         stamps, out = [], []
@@ -166,6 +168,7 @@ def main() -> int:
     source = load_model(resolve_model_path("tinyloop-16m"), dtype=torch.float32).model
     engines = {"fp16": Engine.load("tinyloop-16m", draft_exit=False),
                "int4": Engine.load("tinyloop-16m-int4", draft_exit=False)}
+    spec_engine = Engine.load("tinyloop-16m")  # draft exits on: the default speculative settings
     ids = engines["fp16"].encode_prompt(PROMPT)
     threads = [int(t) for t in args.threads.split(",")]
     rows = []
@@ -175,8 +178,11 @@ def main() -> int:
         sizes = {q: os.path.getsize(p) for q, p in ggufs.items()}
         for t in threads:
             tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats) for k, e in engines.items()}
+            tl["fp16 speculative (defaults)"] = run_tinyloop(spec_engine, ids, args.tokens, args.loops, t,
+                                                             args.repeats, mode="speculative")
             lc = {q: run_llama(p, ids, args.tokens, t, args.repeats) for q, p in ggufs.items()}
-            for tl_name, q in (("fp16", "F16"), ("int4", "Q4_0"), ("int4", "Q4_1")):
+            for tl_name, q in (("fp16", "F16"), ("int4", "Q4_0"), ("int4", "Q4_1"),
+                               ("fp16 speculative (defaults)", "F16")):
                 a, b = tl[tl_name], lc[q]
                 agree = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
                 first_diff = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)

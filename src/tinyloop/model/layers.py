@@ -177,8 +177,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), ctx, slot)
-        return x + self.mlp(self.mlp_norm(x))
+        an, mn = self.attn_norm, self.mlp_norm   # the norms' math inline: a module call costs a decode step ~2 us
+        x = x + self.attn(F.rms_norm(x, an.weight.shape, an.weight, an.eps), ctx, slot)
+        return x + self.mlp(F.rms_norm(x, mn.weight.shape, mn.weight, mn.eps))
 
 
 class StepContext:

@@ -171,6 +171,10 @@ class PagedView:
                 continue
             nb = -(-m.end // ps)
             read = m.table[:nb].T.contiguous()                                   # (slots, nb)
+            # a slot whose pages are consecutive in the pool is read as a slice (a view, no gather)
+            runs = ((read[:, 1:] - read[:, :-1]) == 1).all(1).tolist() if nb > 1 else [True] * read.shape[0]
+            first = read[:, 0].tolist()
+            read = [slice(first[s], first[s] + nb) if runs[s] else read[s] for s in range(read.shape[0])]
             if m.n == 1:
                 write = (m.table[m.start // ps].tolist(), m.start % ps)
             else:
@@ -224,14 +228,20 @@ class PagedView:
         end, ps = self.members[i].end, self.kv.page_size
         K = self.kv.k.read(pages[slot], dtype)
         V = self.kv.v.read(pages[slot], dtype)
-        return (K.reshape(1, nb * ps, *K.shape[2:])[:, :end].transpose(1, 2),
-                V.reshape(1, nb * ps, *V.shape[2:])[:, :end].transpose(1, 2))
+        shape = (1, nb * ps, *K.shape[2:])
+        return K.view(shape)[:, :end].transpose(1, 2), V.view(shape)[:, :end].transpose(1, 2)
 
     def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D)."""
         adt = torch.promote_types(q.dtype, torch.float32)
         if len(self.members) == 1:  # a batch of one, or a speculative pass alone: no row bookkeeping
-            self._store(0, slot, k[0], v[0])
+            (pages, offs), _, _ = self._io[0]
+            if self.members[0].n == 1:  # one row: python-int indices, one (Hkv, D) vector each
+                at = (pages[slot], offs)
+                self.kv.k.write(at, k[0, 0])
+                self.kv.v.write(at, v[0, 0])
+            else:
+                self._store(0, slot, k[0], v[0])
             q = q.transpose(1, 2)
             return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt),
                                 self._mask(0, self.members[0])).transpose(1, 2)

@@ -120,7 +120,7 @@ class KVTensor:
 
     def write(self, index, x: torch.Tensor) -> None:
         if self.bits is None:
-            self.data[index] = x.to(self.dtype)
+            self.data[index] = x if x.dtype == self.dtype else x.to(self.dtype)
             return
         self.codes[index], self.scale[index], self.offset[index] = self._encode(x)
 
