@@ -151,6 +151,17 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .tools.convert import ConvertError, convert
+
+    try:
+        out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet and sys.stderr.isatty())
+    except ConvertError as exc:
+        return _fail(str(exc))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from .modelfile import ModelFileError
     from .quant.packing import QuantError
@@ -248,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--overrides", help="JSON of ModelConfig fields")
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     n.set_defaults(func=_init)
+
+    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro or Huginn -> a .tinyloop file",
+                        description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
+                        "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
+                        "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants) or Huginn-0125 "
+                        "(model_type 'huginn_raven'). Nothing is downloaded; see docs/models.md.")
+    cv.add_argument("src", help="the snapshot directory")
+    cv.add_argument("out", help="the .tinyloop file to write")
+    cv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    cv.add_argument("--quiet", action="store_true", help="no progress bar")
+    cv.set_defaults(func=_convert)
 
     qz = sub.add_parser("quantize", help="quantize a model file's block weights (GPTQ or round-to-nearest)")
     qz.add_argument("input", help="a float .tinyloop file")

@@ -12,6 +12,11 @@ from typing import Any
 
 MLP_KINDS = ("gelu", "swiglu")
 INJECTIONS = ("none", "add", "concat-adapter")
+# Where a block's norms sit (f = attention or MLP, n1/n2 its two norms):
+#   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
+#   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
+#   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
+NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual")
 
 
 class ConfigError(ValueError):
@@ -44,11 +49,20 @@ class ModelConfig:
     # tied-weight pre-norm residual stack (Universal-Transformer style) whose updates accumulate.
     loop_norm: bool = True
     eos_token_id: int = 50256
+    # Architecture features of imported families (defaults: TinyLoop's own models; see docs/models.md)
+    norm_placement: str = "pre"
+    qk_bias: bool = False               # a learned bias on q and k (per head and dim), added before RoPE
+    embed_scale: float = 1.0            # the embedding is multiplied by this (Huginn: sqrt(dim))
+    post_loop_norm: bool = False        # the final norm also ends the recurrence, before the coda (Huginn)
+    head_norm: bool = True              # the final norm before the LM head (Ouro: the loop norm already did)
+    exit_gate: bool = False             # a learned per-loop exit gate Linear(dim -> 1) with bias (Ouro)
+    eos_token_ids: tuple[int, ...] = ()  # more ids that end generation, besides eos_token_id
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         object.__setattr__(self, "n_kv_heads", kv)
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         checks = [
             (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
             (self.dim % self.n_heads == 0, f"dim {self.dim} must be divisible by n_heads {self.n_heads}"),
@@ -62,6 +76,10 @@ class ModelConfig:
             (self.max_seq_len > 0, "max_seq_len must be positive"),
             (self.mlp in MLP_KINDS, f"mlp must be one of {MLP_KINDS}"),
             (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
+            (self.norm_placement in NORM_PLACEMENTS, f"norm_placement must be one of {NORM_PLACEMENTS}"),
+            (self.embed_scale > 0, "embed_scale must be positive"),
+            (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
+            (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -70,6 +88,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation (unless a request ignores EOS)."""
+        return frozenset((self.eos_token_id, *self.eos_token_ids))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,9 +118,15 @@ class ModelConfig:
         d, hd = self.dim, self.head_dim
         attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
-        block = attn + mlp + 2 * d  # two RMSNorm weights
+        norms = 2 if self.norm_placement == "pre" else 4
+        qk_bias = (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
+        block = attn + mlp + norms * d + qk_bias
         n_blocks = self.n_prelude + self.n_core + self.n_coda
-        total = n_blocks * block + self.vocab_size * d + d  # embedding + final norm
+        total = n_blocks * block + self.vocab_size * d  # embedding
+        if self.head_norm or self.post_loop_norm:
+            total += d  # the final norm
+        if self.exit_gate:
+            total += d + 1
         if self.loop_norm:
             total += d  # core_norm (end of each loop)
         if self.injection == "concat-adapter":

@@ -10,6 +10,8 @@ and the tokenizer's BPE ranks as the uint8 tensor `tokenizer.bpe_ranks`:
                                                 "high_precision": []}},
      "tokenizer": {"type": "gpt2-bpe", "tensor": "tokenizer.bpe_ranks", "pattern": ..., "eos_token": ...,
                    "eos_id": 50256, "sha256": ...},
+        (or, for imported checkpoints: {"type": "hf-tokenizers", "tensor": ..., "eos_ids": [...], "eos_token":
+         ..., "bos_token": ..., "chat_template": ..., "sha256": ...}: the tensor holds tokenizer.json)
      "provenance": {...}}
 
 `load_model` checks the framing, the header and every tensor's name, shape and dtype before it builds
@@ -33,12 +35,13 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import HFTokenizer, Tokenizer, TokenizerError
 from .version import __version__
 
 FORMAT = "tinyloop"
 FORMAT_VERSION = 1
-TOKENIZER_TENSOR = "tokenizer.bpe_ranks"
+TOKENIZER_TENSOR = "tokenizer.bpe_ranks"   # GPT-2 ranks or a tokenizer.json, by the header's tokenizer type
+TOKENIZER_TYPES = ("gpt2-bpe", "hf-tokenizers")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
@@ -174,7 +177,7 @@ def check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> M
         if got_dtype != dtype:
             raise ModelFileError(path, f"tensor {name!r} is {got_dtype}, header says {dtype}")
     tok = header["tokenizer"]
-    if tok.get("type") != "gpt2-bpe" or tok.get("tensor") not in index:
+    if tok.get("type") not in TOKENIZER_TYPES or tok.get("tensor") not in index:
         raise ModelFileError(path, "header's tokenizer section is missing or names no embedded tensor")
     return cfg
 
@@ -202,10 +205,17 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     if tok_h.get("sha256") and hashlib.sha256(blob).hexdigest() != tok_h["sha256"]:
         raise ModelFileError(path, "embedded tokenizer does not match its checksum (corrupt file)")
     try:
-        tokenizer = Tokenizer.from_ranks_blob(blob, pattern=tok_h["pattern"], eos_token=tok_h["eos_token"],
-                                              eos_id=tok_h["eos_id"])
-    except (TokenizerError, KeyError) as exc:
+        if tok_h["type"] == "hf-tokenizers":
+            tokenizer = HFTokenizer(blob.decode("utf-8"), eos_ids=tok_h["eos_ids"], eos_token=tok_h["eos_token"],
+                                    chat_template=tok_h.get("chat_template"), bos_token=tok_h.get("bos_token"))
+        else:
+            tokenizer = Tokenizer.from_ranks_blob(blob, pattern=tok_h["pattern"], eos_token=tok_h["eos_token"],
+                                                  eos_id=tok_h["eos_id"])
+    except (TokenizerError, KeyError, UnicodeDecodeError) as exc:
         raise ModelFileError(path, f"embedded tokenizer: {exc}") from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelFileError(path, f"embedded tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                                   f"{cfg.vocab_size}")
     quant = header["weights"].get("quant") or {}
     with torch.device("meta"):
         model = LoopedTransformer(cfg)
@@ -221,9 +231,25 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     return LoadedModel(model=model, tokenizer=tokenizer, header=header, path=path)
 
 
-def make_header(cfg: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer, provenance: dict[str, Any],
-                quant: dict[str, Any] | None = None) -> dict[str, Any]:
-    blob = tokenizer.ranks_blob()
+def tokenizer_blob(tokenizer: Tokenizer | HFTokenizer) -> bytes:
+    """What a model file embeds: GPT-2 BPE ranks, or a Hugging Face tokenizer.json."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.json_text.encode("utf-8")
+    return tokenizer.ranks_blob()
+
+
+def tokenizer_section(tokenizer: Tokenizer | HFTokenizer) -> dict[str, Any]:
+    sha = hashlib.sha256(tokenizer_blob(tokenizer)).hexdigest()
+    if isinstance(tokenizer, HFTokenizer):
+        return {"type": "hf-tokenizers", "tensor": TOKENIZER_TENSOR, "eos_ids": tokenizer.eos_ids,
+                "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+                "chat_template": tokenizer.chat_template, "sha256": sha}
+    return {"type": "gpt2-bpe", "tensor": TOKENIZER_TENSOR, "pattern": tokenizer.pattern,
+            "eos_token": tokenizer.eos_token, "eos_id": tokenizer.eos_id, "sha256": sha}
+
+
+def make_header(cfg: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer | HFTokenizer,
+                provenance: dict[str, Any], quant: dict[str, Any] | None = None) -> dict[str, Any]:
     name = {v: k for k, v in DTYPES.items()}[dtype]
     return {
         "format": FORMAT,
@@ -231,9 +257,7 @@ def make_header(cfg: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer, prov
         "config": cfg.to_dict(),
         "weights": {"dtype": name, "quant": quant or {"method": "none", "bits": 16 if dtype != torch.float32 else 32,
                                                       "group_size": None, "high_precision": []}},
-        "tokenizer": {"type": "gpt2-bpe", "tensor": TOKENIZER_TENSOR, "pattern": tokenizer.pattern,
-                      "eos_token": tokenizer.eos_token, "eos_id": tokenizer.eos_id,
-                      "sha256": hashlib.sha256(blob).hexdigest()},
+        "tokenizer": tokenizer_section(tokenizer),
         "provenance": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "tool_version": __version__, **provenance},
     }
@@ -249,7 +273,7 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
         tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         dtype = next(iter(tensors.values())).dtype
         header = make_header(model.cfg, dtype, tokenizer, provenance or {})
-    blob = tokenizer.ranks_blob()
+    blob = tokenizer_blob(tokenizer)
     tensors = dict(tensors)
     tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     tmp = path.with_name(path.name + ".tmp")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import codecs
 import hashlib
+import json
 from importlib import resources
 from typing import Iterable
 
@@ -101,3 +102,89 @@ class StreamingDetokenizer:
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte -> the byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (byte-level BPE or SentencePiece-style byte fallback), run by the
+    `tokenizers` library, with the interface of `Tokenizer`: encode, decode, token_bytes, vocab_size,
+    eos ids, a streaming detokenizer. `chat_template` is the checkpoint's Jinja template (see `chat.py`).
+
+    Plain text is encoded as transformers encodes it (`add_special_tokens=True`: the tokenizer's own
+    post-processor, if any, adds BOS; special-token strings in the text become their ids); a rendered chat
+    template is encoded without the post-processor, as `apply_chat_template` does.
+    """
+
+    kind = "hf-tokenizers"
+
+    def __init__(self, json_text: str, *, eos_ids: list[int], eos_token: str, chat_template: str | None = None,
+                 bos_token: str | None = None):
+        from tokenizers import Tokenizer as _HF
+
+        try:
+            self._tok = _HF.from_str(json_text)
+            spec = json.loads(json_text)
+        except Exception as exc:  # noqa: BLE001 - the library's errors name nothing useful to a user
+            raise TokenizerError(f"tokenizer.json cannot be read: {exc}") from None
+        self.json_text = json_text
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if not eos_ids or any(not 0 <= i < self.vocab_size for i in eos_ids):
+            raise TokenizerError(f"eos ids {eos_ids} are not in the vocabulary (size {self.vocab_size})")
+        self.eos_ids = list(eos_ids)
+        self.eos_id = self.eos_ids[0]
+        self.eos_token = eos_token
+        self.bos_token = bos_token
+        self.chat_template = chat_template
+        self._bytes = self._token_byte_table(spec)
+
+    def _token_byte_table(self, spec: dict) -> list[bytes]:
+        """The bytes each id stands for, made once: byte-level tokens map their alphabet back to bytes,
+        `<0xNN>` byte-fallback tokens are that byte, U+2581 (SentencePiece's space) is a space, and added
+        tokens (special or not) are their text."""
+        alphabet = _byte_level_alphabet()
+        added = {t["id"]: t["content"] for t in spec.get("added_tokens") or []}
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+        table = []
+        for i in range(self.vocab_size):
+            tok = self._tok.id_to_token(i)
+            if i in added or tok is None:
+                table.append((added.get(i) or tok or "").encode("utf-8"))
+            elif byte_level and all(c in alphabet for c in tok):
+                table.append(bytes(alphabet[c] for c in tok))
+            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                table.append(bytes([int(tok[3:5], 16)]))
+            else:
+                table.append(tok.replace("\u2581", " ").encode("utf-8"))
+        return table
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> "StreamingDetokenizer":
+        return StreamingDetokenizer(self)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()

@@ -17,8 +17,10 @@ from typing import Any, Iterator
 
 import torch
 
+from ..chat import Chat, ChatTemplateError, render_plain, render_template
 from ..errors import ValidationError
 from ..modelfile import LoadedModel, load_model, model_info
+from ..tokenizer import HFTokenizer
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
@@ -89,8 +91,31 @@ class Engine:
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 
     # -- validation -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Ids that end an output (unless a request ignores EOS): the model's and its tokenizer's."""
+        return self.config.stop_token_ids | frozenset(getattr(self.tokenizer, "eos_ids", ()))
+
+    def chat_text(self, chat: Chat) -> str:
+        """The conversation as the model's prompt text: its own chat template, else `chat.render_plain`."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            return render_plain(chat)
+        try:
+            return render_template(template, chat, bos_token=self.tokenizer.bos_token,
+                                   eos_token=self.tokenizer.eos_token)
+        except ChatTemplateError as exc:
+            raise ValidationError(str(exc), param="messages") from None
+
+    def encode_prompt(self, prompt: str | list[int] | Chat) -> list[int]:
+        """Text, a conversation (`chat.Chat`) or token ids -> checked ids."""
+        if self.tokenizer is None and not isinstance(prompt, list):
+            raise ValidationError("prompt: this model has no tokenizer; give token ids", param="prompt")
+        if isinstance(prompt, Chat):
+            text = self.chat_text(prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False) if isinstance(self.tokenizer, HFTokenizer) \
+                else self.tokenizer.encode(text)
+        elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -102,6 +127,17 @@ class Engine:
             raise ValidationError("prompt: is empty; give at least one token", param="prompt")
         return ids
 
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int], *, loops: int | None = None) -> torch.Tensor:
+        """Next-token logits after every position of `token_ids` at `loops` (default: the model's
+        default_loops): fp32, (len(token_ids), vocab). One full forward, no cache (scoring and checks)."""
+        ids = self.encode_prompt(list(token_ids))
+        loops = self.config.default_loops if loops is None else loops
+        if not 1 <= loops <= self.config.max_loops:
+            raise ValidationError(f"loops: must be in 1..{self.config.max_loops}, got {loops}", param="loops")
+        device = next(self.model.parameters()).device
+        return self.model(torch.tensor([ids], device=device), loops)[0].float()
+
     def plan(self, prompt_ids: list[int], params: SamplingParams | None = None, *, n: int = 1) -> RequestPlan:
         """Every check, model-dependent ones included, before any work starts; the request's defaults
         resolved from the model (`plan.plan_request`). ValidationError names the field."""
@@ -111,8 +147,8 @@ class Engine:
         """The output stream the core feeds one choice's tokens to: text (detokenizer and stop strings)
         when the engine has a tokenizer, else ids only."""
         if self.tokenizer is None:
-            return TokenStream(plan, self.config.eos_token_id, t0, index)
-        return TextStream(self.tokenizer, plan, self.config.eos_token_id, t0, index)
+            return TokenStream(plan, self.eos_ids, t0, index)
+        return TextStream(self.tokenizer, plan, self.eos_ids, t0, index)
 
     # -- generation -------------------------------------------------------------------------
     def core(self, plan: RequestPlan | None = None):

@@ -81,7 +81,7 @@ class DraftHead:
     def __init__(self, model: LoopedTransformer, size: int | None, extra_rows: int = CONTEXT_ROWS,
                  norm: torch.nn.Module | None = None):
         self.model = model
-        self.norm = model.norm if norm is None else norm  # a draft exit brings its own final norm
+        self.norm = model.final_norm if norm is None else norm  # a draft exit brings its own final norm
         vocab = model.cfg.vocab_size
         weight = _draft_head_weight(model)
         self.ids: torch.Tensor | None = None
@@ -193,7 +193,7 @@ class ExactArgmax:
 
     def __call__(self, x: torch.Tensor) -> list[int]:
         """x: (T, dim) coda output -> the full head's argmax token of each row."""
-        xn = self.model.norm(x)                                  # (T, dim)
+        xn = self.model.final_norm(x)                            # (T, dim)
         approx = self.fp16(xn)                                   # (T, vocab) fp32
         bound = 2.0 * self.slack * xn.double().norm(dim=1)      # (T,)
         top = approx.max(dim=1).values.double()

@@ -8,6 +8,8 @@ detokenizer and stop strings, for the Python API, the CLI and the server.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,12 +48,12 @@ class TokenStream:
     `feed(tok)` returns the event for one token (None when the token is a stop id: it is not shown) and
     sets `stopped` once the output is over; `close()` gives the final event."""
 
-    def __init__(self, plan, eos_token_id: int, t0: float, index: int = 0):
+    def __init__(self, plan, eos_ids: Iterable[int], t0: float, index: int = 0):
         params = plan.params
         self.params, self.n_prompt, self.loops_used, self.t0, self.index = params, plan.n_prompt, plan.loops, t0, index
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            self.stop_ids.add(eos_token_id)
+            self.stop_ids.update(eos_ids)
         self.n = 0
         self.ttft: float | None = None
         self.stopped = False
@@ -93,8 +95,8 @@ class TextStream(TokenStream):
     """`TokenStream` plus text: a streaming detokenizer (whole UTF-8 characters) and stop strings, matched
     on decoded text across token boundaries and never returned."""
 
-    def __init__(self, tokenizer, plan, eos_token_id: int, t0: float, index: int = 0):
-        super().__init__(plan, eos_token_id, t0, index)
+    def __init__(self, tokenizer, plan, eos_ids: Iterable[int], t0: float, index: int = 0):
+        super().__init__(plan, eos_ids, t0, index)
         self.detok = tokenizer.detokenizer()
         self.stops = StopMatcher(plan.params.stop)
 

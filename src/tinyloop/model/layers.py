@@ -132,6 +132,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.wqkv: nn.Module | None = None  # set by model.fast.fuse_projections (wq, wk, wv removed)
+        # q and k biases (n_heads + n_kv_heads, head_dim), added after the projection, before RoPE
+        self.qk_bias = nn.Parameter(torch.zeros(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_bias else None
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -142,7 +144,10 @@ class Attention(nn.Module):
             qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
         cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
-        qk = apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed)         # one RoPE over q and k
+        qk = qkv[:, :, :H + Hkv]
+        if self.qk_bias is not None:
+            qk = qk + self.qk_bias
+        qk = apply_rope_full(qk, cos_full, sin_signed)                          # one RoPE over q and k
         out = ctx.attend(slot, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:])  # (B, T, H, D)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
@@ -168,18 +173,34 @@ class MLP(nn.Module):
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 
+def _norm(x: torch.Tensor, n: RMSNorm) -> torch.Tensor:
+    """RMSNorm's math without a module call (a module call costs a decode step ~2 us)."""
+    return F.rms_norm(x, n.weight.shape, n.weight, n.eps)
+
+
 class Block(nn.Module):
+    """Attention then MLP, each a residual branch; where the norms sit is `cfg.norm_placement`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.placement = cfg.norm_placement
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        sandwich = cfg.norm_placement != "pre"
+        self.attn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
-        an, mn = self.attn_norm, self.mlp_norm   # the norms' math inline: a module call costs a decode step ~2 us
-        x = x + self.attn(F.rms_norm(x, an.weight.shape, an.weight, an.eps), ctx, slot)
-        return x + self.mlp(F.rms_norm(x, mn.weight.shape, mn.weight, mn.eps))
+        if self.placement == "pre":
+            x = x + self.attn(_norm(x, self.attn_norm), ctx, slot)
+            return x + self.mlp(_norm(x, self.mlp_norm))
+        if self.placement == "sandwich":
+            x = x + _norm(self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)
+            return x + _norm(self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)
+        x = _norm(x + self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)  # sandwich-residual
+        return _norm(x + self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)
 
 
 class StepContext:

@@ -32,7 +32,9 @@ class LoopedTransformer(nn.Module):
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.core_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.loop_norm else None  # ends every loop
         self.adapter = nn.Linear(2 * cfg.dim, cfg.dim, bias=False) if cfg.injection == "concat-adapter" else None
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # the final norm: before the head (head_norm) and/or ending the recurrence (post_loop_norm)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
+        self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
@@ -85,6 +87,8 @@ class LoopedTransformer(nn.Module):
         x = self.embed(tokens)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         for i, blk in enumerate(self.prelude):
             x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None)
         return x
@@ -106,8 +110,9 @@ class LoopedTransformer(nn.Module):
         return x if self.core_norm is None else self.core_norm(x)
 
     def run_coda(self, h: torch.Tensor, ctx) -> torch.Tensor:
-        """The coda blocks (the final norm and head are `logits`)."""
-        x = h
+        """The coda blocks (the final norm and head are `logits`); with `post_loop_norm` the final norm
+        first ends the recurrence."""
+        x = self.norm(h) if self.cfg.post_loop_norm else h
         for i, blk in enumerate(self.coda):
             x = blk(x, ctx, ctx.slots.coda(i) if ctx.slots is not None else None)
         return x
@@ -118,10 +123,15 @@ class LoopedTransformer(nn.Module):
             x = x[:, -1:]
         return self.logits(x)
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm before the LM head (identity when the loop norm already ended the state: Ouro)."""
+        return self.norm(x) if self.cfg.head_norm else x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.final_norm(x)
         if self.head_linear is not None:
-            return self.head_linear(self.norm(x))
-        return F.linear(self.norm(x), self.head_weight)
+            return self.head_linear(x)
+        return F.linear(x, self.head_weight)
 
     # -- whole pass -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,

@@ -51,7 +51,7 @@ def teacher_pass(model, windows: torch.Tensor, draft_loops: tuple[int, ...], bat
         y = h
         for blk in model.coda:
             y = blk(y, ctx, None)
-        yn = model.norm(y)
+        yn = model.final_norm(y)
         out["y"].append(yn.half())
         if full_argmax:
             out["argmax"].append(F.linear(yn, model.head_weight).argmax(-1))

@@ -1,0 +1,142 @@
+"""The architecture features imported families need (issue 15), each through the model contract: cached
+decode == full forward, batched == single, speculative greedy == plain greedy. The shapes are tiny
+stand-ins for Ouro (sandwich norms, the final norm ending every loop, no head norm, an exit gate, an
+untied head, GQA) and Huginn (norms after the residual add, q/k biases, a scaled embedding, the concat
+adapter, the final norm ending the recurrence and again before the tied head)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import core_ids, reference_ids, varied_model
+from tinyloop.config import ConfigError, preset
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.model import KVCache, LoopedTransformer
+from tinyloop.modelfile import LoadedModel
+
+BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511)
+OURO_LIKE = BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich", loop_norm=True,
+                         head_norm=False, exit_gate=True, tie_embeddings=False, default_loops=4)
+HUGINN_LIKE = BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
+                           injection="concat-adapter", loop_norm=False, post_loop_norm=True, default_loops=4)
+FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE}
+
+
+def model_of(name: str):
+    m = varied_model(FAMILIES[name], seed=3, dtype=torch.float64)
+    if m.cfg.qk_bias:
+        with torch.no_grad():
+            for blk in [*m.prelude, *m.core, *m.coda]:
+                blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    return m
+
+
+def test_param_counts_and_config_checks():
+    for cfg in FAMILIES.values():
+        with torch.device("meta"):
+            m = LoopedTransformer(cfg)
+        assert sum(p.numel() for p in m.parameters()) == cfg.param_count()
+    with pytest.raises(ConfigError, match="norm_placement"):
+        BASE.replace(norm_placement="post")
+    with pytest.raises(ConfigError, match="head_norm"):
+        BASE.replace(loop_norm=False, head_norm=False)
+    with pytest.raises(ConfigError, match="eos_token_ids"):
+        BASE.replace(eos_token_ids=(600,))
+    assert BASE.replace(eos_token_ids=[3, 4]).stop_token_ids == {511, 3, 4}
+
+
+def hand_written(m, toks, loops):
+    """The forward written out from the family descriptions, without the model's blocks."""
+    cfg = m.cfg
+    n = lambda x, w: F.rms_norm(x, (cfg.dim,), w.weight, cfg.norm_eps)  # noqa: E731
+    T = toks.shape[1]
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    cos, sin = ang.cos(), ang.sin()
+
+    def rope(x):  # (T, heads, D), half-split pairs (i, i + D/2)
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def attn(blk, x):
+        a = blk.attn
+        q = (x @ a.wq.weight.T).view(T, H, D)
+        k = (x @ a.wk.weight.T).view(T, Hkv, D)
+        v = (x @ a.wv.weight.T).view(T, Hkv, D)
+        if a.qk_bias is not None:
+            q, k = q + a.qk_bias[:H], k + a.qk_bias[H:]
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        s = torch.einsum("thd,uhd->htu", q, k) / math.sqrt(D)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("htu,uhd->thd", s.softmax(-1), v).reshape(T, H * D) @ a.wo.weight.T
+
+    def mlp(blk, x):
+        w = blk.mlp
+        return (F.silu(x @ w.w_gate.weight.T) * (x @ w.w_up.weight.T)) @ w.w_down.weight.T
+
+    def block(blk, x):
+        if cfg.norm_placement == "sandwich":
+            x = x + n(attn(blk, n(x, blk.attn_norm)), blk.attn_out_norm)
+            return x + n(mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
+        x = n(x + attn(blk, n(x, blk.attn_norm)), blk.attn_out_norm)
+        return n(x + mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
+
+    e = m.embed.weight[toks[0]] * cfg.embed_scale
+    for blk in m.prelude:
+        e = block(blk, e)
+    h = e if cfg.injection == "none" else torch.zeros_like(e)
+    for _ in range(loops):
+        x = torch.cat([h, e], -1) @ m.adapter.weight.T if cfg.injection == "concat-adapter" else h
+        for blk in m.core:
+            x = block(blk, x)
+        h = n(x, m.core_norm) if cfg.loop_norm else x
+    if cfg.post_loop_norm:
+        h = n(h, m.norm)
+    for blk in m.coda:
+        h = block(blk, h)
+    if cfg.head_norm:
+        h = n(h, m.norm)
+    return h @ m.head_weight.T
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("loops", [1, 3, 6])
+def test_forward_matches_the_family_written_out(name, loops):
+    m = model_of(name)
+    toks = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(m(toks, loops=loops)[0], hand_written(m, toks, loops), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_decode_equals_full_forward(name):
+    m = model_of(name)
+    toks = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(2))
+    full = m(toks, loops=4)
+    cache = KVCache(m.cfg, batch=2, loops=4, dtype=torch.float64)
+    outs = [m(toks[:, :7], loops=4, cache=cache, start=0)]
+    for t in range(7, 20):
+        outs.append(m(toks[:, t:t + 1], loops=4, cache=cache, start=t))
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_equals_single_and_speculation_equals_plain(name):
+    m = model_of(name)
+    prompts = [[5, 17, 300, 42, 7], [1, 2], list(range(40, 60))]
+    plain = [SamplingParams(max_tokens=12, loops=lp, ignore_eos=True) for lp in (2, 4, 5)]
+    want = [reference_ids(m, p, sp) for p, sp in zip(prompts, plain)]
+    engine = Engine(LoadedModel(m, None, {}, None))
+    got = run_to_completion(BatchEngine(engine, page_size=4), list(zip(prompts, plain)))
+    assert [[t for e in evs for t in e.token_ids] for evs in got] == want
+    for mode, k in (("speculative", 1), ("tree_speculative", 3)):
+        spec = SamplingParams(max_tokens=12, mode=mode, verify_loops=4, draft_loops=1, draft_ahead=3,
+                              k_branches=k)
+        assert core_ids(m, prompts[0], spec) == reference_ids(m, prompts[0], plain[1])
