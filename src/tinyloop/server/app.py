@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__
-from . import errors, lmstudio, native, openai
+from . import errors, lmstudio, native, openai, playground
 from .errors import APIError
 from .generation import ServerState
 from .metrics import Metrics
@@ -25,7 +25,7 @@ from .settings import Settings
 from .worker import EngineWorker
 
 log = logging.getLogger("tinyloop.server")
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", *playground.PATHS}  # the playground's page and files hold no model data
 
 
 async def _send_error(send, err: APIError) -> None:
@@ -116,6 +116,7 @@ def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(lmstudio.router)
     app.include_router(native.router)
+    app.include_router(playground.router)
 
     @app.get("/health")
     async def health():
