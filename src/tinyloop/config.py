@@ -56,6 +56,9 @@ class ModelConfig:
     post_loop_norm: bool = False        # the final norm also ends the recurrence, before the coda (Huginn)
     head_norm: bool = True              # the final norm before the LM head (Ouro: the loop norm already did)
     exit_gate: bool = False             # a learned per-loop exit gate Linear(dim -> 1) with bias (Ouro)
+    # Huginn's random initial state rule (used only when a model is given a state seed; the default
+    # state is zeros): N(0, std) truncated at +-3 std, times embed_scale. 0: the family has no such rule.
+    state_init_std: float = 0.0
     eos_token_ids: tuple[int, ...] = ()  # more ids that end generation, besides eos_token_id
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -78,6 +81,7 @@ class ModelConfig:
             (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
             (self.norm_placement in NORM_PLACEMENTS, f"norm_placement must be one of {NORM_PLACEMENTS}"),
             (self.embed_scale > 0, "embed_scale must be positive"),
+            (self.state_init_std >= 0, "state_init_std must be >= 0"),
             (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
             (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
         ]

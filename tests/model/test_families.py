@@ -140,3 +140,23 @@ def test_batched_equals_single_and_speculation_equals_plain(name):
         spec = SamplingParams(max_tokens=12, mode=mode, verify_loops=4, draft_loops=1, draft_ahead=3,
                               k_branches=k)
         assert core_ids(m, prompts[0], spec) == reference_ids(m, prompts[0], plain[1])
+
+
+def test_seeded_random_initial_state_is_per_position():
+    """Huginn's random start (state_seed): drawn by position, so the cache and the engine core agree with
+    the full forward; different seeds give different outputs; no seed is the zero state."""
+    cfg = HUGINN_LIKE.replace(state_init_std=0.5)
+    m = varied_model(cfg, seed=3, dtype=torch.float64)
+    toks = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(4))
+    zero = m(toks, loops=3)
+    m.state_seed = 7
+    seeded = m(toks, loops=3)
+    assert not torch.allclose(zero, seeded)
+    cache = KVCache(cfg, loops=3, dtype=torch.float64)
+    outs = [m(toks[:, :5], loops=3, cache=cache, start=0)] + \
+        [m(toks[:, t:t + 1], loops=3, cache=cache, start=t) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(outs, 1), seeded, rtol=1e-10, atol=1e-10)
+    params = SamplingParams(max_tokens=8, loops=3, ignore_eos=True)
+    assert core_ids(m, toks[0].tolist(), params) == reference_ids(m, toks[0].tolist(), params)
+    m.state_seed = 8
+    assert not torch.allclose(m(toks, loops=3), seeded)

@@ -69,15 +69,23 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
              max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True,
-             draft_exit: str | Path | bool = True) -> "Engine":
+             draft_exit: str | Path | bool = True, state_seed: int | None = None) -> "Engine":
         """`fast=True` (the default) applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM
         weights for 16-bit models on CPU, thread policy): see docs/decode.md. `fast=False` keeps the
         plain eager modules (the reference the tests compare against).
 
         draft_exit: True - attach the model's draft-exit file if it has one (`<model>.draft.safetensors`,
         see model/draft_exit.py; self-speculation then drafts through it); a path - that file (an error
-        if it does not fit the model); False - none."""
+        if it does not fit the model); False - none.
+
+        state_seed: for models whose family starts the recurrence from a random state (Huginn; the header's
+        `state_init_std`), draw it by that rule, per position, from this seed; None (the default) starts
+        from zeros, the deterministic state the authors evaluate with (docs/models.md)."""
         loaded = load_model(path, device=device, dtype=dtype)
+        if state_seed is not None:
+            if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":
+                raise ValidationError("state_seed: this model has no random initial-state rule", param="state_seed")
+            loaded.model.state_seed = int(state_seed)
         if fast:
             from ..model.fast import prepare_for_decode
             prepare_for_decode(loaded.model)

@@ -43,6 +43,10 @@ class LoopedTransformer(nn.Module):
         self.act_dtype: torch.dtype | None = None
         self.head_linear: nn.Module | None = None
         self.decode_threads: int | None = None  # torch threads for one-token forward calls (None: as set)
+        # With a seed (and cfg.state_init_std > 0) every token's recurrence starts from a random state drawn
+        # by the family's rule from a generator seeded by (seed, position): a token's state depends on its
+        # position only, so cached decoding, batching and speculation see the same states. None: zeros.
+        self.state_seed: int | None = None
 
     def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
         gen_state = torch.random.get_rng_state()
@@ -93,8 +97,23 @@ class LoopedTransformer(nn.Module):
             x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None)
         return x
 
-    def init_state(self, e: torch.Tensor) -> torch.Tensor:
-        return e if self.cfg.injection == "none" else torch.zeros_like(e)
+    def init_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The state loop 0 starts from: e itself (no injection), else zeros, or with `state_seed` the
+        family's random rule per position (`positions` (T,) of e's (B, T, dim) rows; default 0..T-1)."""
+        if self.cfg.injection == "none":
+            return e
+        std = self.cfg.state_init_std
+        if self.state_seed is None or std == 0:
+            return torch.zeros_like(e)
+        if positions is None:
+            positions = torch.arange(e.shape[1])
+        rows = []
+        for p in positions.tolist():
+            g = torch.Generator().manual_seed((self.state_seed * 1_000_003 + p) % 2**63)
+            x = torch.empty(e.shape[-1], dtype=torch.float64)
+            torch.nn.init.trunc_normal_(x, 0.0, std, -3 * std, 3 * std, generator=g)
+            rows.append(x * self.cfg.embed_scale)
+        return torch.stack(rows).to(e.dtype).to(e.device).expand_as(e).clone()
 
     def core_loop(self, h: torch.Tensor, e: torch.Tensor, loop_idx: int, ctx: StepContext) -> torch.Tensor:
         """One application of the shared core (loop `loop_idx`), writing that loop's cache slots."""
@@ -143,7 +162,7 @@ class LoopedTransformer(nn.Module):
         with self._decode_threads(tokens.shape[1]):
             ctx = self.context(tokens.shape[1], cache=cache, start=start)
             e = self.embed_prelude(tokens, ctx)
-            h = self.init_state(e)
+            h = self.init_state(e, ctx.positions)
             for r in range(loops):
                 h = self.core_loop(h, e, r, ctx)
             return self.coda_logits(h, ctx, last_only=last_only)
@@ -166,9 +185,10 @@ class LoopedTransformer(nn.Module):
             fv = step.view(fresh)
             toks = torch.tensor([t for r in fresh for t in r.tokens], device=step.device)[None]
             e_f = self.embed_prelude(toks, fv)
+            fresh_pos = torch.cat([r.positions for r in fresh])
             if len(fresh) == len(rows):
                 e = e_f
-                h = self.init_state(e)
+                h = self.init_state(e, fresh_pos)
                 if h is e:
                     h = e.clone()  # h is updated in place below; e must stay
         if e is None:
@@ -177,7 +197,7 @@ class LoopedTransformer(nn.Module):
             h = torch.empty(1, N, dim, dtype=dtype, device=step.device)
             if fresh:
                 e = fv.put(e, e_f)
-                h = fv.put(h, self.init_state(e_f).clone())
+                h = fv.put(h, self.init_state(e_f, fresh_pos).clone())
             for r in rows:
                 if r.state is not None:
                     e[0, r.row0:r.row0 + r.n] = r.state[0]

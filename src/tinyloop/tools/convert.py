@@ -91,7 +91,9 @@ def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
                        norm_eps=hf.get("norm_eps", 1e-6), rope_theta=float(hf.get("rope_base", 50000.0)),
                        mlp="swiglu", tie_embeddings=True, injection="concat-adapter", loop_norm=False,
                        post_loop_norm=True, norm_placement="sandwich-residual", qk_bias=bool(hf.get("qk_bias", False)),
-                       embed_scale=math.sqrt(d), eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+                       embed_scale=math.sqrt(d), state_init_std=float((hf.get("init_values") or {}).get(
+                           "std", math.sqrt(2 / (5 * d)))),
+                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
 # -- tensors ------------------------------------------------------------------------------------------
