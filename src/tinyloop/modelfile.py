@@ -216,6 +216,8 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelFileError(path, f"embedded tokenizer has {tokenizer.vocab_size} tokens, the model only "
                                    f"{cfg.vocab_size}")
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.pad_vocab(cfg.vocab_size)
     quant = header["weights"].get("quant") or {}
     with torch.device("meta"):
         model = LoopedTransformer(cfg)

@@ -169,6 +169,13 @@ class HFTokenizer:
                 table.append(tok.replace("\u2581", " ").encode("utf-8"))
         return table
 
+    def pad_vocab(self, n: int) -> None:
+        """Extend to a model's padded vocabulary (Huginn pads to a multiple of 64): the padding ids,
+        which no text encodes to, decode to nothing."""
+        if n > self.vocab_size:
+            self._bytes += [b""] * (n - self.vocab_size)
+            self.vocab_size = n
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

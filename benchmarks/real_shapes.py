@@ -1,0 +1,164 @@
+"""Imported families at their real sizes on this CPU: load, memory, decode tok/s and bytes per token.
+
+No checkpoint can be downloaded here, so each shape is built with random weights from the family's real
+`config.json` values (docs/models.md), written as the `.tinyloop` file `tinyloop convert` would write
+(bf16), quantized to int4 round-to-nearest (`tinyloop quantize --method rtn`: GPTQ needs the real weights
+to mean anything) and served by `Engine.load` on the engine core. Reported per shape: file sizes, the
+resident memory after loading, decode tok/s of one greedy request at the trained depth (median of the
+decode steps after the first token), the weight bytes one token reads, and that over the read bandwidth
+measured in the same run (the ceiling).
+
+    .venv/bin/python benchmarks/real_shapes.py [--shapes ouro-1.4b] [--tokens 16] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import measure_bandwidth  # noqa: E402
+
+from tinyloop.engine import Engine, SamplingParams  # noqa: E402
+from tinyloop.model import build_model  # noqa: E402
+from tinyloop.modelfile import write_model  # noqa: E402
+from tinyloop.tools.convert import huginn_config, ouro_config  # noqa: E402
+from tinyloop.tools.gptq import QuantSpec  # noqa: E402
+from tinyloop.tools.quantize import quantize_file  # noqa: E402
+from tinyloop.tokenizer import HFTokenizer  # noqa: E402
+
+# the families' real config.json values (shared/reference/README.md)
+SHAPES = {
+    "ouro-1.4b": ("ouro", dict(model_type="ouro", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                               intermediate_size=5632, num_hidden_layers=24, total_ut_steps=4, vocab_size=49152,
+                               max_position_embeddings=65536, rope_theta=1e6, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False)),
+    "ouro-2.6b": ("ouro", dict(model_type="ouro", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                               intermediate_size=5632, num_hidden_layers=48, total_ut_steps=4, vocab_size=49152,
+                               max_position_embeddings=65536, rope_theta=1e6, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False)),
+    "huginn-3.5b": ("huginn", dict(model_type="huginn_raven", n_embd=5280, n_heads=55, intermediate_size=17920,
+                                   n_layers_in_prelude=2, n_layers_in_recurrent_block=4, n_layers_in_coda=2,
+                                   mean_recurrence=32, padded_vocab_size=65536, block_size=4096, rope_base=50000,
+                                   qk_bias=True, norm_eps=1e-6)),
+}
+
+
+def small_tokenizer() -> HFTokenizer:
+    """A byte-level BPE (a few hundred tokens): the shapes are what is measured, not the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. " * 50], trainer)
+    return HFTokenizer(tok.to_str(), eos_ids=[0], eos_token="<|endoftext|>")
+
+
+def rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def module_bytes(mod: torch.nn.Module) -> int:
+    """Weight bytes one pass through `mod` reads (quantized kernels' buffers, fp16 packs, float weights)."""
+    total = 0
+    for sub in mod.modules():
+        if hasattr(sub, "weight_bytes"):          # QuantLinear
+            total += sub.weight_bytes
+        elif hasattr(sub, "weight_nbytes"):       # FP16Linear
+            total += sub.weight_nbytes
+        elif isinstance(sub, torch.nn.Linear):
+            total += sub.weight.numel() * sub.weight.element_size()
+    return total
+
+
+def token_bytes(engine: Engine) -> int:
+    """Weight bytes one decode token reads: prelude and coda once, the core (and adapter) every loop, the
+    head once (norms and the embedding row are negligible)."""
+    m, loops = engine.model, engine.config.default_loops
+    core = sum(module_bytes(b) for b in m.core) + (module_bytes(m.adapter) if m.adapter is not None else 0)
+    head = module_bytes(m.head_linear) if m.head_linear is not None else m.head_weight.numel() * m.head_weight.element_size()
+    return sum(module_bytes(b) for b in [*m.prelude, *m.coda]) + loops * core + head
+
+
+def run_shape(name: str, tokens: int, workdir: Path) -> dict:
+    family, hf = SHAPES[name]
+    tok = small_tokenizer()
+    cfg = (ouro_config if family == "ouro" else huginn_config)(hf, workdir, [0])
+    t0 = time.perf_counter()
+    model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+    bf16 = write_model(workdir / f"{name}.tinyloop", model, tokenizer=tok)
+    del model
+    gc.collect()
+    t_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    int4 = workdir / f"{name}-int4.tinyloop"
+    quantize_file(bf16, int4, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False), progress=False)
+    t_quant = time.perf_counter() - t0
+    os.remove(bf16)
+    gc.collect()
+    rss0 = rss_gib()
+    t0 = time.perf_counter()
+    engine = Engine.load(int4, draft_exit=False)
+    t_load = time.perf_counter() - t0
+    rss1 = rss_gib()
+    stamps = []
+    for ev in engine.stream([5, 17, 42, 7, 99, 3, 11, 64], SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        if ev.token_ids:
+            stamps.append(time.perf_counter())
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    tok_s = 1 / statistics.median(steps)
+    nbytes = token_bytes(engine)
+    return {"shape": name, "params": cfg.param_count(), "loops": cfg.default_loops,
+            "int4_file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
+            "rss_before_load_GiB": round(rss0, 2), "build_write_s": round(t_write, 1), "quantize_s": round(t_quant, 1),
+            "load_s": round(t_load, 1), "decode_tok_s": round(tok_s, 2), "token_GB": round(nbytes / 1e9, 3),
+            "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="ouro-1.4b", help=f"comma-separated: {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = measure_bandwidth()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.shapes.split(","):
+            r = run_shape(name, args.tokens, Path(tmp))
+            r["ceiling_tok_s"] = round(bw["best_GBps"] / r["token_GB"], 2)
+            r["fraction_of_ceiling"] = round(r["decode_tok_s"] / r["ceiling_tok_s"], 2)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            gc.collect()
+    print(f"# read bandwidth {bw['best_GBps']:.1f} GB/s (best of 7, {torch.get_num_threads()} threads)")
+    print("| shape | params | loops | int4 file GiB | RSS after load GiB | decode tok/s | GB/token | ceiling tok/s | fraction |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['loops']} | {r['int4_file_GiB']} | "
+              f"{r['rss_after_load_GiB']} | {r['decode_tok_s']} | {r['token_GB']} | {r['ceiling_tok_s']} | "
+              f"{r['fraction_of_ceiling']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
