@@ -123,9 +123,27 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .modelfile import ModelFileError, load_model
-    from .tools.evaluate import perplexity
+    from .tools.evaluate import perplexity, windows
+    from .tools.plots import PlotError, perplexity_by_loops
+    from .tools.progress import progress
     from .train.data import read_text
 
+    if args.replot:  # a PNG from an earlier run's JSON, without running the model
+        if not args.plot:
+            return _fail("--replot needs --plot PNG (where to write the plot)")
+        try:
+            data = json.loads(Path(args.replot).read_text())
+            rows = data.get("results") or data.get("perplexity")  # `eval --json`, or docs/model-card-data.json
+            if not rows:
+                raise ValueError(f"{args.replot}: no 'results' (tinyloop eval --json) or 'perplexity' rows")
+            name = Path(str(data.get("model", ""))).name
+            title = f"{name}: perplexity by loops ({rows[0].get('tokens_scored')} tokens scored)" if name else ""
+            print(f"wrote {perplexity_by_loops(rows, args.plot, title=title)}")
+        except (OSError, ValueError, KeyError, PlotError) as exc:
+            return _fail(str(exc))
+        return 0
+    if not args.text:
+        return _fail("--text FILE is required (or --replot JSON --plot PNG)")
     try:
         import torch
         lm = load_model(args.model, dtype=torch.float32)  # eval math in fp32 whatever the storage
@@ -139,8 +157,21 @@ def _eval(args: argparse.Namespace) -> int:
     ids = lm.tokenizer.encode(text)
     if len(ids) < 2:
         return _fail(f"{args.text}: needs at least 2 tokens of text")
-    rows = [perplexity(lm.model, ids, loops, seq_len=args.seq_len, kv_format=args.kv, max_tokens=args.max_tokens)
-            for loops in loops_list]
+    seq_len = args.seq_len or lm.config.max_seq_len
+    n_windows = len(windows(min(len(ids), args.max_tokens or len(ids)), seq_len, seq_len // 2))
+    rows = []
+    with progress(total=n_windows * len(loops_list), desc="eval", unit="window", quiet=args.quiet) as bar:
+        for loops in loops_list:
+            bar.set_postfix(loops=loops)
+            rows.append(perplexity(lm.model, ids, loops, seq_len=args.seq_len, kv_format=args.kv,
+                                   max_tokens=args.max_tokens, on_window=bar.update))
+    if args.plot:
+        try:
+            plot = perplexity_by_loops(rows, args.plot, title=f"{lm.path.name} on {Path(args.text).name}: "
+                                       f"perplexity by loops ({rows[0]['tokens_scored']} tokens)")
+        except PlotError as exc:
+            return _fail(str(exc))
+        print(f"wrote {plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": str(lm.path), "text": args.text, "results": rows}, indent=2))
         return 0
@@ -244,12 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="perplexity by loop depth on a text file")
     e.add_argument("model", nargs="?", help="a .tinyloop file (default: the shipped model)")
-    e.add_argument("--text", required=True, help="a text file (.txt or .txt.gz)")
+    e.add_argument("--text", help="a text file (.txt or .txt.gz); required unless --replot")
     e.add_argument("--loops", default="1,2,4,8,12,16")
     e.add_argument("--seq-len", type=int, help="window length (default: the model's context)")
     e.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     e.add_argument("--kv", default="fp16", help="KV cache format")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--plot", metavar="PNG", help="also write a plot of perplexity by loops (needs matplotlib)")
+    e.add_argument("--replot", metavar="JSON", help="only plot: the rows of an earlier `eval --json` output "
+                   "(or docs/model-card-data.json) to --plot, without running the model")
+    e.add_argument("--quiet", action="store_true", help="no progress bar (none is shown when stderr is not a terminal)")
     e.set_defaults(func=_eval)
 
     n = sub.add_parser("init", help="write a randomly initialised model of a preset (tests, benchmarks)")

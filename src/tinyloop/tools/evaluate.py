@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,8 @@ def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, in
 @torch.inference_mode()
 def perplexity(model: LoopedTransformer, token_ids: list[int] | torch.Tensor, loops: int,
                seq_len: int | None = None, stride: int | None = None, kv_format: str = "fp16",
-               max_tokens: int | None = None) -> dict:
+               max_tokens: int | None = None, on_window: Callable[[], None] | None = None) -> dict:
+    """`on_window` is called after each window (progress bars)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -56,6 +57,8 @@ def perplexity(model: LoopedTransformer, token_ids: list[int] | torch.Tensor, lo
         targets = x[0, lo:]
         nll += F.cross_entropy(logits[lo - 1:-1], targets, reduction="sum").item()
         count += targets.numel()
+        if on_window is not None:
+            on_window()
     loss = nll / max(count, 1)
     return {"loops": loops, "kv_format": kv_format, "tokens_scored": count, "loss": loss,
             "perplexity": math.exp(loss), "seconds": round(time.perf_counter() - t0, 2)}
