@@ -213,10 +213,10 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
                                                   eos_id=tok_h["eos_id"])
     except (TokenizerError, KeyError, UnicodeDecodeError) as exc:
         raise ModelFileError(path, f"embedded tokenizer: {exc}") from None
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelFileError(path, f"embedded tokenizer has {tokenizer.vocab_size} tokens, the model only "
-                                   f"{cfg.vocab_size}")
-    if isinstance(tokenizer, HFTokenizer):
+    if isinstance(tokenizer, HFTokenizer):  # (GPT-2 files are read as they always were)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ModelFileError(path, f"embedded tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                                       f"{cfg.vocab_size}")
         tokenizer.pad_vocab(cfg.vocab_size)
     quant = header["weights"].get("quant") or {}
     with torch.device("meta"):
