@@ -13,7 +13,8 @@ Every figure is tokens/s of one request's decode steps on the engine core (`Batc
 the server and `Engine.generate` use: scheduling, the batched forward over the paged pool, sampling)
 after an 8-token prefill, timed over `--tokens` steps after 2 warm-up steps. Run on an otherwise idle machine:
 
-    .venv/bin/python benchmarks/decode.py            # table + benchmarks/results/decode.json
+    .venv/bin/python benchmarks/decode.py            # table + benchmarks/results/decode.json (+ decode.png)
+    .venv/bin/python benchmarks/decode.py --plot-only  # replot decode.png from decode.json, run nothing
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.modelfile import LoadedModel
 from tinyloop.model import build_model
 from tinyloop.model.fast import prepare_for_decode
+from tinyloop.tools.progress import progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPT = [464, 3797, 286, 262, 9814, 318, 257, 890]  # 8 GPT-2 ids
@@ -176,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-small", type=int, default=48, help="timed decode steps per point, small models")
     ap.add_argument("--tokens-large", type=int, default=8, help="timed decode steps per point, 407m")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    ap.add_argument("--no-plot", action="store_true", help="no PNG next to the JSON")
+    ap.add_argument("--plot-only", action="store_true", help="only replot the existing --out JSON; run nothing")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (none is shown off a terminal)")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        from plotting import plot_any
+
+        print(f"wrote {plot_any(args.out)}", file=sys.stderr)
+        return 0
+    specs = args.models.split(",")
+    bar = progress(total=len(specs), desc="decode", unit="model", quiet=args.quiet)
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        bar.write(msg, file=sys.stderr)
 
     default_threads = torch.get_num_threads()
     load_start = os.getloadavg()
@@ -192,10 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     loops_list = [int(x) for x in args.loops.split(",")]
     rows = []
     t0 = time.perf_counter()
-    for spec in args.models.split(","):
+    for spec in specs:
         name, dtype_name = spec.split(":")
+        bar.set_postfix_str(spec)
         tokens = args.tokens_large if preset(name).dim >= 1024 else args.tokens_small
         rows += bench_model(name, dtype_name, loops_list, tokens, default_threads, bw["best_GBps"], log)
+        bar.update()
+    bar.close()
     bw_after = measure_bandwidth()
     md = table(rows)
     print(md)
@@ -212,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     log(f"wrote {args.out}")
+    if not args.no_plot:
+        from plotting import plot_any
+
+        log(f"wrote {plot_any(args.out)}")
     return 0
 
 

@@ -32,6 +32,10 @@ own CPU time is part of what is measured. Percentiles interpolate linearly betwe
     .venv/bin/python benchmarks/serving.py --json benchmarks/results/serving.json
     # options: [--model M.tinyloop] [--threads 2] [--clients 1,4,16,32] [--requests-per-client 3]
     #          [--max-tokens 64] [--level-timeout-s 300] [--url http://127.0.0.1:8000] [--quick]
+    #          [--quiet] [--no-plot]
+    .venv/bin/python benchmarks/serving.py --json benchmarks/results/serving.json --plot-only   # replot only
+
+With --json the plot (tokens/s, TTFT and ITL by clients) goes next to it as a PNG (benchmarks/plotting.py).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+
+from tinyloop.tools.progress import progress
 
 PROMPTS = [
     "The king said to his people that",
@@ -212,7 +218,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return rec
 
 
-async def run_level(url: str, clients: int, requests_per_client: int, max_tokens: int, timeout_s: float) -> dict:
+async def run_level(url: str, clients: int, requests_per_client: int, max_tokens: int, timeout_s: float,
+                    on_request=None) -> dict:
+    """One concurrency level; `on_request()` is called as each request ends (a progress bar)."""
     loop = asyncio.get_running_loop()
     records: list[dict] = []
     not_started = 0
@@ -244,6 +252,8 @@ async def run_level(url: str, clients: int, requests_per_client: int, max_tokens
                               "done": False, "_times": []}
                 rec.update(holder)
                 records.append(rec)
+                if on_request is not None:
+                    on_request()
                 if not rec["ok"] and rec["error"].startswith("level time limit"):
                     not_started += requests_per_client - j - 1
                     return
@@ -293,7 +303,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: levels 1,4, 2 requests per client, 16 tokens (explicit flags still win)")
     ap.add_argument("--json", metavar="PATH", help="write every figure (and each request's record) here")
+    ap.add_argument("--no-plot", action="store_true", help="no PNG next to the --json file")
+    ap.add_argument("--plot-only", action="store_true", help="only replot the existing --json file; run nothing")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (none is shown off a terminal)")
     args = ap.parse_args()
+    if args.plot_only:
+        if not args.json:
+            ap.error("--plot-only needs --json PATH (the results to plot)")
+        from plotting import plot_any
+
+        print(f"wrote {plot_any(args.json)}")
+        return 0
 
     base = QUICK if args.quick else DEFAULTS
     pick = lambda given, key: base[key] if given is None else given  # noqa: E731
@@ -328,11 +348,13 @@ def main() -> int:
         warm = asyncio.run(run_level(url, 1, 1, min(4, max_tokens), max(args.level_timeout_s, 120)))  # not counted
         if warm["requests_failed"]:
             print(f"# warm-up request failed: {next(iter(warm['failures']))}", file=sys.stderr, flush=True)
-        for c in levels:
-            res = asyncio.run(run_level(url, c, rpc, max_tokens, args.level_timeout_s))
-            results.append(res)
-            print(f"# level {c}: {res['requests_ok']} ok, {res['requests_failed']} failed, "
-                  f"{res['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        with progress(total=sum(levels) * rpc, desc="requests", unit="req", quiet=args.quiet) as bar:
+            for c in levels:
+                bar.set_postfix(clients=c)
+                res = asyncio.run(run_level(url, c, rpc, max_tokens, args.level_timeout_s, on_request=bar.update))
+                results.append(res)
+                bar.write(f"# level {c}: {res['requests_ok']} ok, {res['requests_failed']} failed, "
+                          f"{res['wall_s']:.1f} s", file=sys.stderr)
     finally:
         if proc is not None:
             stop_server(proc)
@@ -388,6 +410,10 @@ def main() -> int:
                                    "speedup_16_vs_1": None if speedup is None else round(speedup, 3)},
                                   indent=2) + "\n")
         print(f"wrote {out}")
+        if not args.no_plot:
+            from plotting import plot_any
+
+            print(f"wrote {plot_any(out)}")
     return 0 if all(r["requests_failed"] == 0 and r["requests_not_started"] == 0 for r in results) else 1
 
 

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py                      # the shipped model, full grid
     python benchmarks/speculative.py --checkpoint runs/shipped/checkpoint.pt --quick
+    python benchmarks/speculative.py --json benchmarks/results/speculative.json --plot-only   # replot only
 
 Greedy, `--tokens` new tokens per prompt over a fixed prompt set, one thread, on the model as
 `Engine.load` prepares it (the decode fast path; `--eager` for plain fp32 modules). For every setting it
@@ -9,7 +10,8 @@ reports tokens/s and the speed-up over plain generate, paired: per prompt, plain
 setting run back to back `--repeats` times and the speed-up is the median of those pairs' time ratios
 (the machine is shared and drifts by tens of percent within a run), acceptance figures, and
 whether the tokens equal plain generate's (float32: a batched pass may flip a near-tie; it is counted,
-not hidden). A cost model section times the pieces (one loop, the full and the draft LM head at a few
+not hidden). With --json, a PNG goes next to it: tokens/s by setting and acceptance by draft depth
+(benchmarks/plotting.py; --no-plot to skip). A cost model section times the pieces (one loop, the full and the draft LM head at a few
 widths) and the per-round figures the runs report (time per draft token, per verification pass, per
 round). Results go to stdout as markdown and, with --json, to a file.
 
@@ -39,6 +41,7 @@ from tinyloop.engine.serving import run_ids
 from tinyloop.engine.speculative import DRAFT_STOP, DRAFT_VOCAB
 from tinyloop.modelfile import LoadedModel
 from tinyloop.model.layers import StepContext
+from tinyloop.tools.progress import progress
 
 PROMPTS = [
     "In the beginning God created the heaven and the earth. And the earth was without form, and",
@@ -144,8 +147,18 @@ def main(argv=None) -> int:
                          "with a high --repeats, the tightest paired figure for the defaults bar")
     ap.add_argument("--repeats", type=int, default=4,
                     help="pairs (plain, setting) per prompt; the speed-up is the median pair ratio")
-    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--json", help="write every figure here (and a plot next to it)")
+    ap.add_argument("--no-plot", action="store_true", help="no PNG next to the --json file")
+    ap.add_argument("--plot-only", action="store_true", help="only replot the existing --json file; run nothing")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (none is shown off a terminal)")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        if not args.json:
+            ap.error("--plot-only needs --json PATH (the results to plot)")
+        from plotting import plot_any
+
+        print(f"wrote {plot_any(args.json)}")
+        return 0
     torch.set_num_threads(1)
     model, tok, source = load(args)
     V, N = args.verify_loops, args.tokens
@@ -233,11 +246,16 @@ def main(argv=None) -> int:
     if args.defaults_only:
         grid = []
         variants = [v for v in variants if v[1].get("draft_exit") is False]
-    for knobs in [default] + [g for g in grid if g != default]:  # the defaults first
-        report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
-        if knobs is default:
-            for label, kw in ([] if args.no_variants else variants):
-                report(label, default, kw)
+    settings = [default] + [g for g in grid if g != default]  # the defaults first
+    n_variants = 0 if args.no_variants else len(variants)
+    with progress(total=len(settings) + n_variants, desc="settings", unit="setting", quiet=args.quiet) as bar:
+        for knobs in settings:
+            report("chain" if knobs["k_branches"] == 1 else "tree", knobs, {})
+            bar.update()
+            if knobs is default:
+                for label, kw in ([] if args.no_variants else variants):
+                    report(label, default, kw)
+                    bar.update()
     # plain generate again: how much the machine drifted during the run
     _, t_plain2, _ = run(model, prompts, base)
     plain2 = N * len(prompts) / t_plain2
@@ -255,6 +273,10 @@ def main(argv=None) -> int:
     for k, v in cost.items():
         print(f"- {k}: {v:.3f}")
     save(plain_again=plain2, pieces=cost)
+    if args.json and not args.no_plot:
+        from plotting import plot_any
+
+        print(f"wrote {plot_any(args.json)}")
     return 0
 
 

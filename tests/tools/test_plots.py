@@ -60,3 +60,42 @@ def test_progress_is_quiet_off_a_terminal_and_with_quiet(capsys):
                 bar.update()
         assert bar.disable
     assert capsys.readouterr().err == ""
+
+
+def load_plotting():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_plotting", ROOT / "benchmarks" / "plotting.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["decode", "speculative", "serving"])
+def test_benchmark_results_replot(name, tmp_path):
+    """Each benchmark's committed JSON replots (told apart by content), and its PNG is committed beside it."""
+    plotting = load_plotting()
+    src = ROOT / "benchmarks" / "results" / f"{name}.json"
+    assert is_png(plotting.plot_any(src, tmp_path / f"{name}.png"))
+    assert is_png(src.with_suffix(".png"))
+
+
+def test_benchmark_replot_refuses_other_json(tmp_path):
+    plotting = load_plotting()
+    other = tmp_path / "x.json"
+    other.write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="not a result"):
+        plotting.plot_any(other)
+
+
+@pytest.mark.parametrize("script", ["decode.py", "speculative.py", "serving.py"])
+def test_benchmarks_plot_only_runs_nothing(script, tmp_path):
+    """`--plot-only` replots the JSON next to it without running the benchmark (and says where it wrote)."""
+    name = script.removesuffix(".py")
+    src = tmp_path / f"{name}.json"
+    src.write_bytes((ROOT / "benchmarks" / "results" / f"{name}.json").read_bytes())
+    flag = ["--out", str(src)] if name == "decode" else ["--json", str(src)]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *flag, "--plot-only"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert is_png(src.with_suffix(".png")) and "wrote" in r.stdout + r.stderr
