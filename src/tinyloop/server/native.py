@@ -46,8 +46,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
     engine = state_of(request).worker.require_engine()
     if (body.text is None) == (body.messages is None):
         raise ValidationError("give exactly one of text or messages", param="text")
-    text = body.text if body.text is not None else render_chat(body.messages)
-    ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, text)
+    if body.text is not None:
+        ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, body.text)
+    else:  # what a chat request would feed the model: its chat template, special tokens as ids
+        ids = await anyio.to_thread.run_sync(engine.encode_prompt, render_chat(body.messages))
     return {"tokens": ids, "count": len(ids), "max_seq_len": engine.max_seq_len}
 
 

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import SamplingParams, param_default
+from ..chat import Chat
 from ..errors import ValidationError
 
 # Request defaults are SamplingParams' (one place); only where an API's own spec says otherwise (OpenAI's
@@ -59,19 +60,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """The chat template: one "Role: content" line per message, then the assistant cue.
-
-        System: You are terse.
-        User: Capital of France?
-        Assistant:
-
-    TinyLoop's models are plain GPT-2-BPE LMs, not chat-tuned; there are no special tokens.
-    """
+def render_chat(messages: list[ChatMessage]) -> Chat:
+    """The conversation, checked, for the engine to render with the model's chat template (an imported
+    checkpoint's own Jinja template, or "Role: content" lines for TinyLoop's GPT-2 models: `tinyloop.chat`)."""
     if not messages:
         raise ValidationError("messages: must contain at least one message", param="messages")
-    lines = [f"{ROLE_NAMES[m.role]}: {m.text(i)}" for i, m in enumerate(messages)]
-    return "\n".join(lines + [ASSISTANT_CUE])
+    return Chat(tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)))
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -176,7 +170,7 @@ class ChatCompletionRequest(OpenAIRequest):
     def requested_max_tokens(self) -> int:
         return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
 
-    def prompt(self) -> str:
+    def prompt(self) -> Chat:
         return render_chat(self.messages)
 
 
