@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from .conftest import ServerThread, wait_loaded
-from tests.test_hf_tokenizer import CHATML, byte_level_json
+from test_hf_tokenizer import CHATML, byte_level_json
 from tinyloop.chat import Chat, render_template
 from tinyloop.config import preset
 from tinyloop.model import build_model
