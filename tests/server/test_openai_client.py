@@ -133,7 +133,8 @@ def test_auth_everywhere_but_health(served):
     assert httpx.get(served.url + "/health").status_code == 200
     for path in ("/v1/models", "/api/v0/models", "/metrics"):
         r = httpx.get(served.url + path)
-        assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code", "request_id"}
+        assert r.json()["error"]["request_id"] == r.headers["x-request-id"]
         assert httpx.get(served.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     r = httpx.post(served.url + "/generate", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401

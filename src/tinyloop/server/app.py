@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__
-from . import errors, lmstudio, native, openai, playground
+from . import access, errors, lmstudio, native, openai, playground
+from . import openapi as server_openapi
 from .errors import APIError
 from .generation import ServerState
 from .metrics import Metrics
@@ -61,11 +62,12 @@ class GateMiddleware:
 
     async def _gate(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        key = self.settings.api_key
-        if key and scope["path"] not in OPEN_PATHS:
+        keys = self.settings.api_keys
+        if keys and scope["path"] not in OPEN_PATHS:
             auth = headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            given = (auth[7:].strip() if auth[:7].lower() == "bearer " else "").encode("latin-1")
+            # every key compared, in constant time each: the time taken says nothing about which matched
+            if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
                 why = "missing" if not auth else "invalid"
                 return await _send_error(send, APIError(
                     401, f"{why} API key: send the header 'Authorization: Bearer <key>'",
@@ -139,6 +141,9 @@ def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.add_middleware(GateMiddleware, settings=settings, metrics=metrics)
+    access.install_cors(app, settings.cors_origins)
+    app.add_middleware(access.AccessMiddleware)
+    server_openapi.install(app, state)
     return app
 
 
@@ -156,6 +161,7 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") 
             worker.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    access.setup_logging(settings.log_format, log_level)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,  # ours has ids
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     Server(config).run()

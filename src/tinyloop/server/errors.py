@@ -1,4 +1,5 @@
-"""Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}, plus
+`request_id` (the `X-Request-Id` of the response).
 
 `APIError` is what route code raises; the handlers below turn it, the engine's `ValidationError`,
 pydantic's validation errors, Starlette's HTTP errors and anything unexpected into that shape, so no
@@ -7,6 +8,7 @@ client ever sees a bare stack trace.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -16,13 +18,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestTimeout, ValidationError
+from .access import request_id_var
 
 log = logging.getLogger("tinyloop.server")
 
 # status -> OpenAI error type
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-         429: "rate_limit_error", 500: "server_error", 501: "not_implemented_error", 503: "server_error"}
+         429: "rate_limit_error", 500: "server_error", 501: "not_implemented_error", 503: "server_error",
+         504: "server_error"}
 
 
 class APIError(Exception):
@@ -40,8 +44,20 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None,
+               request_id: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, plus the id of the request it answers (the current one unless given)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code,
+                      "request_id": request_id or request_id_var.get()}}
+
+
+async def send_error(send, err: APIError) -> None:
+    """An error response straight onto an ASGI `send` (for middleware, outside FastAPI's handlers)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def from_validation(exc: ValidationError) -> APIError:

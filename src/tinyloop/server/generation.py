@@ -17,6 +17,8 @@ from fastapi.responses import StreamingResponse
 
 from ..version import __version__
 from ..engine import SamplingParams
+from ..errors import ValidationError
+from .access import note
 from .errors import APIError, from_engine_failure
 from .sse import DONE, KEEPALIVE, Framer
 from .worker import EngineWorker, RequestHandle
@@ -64,14 +66,22 @@ class ServerState:
 
     # -- running a request ----------------------------------------------------------------------
     async def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1,
-                     timeout_s: float | None = None) -> RequestHandle:
-        """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop."""
+                     timeout_s: float | None = None, max_tokens_given: bool = True) -> RequestHandle:
+        """Every check (model-dependent ones too) before queueing; tokenizing runs off the event loop.
+        A request that names no max_tokens gets the default, lowered to the server's TINYLOOP_MAX_TOKENS."""
         engine = self.worker.require_engine()
+        limit = self.settings.max_tokens
+        if not max_tokens_given and params.max_tokens > limit:
+            params = params.replace(max_tokens=limit)
+        if params.max_tokens > limit:
+            raise ValidationError(f"max_tokens: must be at most {limit} on this server (TINYLOOP_MAX_TOKENS), "
+                                  f"got {params.max_tokens}", param="max_tokens")
 
         def prepare():
             return engine.plan(engine.encode_prompt(prompt), params, n=n)
 
         plan = await anyio.to_thread.run_sync(prepare)
+        note(mode=plan.mode, loops=plan.loops, n=plan.n, prompt_tokens=plan.n_prompt, max_tokens=plan.max_tokens)
         return self.worker.submit(plan, timeout_s=timeout_s)
 
 
@@ -106,6 +116,8 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                                              item.finish_reason, item.stats or {})
                 if len(results) == handle.plan.n:
                     done = handle.delivered = True
+                    note(completion_tokens=sum(r.stats.get("completion_tokens", 0) for r in results.values()),
+                         finish_reason=results[0].finish_reason)
                     return [results[i] for i in range(handle.plan.n)]
     finally:
         if not done:
@@ -168,9 +180,11 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
                 if out:
                     yield b"".join(out)
         finally:
+            note(stream=True, completion_tokens=sum(st.get("completion_tokens", 0) for st in framer.closed.values()))
             if finished:
                 handle.delivered = True
             else:  # client went away (task cancelled) or the response was dropped
+                note(aborted=True)
                 handle.abort()
 
     return EngineStreamResponse(body(), handle, media_type="text/event-stream", headers=SSE_HEADERS)

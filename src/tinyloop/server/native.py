@@ -17,7 +17,8 @@ router = APIRouter()
 
 async def run_generate(request: Request, body: GenerateRequest):
     state = state_of(request)
-    handle = await state.submit(body.prompt, body.sampling_params(), timeout_s=body.timeout_s)
+    handle = await state.submit(body.prompt, body.sampling_params(), timeout_s=body.timeout_s,
+                                max_tokens_given=body.max_tokens_given())
     if body.stream:
         return await stream(handle, NativeFramer(id="", created=0, model=""), state.settings.keepalive_s)
     result = (await collect(handle, request))[0]

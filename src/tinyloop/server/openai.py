@@ -50,8 +50,9 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     state = state_of(request)
     params = body.sampling_params()
     n = body.choices()
-    prompt = body.prompt() if chat else body.prompt_input()
-    handle = await state.submit(prompt, params, n=n, timeout_s=body.timeout_s)
+    prompt = body.prompt() if chat else body.prompt_input(state.worker.require_engine().config.vocab_size)
+    handle = await state.submit(prompt, params, n=n, timeout_s=body.timeout_s,
+                                max_tokens_given=body.max_tokens_given())
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     extras = state.lmstudio_extras if extended else None
     if body.wants_stream():

@@ -1,16 +1,23 @@
 """Request bodies (pydantic: shapes and types -> 422) and their mapping onto SamplingParams.
 
-Ranges are not checked here: `SamplingParams.validate` and `Engine.check` do that in one place and
-raise `ValidationError` (-> 400), as the spec asks (out-of-range values are 400, wrong types 422).
+Types are strict (no "5" for 5, no `true` for 1): the OpenAPI document says what is accepted, and the
+schema fuzzer (tests/server/test_fuzz.py) holds the server to it. Ranges are not checked by pydantic:
+`SamplingParams.validate` and `Engine.plan` do that in one place and raise `ValidationError` (-> 400), as
+the spec asks (out-of-range values are 400, wrong types 422). The ranges are still written into the JSON
+schema (`rng`), so the document is exactly as tight as the validation; limits that depend on the model or
+the settings (`x-limit`) are filled in when the document is served (server/openapi.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from ..engine import SamplingParams, param_default
+from ..engine.params import MODES
+from ..engine.plan import MAX_N
 from ..chat import Chat
 from ..errors import ValidationError
 
@@ -23,25 +30,75 @@ ASSISTANT_CUE = "Assistant:"
 
 # OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
 # rather than silently ignored.
-UNSUPPORTED: dict[str, Any] = {
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
 }
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
+MAX_STOP = 16  # SamplingParams.validate's limit
+STRICT = ConfigDict(strict=True)
+
+
+def doc(**schema: Any) -> Any:
+    """JSON-schema-only constraints (checked by the engine, so a violation is a 400 naming the field)."""
+    return Field(json_schema_extra=schema)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 1.0 as an integer, so the server does too (not "1", not true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+NonEmptyStr = Annotated[str, doc(minLength=1)]
+TokenId = Annotated[Int, doc(minimum=0, **{"x-limit": "vocab_max"})]  # 0..vocab_size-1
+TokenIds = list[TokenId]
+PromptIds = Annotated[list[TokenId], doc(minItems=1)]
+StopStrings = Annotated[list[NonEmptyStr], doc(maxItems=16)]
+
+
+def rng(default: Any = None, *, lo: float | None = None, hi: float | None = None, gt: float | None = None,
+        hi_limit: str | None = None, **schema: Any) -> Any:
+    """A field whose range is documented in the JSON schema but checked by the engine (400, not 422).
+    `hi_limit` names a limit filled in when the document is served (server/openapi.py)."""
+    extra: dict[str, Any] = dict(schema)
+    if lo is not None:
+        extra["minimum"] = lo
+    if gt is not None:
+        extra["exclusiveMinimum"] = gt
+    if hi is not None:
+        extra["maximum"] = hi
+    if hi_limit is not None:
+        extra["x-limit"] = hi_limit
+    return Field(default, json_schema_extra=extra)
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON sees it: `false` is not `0` (Python says it is)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b and (a is None) == (b is None)
+
+
+def is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
+    return any(_json_equal(value, d) for d in allowed)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    """OpenAI's text content part; other part types (images, audio) are refused (422)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -51,13 +108,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
-                raise ValidationError(f"messages[{index}].content[{j}]: only text content parts are supported, "
-                                      f"got type {part.type!r}", param=f"messages[{index}].content")
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 def render_chat(messages: list[ChatMessage]) -> Chat:
@@ -73,9 +124,10 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _seed(value: int | None, param: str) -> int | None:
-    """Seeds go to torch.Generator.manual_seed, which takes [-2**63, 2**64)."""
-    if value is not None and not -(2**63) <= value < 2**64:
-        raise ValidationError(f"{param}: must fit in 64 bits, got {value}", param=param)
+    """Seeds go to torch.Generator.manual_seed, which takes [-2**63, 2**64); any other integer is taken
+    modulo 2**64 (JSON numbers that large are not exact in most clients anyway)."""
+    if value is not None and not SEED_MIN <= value <= SEED_MAX:
+        return value % 2**64
     return value
 
 
@@ -87,27 +139,29 @@ def check_timeout(value: float | None) -> None:
 class OpenAIRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
 
-    model_config = ConfigDict(extra="allow")  # strict OpenAI clients send fields we do not use
+    # strict OpenAI clients send fields we do not use: unknown fields are ignored
+    model_config = ConfigDict(extra="allow", strict=True,
+                              json_schema_extra=lambda s: s["properties"].update(_unsupported_schema()))
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None             # extension: off unless given
-    n: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")
+    temperature: float | None = rng(lo=0, hi=2)
+    top_p: float | None = rng(gt=0, hi=1)
+    top_k: Int | None = rng(lo=0, hi=1000)   # extension: off unless given
+    n: Int | None = rng(lo=1, hi=MAX_N)
+    stop: NonEmptyStr | StopStrings | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    loops: int | None = None             # TinyLoop extension, 1..max_loops
-    timeout_s: float | None = None       # TinyLoop extension: time limit for this request
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    seed: Int | None = Field(None, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
+    presence_penalty: float | None = rng(lo=-2, hi=2)
+    frequency_penalty: float | None = rng(lo=-2, hi=2)
+    loops: Int | None = rng(lo=1, hi_limit="max_loops")        # TinyLoop extension, 1..max_loops
+    timeout_s: float | None = rng(gt=0, hi=86400)              # TinyLoop extension: this request's time limit
     user: str | None = None
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            if name in UNSUPPORTED and not is_default(value, UNSUPPORTED[name]):
                 raise ValidationError(f"{name}: is not supported by TinyLoop", param=name, code="unsupported_parameter")
 
     def stop_list(self) -> list[str]:
@@ -123,6 +177,9 @@ class OpenAIRequest(BaseModel):
 
     def requested_max_tokens(self) -> int:
         return _or(self.max_tokens, DEFAULT_MAX_TOKENS)
+
+    def max_tokens_given(self) -> bool:
+        return self.max_tokens is not None
 
     def sampling_params(self) -> SamplingParams:
         self.check_unsupported()
@@ -145,18 +202,30 @@ class OpenAIRequest(BaseModel):
         return _or(self.n, 1)
 
 
+def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
+                k_branches: int | None, max_loops: int | None = None) -> None:
+    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
+    in the modes that use them; a value the document calls invalid is never accepted silently)."""
+    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
+                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
+                                  param=name)
+
+
 class LMStudioKnobs(BaseModel):
     """The /api/v0 superset: generation mode and the looped model's knobs."""
 
-    mode: str | None = None
-    draft_loops: int | None = None
-    verify_loops: int | None = None
-    draft_ahead: int | None = None
-    K_branches: int | None = None
-    cache_window: int | None = None
-    repetition_penalty: float | None = None
+    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
+    draft_loops: Int | None = rng(lo=1, hi=32)
+    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
+    draft_ahead: Int | None = rng(lo=1, hi=16)
+    K_branches: Int | None = rng(lo=1, hi=16)
+    cache_window: Int | None = rng(lo=0)
+    repetition_penalty: float | None = rng(lo=0.5, hi=2)
 
     def extension_params(self) -> dict[str, Any]:
+        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches)
         given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
                  "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
                  "repetition_penalty": self.repetition_penalty}
@@ -164,21 +233,27 @@ class LMStudioKnobs(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # newer OpenAI clients' name for max_tokens
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")  # newer clients' name for max_tokens
 
     def requested_max_tokens(self) -> int:
         return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+
+    def max_tokens_given(self) -> bool:
+        return self.max_tokens is not None or self.max_completion_tokens is not None
 
     def prompt(self) -> Chat:
         return render_chat(self.messages)
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], doc(minItems=1)] | PromptIds | \
+        Annotated[list[PromptIds], doc(minItems=1)] = Field(description="text, texts, token ids or lists of token ids; "
+        "none empty. For a list of prompts the first is used; the others are checked all the same")
 
-    def prompt_input(self) -> str | list[int]:
-        """A string, or token ids. A list of prompts uses its first (n > 1 is not implemented)."""
+    def prompt_input(self, vocab_size: int | None = None) -> str | list[int]:
+        """A string, or token ids. A list of prompts uses its first (n > 1 is not implemented); the others
+        are checked as the first would be (not empty, token ids inside the vocabulary)."""
         p = self.prompt
         if isinstance(p, str):
             return p
@@ -187,6 +262,14 @@ class CompletionRequest(OpenAIRequest):
         first = p[0]
         if isinstance(first, int):
             return list(p)  # token ids
+        for i, each in enumerate(p[1:], 1):
+            if not each:
+                raise ValidationError(f"prompt[{i}]: is empty", param="prompt")
+            if vocab_size is not None and not isinstance(each, str):
+                bad = [t for t in each if not 0 <= t < vocab_size]
+                if bad:
+                    raise ValidationError(f"prompt[{i}]: token ids {bad[:5]} are outside the vocabulary "
+                                          f"0..{vocab_size - 1}", param="prompt")
         return first if isinstance(first, str) else list(first)
 
 
@@ -202,23 +285,24 @@ class LMStudioCompletionRequest(LMStudioKnobs, CompletionRequest):
 class GenerateRequest(BaseModel):
     """POST /generate: every looped-model knob, no OpenAI wrapping. Unknown fields are refused (422)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     MODE: ClassVar[str] = "generate"
 
-    prompt: str | list[int]
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    loops: int | None = None                # None -> the model's default_loops (8 for the shipped model)
-    temperature: float = param_default("temperature")
-    top_k: int = 50                         # the native API's own defaults (spec)
-    top_p: float = 0.9
-    repetition_penalty: float = param_default("repetition_penalty")
-    presence_penalty: float = param_default("presence_penalty")
-    frequency_penalty: float = param_default("frequency_penalty")
-    sample_seed: int = 0
+    prompt: NonEmptyStr | PromptIds = Field(description="text or token ids; not empty")
+    max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=1, hi_limit="max_tokens")
+    loops: Int | None = rng(lo=1, hi_limit="max_loops")  # None -> the model's default_loops
+    temperature: float = rng(param_default("temperature"), lo=0, hi=2)
+    top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
+    top_p: float = rng(0.9, gt=0, hi=1)
+    repetition_penalty: float = rng(param_default("repetition_penalty"), lo=0.5, hi=2)
+    presence_penalty: float = rng(param_default("presence_penalty"), lo=-2, hi=2)
+    frequency_penalty: float = rng(param_default("frequency_penalty"), lo=-2, hi=2)
+    sample_seed: Int = Field(0, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
     stream: bool = False
-    stop: str | list[str] | list[int] | None = None
-    cache_window: int = param_default("cache_window")
-    timeout_s: float | None = None          # time limit for this request (default: the server's)
+    stop: NonEmptyStr | StopStrings | TokenIds | None = Field(
+        None, description=f"a string, up to {MAX_STOP} non-empty strings, or stop token ids")
+    cache_window: Int = rng(param_default("cache_window"), lo=0)
+    timeout_s: float | None = rng(gt=0, hi=86400)  # time limit for this request (default: the server's)
 
     def sampling_params(self) -> SamplingParams:
         check_timeout(self.timeout_s)
@@ -240,12 +324,16 @@ class GenerateRequest(BaseModel):
     def speculative_params(self) -> dict[str, Any]:
         return {}
 
+    def max_tokens_given(self) -> bool:
+        return "max_tokens" in self.model_fields_set
+
 
 class SpeculativeRequest(GenerateRequest):
     MODE: ClassVar[str] = "speculative"
-    draft_loops: int = param_default("draft_loops")
-    verify_loops: int | None = None          # None -> loops, else the model's default_loops
-    draft_ahead: int = param_default("draft_ahead")
+    draft_loops: Int = rng(param_default("draft_loops"), lo=1, hi=32,
+                           description="must be smaller than verify_loops")
+    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # None -> loops, else the model's default_loops
+    draft_ahead: Int = rng(param_default("draft_ahead"), lo=1, hi=16)
 
     def speculative_params(self) -> dict[str, Any]:
         return {"draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
@@ -254,20 +342,35 @@ class SpeculativeRequest(GenerateRequest):
 
 class TreeSpeculativeRequest(SpeculativeRequest):
     MODE: ClassVar[str] = "tree_speculative"
-    K_branches: int = param_default("k_branches")
+    K_branches: Int = rng(param_default("k_branches"), lo=1, hi=16,
+                          description="K_branches x draft_ahead <= 64; above 1: greedy only, cache_window 0")
 
     def speculative_params(self) -> dict[str, Any]:
         return {**super().speculative_params(), "k_branches": self.K_branches}
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    text: str | None = None
-    messages: list[ChatMessage] | None = None
+    """Exactly one of `text` or `messages` (null is not a value of either)."""
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["text"]}, {"required": ["messages"]}]})
+    text: str | SkipJsonSchema[None] = None
+    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, json_schema_extra={"minItems": 1})
     model: str | None = None
+
+    def model_post_init(self, _: Any) -> None:
+        for name in ("text", "messages"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValidationError(f"{name}: must not be null", param=name)
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tokens: list[int] = Field(...)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tokens: TokenIds
     model: str | None = None
+
+
+def _unsupported_schema() -> dict[str, Any]:
+    """The OpenAI fields TinyLoop refuses unless they hold their default: documented with the only values
+    accepted, so a client (or the fuzzer) can see what is refused."""
+    return {name: {"enum": list(allowed), "description": "not supported: only its default is accepted"}
+            for name, allowed in UNSUPPORTED.items()}

@@ -10,7 +10,11 @@ Environment (see docs/server.md):
     TINYLOOP_DRAFT_EXIT     draft exits for speculation: "auto" (default: the model's
                             <model>.draft.safetensors if present), "none", or a file path
     TINYLOOP_COMMIT         reported as runtime.commit
-    TINYLOOP_API_KEY        when set, every endpoint but /health needs `Authorization: Bearer <key>`
+    TINYLOOP_API_KEY        when set, every endpoint but /health needs `Authorization: Bearer <key>`;
+                            several keys: separated by commas (each compared in constant time)
+    TINYLOOP_CORS_ORIGINS   comma-separated origins allowed by CORS ("*" for any); default none (CORS off)
+    TINYLOOP_LOG_FORMAT     "text" (default) or "json": one JSON object per log line
+    TINYLOOP_MAX_TOKENS     the largest max_tokens a request may ask for (default and upper bound 8192)
     TINYLOOP_MAX_BODY_BYTES request bodies above this get 413 (default 1 MiB)
     TINYLOOP_MAX_QUEUE      requests waiting for the engine above this get 429 (default 64)
     TINYLOOP_SSE_KEEPALIVE_S  seconds without an event before a `: keepalive` comment (default 2)
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRUE = {"1", "true", "yes", "on"}
+MAX_TOKENS = 8192  # SamplingParams.validate's bound on max_tokens
 
 
 def _flag(env: dict[str, str], name: str) -> bool:
@@ -82,6 +87,20 @@ def _draft_exit_env(env: dict[str, str]) -> Path | bool:
     return Path(raw)
 
 
+def _max_tokens_env(env: dict[str, str]) -> int:
+    value = _int_env(env, "TINYLOOP_MAX_TOKENS", MAX_TOKENS)
+    if not 1 <= value <= MAX_TOKENS:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_TOKENS must be in 1..{MAX_TOKENS}, got {value}")
+    return value
+
+
+def _log_format_env(env: dict[str, str]) -> str:
+    value = env.get("TINYLOOP_LOG_FORMAT", "").strip().lower() or "text"
+    if value not in ("text", "json"):
+        raise SystemExit(f"tinyloop serve: TINYLOOP_LOG_FORMAT must be 'text' or 'json', got {value!r}")
+    return value
+
+
 @dataclass
 class Settings:
     model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
@@ -98,7 +117,15 @@ class Settings:
     request_timeout_s: float = 0.0
     shutdown_grace_s: float = 10.0
     draft_exit: Path | bool = True          # True: the model's own draft-exit file if any; False: none
+    max_tokens: int = MAX_TOKENS            # the largest max_tokens a request may ask for
+    cors_origins: list[str] = field(default_factory=list)
+    log_format: str = "text"                # text | json
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def api_keys(self) -> list[str]:
+        """`api_key` may hold several keys, comma-separated (so keys can be rotated without downtime)."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, *, model_path: str | Path | None = None) -> "Settings":
@@ -120,5 +147,8 @@ class Settings:
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             draft_exit=_draft_exit_env(env),
+            max_tokens=_max_tokens_env(env),
+            cors_origins=[o.strip() for o in env.get("TINYLOOP_CORS_ORIGINS", "").split(",") if o.strip()],
+            log_format=_log_format_env(env),
             warnings=warnings,
         )

@@ -30,6 +30,7 @@ import torch
 from ..engine import Engine, RequestPlan, StreamEvent
 from ..engine.serving import BatchEngine, Request
 from ..errors import ValidationError
+from .access import request_id_var
 from .errors import APIError
 from .metrics import Metrics
 from .settings import Settings
@@ -51,6 +52,7 @@ class RequestHandle:
     _abort: threading.Event = field(default_factory=threading.Event)
     timeout_s: float | None = None
     finished: bool = False       # the HTTP side has read the end of the request's events
+    request_id: str | None = field(default_factory=request_id_var.get)  # X-Request-Id, for the engine's logs
     delivered: bool = False      # the HTTP side has handed the final result to its client
 
     # -- HTTP side (event loop) ----------------------------------------------------------------
@@ -274,7 +276,8 @@ class EngineWorker:
                         m.prompt_tokens.inc(stats.get("prompt_tokens", handle.plan.n_prompt))
             elif isinstance(item, BaseException):
                 if not isinstance(item, (NotImplementedError, ValidationError, APIError)):
-                    log.error("request %d failed in the engine: %s", handle.id, item)
+                    log.error("request %d failed in the engine: %s", handle.id, item,
+                              extra={"request_id": handle.request_id})
                 m.failed.inc()
             elif item is None:
                 self._retire(handle)

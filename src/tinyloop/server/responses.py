@@ -1,0 +1,246 @@
+"""Response bodies, as the OpenAPI document describes them (documentation only: routes build plain dicts).
+
+The schema fuzzer checks every response the server sends against these (tests/server/test_fuzz.py), so
+they say exactly what comes back: required keys, and no others where the shape is fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+FinishReason = Literal["stop", "length"]
+
+
+class Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(Closed):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    request_id: str | None = None
+
+
+class ErrorResponse(Closed):
+    """Every error: OpenAI's shape, plus the request id."""
+    error: ErrorDetail
+
+
+class Usage(Closed):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Stats(Open):
+    """What the engine measured; the speculative modes add their own counters."""
+    wall_ms: float
+    tokens_per_second: float
+    prompt_tokens: int
+    completion_tokens: int
+    mode: Literal["generate", "speculative", "tree_speculative"]
+    loops_used: int
+
+
+class Runtime(Closed):
+    name: Literal["tinyloop"]
+    version: str
+    commit: str | None
+
+
+class ModelInfo(Open):
+    arch: str
+    dim: int
+    n_heads: int
+    vocab_size: int
+    default_loops: int
+    quant: str
+    kv_cache_mode: str
+
+
+class AssistantMessage(Closed):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Closed):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+
+
+class TextChoice(Closed):
+    text: str
+    index: int
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Closed):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Completion(Closed):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class LMStudioExtras(BaseModel):
+    stats: Stats
+    model_info: ModelInfo
+    runtime: Runtime
+
+
+class LMStudioChatCompletion(LMStudioExtras, ChatCompletion):
+    pass
+
+
+class LMStudioCompletion(LMStudioExtras, Completion):
+    pass
+
+
+class GenerateResponse(Closed):
+    tokens: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: Stats
+
+
+class ModelCard(Closed):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Closed):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class LMStudioModel(Closed):
+    id: str
+    object: Literal["model"]
+    type: Literal["llm"]
+    publisher: str
+    arch: str
+    compatibility_type: str
+    quantization: str
+    state: Literal["loaded"]
+    max_context_length: int
+    model_info: ModelInfo
+    runtime: Runtime
+
+
+class LMStudioModelList(Closed):
+    object: Literal["list"]
+    data: list[LMStudioModel]
+
+
+class TokenizeResponse(Closed):
+    tokens: list[int]
+    count: int
+    max_seq_len: int
+
+
+class DetokenizeResponse(Closed):
+    text: str
+
+
+class HealthOK(Closed):
+    status: Literal["ok"]
+    model: str
+    version: str
+    commit: str | None
+    kv_cache_mode: str
+    kv_cache_mode_requested: str
+    warnings: list[str]
+    max_seq_len: int
+    queue_depth: int
+
+
+class HealthDown(Closed):
+    status: Literal["loading", "failed"]
+    reason: str | None
+    model: str
+    version: str
+    commit: str | None
+    kv_cache_mode: str
+    warnings: list[str]
+    error: ErrorDetail
+
+
+class ChatDelta(Closed):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Closed):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+
+
+class TextChunkChoice(Closed):
+    text: str
+    index: int
+    finish_reason: FinishReason | None
+
+
+class _Chunk(Closed):
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None          # with stream_options.include_usage: null, then the usage chunk
+    stats: Stats | None = None          # /api/v0: on the chunk that carries finish_reason
+    model_info: ModelInfo | None = None
+    runtime: Runtime | None = None
+
+
+class ChatChunk(_Chunk):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+
+
+class TextChunk(_Chunk):
+    object: Literal["text_completion"]
+    choices: list[TextChunkChoice]
+
+
+class NativeEvent(Closed):
+    token_id: int                        # -1 on the final event
+    text: str
+    finish_reason: FinishReason | None = None
+    stats: Stats | None = None
+
+
+def sse_event_schema(ref: str, what: str) -> dict[str, Any]:
+    """One SSE event: `data` is `[DONE]` or JSON, either an event of the route (`ref`) or an error."""
+    return {"type": "object", "required": ["data"], "description": f"{what}. {SSE_DOC}",
+            "properties": {"event": {"const": "message"}, "data": {
+                "type": "string", "if": {"const": "[DONE]"},
+                "else": {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
+                    {"$ref": f"#/components/schemas/{ref}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}}}}
+
+
+SSE_DOC = ("Server-sent events (with `stream: true`): one `data: <json>` line and a blank line per event, "
+           "`: keepalive` comments while the engine is busy, `data: [DONE]` last; an error after the stream "
+           "started is a `data: {\"error\": {...}}` event before `[DONE]`.")
+
+
