@@ -169,7 +169,21 @@ def test_playground_in_a_real_browser(browser, keyed_server):
     assert sent["mode"] == "speculative" and sent["verify_loops"] == 5 and sent["draft_loops"] == 2
     assert "%" in page.inner_text("#figures [data-fig=acceptance] b")
     assert page.inner_text("#output .gen") == expected_completion(url, " " + prompt, 24, 5)  # exact under greedy
+    assert page.is_hidden("#K_branches")  # a tree knob: only in tree mode
+    page.select_option("#mode", "tree_speculative")
+    page.fill("#K_branches", "2")
+    page.click("#send")
+    page.wait_for_selector("#output[data-state=done]")
+    assert bodies[-1]["mode"] == "tree_speculative" and bodies[-1]["K_branches"] == 2
+    assert page.inner_text("#output .gen") == expected_completion(url, " " + prompt, 24, 5)
+    # an API error (draft deeper than the verifier) is shown, named as the server names it
+    page.fill("#draft_loops", "6")
+    page.click("#send")
+    page.wait_for_selector("#output[data-state=error]")
+    assert "400" in page.inner_text("#error") and "draft_loops" in page.inner_text("#error")
+    page.fill("#draft_loops", "2")
     page.select_option("#mode", "generate")
+    assert page.is_hidden("#draft_loops")
 
     # side by side: three depths, three columns streaming the same prompt together
     n_before = len(bodies)
