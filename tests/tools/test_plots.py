@@ -99,3 +99,11 @@ def test_benchmarks_plot_only_runs_nothing(script, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert is_png(src.with_suffix(".png")) and "wrote" in r.stdout + r.stderr
+
+
+def test_eval_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    saved = tmp_path / "eval.json"
+    saved.write_text(json.dumps({"results": [{"loops": 1, "perplexity": 10.0}, {"loops": 2, "perplexity": 9.0}]}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["eval", "--replot", str(saved), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'tinyloop[plot]'" in capsys.readouterr().err
