@@ -8,7 +8,7 @@ resident memory after loading, decode tok/s of one greedy request at the trained
 decode steps after the first token), the weight bytes one token reads, and that over the read bandwidth
 measured in the same run (the ceiling).
 
-    .venv/bin/python benchmarks/real_shapes.py [--shapes ouro-1.4b] [--tokens 16] [--json PATH]
+    .venv/bin/python benchmarks/real_shapes.py [--shapes ouro-1.4b] [--tokens 16] [--threads 1,2] [--workdir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -97,38 +97,45 @@ def token_bytes(engine: Engine) -> int:
     return sum(module_bytes(b) for b in [*m.prelude, *m.coda]) + loops * core + head
 
 
-def run_shape(name: str, tokens: int, workdir: Path) -> dict:
+def run_shape(name: str, tokens: int, workdir: Path, threads: list[int]) -> dict:
     family, hf = SHAPES[name]
     tok = small_tokenizer()
     cfg = (ouro_config if family == "ouro" else huginn_config)(hf, workdir, [0])
-    t0 = time.perf_counter()
-    model = build_model(cfg, seed=0, dtype=torch.bfloat16)
-    bf16 = write_model(workdir / f"{name}.tinyloop", model, tokenizer=tok)
-    del model
-    gc.collect()
-    t_write = time.perf_counter() - t0
-    t0 = time.perf_counter()
     int4 = workdir / f"{name}-int4.tinyloop"
-    quantize_file(bf16, int4, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False), progress=False)
-    t_quant = time.perf_counter() - t0
-    os.remove(bf16)
-    gc.collect()
+    t_write = t_quant = None
+    if not int4.exists():  # (--workdir keeps it for the next run)
+        t0 = time.perf_counter()
+        model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+        bf16 = write_model(workdir / f"{name}.tinyloop", model, tokenizer=tok)
+        del model
+        gc.collect()
+        t_write = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        quantize_file(bf16, int4, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False),
+                      progress=False)
+        t_quant = round(time.perf_counter() - t0, 1)
+        os.remove(bf16)
+        gc.collect()
     rss0 = rss_gib()
     t0 = time.perf_counter()
     engine = Engine.load(int4, draft_exit=False)
     t_load = time.perf_counter() - t0
     rss1 = rss_gib()
-    stamps = []
-    for ev in engine.stream([5, 17, 42, 7, 99, 3, 11, 64], SamplingParams(max_tokens=tokens, ignore_eos=True)):
-        if ev.token_ids:
-            stamps.append(time.perf_counter())
-    steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    tok_s = 1 / statistics.median(steps)
+    decode = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        engine.model.decode_threads = n
+        stamps = []
+        for ev in engine.stream([5, 17, 42, 7, 99, 3, 11, 64], SamplingParams(max_tokens=tokens, ignore_eos=True)):
+            if ev.token_ids:
+                stamps.append(time.perf_counter())
+        decode[n] = round(1 / statistics.median([b - a for a, b in zip(stamps, stamps[1:])]), 2)
     nbytes = token_bytes(engine)
     return {"shape": name, "params": cfg.param_count(), "loops": cfg.default_loops,
             "int4_file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
-            "rss_before_load_GiB": round(rss0, 2), "build_write_s": round(t_write, 1), "quantize_s": round(t_quant, 1),
-            "load_s": round(t_load, 1), "decode_tok_s": round(tok_s, 2), "token_GB": round(nbytes / 1e9, 3),
+            "rss_before_load_GiB": round(rss0, 2), "build_write_s": t_write, "quantize_s": t_quant,
+            "load_s": round(t_load, 1), "decode_tok_s_by_threads": decode, "decode_tok_s": max(decode.values()),
+            "token_GB": round(nbytes / 1e9, 3),
             "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
@@ -136,24 +143,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="ouro-1.4b", help=f"comma-separated: {', '.join(SHAPES)}")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", default="1,2", help="decode thread counts to time")
+    ap.add_argument("--workdir", help="keep the built int4 files here (reused when present); default: a temp dir")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = measure_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir) if args.workdir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in args.shapes.split(","):
-            r = run_shape(name, args.tokens, Path(tmp))
+            r = run_shape(name, args.tokens, work, [int(t) for t in args.threads.split(",")])
             r["ceiling_tok_s"] = round(bw["best_GBps"] / r["token_GB"], 2)
             r["fraction_of_ceiling"] = round(r["decode_tok_s"] / r["ceiling_tok_s"], 2)
             rows.append(r)
             print(json.dumps(r), flush=True)
             gc.collect()
     print(f"# read bandwidth {bw['best_GBps']:.1f} GB/s (best of 7, {torch.get_num_threads()} threads)")
-    print("| shape | params | loops | int4 file GiB | RSS after load GiB | decode tok/s | GB/token | ceiling tok/s | fraction |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | params | loops | int4 file GiB | RSS after load GiB | decode tok/s by threads | GB/token | "
+          "ceiling tok/s | best / ceiling |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
+        by = ", ".join(f"{n}: {v}" for n, v in r["decode_tok_s_by_threads"].items())
         print(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['loops']} | {r['int4_file_GiB']} | "
-              f"{r['rss_after_load_GiB']} | {r['decode_tok_s']} | {r['token_GB']} | {r['ceiling_tok_s']} | "
+              f"{r['rss_after_load_GiB']} | {by} | {r['token_GB']} | {r['ceiling_tok_s']} | "
               f"{r['fraction_of_ceiling']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
