@@ -21,9 +21,18 @@ def _train(args: argparse.Namespace) -> int:
                      shallow_prob=args.shallow_prob,
                      overrides=overrides)
     import torch
+
+    from .modelfile import ModelFileError, check_writable
+    try:
+        check_writable(args.out)  # before the run, not after it
+    except ModelFileError as exc:
+        return _fail(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
-    Trainer(tc).train()
+    try:
+        Trainer(tc).train()
+    except ModelFileError as exc:  # the model file could not be written (full disk, ...): no partial file
+        return _fail(f"{exc} (the run's checkpoint in {args.run_dir} is kept: fix the cause and rerun to resume)")
     return 0
 
 
@@ -202,7 +211,9 @@ def _quantize(args: argparse.Namespace) -> int:
     group = None if args.bits == 8 else args.group_size
     spec = QuantSpec(bits=args.bits, group_size=group, method=args.method, act_order=args.act_order,
                      percdamp=args.damp, loops=args.calib_loops)
+    from .modelfile import check_writable
     try:
+        check_writable(args.output)  # before the work, not after it
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
                                calib_seq_len=args.calib_seq_len,
                                calib_val_fraction=args.calib_val_fraction, progress=not args.quiet)

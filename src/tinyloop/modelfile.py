@@ -108,18 +108,24 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
                                  else "not a .tinyloop file, or its header is truncated")
         try:
             index = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise ModelFileError(path, "not a .tinyloop file (header is not safetensors JSON)") from None
     if not isinstance(index, dict):
         raise ModelFileError(path, "not a .tinyloop file (header is not a JSON object)")
     meta = index.pop("__metadata__", None) or {}
-    if "tinyloop" not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get("tinyloop"), str):
         raise ModelFileError(path, "not a .tinyloop file (a safetensors file without a TinyLoop header)")
     try:
         header = json.loads(meta["tinyloop"])
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ModelFileError(path, f"TinyLoop header is not valid JSON: {exc}") from None
-    data_end = max((t["data_offsets"][1] for t in index.values()), default=0)
+    try:
+        data_end = max((int(t["data_offsets"][1]) for t in index.values()), default=0)
+        if not isinstance(header, dict) or any(
+                not (0 <= int(t["data_offsets"][0]) <= int(t["data_offsets"][1])) for t in index.values()):
+            raise ValueError("bad tensor offsets" if isinstance(header, dict) else "header is not an object")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ModelFileError(path, f"not a .tinyloop file (malformed header: {exc})") from None
     expected = 8 + n + data_end
     if size < expected:
         raise ModelFileError(path, f"truncated: header describes {expected} bytes, file has {size}")
@@ -147,14 +153,41 @@ def expected_tensors(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, tup
     return out
 
 
+MAX_BLOCKS = 10_000  # layers a header may describe (no real model is near this; a hostile one could be)
+
+
 def check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> ModelConfig:
+    """Every tensor's name, shape and dtype against the header's config, before anything is built or
+    read. A header of the wrong shape or types (corrupted, or written to attack the loader) is a
+    ModelFileError naming the problem, never another exception."""
+    try:
+        return _check_header(path, header, index)
+    except ModelFileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a malformed header, whatever part of it is wrong
+        raise ModelFileError(path, f"malformed header: {type(exc).__name__}: {exc}") from None
+
+
+def _tensor_bytes(index: dict[str, Any]) -> int:
+    return sum(max(0, int(t["data_offsets"][1]) - int(t["data_offsets"][0])) for t in index.values())
+
+
+def _check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> ModelConfig:
     for key in ("config", "weights", "tokenizer"):
-        if key not in header:
+        if not isinstance(header.get(key), dict):
             raise ModelFileError(path, f"header has no {key!r} section")
     try:
         cfg = ModelConfig.from_dict(header["config"])
-    except (ConfigError, TypeError) as exc:
+    except (ConfigError, TypeError, ValueError) as exc:
         raise ModelFileError(path, f"bad config in header: {exc}") from None
+    # Sizes before building anything: a header must not make the loader build what the file cannot hold.
+    if cfg.n_prelude + cfg.n_core + cfg.n_coda > MAX_BLOCKS:
+        raise ModelFileError(path, f"config describes {cfg.n_prelude + cfg.n_core + cfg.n_coda} layers "
+                                   f"(at most {MAX_BLOCKS})")
+    held = _tensor_bytes(index)
+    if cfg.param_count() > 4 * held:  # even 2-bit weights need a quarter byte per parameter
+        raise ModelFileError(path, f"config describes {cfg.param_count():,} parameters but the file holds "
+                                   f"{held:,} bytes of tensors")
     weights = header["weights"]
     if weights.get("dtype") not in DTYPES:
         raise ModelFileError(path, f"unknown weight dtype {weights.get('dtype')!r}")
@@ -211,7 +244,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
         else:
             tokenizer = Tokenizer.from_ranks_blob(blob, pattern=tok_h["pattern"], eos_token=tok_h["eos_token"],
                                                   eos_id=tok_h["eos_id"])
-    except (TokenizerError, KeyError, UnicodeDecodeError) as exc:
+    except (TokenizerError, KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise ModelFileError(path, f"embedded tokenizer: {exc}") from None
     if isinstance(tokenizer, HFTokenizer):  # (GPT-2 files are read as they always were)
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -268,9 +301,14 @@ def make_header(cfg: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer | HFT
 def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenizer,
                 provenance: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
                 header: dict[str, Any] | None = None) -> Path:
-    """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically."""
+    """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically: to a temporary
+    file beside `path`, flushed to disk, then renamed over it. A failure (full disk, unwritable folder)
+    raises ModelFileError naming the path and leaves neither a partial file nor the temporary one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot create its folder: {exc.strerror or exc}") from None
     if tensors is None:
         tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         dtype = next(iter(tensors.values())).dtype
@@ -278,10 +316,35 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
     blob = tokenizer_blob(tokenizer)
     tensors = dict(tensors)
     tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"tinyloop": json.dumps(header)})
-    os.chmod(tmp, 0o644)  # a model file is data anyone may read
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"tinyloop": json.dumps(header)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # on disk before the rename makes it the file
+        os.chmod(tmp, 0o644)  # a model file is data anyone may read
+        os.replace(tmp, path)
+    except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own SafetensorError for I/O errors
+        tmp.unlink(missing_ok=True)
+        raise ModelFileError(path, f"cannot write the model file: {getattr(exc, 'strerror', None) or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early (before hours of training or quantizing) when `path` cannot be written: its folder is
+    created if missing and a probe file is created and removed there. Raises ModelFileError."""
+    path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(path, "is a folder; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot be written: {exc.strerror or exc}") from None
     return path
 
 

@@ -228,12 +228,19 @@ class BatchEngine:
             for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
                 self._bind_sibling(chunk.seq, seq)
             for seq in group:
-                req, o = self._outputs[seq.seq_id]
-                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
-                tok = quick if quick is not None else o.sampler.sample(row)
-                o.sampler.accept(tok)
-                self.sched.append_token(seq, tok)
-                self._token(req, o, tok)
+                entry = self._outputs.get(seq.seq_id)
+                if entry is None:  # its request failed on a sibling choice just now
+                    continue
+                req, o = entry
+                try:
+                    quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
+                    tok = quick if quick is not None else o.sampler.sample(row)
+                    o.sampler.accept(tok)
+                    self.sched.append_token(seq, tok)
+                    self._token(req, o, tok)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
+                    log.exception("request %d failed", req.req_id)
+                    self.fail(req, exc)
         for req, o in spec:
             if not o.done:
                 self._advance_speculative(req, o)

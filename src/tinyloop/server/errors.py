@@ -82,8 +82,14 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    """pydantic's error location as the field's name (`messages[0].role`): union members' tags (`str`,
+    `list[int]`, ...) are left out."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [p for p in parts if p not in _UNION_TAGS and "[" not in p and "(" not in p]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)

@@ -37,6 +37,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
 MAX_STOP = 16  # SamplingParams.validate's limit
+MAX_WINDOW = 2**31 - 1  # cache_window: any window past the context is the full context; past this, a 400
 STRICT = ConfigDict(strict=True)
 
 
@@ -203,11 +204,13 @@ class OpenAIRequest(BaseModel):
 
 
 def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
-                k_branches: int | None, max_loops: int | None = None) -> None:
+                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
     """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
-    in the modes that use them; a value the document calls invalid is never accepted silently)."""
+    in the modes that use them; a value the document calls invalid is never accepted silently), and
+    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
     for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
-                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16)):
+                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
+                                ("cache_window", cache_window, 0, MAX_WINDOW)):
         if value is not None and not (lo <= value and (hi is None or value <= hi)):
             raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
                                   param=name)
@@ -221,11 +224,11 @@ class LMStudioKnobs(BaseModel):
     verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
     draft_ahead: Int | None = rng(lo=1, hi=16)
     K_branches: Int | None = rng(lo=1, hi=16)
-    cache_window: Int | None = rng(lo=0)
+    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
     repetition_penalty: float | None = rng(lo=0.5, hi=2)
 
     def extension_params(self) -> dict[str, Any]:
-        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches)
+        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
         given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
                  "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
                  "repetition_penalty": self.repetition_penalty}
@@ -301,11 +304,12 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     stop: NonEmptyStr | StopStrings | TokenIds | None = Field(
         None, description=f"a string, up to {MAX_STOP} non-empty strings, or stop token ids")
-    cache_window: Int = rng(param_default("cache_window"), lo=0)
+    cache_window: Int = rng(param_default("cache_window"), lo=0, hi=MAX_WINDOW)
     timeout_s: float | None = rng(gt=0, hi=86400)  # time limit for this request (default: the server's)
 
     def sampling_params(self) -> SamplingParams:
         check_timeout(self.timeout_s)
+        check_knobs(None, None, None, None, self.cache_window)
         stop: list[str] = []
         stop_ids: list[int] = []
         if isinstance(self.stop, str):

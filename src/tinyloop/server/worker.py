@@ -174,6 +174,8 @@ class EngineWorker:
         if self.state == "loading":
             raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
                            headers={"Retry-After": "1"})
+        if self.batch is not None:  # it was serving, then its thread failed
+            raise APIError(503, self.error or "the engine thread failed", code="engine_failed")
         raise APIError(503, f"the engine is not loaded: {self.error}", code="model_not_loaded")
 
     # -- the HTTP side's interface ----------------------------------------------------------------
@@ -215,33 +217,65 @@ class EngineWorker:
             while self._inbox.get() is not None:  # nothing is accepted without an engine
                 pass
             return
-        stop_at: float | None = None
-        with torch.inference_mode():
-            while True:
-                items: list[RequestHandle | None] = []
-                try:  # wait for work when idle; otherwise take what has arrived and step at once
-                    items.append(self._inbox.get(timeout=0.5) if not self.batch.has_work else self._inbox.get_nowait())
-                    while True:
-                        items.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    pass
-                for handle in items:
-                    if handle is None:
-                        stop_at = time.monotonic() + self.settings.shutdown_grace_s
-                    else:
-                        self._admit(handle)
-                self._drop_aborted()
-                self._update_gauges()
-                if stop_at is not None and (not self.batch.has_work or time.monotonic() >= stop_at):
-                    self._fail_all(APIError(503, "the server shut down before this request finished",
-                                            code="shutting_down"))
-                    self._flush()
+        try:
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the engine thread itself failed: say so, end cleanly
+            self._crashed(exc)
+
+    def _crashed(self, exc: BaseException) -> None:
+        """The engine thread failed outside any one request: /health turns 503 with the reason, every
+        in-flight and queued request ends with a 503 error (never a hang), and new ones are refused."""
+        log.critical("the engine thread failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self.error = f"the engine thread failed: {type(exc).__name__}: {exc}"
+        self.state = "failed"
+        self.metrics.engine_loaded.set(0)
+        err = APIError(503, self.error, code="engine_failed")
+        for handle, _ in list(self._active.values()):
+            self._outbox.append((handle, err))
+            self._outbox.append((handle, None))
+            self._retire(handle)
+        self._flush()
+        while True:  # until shutdown: what was queued meanwhile gets the same answer
+            try:
+                handle = self._inbox.get(timeout=0.5)
+            except queue.Empty:
+                if self._closing:
                     return
-                self._headed = False
-                if self.batch.has_work:
-                    self.batch.step()
-                if not self._headed or not self.batch.has_work:
-                    self._flush()
+                continue
+            if handle is None:
+                return
+            self._dequeued()
+            handle._put(err)
+            handle._put(None)
+
+    def _serve(self) -> None:
+        stop_at: float | None = None
+        while True:
+            items: list[RequestHandle | None] = []
+            try:  # wait for work when idle; otherwise take what has arrived and step at once
+                items.append(self._inbox.get(timeout=0.5) if not self.batch.has_work else self._inbox.get_nowait())
+                while True:
+                    items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for handle in items:
+                if handle is None:
+                    stop_at = time.monotonic() + self.settings.shutdown_grace_s
+                else:
+                    self._admit(handle)
+            self._drop_aborted()
+            self._update_gauges()
+            if stop_at is not None and (not self.batch.has_work or time.monotonic() >= stop_at):
+                self._fail_all(APIError(503, "the server shut down before this request finished",
+                                        code="shutting_down"))
+                self._flush()
+                return
+            self._headed = False
+            if self.batch.has_work:
+                self.batch.step()
+            if not self._headed or not self.batch.has_work:
+                self._flush()
 
     def _admit(self, handle: RequestHandle) -> None:
         m = self.metrics
