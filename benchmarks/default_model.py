@@ -21,6 +21,7 @@ import torch
 
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.modelfile import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, packaged_model_path
+from tinyloop.tools.progress import progress
 
 PROMPT = "The king said unto his servants, "
 
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (none is shown off a terminal)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     names = {"int4 (default)": DEFAULT_MODEL_NAME, "fp16": FLOAT_MODEL_NAME}
@@ -37,11 +39,13 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     texts = {k: e.generate(PROMPT, params).text for k, e in engines.items()}  # warm-up
     tps: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(args.pairs):
-        for k, e in engines.items():
-            t0 = time.perf_counter()
-            e.generate(PROMPT, params)
-            tps[k].append(args.tokens / (time.perf_counter() - t0))
+    with progress(total=args.pairs, desc="pairs", unit="pair", quiet=args.quiet) as bar:
+        for _ in range(args.pairs):
+            for k, e in engines.items():
+                t0 = time.perf_counter()
+                e.generate(PROMPT, params)
+                tps[k].append(args.tokens / (time.perf_counter() - t0))
+            bar.update()
     ratios = [a / b for a, b in zip(tps["int4 (default)"], tps["fp16"])]
     out = {"pairs": args.pairs, "tokens": args.tokens, "tokens_per_s": tps,
            "median_tokens_per_s": {k: statistics.median(v) for k, v in tps.items()},

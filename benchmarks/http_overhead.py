@@ -125,12 +125,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, for the engine and the server alike")
     ap.add_argument("--out", default="benchmarks/results/http_overhead.json")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (none is shown off a terminal)")
     args = ap.parse_args()
 
     import torch
 
     from tinyloop.engine import Engine
     from tinyloop.modelfile import resolve_model_path
+    from tinyloop.tools.progress import progress
 
     torch.set_num_threads(args.threads)
     model = resolve_model_path(args.model)
@@ -143,11 +145,13 @@ def main() -> int:
         with httpx.Client(timeout=600) as client:
             for name, route in paths.items():  # warm-up, not counted
                 run_direct(engine, 8, args.loops) if route is None else run_http(client, url, proc.pid, route, 8, args.loops)
-            for _ in range(args.repeats):
-                for name, route in paths.items():
-                    r = (run_direct(engine, args.max_tokens, args.loops) if route is None
-                         else run_http(client, url, proc.pid, route, args.max_tokens, args.loops))
-                    runs[name].append(r)
+            with progress(total=args.repeats * len(paths), desc="runs", unit="run", quiet=args.quiet) as bar:
+                for _ in range(args.repeats):
+                    for name, route in paths.items():
+                        r = (run_direct(engine, args.max_tokens, args.loops) if route is None
+                             else run_http(client, url, proc.pid, route, args.max_tokens, args.loops))
+                        runs[name].append(r)
+                        bar.update()
     finally:
         proc.terminate()
         proc.wait(10)
