@@ -48,7 +48,9 @@ def test_schemathesis_short_run(fuzz, limited_server):
     out = res["output"]
     assert res["ok"] and res["failures"] == 0 and res["errors"] == 0, out[-4000:]
     assert res["cases"] >= 300, out[-2000:]
-    assert "Tested: 15" in out or "Tested:" not in out, out[-2000:]  # no operation skipped
+    assert "Selected: 15/15" in out and "Tested: 15" in out, out[-2000:]  # no operation skipped
+    for phase in ("Examples", "Coverage", "Fuzzing", "Stateful"):  # none skipped (examples: the document's own)
+        assert f"✅ {phase}" in out, out[-2000:]
 
 
 def test_document_limits_and_reachable_model_ids(limited_server):

@@ -62,6 +62,21 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[type[BaseModel], str]
     "/health": ("get", R.HealthOK, None, ()),
     "/metrics": ("get", None, None, (401,)),
 }
+# One working request per body (schemathesis's examples phase sends them; clients can copy them).
+_CHAT = {"model": "tinyloop", "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 8,
+         "temperature": 0, "stop": ["\nUser:"]}
+_TEXT = {"model": "tinyloop", "prompt": "The king said", "max_tokens": 8, "temperature": 0, "loops": 4}
+_NATIVE = {"prompt": "The king said", "max_tokens": 8, "loops": 4}
+EXAMPLES = {
+    "ChatCompletionRequest": _CHAT, "CompletionRequest": _TEXT,
+    "LMStudioChatRequest": {**_CHAT, "mode": "speculative", "draft_loops": 1, "verify_loops": 4},
+    "LMStudioCompletionRequest": {**_TEXT, "mode": "tree_speculative", "draft_loops": 1, "verify_loops": 4,
+                                  "K_branches": 2, "draft_ahead": 2},
+    "GenerateRequest": _NATIVE, "SpeculativeRequest": {**_NATIVE, "draft_loops": 1, "verify_loops": 4},
+    "TreeSpeculativeRequest": {**_NATIVE, "draft_loops": 1, "verify_loops": 4, "K_branches": 2, "draft_ahead": 2},
+    "TokenizeRequest": {"text": "The king said"}, "DetokenizeRequest": {"tokens": [464, 5822, 531]},
+}
+
 DOC_MODELS = [R.ErrorResponse, R.HealthDown, R.ChatChunk, R.TextChunk, R.NativeEvent,
               *{m for _, m, _, _ in ROUTES.values() if m is not None}]
 
@@ -135,6 +150,9 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
                 if param["name"] == "model_id":
                     param["schema"] = {"type": "string", "enum": limits["model_ids"]}
                     param["description"] = "the model's path, the path without its leading '/', or its file stem"
+    for name, example in EXAMPLES.items():
+        if name in comps:
+            comps[name]["examples"] = [example]
     _fill_limits(doc, limits)
     return doc
 
