@@ -28,6 +28,7 @@ class BatchRunner:
         self.device = next(model.parameters()).device
         self.last_logits: torch.Tensor | None = None   # (k, V) of the last step, rows in `last_ids` order
         self.last_ids: list[int] = []
+        self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
         self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
 
     @torch.inference_mode()
@@ -36,8 +37,11 @@ class BatchRunner:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
         for each chunk that needs logits."""
         self.kv.copy_pages(list(copies))
+        # adaptive depth applies to generated tokens (one-row chunks past the prompt); prompts run the ceiling
         rows = [Rows(table=torch.tensor(c.seq.block_table, device=self.device), start=c.start, n=c.n,
-                     last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c) for c in chunks]
+                     last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
+                     exit_rule=c.seq.exit_rule if c.n == 1 and c.start >= len(c.seq.prompt) else None)
+                 for c in chunks]
         everything = rows + list(extra)
         if not everything:
             return {}
@@ -45,6 +49,7 @@ class BatchRunner:
         # rows starting from tokens first, deepest first: the rows still looping at loop r are a prefix
         order = sorted(everything, key=lambda r: (r.first_loop, -r.last_loop))
         m.run(PagedStep(self.kv, order, m.rotary, m.act_dtype or m.embed.weight.dtype, self.device))
+        self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
         want = [r for r in rows if r.tag.needs_logits]
         if not want:
             return {}

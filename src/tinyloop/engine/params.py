@@ -16,7 +16,7 @@ DEFAULT_LOOPS = next(f.default for f in dataclasses.fields(ModelConfig) if f.nam
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
-    loops: int | None = None             # None -> the model's default_loops
+    loops: int | str | None = None       # None -> the model's default_loops; "auto": adaptive depth
     temperature: float = 0.0             # 0 -> greedy
     top_k: int = 0                       # 0 -> off
     top_p: float = 1.0                   # 1 -> off
@@ -33,6 +33,11 @@ class SamplingParams:
     verify_loops: int | None = None      # None -> loops, else the model's default_loops
     draft_ahead: int = 4
     k_branches: int = 1
+    # adaptive depth (loops="auto"): each generated token exits when its criterion holds (model/exits.py)
+    exit_criterion: str = "latent"
+    exit_threshold: float | None = None  # None -> the criterion's default (exits.DEFAULT_THRESHOLDS)
+    min_loops: int = 1
+    max_loops: int | None = None         # the ceiling; None -> the model's default_loops
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -41,13 +46,29 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adaptive(self) -> bool:
+        return self.loops == "auto"
+
     def effective_loops(self, default_loops: int) -> int:
-        """Loops of the output distribution: verify_loops for speculative modes, else loops."""
+        """Loops of the output distribution: verify_loops for speculative modes, else loops (for "auto":
+        the ceiling, max_loops)."""
+        if self.adaptive:
+            return default_loops if self.max_loops is None else self.max_loops
         if self.mode == "generate":
             return default_loops if self.loops is None else self.loops
         if self.verify_loops is not None:
             return self.verify_loops
         return default_loops if self.loops is None else self.loops
+
+    def exit_rule(self, default_loops: int):
+        """The adaptive-depth rule of a validated "auto" request (None otherwise)."""
+        if not self.adaptive:
+            return None
+        from ..model.exits import DEFAULT_THRESHOLDS, ExitRule
+
+        t = DEFAULT_THRESHOLDS[self.exit_criterion] if self.exit_threshold is None else float(self.exit_threshold)
+        return ExitRule(self.exit_criterion, t, self.min_loops, self.effective_loops(default_loops))
 
     def validate(self, *, max_loops: int = 64, vocab_size: int | None = None,
                  default_loops: int = DEFAULT_LOOPS) -> "SamplingParams":
@@ -59,8 +80,22 @@ class SamplingParams:
 
         need(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 8192, "max_tokens",
              f"must be an integer in 1..8192, got {self.max_tokens!r}")
-        if self.loops is not None:
-            need(1 <= self.loops <= max_loops, "loops", f"must be in 1..{max_loops}, got {self.loops}")
+        if self.adaptive:
+            from ..model.exits import CRITERIA, DEFAULT_THRESHOLDS
+
+            ceiling = self.effective_loops(default_loops)
+            need(self.mode == "generate", "loops", f'"auto" works with mode "generate" only, got mode {self.mode!r}')
+            need(self.exit_criterion in CRITERIA, "exit_criterion",
+                 f"must be one of {list(CRITERIA)}, got {self.exit_criterion!r}")
+            need(isinstance(ceiling, int) and 1 <= ceiling <= max_loops, "max_loops",
+                 f"must be in 1..{max_loops}, got {ceiling}")
+            need(isinstance(self.min_loops, int) and 1 <= self.min_loops <= ceiling, "min_loops",
+                 f"must be in 1..max_loops ({ceiling}), got {self.min_loops}")
+            t = DEFAULT_THRESHOLDS.get(self.exit_criterion) if self.exit_threshold is None else self.exit_threshold
+            need(isinstance(t, (int, float)) and 0 < t <= 10, "exit_threshold", f"must be in (0, 10], got {t}")
+        elif self.loops is not None:
+            need(isinstance(self.loops, int) and not isinstance(self.loops, bool) and 1 <= self.loops <= max_loops,
+                 "loops", f'must be an integer in 1..{max_loops} or "auto", got {self.loops!r}')
         need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in 0.0..2.0, got {self.temperature}")
         need(0 <= self.top_k <= 1000, "top_k", f"must be in 0..1000, got {self.top_k}")
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

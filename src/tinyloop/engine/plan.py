@@ -9,6 +9,7 @@ torch, no model, only the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import ModelConfig
 from ..errors import ValidationError
@@ -28,6 +29,7 @@ class RequestPlan:
     k_branches: int               # draft tree branching; 1 unless tree_speculative
     window: int                   # params.cache_window (0: full context)
     max_positions: int            # positions the sequence can reach (see plan_request)
+    exit_rule: Any = None         # model.exits.ExitRule for loops="auto" (loops is then the ceiling)
 
     @property
     def mode(self) -> str:
@@ -73,4 +75,4 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     return RequestPlan(
         prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
         draft_loops=params.draft_loops if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
-        window=params.cache_window, max_positions=max_positions)
+        window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops))

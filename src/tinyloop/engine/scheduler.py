@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SchedulerError(RuntimeError):
@@ -101,6 +102,7 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     parent: "Sequence | None" = None   # set on forked siblings
+    exit_rule: Any = None              # adaptive depth: generated tokens may exit before `loops`
 
     def __post_init__(self):
         if not self.tokens:
@@ -349,6 +351,7 @@ class Scheduler:
         for _ in range(parent.n - 1):
             kid = Sequence(self.new_seq_id(), parent.prompt, parent.max_tokens, parent.n_slots,
                            loops=parent.loops, window=parent.window, tokens=list(parent.tokens), n_cached=parent.n_cached,
+                           exit_rule=parent.exit_rule,
                            status=RUNNING, arrival=parent.arrival, parent=parent)
             for blk in parent.block_table:
                 self.pool.share(blk)

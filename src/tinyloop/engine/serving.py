@@ -148,7 +148,7 @@ class BatchEngine:
         seqs = []
         if not plan.speculative:
             seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
-                           loops=plan.loops, window=plan.window, n=n)
+                           loops=plan.loops, window=plan.window, n=n, exit_rule=plan.exit_rule)
             outputs[0].seq = seq
             seqs.append(seq)
         else:  # n independent sequences, each with every block it can reach
@@ -237,7 +237,7 @@ class BatchEngine:
                     tok = quick if quick is not None else o.sampler.sample(row)
                     o.sampler.accept(tok)
                     self.sched.append_token(seq, tok)
-                    self._token(req, o, tok)
+                    self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id))
                 except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
                     log.exception("request %d failed", req.req_id)
                     self.fail(req, exc)
@@ -261,9 +261,9 @@ class BatchEngine:
         o.seq = kid
         self._outputs[kid.seq_id] = (req, o)
 
-    def _token(self, req: Request, o: _Output, tok: int) -> None:
+    def _token(self, req: Request, o: _Output, tok: int, loops: int | None = None) -> None:
         req.started = True
-        ev = o.stream.feed(tok)
+        ev = o.stream.feed(tok, loops)
         if ev is not None:
             req.emit(ev)
         if o.stream.stopped:

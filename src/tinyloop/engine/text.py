@@ -57,6 +57,7 @@ class TokenStream:
         self.n = 0
         self.ttft: float | None = None
         self.stopped = False
+        self.loops_per_token: dict[int, int] = {}  # core loops -> generated tokens that ran that many
 
     def _text(self, tok: int) -> str:
         return ""
@@ -64,14 +65,24 @@ class TokenStream:
     def _tail(self) -> str:
         return ""
 
-    def feed(self, tok: int) -> StreamEvent | None:
+    def feed(self, tok: int, loops: int | None = None) -> StreamEvent | None:
+        """One sampled token; `loops`: the core loops its row ran (None: the plan's depth)."""
         self.n += 1
+        depth = self.loops_used if loops is None else loops
+        self.loops_per_token[depth] = self.loops_per_token.get(depth, 0) + 1
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.t0
         if tok in self.stop_ids:
             self.stopped = True
             return None
         return StreamEvent([tok], self._text(tok), index=self.index)
+
+    def _mean_loops(self) -> float | int:
+        """Mean core loops over generated tokens (the plan's depth when it never varied)."""
+        if not self.loops_per_token or set(self.loops_per_token) == {self.loops_used}:
+            return self.loops_used
+        n = sum(self.loops_per_token.values())
+        return round(sum(k * v for k, v in self.loops_per_token.items()) / n, 3)
 
     def close(self, run_stats: dict[str, Any] | None = None, finish_reason: str | None = None) -> StreamEvent:
         """The final event: the held-back text, finish_reason ("stop" or "length" unless given) and stats."""
@@ -84,7 +95,8 @@ class TokenStream:
             "prompt_tokens": self.n_prompt,
             "completion_tokens": self.n,
             "mode": self.params.mode,
-            "loops_used": self.loops_used,
+            "loops_used": self._mean_loops(),
+            "loops_histogram": {str(k): v for k, v in sorted(self.loops_per_token.items())},
             **(run_stats or {}),
         }
         reason = finish_reason or ("stop" if self.stopped else "length")

@@ -176,6 +176,27 @@ class LoopedTransformer(nn.Module):
         with self._decode_threads(step.n):
             self._run(step)
 
+    @staticmethod
+    def _adaptive_exits(step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        """Rows with an exit rule whose criterion holds after `loop` leave the step's later loops (their
+        `last_loop` drops to loop + 1) and their skipped slots get the fallback keys (`model.exits`)."""
+        from .exits import should_exit
+
+        check = [(i, r) for i, r in enumerate(v.members)
+                 if r.exit_rule is not None and r.n == 1 and r.last_loop > loop + 1 and r.exit_rule.may_exit_after(loop)]
+        if not check:
+            return
+        by_rule: dict = {}
+        for i, r in check:
+            by_rule.setdefault(r.exit_rule, []).append((i, r))
+        for rule, group in by_rule.items():
+            idx = torch.tensor([v.local[i] for i, _ in group], device=h_in.device)
+            stop = should_exit(rule, h_in[0, idx], h_out[0, idx]).tolist()
+            for (_, r), s in zip(group, stop):
+                if s:
+                    step.fill_skipped(r, loop + 1, r.last_loop)
+                    r.last_loop = loop + 1
+
     def _run(self, step: PagedStep) -> None:
         rows = step.rows
         N, dim = step.n, self.cfg.dim
@@ -207,7 +228,10 @@ class LoopedTransformer(nn.Module):
             if not members:
                 continue
             v = step.view(members)
-            h = v.put(h, self.core_loop(v.take(h), v.take(e), loop, v))
+            h_in = v.take(h)
+            h_out = self.core_loop(h_in, v.take(e), loop, v)
+            self._adaptive_exits(step, v, loop, h_in, h_out)
+            h = v.put(h, h_out)
             for r in members:
                 if r.capture and loop == r.last_loop - 1:
                     r.out_state = (e[0, r.row0:r.row0 + r.n].clone(), h[0, r.row0:r.row0 + r.n].clone())

@@ -79,6 +79,8 @@ class Rows:
     the state after loop first_loop - 1 (a draft's). Then `readout`: "coda" (the model's coda), a
     (blocks module, slots) pair such as a draft exit, or None. `capture`: keep (e, h) after the last loop
     (`out.state`). The step's results are in `out`: `hidden` (n, dim) after the read-out, `state`.
+    With an `exit_rule` (adaptive depth, one-row Rows only) `last_loop` is lowered to the loops actually
+    run when the row exits early.
     """
 
     table: torch.Tensor
@@ -95,6 +97,7 @@ class Rows:
     tree_mask: torch.Tensor | None = None
     tree_key_positions: torch.Tensor | None = None
     tag: Any = None                       # the caller's (which sequence, which pass)
+    exit_rule: Any = None                 # model.exits.ExitRule: one-row tokens may leave before last_loop
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None
@@ -294,6 +297,21 @@ class PagedStep:
             a, b = view.span
             return self._rope if (a, b) == (0, self.n) else (self._rope[0][a:b], self._rope[1][a:b])
         return self._rope[0][view.rows], self._rope[1][view.rows]
+
+    def fill_skipped(self, r: Rows, used: int, upto: int) -> None:
+        """A one-row token that ran `used` core loops of `upto`: its keys/values of loops used..upto-1 (every
+        core layer) become a copy of its last computed loop's (`model.exits`: the deeper slots later tokens
+        read)."""
+        if used >= upto:
+            return
+        cfg, ps = self.kv.cfg, self.kv.page_size
+        src = [self.slots.core(used - 1, j) for _ in range(used, upto) for j in range(cfg.n_core)]
+        dst = [self.slots.core(loop, j) for loop in range(used, upto) for j in range(cfg.n_core)]
+        pages = r.table[r.start // ps]                                          # (slots,)
+        at = (pages[torch.tensor(dst)], r.start % ps)
+        frm = (pages[torch.tensor(src)], r.start % ps)
+        self.kv.k.copy(frm, at)
+        self.kv.v.copy(frm, at)
 
     def view(self, members: list[Rows]) -> PagedView:
         key = tuple(id(m) for m in members)

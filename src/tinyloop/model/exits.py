@@ -1,0 +1,56 @@
+"""Adaptive depth: when a token may leave the recurrence, and what its skipped loops leave behind.
+
+A request with `loops: "auto"` gives each generated token its own depth, between `min_loops` and
+`max_loops`. After every loop from `min_loops` on, the token's exit criterion is checked on its own
+states, so whether it exits never depends on the other rows of the batch:
+
+    latent   relative change of the core state between successive loops, ||h_r - h_{r-1}|| / ||h_r||,
+             below the threshold (no head needed)
+
+A row that exits leaves the step's remaining loops (it costs nothing there) and goes to the read-out
+with its last state. Later tokens that run deeper attend, at loop r, to slots an exited token never
+wrote. The fallback the early-exit literature uses (CALM, Schuster et al. 2022; the Huginn reference's
+"latest" KV lookup) fills them with the token's last computed loop's keys and values: `PagedStep
+.fill_skipped` copies them into the deeper core slots as the token exits, so attention reads ordinary
+slots afterwards.
+
+Prompt tokens always run `max_loops`: their keys are then exact at every depth a later token may reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CRITERIA = ("latent",)
+DEFAULT_THRESHOLDS = {"latent": 0.05}
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    criterion: str
+    threshold: float
+    min_loops: int
+    max_loops: int
+
+    def __post_init__(self):
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"exit criterion must be one of {CRITERIA}, got {self.criterion!r}")
+        if not 1 <= self.min_loops <= self.max_loops:
+            raise ValueError(f"need 1 <= min_loops ({self.min_loops}) <= max_loops ({self.max_loops})")
+
+    def may_exit_after(self, loop: int) -> bool:
+        """Whether the check runs after loop index `loop` (0-based): `min_loops` loops done, not the last."""
+        return self.min_loops <= loop + 1 < self.max_loops
+
+
+def latent_change(h_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(n, dim) states before and after a loop -> (n,) relative change ||h - h_prev|| / ||h|| (float64)."""
+    h64, p64 = h.double(), h_prev.double()
+    return (h64 - p64).norm(dim=-1) / h64.norm(dim=-1).clamp_min(1e-30)
+
+
+def should_exit(rule: ExitRule, h_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: the rows whose criterion says stop after this loop."""
+    return latent_change(h_prev, h) < rule.threshold
