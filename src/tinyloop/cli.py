@@ -41,6 +41,15 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _loops_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be an integer or "auto", got {value!r}') from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
     from .errors import ValidationError
@@ -53,7 +62,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                 seed=args.seed, stop=args.stop or [], cache_window=args.cache_window,
                                 mode=args.mode, draft_loops=args.draft_loops, verify_loops=args.verify_loops,
-                                draft_ahead=args.draft_ahead, k_branches=args.k_branches)
+                                draft_ahead=args.draft_ahead, k_branches=args.k_branches,
+                                exit_threshold=args.exit_threshold, min_loops=args.min_loops, max_loops=args.max_loops)
         if args.stream:
             stats = {}
             for ev in engine.stream(args.prompt, params):
@@ -261,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
     # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py
-    g.add_argument("--loops", type=int, help="default: the model's default_loops")
+    g.add_argument("--loops", type=_loops_arg, help='an integer, or "auto" (adaptive depth: docs/adaptive.md); '
+                   "default: the model's default_loops")
+    g.add_argument("--exit-threshold", type=float, help="loops auto: the criterion's threshold (default: its own)")
+    g.add_argument("--min-loops", type=int, default=param_default("min_loops"), help="loops auto: default %(default)s")
+    g.add_argument("--max-loops", type=int, help="loops auto: the ceiling (default: the model's default_loops)")
     for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-k", int), ("--top-p", float),
                        ("--repetition-penalty", float), ("--presence-penalty", float),
                        ("--frequency-penalty", float)):
