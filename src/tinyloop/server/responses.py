@@ -47,7 +47,8 @@ class Stats(Open):
     prompt_tokens: int
     completion_tokens: int
     mode: Literal["generate", "speculative", "tree_speculative"]
-    loops_used: int
+    loops_used: int | float          # the mean over generated tokens (adaptive depth: loops "auto")
+    loops_histogram: dict[str, int]  # core loops -> generated tokens that ran that many
 
 
 class Runtime(Closed):

@@ -52,6 +52,11 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
+ExitCriterion = Literal["latent"]      # model/exits.py CRITERIA
+LOOPS_DOC = ('core loops per token, 1..max_loops (default: the model\'s default_loops), or "auto": each generated '
+             'token exits by exit_criterion between min_loops and max_loops (mode generate only; min_loops must '
+             'not exceed max_loops, whose default is the model\'s default_loops)')
 NonEmptyStr = Annotated[str, doc(minLength=1)]
 TokenId = Annotated[Int, doc(minimum=0, **{"x-limit": "vocab_max"})]  # 0..vocab_size-1
 TokenIds = list[TokenId]
@@ -156,7 +161,11 @@ class OpenAIRequest(BaseModel):
     seed: Int | None = Field(None, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
     presence_penalty: float | None = rng(lo=-2, hi=2)
     frequency_penalty: float | None = rng(lo=-2, hi=2)
-    loops: Int | None = rng(lo=1, hi_limit="max_loops")        # TinyLoop extension, 1..max_loops
+    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # extension: 1..max_loops or "auto"
+    exit_criterion: ExitCriterion | None = None                 # loops "auto" (adaptive depth, docs/adaptive.md)
+    exit_threshold: float | None = rng(gt=0, hi=10)
+    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
+    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
     timeout_s: float | None = rng(gt=0, hi=86400)              # TinyLoop extension: this request's time limit
     user: str | None = None
 
@@ -193,7 +202,10 @@ class OpenAIRequest(BaseModel):
             top_k=_or(self.top_k, param_default("top_k")),
             presence_penalty=_or(self.presence_penalty, param_default("presence_penalty")),
             frequency_penalty=_or(self.frequency_penalty, param_default("frequency_penalty")),
-            seed=_seed(self.seed, "seed"), stop=self.stop_list(), **self.extension_params())
+            seed=_seed(self.seed, "seed"), stop=self.stop_list(),
+            exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
+            exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
+            max_loops=self.max_loops, **self.extension_params())
 
     def extension_params(self) -> dict[str, Any]:
         return {}
@@ -293,7 +305,11 @@ class GenerateRequest(BaseModel):
 
     prompt: NonEmptyStr | PromptIds = Field(description="text or token ids; not empty")
     max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=1, hi_limit="max_tokens")
-    loops: Int | None = rng(lo=1, hi_limit="max_loops")  # None -> the model's default_loops
+    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # None -> the model's default_loops
+    exit_criterion: ExitCriterion = param_default("exit_criterion")
+    exit_threshold: float | None = rng(gt=0, hi=10)        # None -> the criterion's default
+    min_loops: Int = rng(param_default("min_loops"), lo=1, hi_limit="max_loops")
+    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
     temperature: float = rng(param_default("temperature"), lo=0, hi=2)
     top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
     top_p: float = rng(0.9, gt=0, hi=1)
@@ -323,7 +339,9 @@ class GenerateRequest(BaseModel):
             max_tokens=self.max_tokens, loops=self.loops, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
-            stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE, **self.speculative_params())
+            stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
+            exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
+            max_loops=self.max_loops, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}

@@ -1,0 +1,28 @@
+"""loops "auto" over HTTP (issue 16): accepted on every generate route, refused with speculative modes."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def test_auto_loops_on_the_routes(tiny_server):
+    url = tiny_server.url
+    r = httpx.post(f"{url}/api/v0/completions", json={"model": "x", "prompt": "The king", "max_tokens": 6,
+                                                       "temperature": 0, "loops": "auto", "exit_threshold": 10,
+                                                       "min_loops": 1, "max_loops": 3})
+    assert r.status_code == 200, r.text
+    stats = r.json()["stats"]
+    # threshold 10 exits every generated token at min_loops; the first token comes from the prompt (max_loops)
+    assert stats["loops_histogram"] == {"1": 5, "3": 1} and stats["loops_used"] == round(8 / 6, 3)
+    r = httpx.post(f"{url}/generate", json={"prompt": "The king", "max_tokens": 4, "loops": "auto"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_tokens": 4, "loops": "auto"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/api/v0/completions", json={"model": "x", "prompt": "The king", "max_tokens": 4,
+                                                      "loops": "auto", "mode": "speculative"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "loops", r.text
+    r = httpx.post(f"{url}/generate", json={"prompt": "The king", "loops": "auto", "min_loops": 5, "max_loops": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_loops", r.text
+    r = httpx.post(f"{url}/generate", json={"prompt": "The king", "loops": "deep"})
+    assert r.status_code == 422, r.text
