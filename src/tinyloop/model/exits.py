@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 CRITERIA = ("latent",)
-DEFAULT_THRESHOLDS = {"latent": 0.05}
+DEFAULT_THRESHOLDS = {"latent": 0.2}  # benchmarks/adaptive.py: the shipped model at 3.8 mean loops, perplexity -1.0% vs 8
 
 
 @dataclass(frozen=True)
