@@ -206,7 +206,7 @@ class LoopedTransformer(nn.Module):
             fv = step.view(fresh)
             toks = torch.tensor([t for r in fresh for t in r.tokens], device=step.device)[None]
             e_f = self.embed_prelude(toks, fv)
-            fresh_pos = torch.cat([r.positions for r in fresh])
+            fresh_pos = torch.cat([r.positions for r in fresh]) if self.state_seed is not None else None
             if len(fresh) == len(rows):
                 e = e_f
                 h = self.init_state(e, fresh_pos)
