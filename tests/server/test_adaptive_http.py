@@ -26,3 +26,13 @@ def test_auto_loops_on_the_routes(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_loops", r.text
     r = httpx.post(f"{url}/generate", json={"prompt": "The king", "loops": "deep"})
     assert r.status_code == 422, r.text
+
+
+def test_loops_per_token_histogram_metric(tiny_server):
+    from .conftest import metric
+
+    before = metric(tiny_server.url, 'tinyloop_loops_per_token_bucket{le="1.0"}')
+    r = httpx.post(f"{tiny_server.url}/generate", json={"prompt": "The king", "max_tokens": 5, "loops": "auto",
+                                                        "exit_threshold": 10, "min_loops": 1, "max_loops": 3})
+    assert r.status_code == 200, r.text
+    assert metric(tiny_server.url, 'tinyloop_loops_per_token_bucket{le="1.0"}') == before + 4

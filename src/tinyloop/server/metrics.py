@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+LOOP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -28,6 +29,9 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.generation_seconds = Histogram("tinyloop_generation_seconds", "engine time per request",
                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.loops_per_token = Histogram("tinyloop_loops_per_token",
+                                         "core loops each generated token ran (varies with loops \"auto\")",
+                                         buckets=LOOP_BUCKETS, registry=r)
         self.queue_depth = Gauge("tinyloop_queue_depth", "requests waiting for the engine", registry=r)
         self.active = Gauge("tinyloop_active_generations",
                             "requests the engine is generating for now (each holds a KV cache)", registry=r)

@@ -306,6 +306,9 @@ class EngineWorker:
                     stats = item.stats or {}
                     m.generated_tokens.inc(stats.get("completion_tokens", 0))
                     m.generations.labels(item.finish_reason).inc()
+                    for loops, count in (stats.get("loops_histogram") or {}).items():
+                        for _ in range(count):
+                            m.loops_per_token.observe(int(loops))
                     if item.index == 0:
                         m.prompt_tokens.inc(stats.get("prompt_tokens", handle.plan.n_prompt))
             elif isinstance(item, BaseException):
