@@ -14,8 +14,9 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   the request itself (an oracle): prompt_tokens + max_tokens over the context or the KV pool
   (`context_length_exceeded` / `kv_capacity_exceeded`), draft_loops >= verify_loops, K_branches x
   draft_ahead > 64, tree speculation with K_branches > 1 that is not greedy or has a cache window,
-  `stream_options` without `stream`, `loops: "auto"` with a speculative mode or with min_loops above its
-  max_loops. The 400 must also name the right field.
+  `stream_options` without `stream`, `loops: "auto"` with a speculative mode, with min_loops above its
+  max_loops, or with exit_criterion "gate" (the fuzzed model has no exit gate; a gate threshold is at
+  most 1). The 400 must also name the right field.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
   request whose own `timeout_s` was under a second (it asked to be dropped if not started by then).
 
@@ -82,6 +83,11 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
             return '"auto" loops with a speculative mode'
         if _given(body, "min_loops", 1) > _given(body, "max_loops", default_loops) and param == "min_loops":
             return "min_loops > max_loops"
+        if _given(body, "exit_criterion", "latent") == "gate" and param == "exit_criterion":
+            return "exit_criterion gate on a model without an exit gate (the fuzzed model has none)"
+        if _given(body, "exit_criterion", "latent") == "gate" and _given(body, "exit_threshold", 0.9) > 1 \
+                and param == "exit_threshold":
+            return "a gate threshold above 1"
     if mode == "generate":
         return None
     draft = _given(body, "draft_loops", 2)

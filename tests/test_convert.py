@@ -135,3 +135,19 @@ def test_cli_convert_then_quantize(tmp_path, capsys):
     assert len(engine.generate([476, 32, 261], SamplingParams(max_tokens=4, loops=2)).token_ids) <= 4
     assert cli_main(["convert", str(tmp_path / "missing"), str(out)]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_ouro_exit_gate_matches_the_reference(tmp_path):
+    """The converted gate reads the state Ouro's reads (after each step's final norm): its logits at every
+    step and prompt position equal the reference's."""
+    ref = reference("ouro-tiny")
+    engine = Engine.load(convert(FIXTURES / "ouro-tiny", tmp_path / "o.tinyloop", dtype="float32", progress=False))
+    m, ids = engine.model, torch.tensor([ref["prompt"]["ids"]])
+    with torch.inference_mode():
+        ctx = m.context(ids.shape[1])
+        e = m.embed_prelude(ids, ctx)
+        h = m.init_state(e)
+        for step, want in enumerate(ref["exit_gate"]["gate_logits"]):
+            h = m.core_loop(h, e, step, ctx)
+            got = m.exit_gate(h)[0, :, 0]
+            assert (got - torch.tensor(want)).abs().max() <= 1e-4, step

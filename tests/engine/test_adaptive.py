@@ -13,7 +13,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
 from tinyloop.model import KVCache
-from tinyloop.model.exits import ExitRule, latent_change
+from tinyloop.model.exits import ExitRule, gate_survival, latent_change
 from tinyloop.modelfile import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=6)
@@ -44,10 +44,15 @@ def adaptive_reference(m, prompt, rule: ExitRule, max_tokens: int) -> tuple[list
             break
         ctx = m.context(1, cache=cache, start=pos)
         e = m.embed_prelude(torch.tensor([[tok]]), ctx)
-        h, used = m.init_state(e, ctx.positions), L
+        h, used, survival = m.init_state(e, ctx.positions), L, torch.ones(1, dtype=torch.float64)
         for r in range(L):
             h_new = m.core_loop(h, e, r, ctx)
-            stop = rule.may_exit_after(r) and bool(latent_change(h[0], h_new[0])[0] < rule.threshold)
+            if rule.criterion == "gate":
+                survival = gate_survival(survival, m.exit_gate(h_new[0])[:, 0])
+                crit = bool(1 - survival[0] >= rule.threshold)
+            else:
+                crit = bool(latent_change(h[0], h_new[0])[0] < rule.threshold)
+            stop = rule.may_exit_after(r) and crit
             h = h_new
             if stop:
                 used = r + 1
@@ -106,3 +111,28 @@ def test_bad_adaptive_requests_name_the_field(model, kw, field):
     assert err.value.param == field
     with pytest.raises(ValidationError, match="loops"):
         engine.plan(PROMPT, SamplingParams(loops="deep"))
+
+
+def test_the_gate_rule_of_a_model_with_an_exit_gate():
+    """Ouro's cumulative exit rule on a tiny Ouro-shaped model: as the reference written out; the same
+    alone and in a batch; refused on a model without a gate."""
+    cfg = CFG.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich", loop_norm=True,
+                      head_norm=False, exit_gate=True, tie_embeddings=False)
+    m = varied_model(cfg, seed=1, dtype=torch.float64)
+    with torch.no_grad():
+        m.exit_gate.bias.fill_(-1.0)
+    params = SamplingParams(max_tokens=16, loops="auto", exit_criterion="gate", exit_threshold=0.8, ignore_eos=True)
+    st: dict = {}
+    got = core_ids(m, PROMPT, params, stats=st)
+    want, depths = adaptive_reference(m, PROMPT, ExitRule("gate", 0.8, 1, 6), 16)
+    assert got == want and len(set(depths)) > 1
+    engine = Engine(LoadedModel(m, None, {}, None))
+    events = run_to_completion(BatchEngine(engine, page_size=4),
+                               [([3, 3], SamplingParams(max_tokens=16, loops=5, ignore_eos=True)), (PROMPT, params)])
+    assert [t for e in events[1] for t in e.token_ids] == got
+    with pytest.raises(ValidationError, match="exit gate") as err:
+        Engine(LoadedModel(varied_model(CFG), None, {}, None)).plan(PROMPT, params)
+    assert err.value.param == "exit_criterion"
+    with pytest.raises(ValidationError) as err:
+        engine.plan(PROMPT, params.replace(exit_threshold=2.0))
+    assert err.value.param == "exit_threshold"

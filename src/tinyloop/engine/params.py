@@ -92,7 +92,9 @@ class SamplingParams:
             need(isinstance(self.min_loops, int) and 1 <= self.min_loops <= ceiling, "min_loops",
                  f"must be in 1..max_loops ({ceiling}), got {self.min_loops}")
             t = DEFAULT_THRESHOLDS.get(self.exit_criterion) if self.exit_threshold is None else self.exit_threshold
-            need(isinstance(t, (int, float)) and 0 < t <= 10, "exit_threshold", f"must be in (0, 10], got {t}")
+            hi = 1 if self.exit_criterion == "gate" else 10  # gate: a cumulative probability
+            need(isinstance(t, (int, float)) and 0 < t <= hi, "exit_threshold",
+                 f"must be in (0, {hi}] for exit_criterion {self.exit_criterion!r}, got {t}")
         elif self.loops is not None:
             need(isinstance(self.loops, int) and not isinstance(self.loops, bool) and 1 <= self.loops <= max_loops,
                  "loops", f'must be an integer in 1..{max_loops} or "auto", got {self.loops!r}')

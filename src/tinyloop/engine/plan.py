@@ -60,6 +60,9 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     prompt + max_tokens, plus for the speculative modes room for one draft tree past the last accepted
     token (k_branches * draft_ahead + 1 positions)."""
     params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
+    if params.adaptive and params.exit_criterion == "gate" and not cfg.exit_gate:
+        raise ValidationError('exit_criterion: "gate" needs a model file with an exit gate (Ouro); this one has '
+                              'none: use "latent"', param="exit_criterion")
     if not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
     need = len(prompt_ids) + params.max_tokens

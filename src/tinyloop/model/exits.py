@@ -6,6 +6,9 @@ states, so whether it exits never depends on the other rows of the batch:
 
     latent   relative change of the core state between successive loops, ||h_r - h_{r-1}|| / ||h_r||,
              below the threshold (no head needed)
+    gate     a learned exit gate (Ouro's, kept by `tinyloop convert`): lambda_r = sigmoid(gate(h_r)) after
+             every loop, and the token exits once the cumulative exit probability
+             1 - prod_{i<=r} (1 - lambda_i) reaches the threshold (Ouro's rule; its default 1.0 never exits early)
 
 A row that exits leaves the step's remaining loops (it costs nothing there) and goes to the read-out
 with its last state. Later tokens that run deeper attend, at loop r, to slots an exited token never
@@ -23,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-CRITERIA = ("latent",)
-DEFAULT_THRESHOLDS = {"latent": 0.2}  # benchmarks/adaptive.py: the shipped model at 3.8 mean loops, perplexity -1.0% vs 8
+CRITERIA = ("latent", "gate")
+DEFAULT_THRESHOLDS = {"latent": 0.2, "gate": 0.9}  # benchmarks/adaptive.py: the shipped model at 3.8 mean loops, perplexity -1.0% vs 8
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ def latent_change(h_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return (h64 - p64).norm(dim=-1) / h64.norm(dim=-1).clamp_min(1e-30)
 
 
-def should_exit(rule: ExitRule, h_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """(n,) bool: the rows whose criterion says stop after this loop."""
+def gate_survival(survival: torch.Tensor, gate_logit: torch.Tensor) -> torch.Tensor:
+    """Probability of not having exited yet, after one more loop whose gate gave `gate_logit` (float64)."""
+    return survival * (1.0 - torch.sigmoid(gate_logit.double()))
+
+
+def should_exit(rule: ExitRule, h_prev: torch.Tensor, h: torch.Tensor,
+                survival: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) bool: the rows whose criterion says stop after this loop (`survival`: the gate rule's, updated)."""
+    if rule.criterion == "gate":
+        return 1.0 - survival >= rule.threshold
     return latent_change(h_prev, h) < rule.threshold

@@ -176,22 +176,31 @@ class LoopedTransformer(nn.Module):
         with self._decode_threads(step.n):
             self._run(step)
 
-    @staticmethod
-    def _adaptive_exits(step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+    def _adaptive_exits(self, step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         """Rows with an exit rule whose criterion holds after `loop` leave the step's later loops (their
         `last_loop` drops to loop + 1) and their skipped slots get the fallback keys (`model.exits`)."""
-        from .exits import should_exit
+        from .exits import gate_survival, should_exit
 
-        check = [(i, r) for i, r in enumerate(v.members)
-                 if r.exit_rule is not None and r.n == 1 and r.last_loop > loop + 1 and r.exit_rule.may_exit_after(loop)]
-        if not check:
+        live = [(i, r) for i, r in enumerate(v.members)
+                if r.exit_rule is not None and r.n == 1 and r.last_loop > loop + 1]
+        if not live:
             return
         by_rule: dict = {}
-        for i, r in check:
+        for i, r in live:
             by_rule.setdefault(r.exit_rule, []).append((i, r))
         for rule, group in by_rule.items():
             idx = torch.tensor([v.local[i] for i, _ in group], device=h_in.device)
-            stop = should_exit(rule, h_in[0, idx], h_out[0, idx]).tolist()
+            survival = None
+            if rule.criterion == "gate":  # the cumulative rule needs every loop's gate, checked or not
+                g = self.exit_gate
+                logit = F.linear(h_out[0, idx].double(), g.weight.double(), g.bias.double())[:, 0]
+                prev = torch.tensor([r.exit_survival for _, r in group], dtype=torch.float64, device=h_in.device)
+                survival = gate_survival(prev, logit)
+                for (_, r), s in zip(group, survival.tolist()):
+                    r.exit_survival = s
+            if not rule.may_exit_after(loop):
+                continue
+            stop = should_exit(rule, h_in[0, idx], h_out[0, idx], survival).tolist()
             for (_, r), s in zip(group, stop):
                 if s:
                     step.fill_skipped(r, loop + 1, r.last_loop)

@@ -98,6 +98,7 @@ class Rows:
     tree_key_positions: torch.Tensor | None = None
     tag: Any = None                       # the caller's (which sequence, which pass)
     exit_rule: Any = None                 # model.exits.ExitRule: one-row tokens may leave before last_loop
+    exit_survival: float = 1.0            # the gate rule's probability of not having exited yet
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None

@@ -53,10 +53,11 @@ def _integral(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
-ExitCriterion = Literal["latent"]      # model/exits.py CRITERIA
+ExitCriterion = Literal["latent", "gate"]  # model/exits.py CRITERIA
 LOOPS_DOC = ('core loops per token, 1..max_loops (default: the model\'s default_loops), or "auto": each generated '
              'token exits by exit_criterion between min_loops and max_loops (mode generate only; min_loops must '
-             'not exceed max_loops, whose default is the model\'s default_loops)')
+             'not exceed max_loops, whose default is the model\'s default_loops; exit_criterion "gate" needs a '
+             'model with an exit gate and an exit_threshold of at most 1)')
 NonEmptyStr = Annotated[str, doc(minLength=1)]
 TokenId = Annotated[Int, doc(minimum=0, **{"x-limit": "vocab_max"})]  # 0..vocab_size-1
 TokenIds = list[TokenId]
