@@ -1,6 +1,7 @@
 """Adaptive depth (`loops: "auto"`) on the shipped model: loops per token, quality and speed, against fixed depth.
 
-For each criterion and threshold, on held-out text (the last 1% of each corpus file, which training left
+For each criterion (latent; kl, whose every check runs the read-out: a coda pass and the full LM head)
+and threshold, on held-out text (the last 1% of each corpus file, which training left
 out), all on the engine core:
 
 - perplexity, teacher-forced with the exits applied per position: each window's tokens are fed one at a
@@ -82,7 +83,8 @@ def decode_rate(engine: Engine, params: SamplingParams, clients: int, tokens: in
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tinyloop-16m")
-    ap.add_argument("--thresholds", default="0.1,0.15,0.2,0.3,0.5")
+    ap.add_argument("--thresholds", default="0.1,0.15,0.2,0.3,0.5", help="latent criterion thresholds")
+    ap.add_argument("--kl-thresholds", default="0.05,0.2,1.0", help="kl criterion thresholds ('' for none)")
     ap.add_argument("--min-loops", type=int, default=2)
     ap.add_argument("--windows", type=int, default=4, help="held-out windows per perplexity (of --seq tokens)")
     ap.add_argument("--seq", type=int, default=128)
@@ -99,7 +101,10 @@ def main() -> int:
     settings = [("fixed 8", fixed)] + [
         (f"latent {t}", SamplingParams(loops="auto", exit_criterion="latent", exit_threshold=float(t),
                                        min_loops=args.min_loops, max_loops=8))
-        for t in args.thresholds.split(",")]
+        for t in args.thresholds.split(",")] + [
+        (f"kl {t}", SamplingParams(loops="auto", exit_criterion="kl", exit_threshold=float(t),
+                                   min_loops=args.min_loops, max_loops=8))
+        for t in args.kl_thresholds.split(",") if t]
     greedy_ref = {p: engine.generate(p, fixed.replace(max_tokens=64, ignore_eos=True)).token_ids for p in PROMPTS}
     rows = []
     for name, params in settings:

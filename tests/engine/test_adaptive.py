@@ -13,7 +13,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
 from tinyloop.model import KVCache
-from tinyloop.model.exits import ExitRule, gate_survival, latent_change
+from tinyloop.model.exits import ExitRule, gate_survival, kl_divergence, latent_change
 from tinyloop.modelfile import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=6)
@@ -45,11 +45,16 @@ def adaptive_reference(m, prompt, rule: ExitRule, max_tokens: int) -> tuple[list
         ctx = m.context(1, cache=cache, start=pos)
         e = m.embed_prelude(torch.tensor([[tok]]), ctx)
         h, used, survival = m.init_state(e, ctx.positions), L, torch.ones(1, dtype=torch.float64)
+        prev = None
         for r in range(L):
             h_new = m.core_loop(h, e, r, ctx)
             if rule.criterion == "gate":
                 survival = gate_survival(survival, m.exit_gate(h_new[0])[:, 0])
                 crit = bool(1 - survival[0] >= rule.threshold)
+            elif rule.criterion == "kl":
+                logp = torch.log_softmax(m.coda_logits(h_new, ctx)[0].double(), -1)
+                crit = prev is not None and bool(kl_divergence(logp, prev)[0] < rule.threshold)
+                prev = logp
             else:
                 crit = bool(latent_change(h[0], h_new[0])[0] < rule.threshold)
             stop = rule.may_exit_after(r) and crit
@@ -136,3 +141,18 @@ def test_the_gate_rule_of_a_model_with_an_exit_gate():
     with pytest.raises(ValidationError) as err:
         engine.plan(PROMPT, params.replace(exit_threshold=2.0))
     assert err.value.param == "exit_threshold"
+
+
+def test_the_kl_rule_reads_out_every_loop(model):
+    """kl: the read-out's distributions after successive loops, as the reference written out (its coda
+    writes are overwritten by the final read-out); the same alone and in a batch."""
+    params = SamplingParams(max_tokens=16, loops="auto", exit_criterion="kl", exit_threshold=0.5, min_loops=2,
+                            ignore_eos=True)
+    st: dict = {}
+    got = core_ids(model, PROMPT, params, stats=st)
+    want, depths = adaptive_reference(model, PROMPT, ExitRule("kl", 0.5, 2, 6), 16)
+    assert got == want and len(set(depths)) > 1
+    engine = Engine(LoadedModel(model, None, {}, None))
+    events = run_to_completion(BatchEngine(engine, page_size=4),
+                               [(PROMPT, params), ([7, 7, 1], auto()), ([3], SamplingParams(max_tokens=16, loops=3))])
+    assert [t for e in events[0] for t in e.token_ids] == got

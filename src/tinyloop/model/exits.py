@@ -6,6 +6,9 @@ states, so whether it exits never depends on the other rows of the batch:
 
     latent   relative change of the core state between successive loops, ||h_r - h_{r-1}|| / ||h_r||,
              below the threshold (no head needed)
+    kl       KL(p_r || p_{r-1}) between the next-token distributions after successive loops, below the
+             threshold: each check runs the read-out (coda, final norm, the full LM head) on the row's state,
+             exact but costly (a coda pass and a head per loop; docs/adaptive.md measures it)
     gate     a learned exit gate (Ouro's, kept by `tinyloop convert`): lambda_r = sigmoid(gate(h_r)) after
              every loop, and the token exits once the cumulative exit probability
              1 - prod_{i<=r} (1 - lambda_i) reaches the threshold (Ouro's rule; its default 1.0 never exits early)
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-CRITERIA = ("latent", "gate")
-DEFAULT_THRESHOLDS = {"latent": 0.2, "gate": 0.9}  # benchmarks/adaptive.py: the shipped model at 3.8 mean loops, perplexity -1.0% vs 8
+CRITERIA = ("latent", "kl", "gate")
+DEFAULT_THRESHOLDS = {"latent": 0.2, "kl": 0.1, "gate": 0.9}  # benchmarks/adaptive.py: the shipped model at 3.8 mean loops, perplexity -1.0% vs 8
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class ExitRule:
             raise ValueError(f"exit criterion must be one of {CRITERIA}, got {self.criterion!r}")
         if not 1 <= self.min_loops <= self.max_loops:
             raise ValueError(f"need 1 <= min_loops ({self.min_loops}) <= max_loops ({self.max_loops})")
+
+    def needs_distribution_after(self, loop: int) -> bool:
+        """kl: whether the read-out runs after loop index `loop` (the check after loop r compares r - 1)."""
+        return self.criterion == "kl" and self.min_loops - 1 <= loop + 1 < self.max_loops
 
     def may_exit_after(self, loop: int) -> bool:
         """Whether the check runs after loop index `loop` (0-based): `min_loops` loops done, not the last."""
@@ -59,9 +66,18 @@ def gate_survival(survival: torch.Tensor, gate_logit: torch.Tensor) -> torch.Ten
     return survival * (1.0 - torch.sigmoid(gate_logit.double()))
 
 
+def kl_divergence(logp: torch.Tensor, logp_prev: torch.Tensor) -> torch.Tensor:
+    """(n, V) log-probabilities after this loop and the one before -> (n,) KL(p || p_prev) (float64)."""
+    logp, logp_prev = logp.double(), logp_prev.double()
+    return (logp.exp() * (logp - logp_prev)).sum(-1)
+
+
 def should_exit(rule: ExitRule, h_prev: torch.Tensor, h: torch.Tensor,
-                survival: torch.Tensor | None = None) -> torch.Tensor:
-    """(n,) bool: the rows whose criterion says stop after this loop (`survival`: the gate rule's, updated)."""
+                survival: torch.Tensor | None = None, kl: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) bool: the rows whose criterion says stop after this loop (`survival`: the gate rule's, updated;
+    `kl`: the kl rule's divergences, inf where there is no previous distribution yet)."""
     if rule.criterion == "gate":
         return 1.0 - survival >= rule.threshold
+    if rule.criterion == "kl":
+        return kl < rule.threshold
     return latent_change(h_prev, h) < rule.threshold

@@ -179,7 +179,7 @@ class LoopedTransformer(nn.Module):
     def _adaptive_exits(self, step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         """Rows with an exit rule whose criterion holds after `loop` leave the step's later loops (their
         `last_loop` drops to loop + 1) and their skipped slots get the fallback keys (`model.exits`)."""
-        from .exits import gate_survival, should_exit
+        from .exits import gate_survival, kl_divergence, should_exit
 
         live = [(i, r) for i, r in enumerate(v.members)
                 if r.exit_rule is not None and r.n == 1 and r.last_loop > loop + 1]
@@ -198,9 +198,21 @@ class LoopedTransformer(nn.Module):
                 survival = gate_survival(prev, logit)
                 for (_, r), s in zip(group, survival.tolist()):
                     r.exit_survival = s
+            kl = None
+            if rule.needs_distribution_after(loop):  # the read-out on this loop's state: coda, norm, head
+                members = [r for _, r in group]
+                x = self.run_coda(h_out[:, idx], step.view(members))
+                logp = torch.log_softmax(self.logits(x)[0, :, :self.cfg.vocab_size].double(), dim=-1)
+                prev = [r.exit_logp for r in members]
+                kl = torch.full((len(members),), float("inf"), dtype=torch.float64)
+                have = [i for i, p in enumerate(prev) if p is not None]
+                if have:
+                    kl[have] = kl_divergence(logp[have], torch.stack([prev[i] for i in have]))
+                for r, lp in zip(members, logp):
+                    r.exit_logp = lp
             if not rule.may_exit_after(loop):
                 continue
-            stop = should_exit(rule, h_in[0, idx], h_out[0, idx], survival).tolist()
+            stop = should_exit(rule, h_in[0, idx], h_out[0, idx], survival, kl).tolist()
             for (_, r), s in zip(group, stop):
                 if s:
                     step.fill_skipped(r, loop + 1, r.last_loop)

@@ -99,6 +99,7 @@ class Rows:
     tag: Any = None                       # the caller's (which sequence, which pass)
     exit_rule: Any = None                 # model.exits.ExitRule: one-row tokens may leave before last_loop
     exit_survival: float = 1.0            # the gate rule's probability of not having exited yet
+    exit_logp: Any = None                 # the kl rule's log-probabilities after the previous loop (V,)
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None

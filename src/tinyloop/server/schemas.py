@@ -53,7 +53,7 @@ def _integral(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
-ExitCriterion = Literal["latent", "gate"]  # model/exits.py CRITERIA
+ExitCriterion = Literal["latent", "kl", "gate"]  # model/exits.py CRITERIA
 LOOPS_DOC = ('core loops per token, 1..max_loops (default: the model\'s default_loops), or "auto": each generated '
              'token exits by exit_criterion between min_loops and max_loops (mode generate only; min_loops must '
              'not exceed max_loops, whose default is the model\'s default_loops; exit_criterion "gate" needs a '
