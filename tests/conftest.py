@@ -36,7 +36,7 @@ def varied_model(cfg, seed=0, dtype=torch.float32):
 
 
 @torch.inference_mode()
-def reference_ids(model, prompt: list[int], params, kv_format: str = "fp16") -> list[int]:
+def reference_ids(model, prompt: list[int], params, kv_format: str = "fp16", kv_loops: int | None = None) -> list[int]:
     """Plain generation the simple way: the contiguous cache, the whole prompt in one forward, then one
     `model(...)` call per token. The engine core (pool, batching, chunking, speculation) is tested
     against this."""
@@ -45,7 +45,7 @@ def reference_ids(model, prompt: list[int], params, kv_format: str = "fp16") -> 
     loops = params.loops or model.cfg.default_loops
     p = next(model.parameters())
     cache = KVCache(model.cfg, max_positions=len(prompt) + params.max_tokens, loops=loops,
-                    window=params.cache_window, kv_format=kv_format,
+                    window=params.cache_window, kv_format=kv_format, kv_loops=kv_loops,
                     dtype=p.dtype if p.dtype.is_floating_point else torch.float32)
     sampler = Sampler(params, prompt, model.cfg.vocab_size)
     logits = model(torch.tensor([prompt]), loops, cache=cache, start=0, last_only=True)[0, -1]

@@ -36,3 +36,17 @@ def test_loops_per_token_histogram_metric(tiny_server):
                                                         "exit_threshold": 10, "min_loops": 1, "max_loops": 3})
     assert r.status_code == 200, r.text
     assert metric(tiny_server.url, 'tinyloop_loops_per_token_bucket{le="1.0"}') == before + 4
+
+
+def test_kv_loops_over_http(tiny_server):
+    url = tiny_server.url
+    r = httpx.post(f"{url}/generate", json={"prompt": "The king", "max_tokens": 4, "loops": 3, "kv_loops": "last"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": "x", "prompt": "The king", "max_tokens": 4, "kv_loops": 2})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/generate/speculative", json={"prompt": "The king", "kv_loops": "last"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_loops", r.text
+    r = httpx.post(f"{url}/generate", json={"prompt": "The king", "kv_loops": "half"})
+    assert r.status_code == 422, r.text
+    info = httpx.get(f"{url}/api/v0/models").json()["data"][0]
+    assert "kv_loops" in str(info)

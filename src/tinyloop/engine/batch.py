@@ -31,6 +31,12 @@ class BatchRunner:
         self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
         self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
 
+    def _table(self, seq) -> torch.Tensor:
+        """The sequence's pages as (blocks, slots) in the one-slot-per-loop order the model addresses; a
+        loop-shared budget (`slot_cols`) maps several loops to one column."""
+        table = torch.tensor(seq.block_table, device=self.device)
+        return table if seq.slot_cols is None else table[:, seq.slot_cols]
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
                 extra: list[Rows] = ()) -> dict[int, torch.Tensor]:
@@ -38,7 +44,7 @@ class BatchRunner:
         for each chunk that needs logits."""
         self.kv.copy_pages(list(copies))
         # adaptive depth applies to generated tokens (one-row chunks past the prompt); prompts run the ceiling
-        rows = [Rows(table=torch.tensor(c.seq.block_table, device=self.device), start=c.start, n=c.n,
+        rows = [Rows(table=self._table(c.seq), start=c.start, n=c.n,
                      last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
                      exit_rule=c.seq.exit_rule if c.n == 1 and c.start >= len(c.seq.prompt) else None)
                  for c in chunks]

@@ -96,6 +96,7 @@ class Engine:
         exits = getattr(self.model, "draft_exits", None) or {}
         exit_path = self.loaded.draft_exit_path
         return {**model_info(self.header), "kv_cache_mode": self.kv_format,
+                "kv_loops": "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 
     # -- validation -------------------------------------------------------------------------

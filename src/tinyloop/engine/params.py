@@ -38,6 +38,8 @@ class SamplingParams:
     exit_threshold: float | None = None  # None -> the criterion's default (exits.DEFAULT_THRESHOLDS)
     min_loops: int = 1
     max_loops: int | None = None         # the ceiling; None -> the model's default_loops
+    # the loop-shared KV budget: "all" (a slot per loop), "last" (= 1) or k core slots per layer (model/cache.py)
+    kv_loops: int | str = "all"
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -60,6 +62,11 @@ class SamplingParams:
         if self.verify_loops is not None:
             return self.verify_loops
         return default_loops if self.loops is None else self.loops
+
+    def kv_ring(self, default_loops: int) -> int | None:
+        """Core KV slots per layer of a validated request: None for one per loop."""
+        k = 1 if self.kv_loops == "last" else self.kv_loops
+        return None if k == "all" or k >= self.effective_loops(default_loops) else k
 
     def exit_rule(self, default_loops: int):
         """The adaptive-depth rule of a validated "auto" request (None otherwise)."""
@@ -114,6 +121,11 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             need(not bad, "stop", f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
         need(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
+        k = self.kv_loops
+        need(k in ("all", "last") or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_loops),
+             "kv_loops", f'must be "all", "last" or an integer in 1..{max_loops}, got {k!r}')
+        need(k == "all" or self.mode == "generate", "kv_loops",
+             f'"all" is the only budget the speculative modes take, got {k!r} with mode {self.mode!r}')
         if self.mode != "generate":
             verify = self.effective_loops(default_loops)
             need(1 <= self.draft_loops <= 32, "draft_loops", f"must be in 1..32, got {self.draft_loops}")

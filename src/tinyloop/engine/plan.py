@@ -30,6 +30,7 @@ class RequestPlan:
     window: int                   # params.cache_window (0: full context)
     max_positions: int            # positions the sequence can reach (see plan_request)
     exit_rule: Any = None         # model.exits.ExitRule for loops="auto" (loops is then the ceiling)
+    kv_loops: int | None = None   # core KV slots per layer (the loop-shared budget); None: one per loop
 
     @property
     def mode(self) -> str:
@@ -78,4 +79,5 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     return RequestPlan(
         prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
         draft_loops=params.draft_loops if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
-        window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops))
+        window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops),
+        kv_loops=params.kv_ring(cfg.default_loops))

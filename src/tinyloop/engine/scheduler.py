@@ -103,6 +103,7 @@ class Sequence:
     preemptions: int = 0
     parent: "Sequence | None" = None   # set on forked siblings
     exit_rule: Any = None              # adaptive depth: generated tokens may exit before `loops`
+    slot_cols: list[int] | None = None  # loop-shared KV: the table column of each per-loop slot
 
     def __post_init__(self):
         if not self.tokens:
@@ -351,7 +352,7 @@ class Scheduler:
         for _ in range(parent.n - 1):
             kid = Sequence(self.new_seq_id(), parent.prompt, parent.max_tokens, parent.n_slots,
                            loops=parent.loops, window=parent.window, tokens=list(parent.tokens), n_cached=parent.n_cached,
-                           exit_rule=parent.exit_rule,
+                           exit_rule=parent.exit_rule, slot_cols=parent.slot_cols,
                            status=RUNNING, arrival=parent.arrival, parent=parent)
             for blk in parent.block_table:
                 self.pool.share(blk)

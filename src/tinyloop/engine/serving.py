@@ -83,7 +83,7 @@ def sequence_layout(model, plan: RequestPlan, draft_exit: bool = True) -> SlotLa
     """The cache slots one sequence of `plan` uses (a speculative one adds its draft exit's)."""
     if plan.speculative:
         return speculative_layout(model, plan, draft_exit)
-    return SlotLayout(model.cfg, plan.loops)
+    return SlotLayout(model.cfg, plan.loops, kv_loops=plan.kv_loops)
 
 
 def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit: bool = True) -> int:
@@ -148,7 +148,8 @@ class BatchEngine:
         seqs = []
         if not plan.speculative:
             seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
-                           loops=plan.loops, window=plan.window, n=n, exit_rule=plan.exit_rule)
+                           loops=plan.loops, window=plan.window, n=n, exit_rule=plan.exit_rule,
+                           slot_cols=self.layout(plan).columns())
             outputs[0].seq = seq
             seqs.append(seq)
         else:  # n independent sequences, each with every block it can reach

@@ -45,15 +45,22 @@ class SlotLayout:
 
     Order: prelude layers, coda layers, core layers loop by loop, then the extra slots. The core slots of
     loop r do not depend on the total depth, so a layout for fewer loops is a prefix of a deeper one
-    (extra slots aside)."""
+    (extra slots aside).
 
-    def __init__(self, cfg: ModelConfig, loops: int, extra: int = 0):
+    `kv_loops = k` (the loop-shared KV budget) keeps k core slots per layer instead of one per loop: loop r
+    uses slot r mod k, so a position's slot holds its keys from the latest loop of that residue it ran
+    (k = 1: its last loop). Attention at loop r then sees earlier steps' tokens at that loop, not at r."""
+
+    def __init__(self, cfg: ModelConfig, loops: int, extra: int = 0, kv_loops: int | None = None):
         if not 1 <= loops <= cfg.max_loops:
             raise CacheError(f"loops must be in 1..{cfg.max_loops}, got {loops}")
         if extra < 0:
             raise CacheError("extra_slots must be >= 0")
+        if kv_loops is not None and kv_loops < 1:
+            raise CacheError(f"kv_loops must be >= 1, got {kv_loops}")
         self.cfg, self.loops, self.extra = cfg, loops, extra
-        self.n_slots = cfg.n_prelude + cfg.n_coda + loops * cfg.n_core + extra
+        self.ring = loops if kv_loops is None else min(kv_loops, loops)   # core slots per layer
+        self.n_slots = cfg.n_prelude + cfg.n_coda + self.ring * cfg.n_core + extra
 
     def prelude(self, layer_idx: int) -> int:
         return layer_idx
@@ -64,12 +71,20 @@ class SlotLayout:
     def core(self, loop_idx: int, layer_idx: int) -> int:
         if loop_idx >= self.loops:
             raise CacheError(f"cache was built for {self.loops} loops; loop {loop_idx} has no slot")
-        return self.cfg.n_prelude + self.cfg.n_coda + loop_idx * self.cfg.n_core + layer_idx
+        return self.cfg.n_prelude + self.cfg.n_coda + (loop_idx % self.ring) * self.cfg.n_core + layer_idx
 
     def extra_slot(self, i: int) -> int:
         if not 0 <= i < self.extra:
             raise CacheError(f"cache has {self.extra} extra slots; slot {i} does not exist")
-        return self.cfg.n_prelude + self.cfg.n_coda + self.loops * self.cfg.n_core + i
+        return self.cfg.n_prelude + self.cfg.n_coda + self.ring * self.cfg.n_core + i
+
+    def columns(self) -> list[int] | None:
+        """For a shared layout: this layout's slot for each slot of the one-slot-per-loop layout of the same
+        depth (prelude, coda, then core loop by loop); None when there is nothing to map."""
+        if self.ring == self.loops:
+            return None
+        c = self.cfg
+        return [*range(c.n_prelude + c.n_coda)] + [self.core(r, j) for r in range(self.loops) for j in range(c.n_core)]
 
 
 class KVCache:
@@ -82,12 +97,12 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, *, batch: int = 1, max_positions: int | None = None,
                  loops: int | None = None, window: int = 0, rollback_margin: int = 72,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 kv_format: str = "fp16", extra_slots: int = 0):
+                 kv_format: str = "fp16", extra_slots: int = 0, kv_loops: int | None = None):
         check_kv_format(cfg, kv_format)
         self.kv_format = kv_format
         self.cfg = cfg
         self.batch = batch
-        self.layout = SlotLayout(cfg, cfg.default_loops if loops is None else loops, extra_slots)
+        self.layout = SlotLayout(cfg, cfg.default_loops if loops is None else loops, extra_slots, kv_loops)
         self.loops = self.layout.loops
         self.max_positions = cfg.max_seq_len if max_positions is None else max_positions
         if window < 0:

@@ -54,6 +54,10 @@ def _integral(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integral)]
 Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
 ExitCriterion = Literal["latent", "kl", "gate"]  # model/exits.py CRITERIA
+KVLoops = Int | Literal["all", "last"]  # the loop-shared KV budget
+KV_LOOPS_DOC = ('core KV slots kept per layer: "all" (one per loop, the default), "last" (1: every loop reads earlier '
+                'tokens at their last loop) or k (loop r uses slot r mod k); memory per token drops accordingly '
+                '(docs/adaptive.md). Mode generate only: the speculative modes take "all"')
 LOOPS_DOC = ('core loops per token, 1..max_loops (default: the model\'s default_loops), or "auto": each generated '
              'token exits by exit_criterion between min_loops and max_loops (mode generate only; min_loops must '
              'not exceed max_loops, whose default is the model\'s default_loops; exit_criterion "gate" needs a '
@@ -167,6 +171,7 @@ class OpenAIRequest(BaseModel):
     exit_threshold: float | None = rng(gt=0, hi=10)
     min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
+    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
     timeout_s: float | None = rng(gt=0, hi=86400)              # TinyLoop extension: this request's time limit
     user: str | None = None
 
@@ -206,7 +211,8 @@ class OpenAIRequest(BaseModel):
             seed=_seed(self.seed, "seed"), stop=self.stop_list(),
             exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
-            max_loops=self.max_loops, **self.extension_params())
+            max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
+            **self.extension_params())
 
     def extension_params(self) -> dict[str, Any]:
         return {}
@@ -311,6 +317,7 @@ class GenerateRequest(BaseModel):
     exit_threshold: float | None = rng(gt=0, hi=10)        # None -> the criterion's default
     min_loops: Int = rng(param_default("min_loops"), lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
+    kv_loops: KVLoops = rng(param_default("kv_loops"), lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
     temperature: float = rng(param_default("temperature"), lo=0, hi=2)
     top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
     top_p: float = rng(0.9, gt=0, hi=1)
@@ -342,7 +349,7 @@ class GenerateRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
-            max_loops=self.max_loops, **self.speculative_params())
+            max_loops=self.max_loops, kv_loops=self.kv_loops, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}
