@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.engine.serving import BatchEngine, run_to_completion, sequence_layout
 from tinyloop.train.data import read_calibration
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
@@ -104,7 +104,11 @@ def main() -> int:
         for t in args.thresholds.split(",")] + [
         (f"kl {t}", SamplingParams(loops="auto", exit_criterion="kl", exit_threshold=float(t),
                                    min_loops=args.min_loops, max_loops=8))
-        for t in args.kl_thresholds.split(",") if t]
+        for t in args.kl_thresholds.split(",") if t] + [
+        ("fixed 8, kv_loops last", SamplingParams(loops=8, kv_loops="last")),
+        ("fixed 8, kv_loops 2", SamplingParams(loops=8, kv_loops=2)),
+        ("latent 0.3, kv_loops last", SamplingParams(loops="auto", exit_threshold=0.3, min_loops=args.min_loops,
+                                                     max_loops=8, kv_loops="last"))]
     greedy_ref = {p: engine.generate(p, fixed.replace(max_tokens=64, ignore_eos=True)).token_ids for p in PROMPTS}
     rows = []
     for name, params in settings:
@@ -113,7 +117,9 @@ def main() -> int:
         mean_loops = sum(int(k) * v for k, v in hist.items()) / n
         agree = [sum(a == b for a, b in zip(engine.generate(p, params.replace(max_tokens=64, ignore_eos=True))
                                                  .token_ids, greedy_ref[p])) / 64 for p in PROMPTS]
+        layout = sequence_layout(engine.model, engine.plan([0], params))
         rows.append({"setting": name, "perplexity": round(ppl, 3), "mean_loops": round(mean_loops, 3),
+                     "kv_slots_per_token": layout.n_slots,
                      "histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
                      "greedy_agreement_with_fixed_8": round(statistics.mean(agree), 3)})
         print(json.dumps(rows[-1]), flush=True)
@@ -128,11 +134,12 @@ def main() -> int:
             row[f"speedup_{clients}"] = round(statistics.median(m / b for m, b in zip(mine, base)), 3)
     ref = rows[0]["perplexity"]
     print(f"# {args.model}, {args.windows} held-out windows of {args.seq} tokens, min_loops {args.min_loops}, 1 thread")
-    print("| setting | mean loops | perplexity | vs fixed 8 | greedy agreement | tok/s batch 1 | speedup | "
-          "tok/s 16 clients | speedup |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| setting | mean loops | KV slots / token | perplexity | vs fixed 8 | greedy agreement | tok/s batch 1 | "
+          "speedup | tok/s 16 clients | speedup |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['setting']} | {r['mean_loops']:.2f} | {r['perplexity']:.2f} | {r['perplexity'] / ref - 1:+.1%} | "
+        print(f"| {r['setting']} | {r['mean_loops']:.2f} | {r['kv_slots_per_token']} | {r['perplexity']:.2f} | "
+              f"{r['perplexity'] / ref - 1:+.1%} | "
               f"{r['greedy_agreement_with_fixed_8']:.0%} | {r['tok_s_1']} | {r['speedup_1']:.2f}x | {r['tok_s_16']} | "
               f"{r['speedup_16']:.2f}x |")
     if args.json:

@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 seed=args.seed, stop=args.stop or [], cache_window=args.cache_window,
                                 mode=args.mode, draft_loops=args.draft_loops, verify_loops=args.verify_loops,
                                 draft_ahead=args.draft_ahead, k_branches=args.k_branches,
-                                exit_threshold=args.exit_threshold, min_loops=args.min_loops, max_loops=args.max_loops)
+                                exit_threshold=args.exit_threshold, min_loops=args.min_loops, max_loops=args.max_loops,
+                                kv_loops=args.kv_loops)
         if args.stream:
             stats = {}
             for ev in engine.stream(args.prompt, params):
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-threshold", type=float, help="loops auto: the criterion's threshold (default: its own)")
     g.add_argument("--min-loops", type=int, default=param_default("min_loops"), help="loops auto: default %(default)s")
     g.add_argument("--max-loops", type=int, help="loops auto: the ceiling (default: the model's default_loops)")
+    g.add_argument("--kv-loops", type=lambda v: v if v in ("all", "last") else int(v), default="all",
+                   help='core KV slots kept per layer: all, last or k (docs/adaptive.md); default: all')
     for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-k", int), ("--top-p", float),
                        ("--repetition-penalty", float), ("--presence-penalty", float),
                        ("--frequency-penalty", float)):
