@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test int4-model draft-exit clean
+.PHONY: install serve test int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ int4-model: $(STAMP)
 
 draft-exit: $(STAMP)
 	$(VENV)/bin/tinyloop train-draft $(MODELS)/tinyloop-16m.tinyloop --threads 2 \
+	    $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
+
+# The shipped model's exit gate for adaptive depth's `gate` criterion (docs/adaptive.md; ~1.5 minutes).
+gate: $(STAMP)
+	$(VENV)/bin/tinyloop train-gate $(MODELS)/tinyloop-16m.tinyloop --threads 2 \
 	    $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
 
 clean:

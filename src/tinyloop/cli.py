@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 seed=args.seed, stop=args.stop or [], cache_window=args.cache_window,
                                 mode=args.mode, draft_loops=args.draft_loops, verify_loops=args.verify_loops,
                                 draft_ahead=args.draft_ahead, k_branches=args.k_branches,
-                                exit_threshold=args.exit_threshold, min_loops=args.min_loops, max_loops=args.max_loops,
+                                exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
+                                min_loops=args.min_loops, max_loops=args.max_loops,
                                 kv_loops=args.kv_loops)
         if args.stream:
             stats = {}
@@ -255,6 +256,26 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_gate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .modelfile import ModelFileError, resolve_model_path
+    from .train.gate import SUFFIX, train_gate_file
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    out = args.out or str(path.with_name(path.name.removesuffix(".tinyloop") + SUFFIX))
+    try:
+        meta = train_gate_file(path, args.files, out, loops=args.loops, tokens=args.tokens, seq=args.seq,
+                               steps=args.steps, seed=args.seed, val_fraction=args.val_fraction)
+    except (ModelFileError, ValueError) as exc:
+        return _fail(str(exc))
+    print(f"wrote {out}: held-out accuracy {meta['val_accuracy']:.3f}, agreement with the full depth by loop "
+          f"{meta['val_agreement_by_loop']}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import serve
     from .server.settings import Settings
@@ -274,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py
     g.add_argument("--loops", type=_loops_arg, help='an integer, or "auto" (adaptive depth: docs/adaptive.md); '
                    "default: the model's default_loops")
+    g.add_argument("--exit-criterion", default=param_default("exit_criterion"), choices=["latent", "kl", "gate"],
+                   help="loops auto: default %(default)s")
     g.add_argument("--exit-threshold", type=float, help="loops auto: the criterion's threshold (default: its own)")
     g.add_argument("--min-loops", type=int, default=param_default("min_loops"), help="loops auto: default %(default)s")
     g.add_argument("--max-loops", type=int, help="loops auto: the ceiling (default: the model's default_loops)")
@@ -367,6 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--threads", type=int, default=0)
     td.set_defaults(func=_train_draft)
+
+    tg = sub.add_parser("train-gate", help="train an exit gate for adaptive depth (docs/adaptive.md)")
+    tg.add_argument("model", help="a .tinyloop file or packaged model name")
+    tg.add_argument("files", nargs="+", help="training text (.txt or .txt.gz); the held-out tail is not used")
+    tg.add_argument("--out", help="default: <model>.gate.safetensors beside the model")
+    tg.add_argument("--loops", type=int, help="the full depth (default: the model's default_loops)")
+    tg.add_argument("--tokens", type=int, default=16384)
+    tg.add_argument("--seq", type=int, default=128)
+    tg.add_argument("--steps", type=int, default=400)
+    tg.add_argument("--val-fraction", type=float, default=0.01)
+    tg.add_argument("--seed", type=int, default=0)
+    tg.add_argument("--threads", type=int, default=0)
+    tg.set_defaults(func=_train_gate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -46,6 +46,19 @@ def attach_draft_exit_file(loaded: LoadedModel, draft_exit: str | Path | bool = 
     return exit_path
 
 
+def attach_gate_file(loaded: LoadedModel, gate: str | Path | bool = True) -> Path | None:
+    """Attach a trained exit gate (`train/gate.py`) unless the model file carries its own."""
+    from ..train.gate import gate_path, read_gate
+
+    model = loaded.model
+    if model.exit_gate is not None or gate is False:
+        return None
+    path = gate_path(loaded.path, loaded.header) if gate is True else Path(gate)
+    if path is not None:
+        model.exit_gate = read_gate(path, model.cfg.dim).to(next(model.parameters()).device)
+    return path
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, *, max_seq_len: int | None = None, kv_format: str = "fp16"):
         self.loaded = loaded
@@ -69,7 +82,8 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
              max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True,
-             draft_exit: str | Path | bool = True, state_seed: int | None = None) -> "Engine":
+             draft_exit: str | Path | bool = True, state_seed: int | None = None,
+             gate: str | Path | bool = True) -> "Engine":
         """`fast=True` (the default) applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM
         weights for 16-bit models on CPU, thread policy): see docs/decode.md. `fast=False` keeps the
         plain eager modules (the reference the tests compare against).
@@ -77,6 +91,10 @@ class Engine:
         draft_exit: True - attach the model's draft-exit file if it has one (`<model>.draft.safetensors`,
         see model/draft_exit.py; self-speculation then drafts through it); a path - that file (an error
         if it does not fit the model); False - none.
+
+        gate: True - attach the model's trained exit gate `<model>.gate.safetensors` if it has one and no
+        gate of its own (`tinyloop train-gate`; the adaptive `gate` criterion reads it); a path - that file;
+        False - none.
 
         state_seed: for models whose family starts the recurrence from a random state (Huginn; the header's
         `state_init_std`), draw it by that rule, per position, from this seed; None (the default) starts
@@ -90,6 +108,7 @@ class Engine:
             from ..model.fast import prepare_for_decode
             prepare_for_decode(loaded.model)
         attach_draft_exit_file(loaded, draft_exit)
+        attach_gate_file(loaded, gate)
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:
@@ -150,7 +169,8 @@ class Engine:
     def plan(self, prompt_ids: list[int], params: SamplingParams | None = None, *, n: int = 1) -> RequestPlan:
         """Every check, model-dependent ones included, before any work starts; the request's defaults
         resolved from the model (`plan.plan_request`). ValidationError names the field."""
-        return plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n)
+        return plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n,
+                            exit_gate=self.model.exit_gate is not None)
 
     def open_stream(self, plan: RequestPlan, t0: float, index: int = 0) -> TokenStream:
         """The output stream the core feeds one choice's tokens to: text (detokenizer and stop strings)

@@ -54,16 +54,16 @@ class RequestPlan:
 
 
 def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig, *, max_seq_len: int,
-                 n: int = 1) -> RequestPlan:
+                 n: int = 1, exit_gate: bool | None = None) -> RequestPlan:
     """Check a request against the model and resolve its defaults. Raises ValidationError naming the field.
 
     `max_seq_len` is the context limit the engine serves (the model's, or lower). `max_positions` is
     prompt + max_tokens, plus for the speculative modes room for one draft tree past the last accepted
     token (k_branches * draft_ahead + 1 positions)."""
     params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
-    if params.adaptive and params.exit_criterion == "gate" and not cfg.exit_gate:
-        raise ValidationError('exit_criterion: "gate" needs a model file with an exit gate (Ouro); this one has '
-                              'none: use "latent"', param="exit_criterion")
+    if params.adaptive and params.exit_criterion == "gate" and not (cfg.exit_gate if exit_gate is None else exit_gate):
+        raise ValidationError('exit_criterion: "gate" needs a model with an exit gate (Ouro\'s, or one trained by '
+                              '`tinyloop train-gate`); this one has none: use "latent"', param="exit_criterion")
     if not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
     need = len(prompt_ids) + params.max_tokens
