@@ -1,7 +1,8 @@
 """Adaptive depth (`loops: "auto"`) on the shipped model: loops per token, quality and speed, against fixed depth.
 
-For each criterion (latent; kl, whose every check runs the read-out: a coda pass and the full LM head)
-and threshold, on held-out text (the last 1% of each corpus file, which training left
+For each criterion (latent; kl, whose every check runs the read-out: a coda pass and the full LM head;
+gate, with the model's gate or the one `tinyloop train-gate` made beside it) and threshold, and for the
+loop-shared KV budget, on held-out text (the last 1% of each corpus file, which training left
 out), all on the engine core:
 
 - perplexity, teacher-forced with the exits applied per position: each window's tokens are fed one at a
@@ -85,6 +86,8 @@ def main() -> int:
     ap.add_argument("--model", default="tinyloop-16m")
     ap.add_argument("--thresholds", default="0.1,0.15,0.2,0.3,0.5", help="latent criterion thresholds")
     ap.add_argument("--kl-thresholds", default="0.05,0.2,1.0", help="kl criterion thresholds ('' for none)")
+    ap.add_argument("--gate-thresholds", default="0.9,0.99,0.999",
+                    help="gate criterion thresholds, when the model has a gate (its own or train-gate's)")
     ap.add_argument("--min-loops", type=int, default=2)
     ap.add_argument("--windows", type=int, default=4, help="held-out windows per perplexity (of --seq tokens)")
     ap.add_argument("--seq", type=int, default=128)
@@ -105,6 +108,9 @@ def main() -> int:
         (f"kl {t}", SamplingParams(loops="auto", exit_criterion="kl", exit_threshold=float(t),
                                    min_loops=args.min_loops, max_loops=8))
         for t in args.kl_thresholds.split(",") if t] + [
+        (f"gate {t}", SamplingParams(loops="auto", exit_criterion="gate", exit_threshold=float(t),
+                                     min_loops=1, max_loops=8))
+        for t in args.gate_thresholds.split(",") if t and engine.model.exit_gate is not None] + [
         ("fixed 8, kv_loops last", SamplingParams(loops=8, kv_loops="last")),
         ("fixed 8, kv_loops 2", SamplingParams(loops=8, kv_loops=2)),
         ("latent 0.3, kv_loops last", SamplingParams(loops="auto", exit_threshold=0.3, min_loops=args.min_loops,
