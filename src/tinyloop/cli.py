@@ -260,7 +260,8 @@ def _train_gate(args: argparse.Namespace) -> int:
     import torch
 
     from .modelfile import ModelFileError, resolve_model_path
-    from .train.gate import SUFFIX, train_gate_file
+    from .model.gate import SUFFIX
+    from .train.gate import train_gate_file
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ from tinyloop.errors import ModelFileError, ValidationError
 from tinyloop.model import build_model
 from tinyloop.modelfile import write_model
 from tinyloop.tokenizer import Tokenizer
-from tinyloop.train.gate import read_gate, write_gate
+from tinyloop.model.gate import read_gate, write_gate
 
 TEXT = "The king said to his people that the harvest was good and the river ran clear. " * 400
 

@@ -48,7 +48,7 @@ def attach_draft_exit_file(loaded: LoadedModel, draft_exit: str | Path | bool = 
 
 def attach_gate_file(loaded: LoadedModel, gate: str | Path | bool = True) -> Path | None:
     """Attach a trained exit gate (`train/gate.py`) unless the model file carries its own."""
-    from ..train.gate import gate_path, read_gate
+    from ..model.gate import gate_path, read_gate
 
     model = loaded.model
     if model.exit_gate is not None or gate is False:
