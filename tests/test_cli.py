@@ -15,7 +15,7 @@ def test_init_info_generate(tmp_path):
     r = run("init", str(path), "--preset", "tiny", "--seed", "4")
     assert r.returncode == 0, r.stderr
     info = json.loads(run("info", str(path), "--json").stdout)
-    assert info["path"] == str(path) and info["dim"] == 64 and info["quant"] == "float32"
+    assert info["path"] == str(path) and info["dim"] == 64 and info["quant"] == "fp32"
     assert info["draft_exit"] is None
     assert info["provenance"]["tool"] == "tinyloop init"
     # without FILE, info describes the model the server would load ($TINYLOOP_MODEL_PATH)
@@ -64,7 +64,7 @@ def test_packaged_models_by_name():
     assert info["path"].endswith("tinyloop-16m-int4.tinyloop") and info["quant"] == "int4"
     assert info["quant_method"] == "gptq" and info["provenance"]["tool"] == "tinyloop quantize"
     fp16 = json.loads(run("info", "tinyloop-16m", "--json").stdout)
-    assert fp16["path"].endswith("tinyloop-16m.tinyloop") and fp16["quant"] == "float16"
+    assert fp16["path"].endswith("tinyloop-16m.tinyloop") and fp16["quant"] == "fp16"
     # both use the packaged draft exits (the int4 file through its source model's name)
     assert info["draft_exit"].endswith("tinyloop-16m.draft.safetensors") and info["draft_exit"] == fp16["draft_exit"]
     r = run("generate", "hi", "--model", "tinyloop-99m")

@@ -353,7 +353,9 @@ def model_info(header: dict[str, Any]) -> dict[str, Any]:
     cfg = header["config"]
     quant = header["weights"].get("quant") or {}
     method = quant.get("method", "none")
-    qname = header["weights"]["dtype"] if method == "none" else f"int{quant.get('bits')}"
+    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}  # the spec's names
+    qname = short.get(header["weights"]["dtype"], header["weights"]["dtype"]) if method == "none" \
+        else f"int{quant.get('bits')}"
     return {
         "arch": "weight-shared-looped-transformer",
         "dim": cfg["dim"], "n_heads": cfg["n_heads"], "n_kv_heads": cfg.get("n_kv_heads") or cfg["n_heads"],

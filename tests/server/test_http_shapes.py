@@ -78,10 +78,10 @@ def test_lmstudio_extras(tiny_server):
     assert {"wall_ms", "tokens_per_second", "prompt_tokens", "completion_tokens", "mode", "loops_used"} <= set(s)
     assert s["mode"] == "generate" and s["loops_used"] == 2 and s["completion_tokens"] == 3
     mi = r["model_info"]
-    assert mi["quant"] == "float32" and mi["kv_cache_mode"] == "fp16" and mi["dim"] == 64 and mi["default_loops"] == 3
+    assert mi["quant"] == "fp32" and mi["kv_cache_mode"] == "fp16" and mi["dim"] == 64 and mi["default_loops"] == 3
     assert r["runtime"]["name"] == "tinyloop" and "version" in r["runtime"]
     models = httpx.get(tiny_server.url + "/api/v0/models").json()["data"]
-    assert models[0]["state"] == "loaded" and models[0]["quantization"] == "float32"
+    assert models[0]["state"] == "loaded" and models[0]["quantization"] == "fp32"
 
 
 def test_chat_sse_bytes(tiny_server):
