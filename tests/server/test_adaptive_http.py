@@ -50,3 +50,13 @@ def test_kv_loops_over_http(tiny_server):
     assert r.status_code == 422, r.text
     info = httpx.get(f"{url}/api/v0/models").json()["data"][0]
     assert "kv_loops" in str(info)
+
+
+def test_tokenize_takes_the_names_other_servers_use(tiny_server):
+    url = tiny_server.url
+    want = httpx.post(f"{url}/tokenize", json={"text": "The king"}).json()["tokens"]
+    for name in ("prompt", "content"):
+        r = httpx.post(f"{url}/tokenize", json={name: "The king"})
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    r = httpx.post(f"{url}/tokenize", json={"text": "a", "prompt": "b"})
+    assert r.status_code in (400, 422) and r.json()["error"]["param"] == "text", r.text

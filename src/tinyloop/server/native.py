@@ -43,12 +43,14 @@ async def generate_tree_speculative(body: TreeSpeculativeRequest, request: Reque
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
-    """{"text": ...} or {"messages": [...]} (rendered with the chat template) -> token ids."""
+    """{"text": ...} (or vLLM's "prompt", llama.cpp's "content") or {"messages": [...]} (rendered with the
+    chat template) -> token ids."""
     engine = state_of(request).worker.require_engine()
-    if (body.text is None) == (body.messages is None):
-        raise ValidationError("give exactly one of text or messages", param="text")
-    if body.text is not None:
-        ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, body.text)
+    if body.given() != 1:
+        raise ValidationError("give exactly one of text (or prompt, or content) or messages", param="text")
+    text = body.plain_text()
+    if text is not None:
+        ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, text)
     else:  # what a chat request would feed the model: its chat template, special tokens as ids
         ids = await anyio.to_thread.run_sync(engine.encode_prompt, render_chat(body.messages))
     return {"tokens": ids, "count": len(ids), "max_seq_len": engine.max_seq_len}

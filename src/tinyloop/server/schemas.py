@@ -380,15 +380,27 @@ class TreeSpeculativeRequest(SpeculativeRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """Exactly one of `text` or `messages` (null is not a value of either)."""
+    """Exactly one of `text`, `prompt` (vLLM's name), `content` (llama.cpp's) or `messages` (null is not a
+    value of any)."""
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "oneOf": [{"required": ["text"]}, {"required": ["messages"]}]})
+        "oneOf": [{"required": ["text"]}, {"required": ["prompt"]}, {"required": ["content"]},
+                  {"required": ["messages"]}]})
     text: str | SkipJsonSchema[None] = None
+    prompt: str | SkipJsonSchema[None] = None
+    content: str | SkipJsonSchema[None] = None
     messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, json_schema_extra={"minItems": 1})
     model: str | None = None
 
+    def plain_text(self) -> str | None:
+        """The text to tokenize, under whichever name it came; None for `messages`."""
+        given = [v for v in (self.text, self.prompt, self.content) if v is not None]
+        return given[0] if given else None
+
+    def given(self) -> int:
+        return sum(getattr(self, n) is not None for n in ("text", "prompt", "content", "messages"))
+
     def model_post_init(self, _: Any) -> None:
-        for name in ("text", "messages"):
+        for name in ("text", "prompt", "content", "messages"):
             if name in self.model_fields_set and getattr(self, name) is None:
                 raise ValidationError(f"{name}: must not be null", param=name)
 
