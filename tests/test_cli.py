@@ -81,3 +81,24 @@ def test_generate_defaults_are_sampling_params():
                  "frequency_penalty", "cache_window", "mode", "draft_loops", "verify_loops", "draft_ahead",
                  "k_branches", "loops"):
         assert getattr(args, name) == getattr(want, name), name
+
+
+def test_a_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    from tinyloop.config import preset
+    from tinyloop.model import build_model
+    from tinyloop.modelfile import write_model
+    from tinyloop.tokenizer import Tokenizer
+
+    path = write_model(tmp_path / "m.tinyloop", build_model(preset("tiny")), tokenizer=Tokenizer.gpt2())
+    cmd = f"{sys.executable} -m tinyloop generate hello --model {path} --max-tokens 200 --stream | head -c 5"
+    r = subprocess.run(["bash", "-c", "set -o pipefail; " + cmd], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and r.returncode in (0, 141), r.stderr
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, os, tinyloop.cli as c; "
+                             "c._generate = lambda a: os.kill(os.getpid(), signal.SIGINT); "
+                             f"import sys; sys.exit(c.main(['generate', 'x', '--model', '{path}']))"],
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
