@@ -40,7 +40,7 @@ def test_clear_errors(tmp_path):
     r = run("info", str(tmp_path / "none.tinyloop"))
     assert r.returncode == 2 and "no such file" in r.stderr
     r = run("init", str(tmp_path / "x.tinyloop"), "--preset", "nope")
-    assert r.returncode == 2 and "unknown preset" in r.stderr
+    assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr
 
 
 def test_eval_reports_per_loop(tmp_path, tokenizer):

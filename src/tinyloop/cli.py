@@ -8,6 +8,8 @@ import os
 import sys
 
 from .engine.params import MODES, param_default
+from .config import PRESETS
+from .quant.kv import KV_FORMATS
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -168,8 +170,11 @@ def _eval(args: argparse.Namespace) -> int:
         return _fail("--text FILE is required (or --replot JSON --plot PNG)")
     try:
         import torch
+        try:
+            loops_list = [int(x) for x in args.loops.split(",") if x]
+        except ValueError:
+            return _fail(f"--loops: give comma-separated integers such as 1,2,4,8, got {args.loops!r}")
         lm = load_model(args.model, dtype=torch.float32)  # eval math in fp32 whatever the storage
-        loops_list = [int(x) for x in args.loops.split(",") if x]
         text = read_text(Path(args.text))
     except (ModelFileError, ValueError, OSError) as exc:
         return _fail(str(exc))
@@ -308,15 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--repetition-penalty", float), ("--presence-penalty", float),
                        ("--frequency-penalty", float)):
         g.add_argument(flag, type=kind, default=param_default(flag[2:].replace("-", "_")), help="default: %(default)s")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed (default: fresh entropy)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--cache-window", type=int, default=param_default("cache_window"), help="default: %(default)s")
-    g.add_argument("--mode", default=param_default("mode"), choices=MODES)
+    g.add_argument("--mode", default=param_default("mode"), choices=MODES, help="default: %(default)s")
     g.add_argument("--draft-loops", type=int, default=param_default("draft_loops"), help="default: %(default)s")
     g.add_argument("--verify-loops", type=int, help="default: --loops, else the model's default_loops")
     g.add_argument("--draft-ahead", type=int, default=param_default("draft_ahead"), help="default: %(default)s")
     g.add_argument("--k-branches", type=int, default=param_default("k_branches"), help="default: %(default)s")
-    g.add_argument("--kv", default="fp16", help="KV cache format")
+    g.add_argument("--kv", default="fp16", choices=list(KV_FORMATS), help="KV cache format (default: %(default)s)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--stats", action="store_true", help="print generation stats as JSON on stderr")
     g.set_defaults(func=_generate)
@@ -329,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity by loop depth on a text file")
     e.add_argument("model", nargs="?", help="a .tinyloop file (default: the shipped model)")
     e.add_argument("--text", help="a text file (.txt or .txt.gz); required unless --replot")
-    e.add_argument("--loops", default="1,2,4,8,12,16")
+    e.add_argument("--loops", default="1,2,4,8,12,16", help="comma-separated depths (default: %(default)s)")
     e.add_argument("--seq-len", type=int, help="window length (default: the model's context)")
     e.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     e.add_argument("--kv", default="fp16", help="KV cache format")
@@ -341,11 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_eval)
 
     n = sub.add_parser("init", help="write a randomly initialised model of a preset (tests, benchmarks)")
-    n.add_argument("out")
-    n.add_argument("--preset", required=True)
-    n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--overrides", help="JSON of ModelConfig fields")
-    n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    n.add_argument("out", help="the .tinyloop file to write")
+    n.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the architecture (config.py PRESETS)")
+    n.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    n.add_argument("--overrides", help='JSON of ModelConfig fields, e.g. {"default_loops": 4}')
+    n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="default: %(default)s")
     n.set_defaults(func=_init)
 
     cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro or Huginn -> a .tinyloop file",
