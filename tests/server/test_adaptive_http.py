@@ -60,3 +60,12 @@ def test_tokenize_takes_the_names_other_servers_use(tiny_server):
         assert r.status_code == 200 and r.json()["tokens"] == want, r.text
     r = httpx.post(f"{url}/tokenize", json={"text": "a", "prompt": "b"})
     assert r.status_code in (400, 422) and r.json()["error"]["param"] == "text", r.text
+
+
+def test_response_format_other_than_text_is_refused(tiny_server):
+    body = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+    assert r.json()["error"]["param"] == "response_format"
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text

@@ -34,6 +34,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),  # JSON mode / structured output: not implemented
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
 MAX_STOP = 16  # SamplingParams.validate's limit
