@@ -69,3 +69,17 @@ def test_response_format_other_than_text_is_refused(tiny_server):
     assert r.json()["error"]["param"] == "response_format"
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+
+
+def test_max_seq_len_setting_is_checked(tiny_model_path):
+    import pytest as _pytest
+
+    from tinyloop.server.settings import Settings
+    from tinyloop.server.worker import load_engine
+
+    with _pytest.raises(SystemExit, match="must be a positive number"):
+        Settings.from_env({"TINYLOOP_MAX_SEQ_LEN": "0"})
+    engine, warnings = load_engine(Settings.from_env({"TINYLOOP_MAX_SEQ_LEN": "100000"}, model_path=tiny_model_path))
+    assert any("above the model's context" in w for w in warnings)
+    engine, _ = load_engine(Settings.from_env({"TINYLOOP_MAX_SEQ_LEN": "64"}, model_path=tiny_model_path))
+    assert engine.model_info()["max_seq_len"] == engine.max_seq_len == 64

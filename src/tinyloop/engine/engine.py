@@ -114,7 +114,8 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}
         exit_path = self.loaded.draft_exit_path
-        return {**model_info(self.header), "kv_cache_mode": self.kv_format,
+        return {**model_info(self.header), "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
+                "kv_cache_mode": self.kv_format,
                 "kv_loops": "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 

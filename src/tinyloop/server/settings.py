@@ -131,10 +131,14 @@ class Settings:
     def from_env(cls, env: dict[str, str] | None = None, *, model_path: str | Path | None = None) -> "Settings":
         env = dict(os.environ if env is None else env)
         mode, warnings = kv_cache_mode_from_env(env)
+        max_seq_len = _int_env(env, "TINYLOOP_MAX_SEQ_LEN", None)
+        if max_seq_len is not None and max_seq_len < 1:
+            raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_SEQ_LEN={max_seq_len} must be a positive number of "
+                             "tokens (unset it to serve the model's whole context)")
         path = model_path if model_path is not None else env.get("TINYLOOP_MODEL_PATH") or None
         return cls(
             model_path=Path(path) if path else None,
-            max_seq_len=_int_env(env, "TINYLOOP_MAX_SEQ_LEN", None),
+            max_seq_len=max_seq_len,
             kv_cache_mode=mode,
             commit=env.get("TINYLOOP_COMMIT") or None,
             api_key=env.get("TINYLOOP_API_KEY") or None,

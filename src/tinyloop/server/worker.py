@@ -392,11 +392,15 @@ def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
     loaded once (in fp16 KV) and re-wrapped for the requested format."""
     engine = Engine.load(settings.model_path, max_seq_len=settings.max_seq_len, kv_format="fp16",
                          draft_exit=settings.draft_exit)
+    warnings = []
+    if settings.max_seq_len is not None and settings.max_seq_len > engine.config.max_seq_len:
+        warnings.append(f"TINYLOOP_MAX_SEQ_LEN={settings.max_seq_len} is above the model's context of "
+                        f"{engine.config.max_seq_len} tokens; serving {engine.config.max_seq_len}")
     kv = settings.kv_cache_mode
     if kv == "fp16":
-        return engine, []
+        return engine, warnings
     try:
-        return Engine(engine.loaded, max_seq_len=settings.max_seq_len, kv_format=kv), []
+        return Engine(engine.loaded, max_seq_len=settings.max_seq_len, kv_format=kv), warnings
     except ValidationError as exc:
         warning = f"KV cache mode {kv!r} was requested but the engine rejected it ({exc.message}); serving with 'fp16'"
-        return engine, [warning]
+        return engine, warnings + [warning]
