@@ -83,3 +83,11 @@ def test_max_seq_len_setting_is_checked(tiny_model_path):
     assert any("above the model's context" in w for w in warnings)
     engine, _ = load_engine(Settings.from_env({"TINYLOOP_MAX_SEQ_LEN": "64"}, model_path=tiny_model_path))
     assert engine.model_info()["max_seq_len"] == engine.max_seq_len == 64
+
+
+def test_undecodable_and_too_deep_bodies_get_the_malformed_json_error(tiny_server):
+    for body in (b"\xff\xfe{", ("[" * 5000 + "]" * 5000).encode()):
+        r = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body,
+                       headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 422 and err["code"] == "invalid_type" and "not valid JSON" in err["message"], r.text

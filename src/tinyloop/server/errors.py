@@ -121,6 +121,11 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":
+            # FastAPI's answer to a body json.loads cannot take (not UTF-8, nested too deeply): the same
+            # error as any other malformed JSON
+            return error_response(APIError(422, "request body is not valid JSON: not UTF-8, or nested too deeply",
+                                           code="invalid_type"))
         return error_response(APIError(exc.status_code, detail, code=codes.get(exc.status_code),
                                        headers=getattr(exc, "headers", None)))
 
