@@ -229,9 +229,12 @@ class Engine:
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
         toks: list[int] = []
         parts: list[str] = []
+        lps: list = []
         for ev in self.stream(prompt, params):
             toks += ev.token_ids
             parts.append(ev.text)
+            lps += ev.logprobs or []
             if ev.finish_reason is not None:
-                return GenerationResult(toks, "".join(parts), ev.finish_reason, ev.stats or {})
+                return GenerationResult(toks, "".join(parts), ev.finish_reason, ev.stats or {},
+                                        lps if params is not None and params.logprobs is not None else None)
         raise RuntimeError("stream ended without a final event")  # unreachable by construction

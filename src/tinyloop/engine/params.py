@@ -40,6 +40,9 @@ class SamplingParams:
     max_loops: int | None = None         # the ceiling; None -> the model's default_loops
     # the loop-shared KV budget: "all" (a slot per loop), "last" (= 1) or k core slots per layer (model/cache.py)
     kv_loops: int | str = "all"
+    # log-probabilities of each generated token, and of the `logprobs` most likely alternatives (0..20),
+    # under the distribution it was drawn from (Sampler.logprobs); None: not reported
+    logprobs: int | None = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -121,6 +124,10 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             need(not bad, "stop", f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
         need(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
+        if self.logprobs is not None:
+            need(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= 20,
+                 "logprobs", f"must be an integer in 0..20 (alternatives per token), got {self.logprobs!r}")
+            need(self.mode == "generate", "logprobs", f"is not reported in mode {self.mode!r} yet; use mode generate")
         k = self.kv_loops
         need(k in ("all", "last") or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_loops),
              "kv_loops", f'must be "all", "last" or an integer in 1..{max_loops}, got {k!r}')

@@ -129,6 +129,22 @@ class Sampler:
             return self.greedy_token(logits)
         return draw(self.probs(logits), self.generator)
 
+    def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """Log-probability of `token` and the `top` most likely tokens with theirs, under the distribution
+        the token is drawn from: penalties, then temperature, top-k and top-p when sampling (tokens cut by
+        top-k/top-p have -inf); greedy takes the argmax of the penalized logits, and reports their
+        log-softmax (temperature 1). Call before `accept` (penalties read the tokens so far)."""
+        p = self.params
+        x = processed_logits(logits[: self.vocab_size], p, self.seen.nonzero().flatten(), self.counts)
+        if not p.greedy:
+            x = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
+        lp = torch.log_softmax(x, dim=-1)
+        alts = []
+        if top > 0:
+            vals, ids = torch.topk(lp, top)
+            alts = list(zip(ids.tolist(), vals.tolist()))
+        return float(lp[token]), alts
+
     def accept(self, token: int) -> None:
         self.seen[token] = True
         self.counts[token] += 1

@@ -236,9 +236,12 @@ class BatchEngine:
                 try:
                     quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
                     tok = quick if quick is not None else o.sampler.sample(row)
+                    lp = None
+                    if req.plan.params.logprobs is not None:
+                        lp = o.sampler.logprobs(row, tok, req.plan.params.logprobs)
                     o.sampler.accept(tok)
                     self.sched.append_token(seq, tok)
-                    self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id))
+                    self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id), lp)
                 except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
                     log.exception("request %d failed", req.req_id)
                     self.fail(req, exc)
@@ -262,9 +265,9 @@ class BatchEngine:
         o.seq = kid
         self._outputs[kid.seq_id] = (req, o)
 
-    def _token(self, req: Request, o: _Output, tok: int, loops: int | None = None) -> None:
+    def _token(self, req: Request, o: _Output, tok: int, loops: int | None = None, logprob=None) -> None:
         req.started = True
-        ev = o.stream.feed(tok, loops)
+        ev = o.stream.feed(tok, loops, logprob)
         if ev is not None:
             req.emit(ev)
         if o.stream.stopped:

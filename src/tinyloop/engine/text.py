@@ -24,6 +24,8 @@ class StreamEvent:
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # on the final event only
     index: int = 0                 # which of the request's `n` choices this event belongs to
+    # with SamplingParams.logprobs: per token in token_ids, (logprob, [(alternative id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -32,6 +34,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token, with SamplingParams.logprobs
 
     @property
     def prompt_tokens(self) -> int:
@@ -65,8 +68,9 @@ class TokenStream:
     def _tail(self) -> str:
         return ""
 
-    def feed(self, tok: int, loops: int | None = None) -> StreamEvent | None:
-        """One sampled token; `loops`: the core loops its row ran (None: the plan's depth)."""
+    def feed(self, tok: int, loops: int | None = None, logprob=None) -> StreamEvent | None:
+        """One sampled token; `loops`: the core loops its row ran (None: the plan's depth); `logprob`: its
+        (logprob, alternatives) when the request asked for them."""
         self.n += 1
         depth = self.loops_used if loops is None else loops
         self.loops_per_token[depth] = self.loops_per_token.get(depth, 0) + 1
@@ -75,7 +79,8 @@ class TokenStream:
         if tok in self.stop_ids:
             self.stopped = True
             return None
-        return StreamEvent([tok], self._text(tok), index=self.index)
+        return StreamEvent([tok], self._text(tok), index=self.index,
+                           logprobs=[logprob] if logprob is not None else None)
 
     def _mean_loops(self) -> float | int:
         """Mean core loops over generated tokens (the plan's depth when it never varied)."""
