@@ -163,7 +163,7 @@ def test_errors(tiny_server):
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "presence_penalty": -3}), 400, "presence_penalty")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "loops": 65}), 400, "loops")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "stop": [""]}), 400, "stop")
-    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "logprobs": True}), 400, "logprobs")
+    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
     # seeds past 64 bits are taken modulo 2**64 (no range a JSON schema validator could misjudge in floats)
     sampled = {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0}

@@ -43,6 +43,7 @@ class Result:
     text: str
     finish_reason: str
     stats: dict[str, Any]
+    logprobs: list | None = None   # per token (engine shape), when the request asked for them
 
 
 class ServerState:
@@ -90,6 +91,7 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
     goes away meanwhile."""
     toks: dict[int, list[int]] = {}
     parts: dict[int, list[str]] = {}
+    lps: dict[int, list] = {}
     results: dict[int, Result] = {}
     done = False
     next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -111,9 +113,11 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                 raise APIError(500, "the engine ended a request without a result", code="engine_error")
             toks.setdefault(item.index, []).extend(item.token_ids)
             parts.setdefault(item.index, []).append(item.text)
+            lps.setdefault(item.index, []).extend(item.logprobs or [])
             if item.finish_reason is not None:
                 results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
-                                             item.finish_reason, item.stats or {})
+                                             item.finish_reason, item.stats or {},
+                                             lps.get(item.index) if handle.plan.params.logprobs is not None else None)
                 if len(results) == handle.plan.n:
                     done = handle.delivered = True
                     note(completion_tokens=sum(r.stats.get("completion_tokens", 0) for r in results.values()),

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from .errors import APIError
 from .generation import ServerState, collect, new_id, now, stream, total_usage
+from .logprobs import chat_content, completion_logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer
 
@@ -55,10 +56,11 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
                                 max_tokens_given=body.max_tokens_given())
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     extras = state.lmstudio_extras if extended else None
+    tokenizer = state.worker.require_engine().tokenizer if params.logprobs is not None else None
     if body.wants_stream():
         cls = ChatFramer if chat else CompletionFramer
         framer = cls(id=rid, created=created, model=body.model, include_usage=body.include_usage(), extras=extras,
-                     n=n)
+                     n=n, tokenizer=tokenizer)
         return await stream(handle, framer, state.settings.keepalive_s)
     results = await collect(handle, request)
     choices = []
@@ -66,8 +68,12 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
                             "finish_reason": result.finish_reason})
+            if tokenizer is not None:
+                choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
         else:
             choices.append({"text": result.text, "index": i, "finish_reason": result.finish_reason})
+            if tokenizer is not None:
+                choices[-1]["logprobs"] = completion_logprobs(tokenizer, result.token_ids, result.logprobs)
     out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
            "model": body.model, "choices": choices, "usage": total_usage(results)}
     if extras:

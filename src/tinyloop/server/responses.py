@@ -72,16 +72,39 @@ class AssistantMessage(Closed):
     content: str
 
 
+class TopLogprob(Closed):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Closed):
+    content: list[TokenLogprob]
+
+
+class TextLogprobs(Closed):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(Closed):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
+    logprobs: ChatLogprobs | None = None   # with logprobs: true
 
 
 class TextChoice(Closed):
     text: str
     index: int
     finish_reason: FinishReason
+    logprobs: TextLogprobs | None = None   # with logprobs: k
 
 
 class ChatCompletion(Closed):
@@ -196,12 +219,14 @@ class ChatChunkChoice(Closed):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
 
 
 class TextChunkChoice(Closed):
     text: str
     index: int
     finish_reason: FinishReason | None
+    logprobs: TextLogprobs | None = None
 
 
 class _Chunk(Closed):

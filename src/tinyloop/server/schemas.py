@@ -31,7 +31,7 @@ ASSISTANT_CUE = "Assistant:"
 # OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
 # rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),  # JSON mode / structured output: not implemented
@@ -213,10 +213,14 @@ class OpenAIRequest(BaseModel):
             exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
-            **self.extension_params())
+            logprobs=self.logprobs_param(), **self.extension_params())
 
     def extension_params(self) -> dict[str, Any]:
         return {}
+
+    def logprobs_param(self) -> int | None:
+        """Alternatives per token to report (SamplingParams.logprobs), or None."""
+        return None
 
     def choices(self) -> int:
         """`n` as asked (default 1); the request plan checks its range with every other knob."""
@@ -258,6 +262,13 @@ class LMStudioKnobs(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")  # newer clients' name for max_tokens
+    logprobs: bool | None = Field(None, description="return each output token's log-probability (docs/server.md)")
+    top_logprobs: Int | None = rng(lo=0, hi=20, description="alternatives per token, 0..20; needs logprobs: true")
+
+    def logprobs_param(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValidationError("top_logprobs: needs logprobs: true", param="top_logprobs")
+        return _or(self.top_logprobs, 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int:
         return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
@@ -273,6 +284,14 @@ class CompletionRequest(OpenAIRequest):
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], doc(minItems=1)] | PromptIds | \
         Annotated[list[PromptIds], doc(minItems=1)] = Field(description="text, texts, token ids or lists of token ids; "
         "none empty. For a list of prompts the first is used; the others are checked all the same")
+    logprobs: Int | None = rng(lo=0, hi=5, description="return each output token's log-probability and this many "
+                                                         "alternatives, 0..5 (docs/server.md)")
+
+    def logprobs_param(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise ValidationError(f"logprobs: must be in 0..5 (alternatives per token), got {self.logprobs}",
+                                  param="logprobs")
+        return self.logprobs
 
     def prompt_input(self, vocab_size: int | None = None) -> str | list[int]:
         """A string, or token ids. A list of prompts uses its first (n > 1 is not implemented); the others

@@ -23,8 +23,10 @@ class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool = False,
-                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1):
+                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1, tokenizer=None):
         self.id, self.created, self.model = id, created, model
+        self.tokenizer = tokenizer  # set when the request asked for logprobs: each chunk carries its tokens'
+        self.offsets: dict[int, int] = {}  # completions: characters streamed so far per choice (text_offset)
         self.include_usage = include_usage
         self.extras = extras  # /api/v0: stats, model_info, runtime on the final chunk
         self.n = n            # choices; the stream ends after the last one's final event
@@ -71,7 +73,16 @@ class ChatFramer(Framer):
         return [frame(self._chunk(self._delta({"role": "assistant"}, index=i))) for i in range(self.n)]
 
     def event(self, ev: StreamEvent) -> list[bytes]:
+        if self.tokenizer is not None and ev.logprobs:
+            choice = self._delta({"content": ev.text}, index=ev.index)
+            choice["logprobs"] = self._logprobs(ev)
+            return [frame(self._chunk(choice))]
         return [frame(self._chunk(self._delta({"content": ev.text}, index=ev.index)))] if ev.text else []
+
+    def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
+        from .logprobs import chat_content
+
+        return {"content": chat_content(self.tokenizer, ev.token_ids, ev.logprobs)}
 
     def close(self, ev: StreamEvent) -> list[bytes]:
         """The final chunk of one choice; after the last choice, the usage chunk (if asked) and [DONE]."""
@@ -93,6 +104,13 @@ class CompletionFramer(ChatFramer):
 
     def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
         return {"text": delta.get("content", ""), "index": index, "finish_reason": finish}
+
+    def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
+        from .logprobs import completion_logprobs
+
+        out = completion_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, self.offsets.get(ev.index, 0))
+        self.offsets[ev.index] = self.offsets.get(ev.index, 0) + len(ev.text)
+        return out
 
     def open(self) -> list[bytes]:
         return []

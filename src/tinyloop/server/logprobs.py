@@ -1,0 +1,52 @@
+"""Log-probabilities in the shapes OpenAI's API gives them (the engine's are `StreamEvent.logprobs`).
+
+    chat         choices[].logprobs.content[]: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}
+    completions  choices[].logprobs: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+
+`token` is the token's bytes decoded as UTF-8 (a token that is part of a multi-byte character shows U+FFFD;
+`bytes` has the exact bytes). A log-probability of -inf (a token the sampling cut away) is reported as
+-9999.0, as OpenAI does, since JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(float(value), FLOOR)
+
+
+def _token(tokenizer, tid: int) -> tuple[str, list[int]]:
+    b = tokenizer.token_bytes(tid)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_content(tokenizer, ids: list[int], lps: list) -> list[dict[str, Any]]:
+    out = []
+    for tid, (lp, alts) in zip(ids, lps):
+        text, raw = _token(tokenizer, tid)
+        tops = []
+        for aid, alp in alts:
+            atext, araw = _token(tokenizer, aid)
+            tops.append({"token": atext, "logprob": _lp(alp), "bytes": araw})
+        out.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": tops})
+    return out
+
+
+def completion_logprobs(tokenizer, ids: list[int], lps: list, offset: int = 0) -> dict[str, Any]:
+    """`offset`: the character offset of the first token in the returned text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, (lp, alts) in zip(ids, lps):
+        text, _ = _token(tokenizer, tid)
+        tokens.append(text)
+        token_lps.append(_lp(lp))
+        top: dict[str, float] = {}
+        for aid, alp in alts:
+            top.setdefault(_token(tokenizer, aid)[0], _lp(alp))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
