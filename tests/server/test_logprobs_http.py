@@ -55,3 +55,18 @@ def test_logprobs_requests_that_cannot_be_served(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Hi", "logprobs": 6})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def test_native_generate_logprobs(tiny_server, engine):
+    r = httpx.post(f"{tiny_server.url}/generate", json={"prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0,
+                                                        "logprobs": 2})
+    body = r.json()
+    assert r.status_code == 200 and len(body["logprobs"]) == len(body["tokens"]), r.text
+    logits = engine.logits([5, 17, 42] + body["tokens"])
+    for i, (tok, lp) in enumerate(zip(body["tokens"], body["logprobs"])):
+        assert lp["logprob"] == pytest.approx(float(torch.log_softmax(logits[2 + i].double(), -1)[tok]), abs=1e-4)
+        assert len(lp["top_logprobs"]) == 2 and lp["top_logprobs"][0]["token_id"] == tok
+    with httpx.stream("POST", f"{tiny_server.url}/generate", json={"prompt": [5, 17, 42], "max_tokens": 4,
+                                                                   "temperature": 0, "logprobs": 1, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e["logprob"] for e in events if e["token_id"] >= 0] == pytest.approx([x["logprob"] for x in body["logprobs"]])

@@ -2,6 +2,7 @@
 
     chat         choices[].logprobs.content[]: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}
     completions  choices[].logprobs: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+    native       per token: {logprob, top_logprobs: [{token_id, logprob}]} (ids, not text: the native API's way)
 
 `token` is the token's bytes decoded as UTF-8 (a token that is part of a multi-byte character shows U+FFFD;
 `bytes` has the exact bytes). A log-probability of -inf (a token the sampling cut away) is reported as
@@ -50,3 +51,8 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list, offset: int = 0) -
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def native_logprob(entry) -> dict[str, Any]:
+    lp, alts = entry
+    return {"logprob": _lp(lp), "top_logprobs": [{"token_id": int(a), "logprob": _lp(v)} for a, v in alts]}

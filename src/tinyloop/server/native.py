@@ -6,6 +6,7 @@ import anyio
 from fastapi import APIRouter, Request
 
 from ..errors import ValidationError
+from .logprobs import native_logprob
 from .generation import collect, stream
 from .openai import state_of
 from .schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
@@ -22,8 +23,11 @@ async def run_generate(request: Request, body: GenerateRequest):
     if body.stream:
         return await stream(handle, NativeFramer(id="", created=0, model=""), state.settings.keepalive_s)
     result = (await collect(handle, request))[0]
-    return {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
-            "stats": result.stats}
+    out = {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+           "stats": result.stats}
+    if result.logprobs is not None:
+        out["logprobs"] = [native_logprob(lp) for lp in result.logprobs]
+    return out
 
 
 @router.post("/generate")

@@ -139,11 +139,22 @@ class LMStudioCompletion(LMStudioExtras, Completion):
     pass
 
 
+class IdLogprob(Closed):
+    token_id: int
+    logprob: float
+
+
+class NativeLogprob(Closed):
+    logprob: float
+    top_logprobs: list[IdLogprob]
+
+
 class GenerateResponse(Closed):
     tokens: list[int]
     text: str
     finish_reason: FinishReason
     stats: Stats
+    logprobs: list[NativeLogprob] | None = None   # with logprobs: k, one per token in `tokens`
 
 
 class ModelCard(Closed):
@@ -254,6 +265,8 @@ class NativeEvent(Closed):
     text: str
     finish_reason: FinishReason | None = None
     stats: Stats | None = None
+    logprob: float | None = None         # with logprobs: k
+    top_logprobs: list[IdLogprob] | None = None
 
 
 def sse_event_schema(ref: str, what: str) -> dict[str, Any]:

@@ -338,6 +338,8 @@ class GenerateRequest(BaseModel):
     min_loops: Int = rng(param_default("min_loops"), lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
     kv_loops: KVLoops = rng(param_default("kv_loops"), lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
+    logprobs: Int | None = rng(lo=0, hi=20, description="each token's log-probability and this many alternatives "
+                                                         "(ids), 0..20; mode generate only")
     temperature: float = rng(param_default("temperature"), lo=0, hi=2)
     top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
     top_p: float = rng(0.9, gt=0, hi=1)
@@ -369,7 +371,7 @@ class GenerateRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
-            max_loops=self.max_loops, kv_loops=self.kv_loops, **self.speculative_params())
+            max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}

@@ -120,9 +120,17 @@ class NativeFramer(Framer):
     """One event per token: {"token_id", "text"}; then {"token_id": -1, "text": tail, ...}; [DONE]."""
 
     def event(self, ev: StreamEvent) -> list[bytes]:
+        from .logprobs import native_logprob
+
         ids = ev.token_ids
         # one event per token; when an event accounts for several tokens its text goes with the last
-        return [frame({"token_id": t, "text": ev.text if i == len(ids) - 1 else ""}) for i, t in enumerate(ids)]
+        out = []
+        for i, t in enumerate(ids):
+            e = {"token_id": t, "text": ev.text if i == len(ids) - 1 else ""}
+            if ev.logprobs:
+                e.update(native_logprob(ev.logprobs[i]))
+            out.append(frame(e))
+        return out
 
     def close(self, ev: StreamEvent) -> list[bytes]:
         self.closed[ev.index] = ev.stats or {}
