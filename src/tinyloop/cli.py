@@ -245,6 +245,7 @@ def _quantize(args: argparse.Namespace) -> int:
 def _train_draft(args: argparse.Namespace) -> int:
     import torch
 
+    from .model.companion import companion_file
     from .model.draft_exit import SUFFIX
     from .modelfile import ModelFileError, resolve_model_path
     from .train.draft_exit import train_draft_exits
@@ -252,7 +253,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    out = args.out or str(path.with_name(path.name.removesuffix(".tinyloop") + SUFFIX))
+    out = args.out or str(companion_file(path, SUFFIX))
     try:
         train_draft_exits(path, args.files, out, draft_loops=tuple(args.draft_loops), tokens=args.tokens,
                           seq=args.seq, batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
@@ -266,13 +267,14 @@ def _train_gate(args: argparse.Namespace) -> int:
     import torch
 
     from .modelfile import ModelFileError, resolve_model_path
+    from .model.companion import companion_file
     from .model.gate import SUFFIX
     from .train.gate import train_gate_file
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    out = args.out or str(path.with_name(path.name.removesuffix(".tinyloop") + SUFFIX))
+    out = args.out or str(companion_file(path, SUFFIX))
     try:
         meta = train_gate_file(path, args.files, out, loops=args.loops, tokens=args.tokens, seq=args.seq,
                                steps=args.steps, seed=args.seed, val_fraction=args.val_fraction)

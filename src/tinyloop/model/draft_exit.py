@@ -35,6 +35,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .companion import find_companion
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from .layers import Block, RMSNorm
@@ -84,16 +85,7 @@ def shape_config(cfg: ModelConfig) -> dict[str, Any]:
 def draft_exit_path(model_path: str | Path, header: dict[str, Any] | None = None) -> Path | None:
     """The draft-exit file for a model file: `<stem>.draft.safetensors` beside it, else (for a quantized
     model) its source model's. None when there is none."""
-    model_path = Path(model_path)
-    own = model_path.with_name(model_path.name.removesuffix(".tinyloop") + SUFFIX)
-    if own.exists():
-        return own
-    source = ((header or {}).get("provenance") or {}).get("source")
-    if source:
-        src = model_path.with_name(Path(source).name.removesuffix(".tinyloop") + SUFFIX)
-        if src.exists():
-            return src
-    return None
+    return find_companion(model_path, header, SUFFIX)
 
 
 def write_draft_exits(path: str | Path, exits: dict[int, DraftExit], cfg: ModelConfig,

@@ -16,22 +16,14 @@ from typing import Any
 import torch.nn as nn
 
 from ..errors import ModelFileError
+from .companion import find_companion
 
 SUFFIX = ".gate.safetensors"
 
 
 def gate_path(model_path: str | Path, header: dict[str, Any] | None = None) -> Path | None:
     """`<stem>.gate.safetensors` beside the model, else its source model's (quantized files); None if none."""
-    model_path = Path(model_path)
-    own = model_path.with_name(model_path.name.removesuffix(".tinyloop") + SUFFIX)
-    if own.exists():
-        return own
-    source = ((header or {}).get("provenance") or {}).get("source")
-    if source:
-        src = model_path.with_name(Path(source).name.removesuffix(".tinyloop") + SUFFIX)
-        if src.exists():
-            return src
-    return None
+    return find_companion(model_path, header, SUFFIX)
 
 
 def read_gate(path: str | Path, dim: int) -> nn.Linear:
