@@ -35,9 +35,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .companion import find_companion
 from ..config import ModelConfig
 from ..errors import ModelFileError
+from .companion import find_companion
 from .layers import Block, RMSNorm
 
 FORMAT = "tinyloop-draft-exit"
