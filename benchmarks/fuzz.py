@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import schemathesis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
+import local_server  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
@@ -220,7 +222,7 @@ def tinyloop_sse(ctx, response, case):
     if response.status_code != 200 or not ctype.startswith("text/event-stream"):
         return None
     if getattr(response, "stream_cut_short", False):  # the client stopped reading (fuzz.toml sets the limit)
-        _fail(f"stream longer than max-stream-events; raise it in benchmarks/fuzz.toml")
+        _fail("stream longer than max-stream-events; raise it in benchmarks/fuzz.toml")
     body = case.body if isinstance(case.body, dict) else {}
     problem = sse_problems(case.path, response.content, int(body.get("n") or 1))
     if problem:
@@ -253,12 +255,6 @@ def tinyloop_counts(ctx, response, case):
 
 
 # -- running it -----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_model(path: Path) -> Path:
     from tinyloop.config import preset
     from tinyloop.model import build_model
@@ -270,44 +266,22 @@ def make_model(path: Path) -> Path:
 
 
 class Server:
-    """`tinyloop serve` in a subprocess on a free loopback port."""
+    """`tinyloop serve` (benchmarks/local_server.py) on the fuzzed model, its output kept for the report."""
 
     def __init__(self, model: Path, env: dict[str, str] | None = None):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        full = {**os.environ, "OMP_NUM_THREADS": "1", "TINYLOOP_MODEL_PATH": str(model),
-                "TINYLOOP_MAX_TOKENS": str(MAX_TOKENS), **(env or {})}
-        exe = Path(sys.executable).with_name("tinyloop")
+        self.model, self.env = model, {"OMP_NUM_THREADS": "1", "TINYLOOP_MAX_TOKENS": str(MAX_TOKENS), **(env or {})}
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([str(exe), "serve", "--port", self.url.rsplit(":", 1)[1],
-                                      "--log-level", "warning"], env=full, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> "Server":
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"tinyloop serve exited: {self.output()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("tinyloop serve did not become healthy")
-            time.sleep(0.2)
+        self.proc, self.url = local_server.start_server(self.model, env=self.env, log=self.log, timeout_s=120)
+        return self
 
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        local_server.stop_server(self.proc, 15)
 
 
 def run_schemathesis(url: str, *, max_examples: int, seed: int, workers: int = 1, phases: str | None = None,

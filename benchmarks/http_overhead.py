@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,33 +27,14 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
+import local_server  # noqa: E402
+
 PROMPT = "The king said to his people that"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINYLOOP_MODEL_PATH": str(model)}
-    exe = Path(sys.executable).with_name("tinyloop")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", "warning"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("tinyloop serve exited during start-up")
-        time.sleep(0.2)
-    proc.terminate()
-    raise SystemExit("tinyloop serve did not become healthy")
+    return local_server.start_server(model, env={"OMP_NUM_THREADS": str(threads)})
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -45,7 +45,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import ssl
 import subprocess
 import sys
@@ -54,6 +53,9 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
+import local_server  # noqa: E402
 
 from tinyloop.tools.progress import progress
 
@@ -72,48 +74,9 @@ QUICK = {"clients": "1,4", "requests_per_client": 2, "max_tokens": 16}
 DEFAULTS = {"clients": "1,4,16,32", "requests_per_client": 3, "max_tokens": 64}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: Path | None, threads: int) -> tuple[subprocess.Popen, str]:
     """`tinyloop serve` on a free loopback port; TINYLOOP_MODEL_PATH only when a model is given."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if model is not None:
-        env["TINYLOOP_MODEL_PATH"] = str(model)
-    exe = Path(sys.executable).with_name("tinyloop")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", "warning"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return proc, url
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit("tinyloop serve exited during start-up")
-        time.sleep(0.2)
-    if proc is not None:
-        stop_server(proc)
-    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    return local_server.start_server(model, env={"OMP_NUM_THREADS": str(threads)})
 
 
 def server_info(url: str) -> dict:
@@ -338,7 +301,7 @@ def main() -> int:
     proc = None
     if args.url:
         url = args.url.rstrip("/")
-        wait_healthy(url)
+        local_server.wait_healthy(url)
     else:
         proc, url = start_server(model, threads)
     load_start = os.getloadavg()
@@ -357,7 +320,7 @@ def main() -> int:
                           f"{res['wall_s']:.1f} s", file=sys.stderr)
     finally:
         if proc is not None:
-            stop_server(proc)
+            local_server.stop_server(proc)
     load_end = os.getloadavg()
 
     served_model = None

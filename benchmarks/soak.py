@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
+import local_server  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["The king said to his people that", "Once upon a time", "\u65e5\u672c\u8a9e\u306e\u6587",
@@ -56,12 +58,6 @@ ERROR_KEYS = {"message", "type", "param", "code", "request_id"}
 
 
 # -- the server --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_model(path: Path) -> Path:
     """A random `tiny` model in float64 (batch-invariant greedy choices), weights scaled up so that its
     outputs vary from token to token (at init scale a random model repeats one token)."""
@@ -81,25 +77,9 @@ def make_model(path: Path) -> Path:
 
 
 def start_server(model: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TINYLOOP_MODEL_PATH": str(model), "TINYLOOP_LOG_FORMAT": "json"}
-    exe = Path(sys.executable).with_name("tinyloop")
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", "info"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"tinyloop serve exited: {log_path.read_text()[-2000:]}")
-        time.sleep(0.2)
-    proc.terminate()
-    raise SystemExit("tinyloop serve did not become healthy")
+    """JSON access logs into `log_path` (counted at the end)."""
+    return local_server.start_server(model, env={"OMP_NUM_THREADS": "1", "TINYLOOP_LOG_FORMAT": "json"},
+                                     log_level="info", log=log_path, timeout_s=120)
 
 
 def proc_sample(pid: int) -> tuple[float, int]:
