@@ -125,6 +125,12 @@ def _json(response) -> Any:
         return None
 
 
+def _content_type(response) -> str:
+    """The response's content type (schemathesis may hand a header as a list of values)."""
+    ctype = response.headers.get("content-type") or ""
+    return ctype[0] if isinstance(ctype, list) else ctype
+
+
 def _fail(message: str) -> None:
     raise AssertionError(message)
 
@@ -217,8 +223,7 @@ def sse_problems(path: str, raw: bytes, n: int) -> str | None:
 
 @schemathesis.check
 def tinyloop_sse(ctx, response, case):
-    ctype = response.headers.get("content-type") or ""
-    ctype = ctype[0] if isinstance(ctype, list) else ctype
+    ctype = _content_type(response)
     if response.status_code != 200 or not ctype.startswith("text/event-stream"):
         return None
     if getattr(response, "stream_cut_short", False):  # the client stopped reading (fuzz.toml sets the limit)
@@ -231,8 +236,7 @@ def tinyloop_sse(ctx, response, case):
 
 @schemathesis.check
 def tinyloop_counts(ctx, response, case):
-    ctype = response.headers.get("content-type") or ""
-    ctype = ctype[0] if isinstance(ctype, list) else ctype
+    ctype = _content_type(response)
     if response.status_code != 200 or not ctype.startswith("application/json"):
         return None
     out, body = _json(response), case.body if isinstance(case.body, dict) else {}
