@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 ASSISTANT_CUE = "Assistant:"
 
 

@@ -179,9 +179,6 @@ class HFTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")

@@ -25,8 +25,6 @@ from ..errors import ValidationError
 # temperature 1.0, the native API's top_k 50 / top_p 0.9) is a default written here.
 DEFAULT_MAX_TOKENS = param_default("max_tokens")
 OPENAI_TEMPERATURE = 1.0
-ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
-ASSISTANT_CUE = "Assistant:"
 
 # OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
 # rather than silently ignored.
