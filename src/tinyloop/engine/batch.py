@@ -12,7 +12,10 @@ import torch
 
 from ..model import LoopedTransformer
 from ..model.paged import PagedKV, PagedStep, Rows
+from .sampling import score_tokens
 from .scheduler import ScheduledChunk
+
+SCORE_ROWS = 128  # prompt positions per LM-head call when scoring a prompt
 
 
 def cache_dtype(model: LoopedTransformer) -> torch.dtype:
@@ -29,6 +32,7 @@ class BatchRunner:
         self.last_logits: torch.Tensor | None = None   # (k, V) of the last step, rows in `last_ids` order
         self.last_ids: list[int] = []
         self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
+        self.last_scores: dict[int, tuple[int, list]] = {}  # prompt log-probabilities of the last step (`execute`)
         self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
 
     def _table(self, seq) -> torch.Tensor:
@@ -39,10 +43,13 @@ class BatchRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
-                extra: list[Rows] = ()) -> dict[int, torch.Tensor]:
+                extra: list[Rows] = (), score: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
-        for each chunk that needs logits."""
+        for each chunk that needs logits. `score`: {seq_id: alternatives} of sequences whose prompt is
+        scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
+        too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}."""
         self.kv.copy_pages(list(copies))
+        self.last_scores = {}
         # adaptive depth applies to generated tokens (one-row chunks past the prompt); prompts run the ceiling
         rows = [Rows(table=self._table(c.seq), start=c.start, n=c.n,
                      last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
@@ -57,11 +64,30 @@ class BatchRunner:
         m.run(PagedStep(self.kv, order, m.rotary, m.act_dtype or m.embed.weight.dtype, self.device))
         self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
         want = [r for r in rows if r.tag.needs_logits]
-        if not want:
-            return {}
-        hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)
-        if self.before_head is not None:
-            self.before_head()
-        logits = m.logits(hidden[None])[0]                                     # (k, V)
-        self.last_logits, self.last_ids = logits, [r.tag.seq.seq_id for r in want]
-        return {r.tag.seq.seq_id: logits[i] for i, r in enumerate(want)}
+        out = {}
+        if want:
+            hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)
+            if self.before_head is not None:
+                self.before_head()
+            logits = m.logits(hidden[None])[0]                                     # (k, V)
+            self.last_logits, self.last_ids = logits, [r.tag.seq.seq_id for r in want]
+            out = {r.tag.seq.seq_id: logits[i] for i, r in enumerate(want)}
+        for r in rows:
+            if score and r.tag.seq.seq_id in score:
+                self._score(r.tag, r.hidden, score[r.tag.seq.seq_id])
+        return out
+
+    def _score(self, chunk: ScheduledChunk, hidden: torch.Tensor, top: int) -> None:
+        """Prompt log-probabilities of a chunk: the row at position p scores prompt token p + 1 (the last
+        prompt position predicts the first generated token, which the sampler handles)."""
+        prompt = chunk.seq.prompt
+        n = min(chunk.n, len(prompt) - 1 - chunk.start)   # rows whose next token is still in the prompt
+        if n <= 0:
+            return
+        vocab = self.model.cfg.vocab_size
+        targets = torch.tensor(prompt[chunk.start + 1:chunk.start + 1 + n], device=self.device)
+        entries = []
+        for i in range(0, n, SCORE_ROWS):                  # bounded memory: SCORE_ROWS x vocab floats at a time
+            logits = self.model.logits(hidden[None, i:min(n, i + SCORE_ROWS)])[0, :, :vocab]   # (t, V)
+            entries += score_tokens(logits, targets[i:i + SCORE_ROWS], top)
+        self.last_scores[chunk.seq.seq_id] = (chunk.start + 1, entries)

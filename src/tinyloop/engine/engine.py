@@ -230,11 +230,14 @@ class Engine:
         toks: list[int] = []
         parts: list[str] = []
         lps: list = []
+        scores = None
         for ev in self.stream(prompt, params):
             toks += ev.token_ids
             parts.append(ev.text)
             lps += ev.logprobs or []
+            scores = ev.prompt_logprobs if ev.prompt_logprobs is not None else scores
             if ev.finish_reason is not None:
                 return GenerationResult(toks, "".join(parts), ev.finish_reason, ev.stats or {},
-                                        lps if params is not None and params.logprobs is not None else None)
+                                        lps if params is not None and params.logprobs is not None else None,
+                                        scores)
         raise RuntimeError("stream ended without a final event")  # unreachable by construction

@@ -43,6 +43,11 @@ class SamplingParams:
     # log-probabilities of each generated token, and of the `logprobs` most likely alternatives (0..20),
     # under the distribution it was drawn from (Sampler.logprobs); None: not reported
     logprobs: int | None = None
+    # prompt scoring (vLLM's name): each prompt token's log-probability given the tokens before it, and the
+    # `prompt_logprobs` most likely alternatives (0..20), under the model's raw distribution at the request's
+    # loops (no temperature, top-k/top-p or penalties); the first token's entry is None. With it,
+    # max_tokens may be 0 (score the prompt, generate nothing)
+    prompt_logprobs: int | None = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -88,8 +93,10 @@ class SamplingParams:
             if not ok:
                 raise ValidationError(f"{param}: {msg}", param=param)
 
-        need(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 8192, "max_tokens",
-             f"must be an integer in 1..8192, got {self.max_tokens!r}")
+        lo = 0 if self.prompt_logprobs is not None else 1   # 0: score the prompt only
+        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and lo <= self.max_tokens <= 8192, "max_tokens",
+             f"must be an integer in {lo}..8192{' (0 only with prompt_logprobs)' if lo else ''}, got {self.max_tokens!r}")
         if self.adaptive:
             from ..model.exits import CRITERIA, DEFAULT_THRESHOLDS
 
@@ -128,6 +135,12 @@ class SamplingParams:
             need(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= 20,
                  "logprobs", f"must be an integer in 0..20 (alternatives per token), got {self.logprobs!r}")
             need(self.mode == "generate", "logprobs", f"is not reported in mode {self.mode!r} yet; use mode generate")
+        if self.prompt_logprobs is not None:
+            k = self.prompt_logprobs
+            need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 20, "prompt_logprobs",
+                 f"must be an integer in 0..20 (alternatives per prompt token), got {k!r}")
+            need(self.mode == "generate", "prompt_logprobs",
+                 f"is not reported in mode {self.mode!r} yet; use mode generate")
         k = self.kv_loops
         need(k in ("all", "last") or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_loops),
              "kv_loops", f'must be "all", "last" or an integer in 1..{max_loops}, got {k!r}')

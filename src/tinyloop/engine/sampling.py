@@ -86,6 +86,18 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return idx
 
 
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Prompt scoring: for each row of `logits` (T, V), the log-probability of `targets[t]` under the raw
+    distribution (log_softmax in float32: no temperature, penalties or truncation) and the `top` most
+    likely tokens with theirs."""
+    lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)   # (T, V)
+    picked = lp.gather(1, targets.view(-1, 1)).view(-1).tolist()           # (T,)
+    if top <= 0:
+        return [(v, []) for v in picked]
+    vals, ids = torch.topk(lp, top, dim=-1)                                 # (T, top)
+    return [(v, list(zip(i, a))) for v, i, a in zip(picked, ids.tolist(), vals.tolist())]
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & (2**63 - 1))

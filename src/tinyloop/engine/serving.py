@@ -69,6 +69,7 @@ class Request:
     on_admit: Callable[[], None] | None = None    # called once, when the request first gets to run
     admitted: float | None = None                 # when it did (perf_counter)
     started: bool = False                         # a token has gone out
+    scores: list | None = None                    # prompt_logprobs: one entry per prompt token (the first None)
 
     @property
     def params(self):
@@ -95,9 +96,10 @@ def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit
 class BatchEngine:
     def __init__(self, engine, *, max_num_seqs: int = 32, max_batched_tokens: int = 512,
                  page_size: int = 16, kv_pool_bytes: int | None = None,
-                 speculation: dict[str, Any] | None = None):
+                 speculation: dict[str, Any] | None = None, prefix_caching: bool = True):
         """engine: an `Engine` (its model, KV format, context limit and output streams are used).
-        speculation: options for every `Speculator` (draft_vocab, draft_stop, fast_head, draft_exit)."""
+        speculation: options for every `Speculator` (draft_vocab, draft_stop, fast_head, draft_exit).
+        prefix_caching: share full KV blocks across requests by content (`engine.prefix_cache`)."""
         self.engine = engine
         model = engine.model
         self.model = model
@@ -113,7 +115,7 @@ class BatchEngine:
         self.kv = PagedKV(cfg, n_pages, page_size, engine.kv_format, dtype, next(model.parameters()).device)
         self.runner = BatchRunner(model, self.kv)
         self.sched = Scheduler(n_pages=n_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                               max_batched_tokens=max_batched_tokens)
+                               max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching)
         self.page_bytes = page_bytes
         self.requests: dict[int, Request] = {}
         self._outputs: dict[int, tuple[Request, _Output]] = {}   # seq_id -> (request, output)
@@ -149,7 +151,7 @@ class BatchEngine:
         if not plan.speculative:
             seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
                            loops=plan.loops, window=plan.window, n=n, exit_rule=plan.exit_rule,
-                           slot_cols=self.layout(plan).columns())
+                           slot_cols=self.layout(plan).columns(), **self._prefix_rules(plan))
             outputs[0].seq = seq
             seqs.append(seq)
         else:  # n independent sequences, each with every block it can reach
@@ -170,6 +172,17 @@ class BatchEngine:
                 self._outputs[o.seq.seq_id] = (req, o)
         self.requests[req.req_id] = req
         return req
+
+    @staticmethod
+    def _prefix_rules(plan: RequestPlan) -> dict[str, Any]:
+        """How a plain sequence of `plan` uses the prefix cache (what may be shared: engine.prefix_cache)."""
+        if plan.kv_loops is not None:  # a ring slot's keys depend on how the prompt was chunked
+            return {}
+        return {"prefix_salt": ("loops", plan.loops, "window", plan.window),
+                # prompt scoring needs every prompt position's logits: it computes them all
+                "prefix_reads": getattr(plan.params, "prompt_logprobs", None) is None,
+                # adaptive depth: generated tokens may exit early, so only the prompt's blocks are shared
+                "prefix_upto": None if plan.exit_rule is None else plan.n_prompt}
 
     def abort(self, req: Request) -> None:
         """The client went away: free everything now, emit nothing more."""
@@ -213,13 +226,17 @@ class BatchEngine:
         if not out.chunks and not spec:
             return
         try:
-            logits = self.runner.execute(out.chunks, out.copies, [o.pending for _, o in spec])
+            logits = self.runner.execute(out.chunks, out.copies, [o.pending for _, o in spec],
+                                         score=self._scoring(out.chunks))
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             log.exception("batch step failed")
             reqs = [self._outputs[c.seq.seq_id][0] for c in out.chunks if c.seq.seq_id in self._outputs]
             for req in {id(r): r for r in reqs + [r for r, _ in spec]}.values():
                 self.fail(req, exc)
             return
+        for sid, (first, entries) in self.runner.last_scores.items():
+            if sid in self._outputs:
+                self._outputs[sid][0].scores[first:first + len(entries)] = entries
         argmax = self._plain_greedy_argmax(logits)
         for chunk in out.chunks:
             group = self.sched.complete(chunk)
@@ -228,11 +245,16 @@ class BatchEngine:
             row = logits[chunk.seq.seq_id]
             for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
                 self._bind_sibling(chunk.seq, seq)
+            if not chunk.seq.n_generated:  # the prompt's last chunk: its scores are complete
+                self._deliver_scores(chunk.seq)
             for seq in group:
                 entry = self._outputs.get(seq.seq_id)
                 if entry is None:  # its request failed on a sibling choice just now
                     continue
                 req, o = entry
+                if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
+                    self._finish(req, o, "length")
+                    continue
                 try:
                     quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
                     tok = quick if quick is not None else o.sampler.sample(row)
@@ -250,6 +272,27 @@ class BatchEngine:
                 self._advance_speculative(req, o)
 
     # -- internals --------------------------------------------------------------------------
+    def _scoring(self, chunks) -> dict[int, int]:
+        """{seq_id: alternatives} of this step's chunks whose prompt positions are scored (prompt_logprobs):
+        a prompt's first pass only (a sequence recomputed after preemption has its scores already)."""
+        score = {}
+        for c in chunks:
+            entry = self._outputs.get(c.seq.seq_id)
+            if entry is None or entry[0].params.prompt_logprobs is None or c.seq.n_generated:
+                continue
+            req = entry[0]
+            if req.scores is None:
+                req.scores = [None] * len(c.seq.prompt)
+            score[c.seq.seq_id] = req.params.prompt_logprobs
+        return score
+
+    def _deliver_scores(self, seq: Sequence) -> None:
+        """The prompt is cached and scored: every choice's stream carries the scores on its next event."""
+        entry = self._outputs.get(seq.seq_id)
+        if entry is not None and entry[0].scores is not None:
+            for o in entry[0].outputs:
+                o.stream.prompt_logprobs = entry[0].scores
+
     def _plain_greedy_argmax(self, logits: dict[int, torch.Tensor]) -> dict[int, int]:
         """One argmax over the step's whole logits matrix for the greedy, unpenalized sequences (the
         common case) instead of one call per row."""
@@ -276,6 +319,8 @@ class BatchEngine:
             self._finish(req, o, "length")
 
     def _finish(self, req: Request, o: _Output, reason: str | None) -> None:
+        if o.seq is not None and not o.seq.external:
+            o.run_stats["prompt_tokens_cached"] = o.seq.prompt_cached
         self._release(o, reason or "stop")
         req.emit(o.stream.close(o.run_stats, reason))
         if req.done:

@@ -26,6 +26,12 @@ class StreamEvent:
     index: int = 0                 # which of the request's `n` choices this event belongs to
     # with SamplingParams.logprobs: per token in token_ids, (logprob, [(alternative id, logprob), ...])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with SamplingParams.prompt_logprobs, on each choice's first event: per prompt token, (logprob,
+    # alternatives) given the tokens before it; None for the first token (the same list for every choice)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # on the final event, with SamplingParams.logprobs, when a stop token id (or end-of-text) ended the
+    # output: (its id, its (logprob, alternatives)); the token itself is not part of the output
+    stop_logprob: tuple[int, tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -35,6 +41,7 @@ class GenerationResult:
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token, with SamplingParams.logprobs
+    prompt_logprobs: list | None = None  # per prompt token (the first None), with SamplingParams.prompt_logprobs
 
     @property
     def prompt_tokens(self) -> int:
@@ -61,6 +68,8 @@ class TokenStream:
         self.ttft: float | None = None
         self.stopped = False
         self.loops_per_token: dict[int, int] = {}  # core loops -> generated tokens that ran that many
+        self.prompt_logprobs: list | None = None   # set by the core once the prompt is scored: goes on the next event
+        self.stop_logprob = None                    # (stop id, its logprob entry) when one ended the output
 
     def _text(self, tok: int) -> str:
         return ""
@@ -78,9 +87,16 @@ class TokenStream:
             self.ttft = time.perf_counter() - self.t0
         if tok in self.stop_ids:
             self.stopped = True
+            if logprob is not None:
+                self.stop_logprob = (tok, logprob)
             return None
-        return StreamEvent([tok], self._text(tok), index=self.index,
-                           logprobs=[logprob] if logprob is not None else None)
+        return self._with_prompt(StreamEvent([tok], self._text(tok), index=self.index,
+                                             logprobs=[logprob] if logprob is not None else None))
+
+    def _with_prompt(self, ev: StreamEvent) -> StreamEvent:
+        """The prompt's scores ride on the first event that goes out after they are known."""
+        ev.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return ev
 
     def _mean_loops(self) -> float | int:
         """Mean core loops over generated tokens (the plan's depth when it never varied)."""
@@ -98,6 +114,7 @@ class TokenStream:
             "tokens_per_second": round(self.n / wall, 2) if wall > 0 else 0.0,
             "time_to_first_token_ms": round((self.ttft or wall) * 1000, 2),
             "prompt_tokens": self.n_prompt,
+            "prompt_tokens_cached": 0,   # prompt tokens whose KV came from the prefix cache (run_stats)
             "completion_tokens": self.n,
             "mode": self.params.mode,
             "loops_used": self._mean_loops(),
@@ -105,7 +122,7 @@ class TokenStream:
             **(run_stats or {}),
         }
         reason = finish_reason or ("stop" if self.stopped else "length")
-        return StreamEvent([], tail, reason, stats, index=self.index)
+        return self._with_prompt(StreamEvent([], tail, reason, stats, index=self.index, stop_logprob=self.stop_logprob))
 
 
 class TextStream(TokenStream):
