@@ -21,6 +21,10 @@ Each `schedule()` call:
   3. admission: waiting sequences join, in arrival order (FIFO: a request never overtakes an older
      one), while `max_num_seqs`, the token budget and free pages allow.
 
+Prefix caching (`prefix_caching=True`): at admission a sequence takes the cached blocks its prompt
+starts with and prefills only the rest; each block it fills is named for later requests
+(`engine.prefix_cache` says what is shared and when).
+
 "External" sequences (speculative modes, whose passes the serving loop builds itself: drafts,
 verifications, rollbacks) are admitted under the same FIFO, `max_num_seqs` and memory rules. They get
 every block they can reach (`reserve_positions`) at admission, hold it until they finish, and are never
@@ -30,9 +34,11 @@ preempted; their rows still run inside the batched step.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from .prefix_cache import PrefixCache, block_name
 
 
 class SchedulerError(RuntimeError):
@@ -40,14 +46,19 @@ class SchedulerError(RuntimeError):
 
 
 class PagePool:
-    """Fixed-size pages with reference counts. Allocation is O(n) in pages taken; there is no layout."""
+    """Fixed-size pages with reference counts. Allocation is O(n) in pages taken; there is no layout.
+
+    The free list is kept in release order and allocation takes its oldest pages first: a freed page
+    keeps its contents until it is taken again, which the prefix cache (`engine.prefix_cache`) relies
+    on (`on_reuse` tells it a page is being reused; `take` gets a still-intact free page back)."""
 
     def __init__(self, n_pages: int):
         if n_pages < 1:
             raise SchedulerError("the KV pool needs at least one page")
         self.n_pages = n_pages
-        self._free: deque[int] = deque(range(n_pages))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_pages))
         self._refs = [0] * n_pages
+        self.on_reuse: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -56,10 +67,19 @@ class PagePool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise SchedulerError(f"asked for {n} pages, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
+        out = [self._free.popitem(last=False)[0] for _ in range(n)]
         for p in out:
             self._refs[p] = 1
+            if self.on_reuse is not None:
+                self.on_reuse(p)
         return out
+
+    def take(self, pages: list[int]) -> None:
+        """One more reference to each page: shared if in use, taken back off the free list if not."""
+        for p in pages:
+            if self._refs[p] == 0:
+                del self._free[p]
+            self._refs[p] += 1
 
     def share(self, pages: list[int]) -> None:
         for p in pages:
@@ -73,7 +93,7 @@ class PagePool:
                 raise SchedulerError(f"page {p} freed twice")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                self._free[p] = None
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -104,6 +124,13 @@ class Sequence:
     parent: "Sequence | None" = None   # set on forked siblings
     exit_rule: Any = None              # adaptive depth: generated tokens may exit before `loops`
     slot_cols: list[int] | None = None  # loop-shared KV: the table column of each per-loop slot
+    # prefix caching (engine.prefix_cache): None -> this sequence neither reads nor names cached blocks
+    prefix_salt: Any = None
+    prefix_reads: bool = True           # False: name its blocks, never read them (prompt scoring)
+    prefix_upto: int | None = None      # name blocks only below this position (None: every full block)
+    prefix_names: list[bytes] = field(default_factory=list)   # names of its full blocks so far
+    n_named: int = 0                    # blocks of block_table offered to the cache
+    prompt_cached: int = 0              # prompt tokens read from the cache (the admission that prefilled it)
 
     def __post_init__(self):
         if not self.tokens:
@@ -152,10 +179,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, *, n_pages: int, page_size: int = 16, max_num_seqs: int = 32,
-                 max_batched_tokens: int = 512):
+                 max_batched_tokens: int = 512, prefix_caching: bool = False):
         if page_size < 1 or max_num_seqs < 1 or max_batched_tokens < 1:
             raise SchedulerError("page_size, max_num_seqs and max_batched_tokens must be >= 1")
         self.pool = PagePool(n_pages)
+        self.prefix = PrefixCache(self.pool) if prefix_caching else None
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -245,15 +273,29 @@ class Scheduler:
                 continue
             if budget < 1:
                 break
-            first = min(budget, len(seq.tokens) - (1 if seq.n_generated else 0))
+            target = len(seq.tokens) - (1 if seq.n_generated else 0)
+            hit = self._cached_prefix(seq, target)
+            hit_pos = len(hit) * self.page_size
+            first = min(budget, target - hit_pos)
             # admit only when the first chunk's pages and one block of headroom for decode exist (never
-            # more than the sequence can ever hold: a pool exactly that big must still admit it)
-            blocks = min(self.blocks_for(first) + 1, self.blocks_for(len(seq.prompt) + seq.max_tokens))
-            if self.pool.num_free < blocks * seq.n_slots:
+            # more than the sequence can ever hold: a pool exactly that big must still admit it); cached
+            # blocks that sit on the free list count as pages taken
+            blocks = min(self.blocks_for(hit_pos + first) + 1, self.blocks_for(len(seq.prompt) + seq.max_tokens))
+            reclaimed = sum(len(b) for b in hit if self.pool.refcount(b[0]) == 0)
+            if self.pool.num_free < (blocks - len(hit)) * seq.n_slots + reclaimed:
                 break
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
+            if hit:
+                self.prefix.take(hit)
+                seq.block_table = [list(b) for b in hit]
+                seq.n_cached, seq.n_named = hit_pos, len(hit)
+            if seq.n_generated == 0:
+                seq.prompt_cached = hit_pos
+            if self.prefix is not None and seq.prefix_salt is not None and seq.prefix_reads:
+                self.prefix.queried_tokens += target
+                self.prefix.hit_tokens += hit_pos
             budget -= self._schedule_prefill(seq, budget, out)
         return out
 
@@ -263,6 +305,8 @@ class Scheduler:
         Returns the sequences that sample from this chunk's logits (the sequence and any new siblings)."""
         seq = chunk.seq
         seq.n_cached = max(seq.n_cached, chunk.start + chunk.n)
+        if self.prefix is not None and seq.prefix_salt is not None:
+            self._name_blocks(seq)
         if not chunk.needs_logits:
             return []
         group = [seq]
@@ -271,6 +315,37 @@ class Scheduler:
         return group
 
     # -- internals --------------------------------------------------------------------------
+    def _names(self, seq: Sequence, n_blocks: int) -> list[bytes]:
+        """The names of `seq`'s first n_blocks full blocks (computed once each, as tokens arrive)."""
+        names, ps = seq.prefix_names, self.page_size
+        while len(names) < n_blocks:
+            b = len(names)
+            names.append(block_name(names[-1] if names else None, seq.tokens[b * ps:(b + 1) * ps], seq.prefix_salt))
+        return names[:n_blocks]
+
+    def _cached_prefix(self, seq: Sequence, target: int) -> list[list[int]]:
+        """The cached blocks a sequence about to be admitted can start from: full blocks only, and at least
+        one of its `target` tokens left to compute (the one whose logits it samples from)."""
+        if self.prefix is None or seq.prefix_salt is None or not seq.prefix_reads or seq.block_table:
+            return []
+        n = (target - 1) // self.page_size
+        if seq.prefix_upto is not None:
+            n = min(n, seq.prefix_upto // self.page_size)
+        return self.prefix.peek(self._names(seq, n)) if n > 0 else []
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Offer the cache each block of `seq` that is now full and computed."""
+        full = seq.n_cached // self.page_size
+        if seq.prefix_upto is not None:
+            full = min(full, seq.prefix_upto // self.page_size)
+        full = min(full, len(seq.block_table))
+        if full <= seq.n_named:
+            return
+        names = self._names(seq, full)
+        for b in range(seq.n_named, full):
+            self.prefix.insert(names[b], seq.block_table[b])
+        seq.n_named = full
+
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule the next prefill chunk of `seq`; returns the tokens it takes from the budget.
 
@@ -330,7 +405,7 @@ class Scheduler:
         """Free `seq`'s pages and put it back at the head of the queue; it will be recomputed."""
         self.running.remove(seq)
         self._release(seq)
-        seq.n_cached = 0
+        seq.n_cached = seq.n_named = 0
         seq.status = WAITING
         seq.preemptions += 1
         out.chunks = [c for c in out.chunks if c.seq is not seq]
@@ -342,7 +417,8 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _release(self, seq: Sequence) -> None:
-        for blk in seq.block_table:
+        # last block first: the free list is reused oldest first, so a prefix's tail is evicted before its head
+        for blk in reversed(seq.block_table):
             self.pool.free(blk)
         seq.block_table = []
 
@@ -353,6 +429,9 @@ class Scheduler:
             kid = Sequence(self.new_seq_id(), parent.prompt, parent.max_tokens, parent.n_slots,
                            loops=parent.loops, window=parent.window, tokens=list(parent.tokens), n_cached=parent.n_cached,
                            exit_rule=parent.exit_rule, slot_cols=parent.slot_cols,
+                           prefix_salt=parent.prefix_salt, prefix_reads=parent.prefix_reads,
+                           prefix_upto=parent.prefix_upto, prefix_names=list(parent.prefix_names),
+                           n_named=parent.n_named, prompt_cached=parent.prompt_cached,
                            status=RUNNING, arrival=parent.arrival, parent=parent)
             for blk in parent.block_table:
                 self.pool.share(blk)

@@ -16,6 +16,8 @@ class Metrics:
         self.requests = Counter("tinyloop_http_requests", "HTTP requests by route, method and status code",
                                 ["route", "method", "status"], registry=r)
         self.prompt_tokens = Counter("tinyloop_prompt_tokens", "prompt tokens processed", registry=r)
+        self.prompt_tokens_cached = Counter("tinyloop_prompt_tokens_cached",
+                                            "prompt tokens whose KV came from the prefix cache", registry=r)
         self.generated_tokens = Counter("tinyloop_generated_tokens", "tokens generated", registry=r)
         self.generations = Counter("tinyloop_generations", "finished generations by finish reason",
                                    ["finish_reason"], registry=r)

@@ -21,6 +21,7 @@ Environment (see docs/server.md):
     TINYLOOP_MAX_NUM_SEQS   sequences in the running batch at most (default 32)
     TINYLOOP_MAX_BATCHED_TOKENS  tokens per batched step: decode tokens + prefill chunks (default 512)
     TINYLOOP_KV_POOL_MB     KV page pool size (default: max_num_seqs full contexts, at most 1024 MiB)
+    TINYLOOP_PREFIX_CACHING 0 turns prefix caching off (default 1: full KV blocks shared across requests)
     TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
 """
@@ -114,6 +115,7 @@ class Settings:
     max_num_seqs: int = 32
     max_batched_tokens: int = 512
     kv_pool_mb: int | None = None
+    prefix_caching: bool = True
     request_timeout_s: float = 0.0
     shutdown_grace_s: float = 10.0
     draft_exit: Path | bool = True          # True: the model's own draft-exit file if any; False: none
@@ -148,6 +150,7 @@ class Settings:
             max_num_seqs=_int_env(env, "TINYLOOP_MAX_NUM_SEQS", 32),
             max_batched_tokens=_int_env(env, "TINYLOOP_MAX_BATCHED_TOKENS", 512),
             kv_pool_mb=_int_env(env, "TINYLOOP_KV_POOL_MB", None),
+            prefix_caching=_flag({"x": env.get("TINYLOOP_PREFIX_CACHING", "1")}, "x"),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             draft_exit=_draft_exit_env(env),

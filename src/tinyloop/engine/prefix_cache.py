@@ -1,0 +1,91 @@
+"""Prefix caching: full KV blocks shared across requests by the content that produced them.
+
+A block (one page per cache slot, `page_size` positions) is named by a hash chain: its tokens, the
+name of the block before it, and a *salt* that says how the keys were computed. Two sequences whose
+first b blocks have the same names hold the same keys and values in those blocks, so a new request
+whose prompt starts with a cached prefix takes those blocks (reference-counted, read-only) and
+prefills only the rest.
+
+What the salt must hold (`BatchEngine` builds it):
+  * the loops the sequence runs. The core slots of loop r do not depend on the total depth, and the
+    prelude slots depend on nothing but the tokens, but the coda's slots are computed from the state
+    after the *last* loop, so they differ between depths. A deeper request could reuse the prelude
+    and its first loops' slots only if it also had the residual state at that loop for every cached
+    position, which the cache does not keep. So a block is shared only between sequences of the same
+    depth (and an adaptive-depth request's prompt, which runs its ceiling, shares with fixed depth);
+  * the attention window (a windowed query sees other keys, so deeper layers' keys differ).
+Not shared at all: the loop-shared KV budget (`kv_loops` < loops: a ring slot's content depends on how
+the prompt was chunked) and the speculative modes (their sequences reserve every block up front and
+roll back inside it). Within an adaptive-depth sequence only prompt blocks are shared: its generated
+tokens may exit early, and their deeper slots hold copies (`PagedStep.fill_skipped`).
+The KV format, the weights and the state seed are the engine's own, the same for the whole pool.
+
+Memory: a cached block costs nothing extra. When its last user lets go, its pages go back to the free
+list *with their contents and names*; the free list is in release order, so allocation takes the least
+recently released pages first, and taking a page drops the name of the block it belonged to (LRU
+eviction under memory pressure, and no cached page is ever counted as used). A hit on a block whose
+pages are free takes them back off the free list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Sequence as Seq
+
+
+def block_name(parent: bytes | None, tokens: Seq[int], salt: Any) -> bytes:
+    """The name of a block: its tokens after its parent's name (the first block: after the salt)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else repr(salt).encode())
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class PrefixCache:
+    """Names -> pages of full, computed blocks. Works on the scheduler's `PagePool` (no torch)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        pool.on_reuse = self._forget
+        self._blocks: dict[bytes, list[int]] = {}
+        self._page_name: dict[int, bytes] = {}
+        self.queried_tokens = 0        # prompt tokens looked up
+        self.hit_tokens = 0            # of which found in the cache
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def peek(self, names: list[bytes]) -> list[list[int]]:
+        """The cached blocks of the longest prefix of `names` (nothing is taken)."""
+        out = []
+        for name in names:
+            pages = self._blocks.get(name)
+            if pages is None:
+                break
+            out.append(pages)
+        return out
+
+    def take(self, blocks: list[list[int]]) -> None:
+        """Hold `blocks` (from `peek`) for one more sequence: shared if in use, taken back if free."""
+        for pages in blocks:
+            self.pool.take(pages)
+
+    def insert(self, name: bytes, pages: list[int]) -> None:
+        """Name a block that has just been filled; the first block of a name wins."""
+        if name in self._blocks or any(p in self._page_name for p in pages):
+            return
+        self._blocks[name] = list(pages)
+        for p in pages:
+            self._page_name[p] = name
+
+    def _forget(self, page: int) -> None:
+        """The pool is reusing `page`: the block it belonged to is gone."""
+        name = self._page_name.pop(page, None)
+        if name is None:
+            return
+        for p in self._blocks.pop(name, ()):
+            self._page_name.pop(p, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {"blocks": len(self._blocks), "queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens}
