@@ -180,7 +180,7 @@ class BatchEngine:
             return {}
         return {"prefix_salt": ("loops", plan.loops, "window", plan.window),
                 # prompt scoring needs every prompt position's logits: it computes them all
-                "prefix_reads": getattr(plan.params, "prompt_logprobs", None) is None,
+                "prefix_reads": plan.params.prompt_logprobs is None,
                 # adaptive depth: generated tokens may exit early, so only the prompt's blocks are shared
                 "prefix_upto": None if plan.exit_rule is None else plan.n_prompt}
 
