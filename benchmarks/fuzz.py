@@ -16,7 +16,7 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   draft_ahead > 64, tree speculation with K_branches > 1 that is not greedy or has a cache window,
   `stream_options` without `stream`, `loops: "auto"` with a speculative mode, with min_loops above its
   max_loops, or with exit_criterion "gate" (the fuzzed model has no exit gate; a gate threshold is at
-  most 1), a `kv_loops` budget other than "all" with a speculative mode, logprobs with a speculative mode,
+  most 1), a `kv_loops` budget other than "all" with a speculative mode,
   chat `top_logprobs` without `logprobs: true`. The 400 must also name the right field.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
   request whose own `timeout_s` was under a second (it asked to be dropped if not started by then).
@@ -81,9 +81,6 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
         mode = _given(body, "mode", "generate")
     else:
         mode = "generate"
-    asked = body.get("logprobs")
-    if mode != "generate" and param == "logprobs" and asked is not None and asked is not False:  # (0 asks too)
-        return "logprobs with a speculative mode"
     if path.endswith("/chat/completions") and body.get("top_logprobs") and not body.get("logprobs") \
             and param == "top_logprobs":
         return "top_logprobs without logprobs: true"

@@ -52,8 +52,32 @@ def test_logprobs_are_the_same_in_a_batch(engine):
     assert [g[0] for g in got] == pytest.approx([a[0] for a in alone], abs=1e-9)
 
 
-@pytest.mark.parametrize("kw", [dict(logprobs=21), dict(logprobs=-1), dict(logprobs=2, mode="speculative")])
+@pytest.mark.parametrize("kw", [dict(logprobs=21), dict(logprobs=-1), dict(logprobs=True)])
 def test_bad_logprobs_requests(engine, kw):
     with pytest.raises(ValidationError) as err:
         engine.plan(PROMPT, SamplingParams(**kw))
     assert err.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("mode,kw", [("speculative", {}), ("tree_speculative", dict(k_branches=2)),
+                                     ("tree_speculative", {})])
+def test_speculative_logprobs_equal_plain_decodings_under_greedy(engine, mode, kw):
+    plain = engine.generate(PROMPT, SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True))
+    spec = engine.generate(PROMPT, SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True, mode=mode,
+                                                  draft_loops=1, draft_ahead=3, **kw))
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == 10
+    for (a, alts_a), (b, alts_b) in zip(plain.logprobs, spec.logprobs):
+        assert b == pytest.approx(a, abs=1e-9)
+        assert [t for t, _ in alts_b] == [t for t, _ in alts_a]
+        assert [v for _, v in alts_b] == pytest.approx([v for _, v in alts_a], abs=1e-9)
+
+
+def test_speculative_sampled_logprobs_follow_the_target_distribution(engine):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=4, seed=11, logprobs=4, ignore_eos=True,
+                            mode="speculative", draft_loops=1, draft_ahead=3)
+    out = engine.generate(PROMPT, params)
+    assert len(out.logprobs) == 8
+    for tok, (lp, alts) in zip(out.token_ids, out.logprobs):
+        assert lp > float("-inf") and tok in [a for a, _ in alts]     # top-k 4: the drawn token is in it
+        probs = torch.tensor([v for _, v in alts], dtype=torch.float64).exp()
+        assert float(probs.sum()) == pytest.approx(1.0, abs=1e-9)

@@ -51,10 +51,20 @@ def test_logprobs_requests_that_cannot_be_served(tiny_server):
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
                                                        "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
-    r = httpx.post(f"{url}/api/v0/completions", json={"model": "m", "prompt": "Hi", "logprobs": 1, "mode": "speculative"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Hi", "logprobs": 6})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def test_speculative_modes_report_plain_decodings_logprobs(tiny_server):
+    body = {"model": "m", "prompt": "The king said", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True}
+    plain = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    for mode in ("speculative", "tree_speculative"):
+        r = httpx.post(f"{tiny_server.url}/api/v0/completions", json={**body, "mode": mode, "draft_loops": 1},
+                       timeout=60)
+        got = r.json()["choices"][0]["logprobs"]
+        assert r.status_code == 200 and got["tokens"] == plain["tokens"], r.text
+        assert got["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-4)
 
 
 def test_native_generate_logprobs(tiny_server, engine):

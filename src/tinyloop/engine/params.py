@@ -134,7 +134,6 @@ class SamplingParams:
         if self.logprobs is not None:
             need(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= 20,
                  "logprobs", f"must be an integer in 0..20 (alternatives per token), got {self.logprobs!r}")
-            need(self.mode == "generate", "logprobs", f"is not reported in mode {self.mode!r} yet; use mode generate")
         if self.prompt_logprobs is not None:
             k = self.prompt_logprobs
             need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 20, "prompt_logprobs",

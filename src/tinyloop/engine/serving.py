@@ -357,8 +357,9 @@ class BatchEngine:
                     o.pending = item
                     return
                 o.spec.finish(o.run_stats)
-                for tok in item:
-                    self._token(req, o, tok)
+                lps = o.spec.logprobs
+                for i, tok in enumerate(item):
+                    self._token(req, o, tok, None, lps[i] if i < len(lps) else None)
                     if o.done:
                         return
         except StopIteration:

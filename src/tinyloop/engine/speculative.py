@@ -47,6 +47,10 @@ can flip only a near-tie). Sampling (chain) uses the standard speculative-sampli
 drawn from q is accepted with probability min(1, p(x)/q(x)), otherwise the token is drawn from
 norm(max(0, p - q)); all draws use the request's generator, and p includes the penalties over the
 accepted prefix exactly as plain generate defines them, so the output distribution is plain generate's.
+
+With `logprobs` asked for, each emitted token's log-probability is taken from the verifier's row that
+chose (or accepted) it, under the same `Sampler.logprobs` rule as plain generation, so under greedy they
+equal plain decoding's; the verifier then scores the full head (no `ExactArgmax` shortcut).
 """
 
 from __future__ import annotations
@@ -246,8 +250,9 @@ class Speculator:
         self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
         self.head.add(list(plan.prompt_ids))
         self.penalties = _has_penalties(params)
-        plain_greedy = params.greedy and not self.penalties
+        plain_greedy = params.greedy and not self.penalties and params.logprobs is None
         self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
+        self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
                       "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0,
@@ -272,12 +277,15 @@ class Speculator:
         caller's: it closes the generator)."""
         logits = yield from self.prefill()
         tok = self.sampler.sample(logits)
+        self.logprobs = []
+        self._logprob(logits, tok)
         self.sampler.accept(tok)
         self.pending = tok
         self.head.add([tok])
         yield [tok]
         emitted = 1
         while emitted < self.params.max_tokens:
+            self.logprobs = []
             out = yield from self.round(self.params.max_tokens - emitted)
             emitted += len(out)
             yield out
@@ -313,6 +321,11 @@ class Speculator:
 
     def _full_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.logits(x[None])[0]  # (T, vocab)
+
+    def _logprob(self, logits: torch.Tensor, tok: int) -> None:
+        """Record `tok`'s log-probability under the verifier's `logits` row (call before `accept`)."""
+        if self.params.logprobs is not None:
+            self.logprobs.append(self.sampler.logprobs(logits, tok, self.params.logprobs))
 
     # -- draft choices ----------------------------------------------------------------------
     def _penalised(self, lg: torch.Tensor) -> torch.Tensor:
@@ -392,6 +405,8 @@ class Speculator:
         for j in range(n + 1):
             if self.params.greedy:
                 y = ys[j] if self.argmax is not None else sampler.greedy_token(logits[j])
+                if self.argmax is None:
+                    self._logprob(logits[j], y)
                 sampler.accept(y)
                 out.append(y)
                 if j < n and y == toks[j + 1]:
@@ -402,6 +417,7 @@ class Speculator:
                 tok, q = toks[j + 1], qs[j]
                 u = float(torch.rand((), generator=sampler.generator, dtype=torch.float64))
                 if float(q[tok]) > 0 and u * float(q[tok]) < float(p[tok]):  # accept w.p. min(1, p/q)
+                    self._logprob(logits[j], tok)
                     sampler.accept(tok)
                     out.append(tok)
                     continue
@@ -409,6 +425,7 @@ class Speculator:
                 y = draw(residual if float(residual.sum()) > 0 else p, sampler.generator)
             else:
                 y = draw(p, sampler.generator)  # every draft accepted: the bonus token
+            self._logprob(logits[j], y)
             sampler.accept(y)
             out.append(y)
             return out
@@ -480,6 +497,8 @@ class Speculator:
                 score(tree.best_chain(node))
             pick = logits[node]  # a token, or a logits row (penalties depend on the accepted prefix)
             y = pick if isinstance(pick, int) else self.sampler.greedy_token(pick)
+            if not isinstance(pick, int):
+                self._logprob(pick, y)
             self.sampler.accept(y)
             out.append(y)
             child = tree.children[node].get(y)
