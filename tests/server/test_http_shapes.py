@@ -266,11 +266,11 @@ def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
     real = runner.execute
     calls = {"n": 0}
 
-    def failing(chunks, copies=(), extra=()):  # the batched step fails after two good steps
+    def failing(chunks, copies=(), extra=(), **kw):  # the batched step fails after two good steps
         calls["n"] += 1
         if calls["n"] > 2:
             raise RuntimeError("simulated kernel failure")
-        return real(chunks, copies, extra)
+        return real(chunks, copies, extra, **kw)
 
     monkeypatch.setattr(runner, "execute", failing)
     e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 5}), 500)

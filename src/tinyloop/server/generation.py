@@ -20,7 +20,7 @@ from ..engine import SamplingParams
 from ..errors import ValidationError
 from .access import note
 from .errors import APIError, from_engine_failure
-from .sse import DONE, KEEPALIVE, Framer
+from .sse import DONE, KEEPALIVE, Framer, usage
 from .worker import EngineWorker, RequestHandle
 
 FIRST_EVENT_GRACE_S = 0.5   # wait this long for the first event before committing to a 200 stream
@@ -44,6 +44,8 @@ class Result:
     finish_reason: str
     stats: dict[str, Any]
     logprobs: list | None = None   # per token (engine shape), when the request asked for them
+    prompt_logprobs: list | None = None   # per prompt token (the first None), with prompt_logprobs
+    stop_logprob: tuple | None = None     # (stop id, entry) when a stop token ended it, with logprobs
 
 
 class ServerState:
@@ -92,6 +94,7 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
     toks: dict[int, list[int]] = {}
     parts: dict[int, list[str]] = {}
     lps: dict[int, list] = {}
+    scores: dict[int, list] = {}
     results: dict[int, Result] = {}
     done = False
     next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -114,10 +117,13 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
             toks.setdefault(item.index, []).extend(item.token_ids)
             parts.setdefault(item.index, []).append(item.text)
             lps.setdefault(item.index, []).extend(item.logprobs or [])
+            if item.prompt_logprobs is not None:
+                scores[item.index] = item.prompt_logprobs
             if item.finish_reason is not None:
                 results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
                                              item.finish_reason, item.stats or {},
-                                             lps.get(item.index) if handle.plan.params.logprobs is not None else None)
+                                             lps.get(item.index) if handle.plan.params.logprobs is not None else None,
+                                             scores.get(item.index), item.stop_logprob)
                 if len(results) == handle.plan.n:
                     done = handle.delivered = True
                     note(completion_tokens=sum(r.stats.get("completion_tokens", 0) for r in results.values()),
@@ -128,11 +134,85 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
             handle.abort()
 
 
+async def collect_all(handles: list[RequestHandle], request: Request) -> list[list[Result]]:
+    """`collect` for several requests at once (a batch of prompts); the first failure aborts the others."""
+    tasks = [asyncio.ensure_future(collect(h, request)) for h in handles]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            h.abort()
+        raise
+
+
+class MergedHandle:
+    """Several requests read as one stream (a /v1/completions batch of prompts): the events of request i
+    have their choice index moved up by i * n; it ends when all have ended, or with the first failure.
+    Reads like a `RequestHandle` for `stream` (next, ready_now, abort, delivered)."""
+
+    def __init__(self, handles: list[RequestHandle], n: int):
+        self.handles, self.n = handles, n
+        self.delivered = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = len(handles)
+        self._tasks = [asyncio.ensure_future(self._pump(i, h)) for i, h in enumerate(handles)]
+
+    async def _pump(self, i: int, handle: RequestHandle) -> None:
+        while True:
+            item = await handle.next()
+            if item is None:
+                self._open -= 1
+                if self._open == 0:
+                    self._queue.put_nowait(None)
+                return
+            if not isinstance(item, BaseException):
+                item.index += i * self.n
+            self._queue.put_nowait(item)
+            if isinstance(item, BaseException):  # the response fails: the other prompts' work is wasted
+                self.abort()
+                return
+
+    async def next(self, timeout: float | None = None):
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def ready_now(self) -> list:
+        out = []
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
+        return out
+
+    def abort(self) -> None:
+        me = asyncio.current_task()
+        for t in self._tasks:
+            if t is not me:
+                t.cancel()
+        for h in self.handles:
+            h.abort()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "delivered" and value:
+            for h in self.handles:
+                h.delivered = True
+
+
 def total_usage(results: list[Result]) -> dict[str, int]:
     """One prompt, n completions: prompt tokens counted once (the prefill is shared)."""
     p = results[0].stats["prompt_tokens"]
     c = sum(r.stats["completion_tokens"] for r in results)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return usage(p, c, results[0].stats.get("prompt_tokens_cached", 0))
+
+
+def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of a batch of prompts: every count summed (nested details too)."""
+    def add(a: Any, b: Any) -> Any:
+        return {k: add(a[k], b[k]) for k in a} if isinstance(a, dict) else a + b
+    out = usages[0]
+    for u in usages[1:]:
+        out = add(out, u)
+    return out
 
 
 async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):

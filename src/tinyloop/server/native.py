@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 from fastapi import APIRouter, Request
 
 from ..errors import ValidationError
+from ..tokenizer import HFTokenizer
 from .logprobs import native_logprob
 from .generation import collect, stream
 from .openai import state_of
@@ -27,6 +30,8 @@ async def run_generate(request: Request, body: GenerateRequest):
            "stats": result.stats}
     if result.logprobs is not None:
         out["logprobs"] = [native_logprob(lp) for lp in result.logprobs]
+    if result.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [native_logprob(lp) for lp in result.prompt_logprobs]
     return out
 
 
@@ -54,7 +59,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise ValidationError("give exactly one of text (or prompt, or content) or messages", param="text")
     text = body.plain_text()
     if text is not None:
-        ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, text)
+        encode = engine.tokenizer.encode
+        if isinstance(engine.tokenizer, HFTokenizer):  # GPT-2 BPE adds no special tokens either way
+            encode = partial(encode, add_special_tokens=body.add_special_tokens)
+        ids = await anyio.to_thread.run_sync(encode, text)
     else:  # what a chat request would feed the model: its chat template, special tokens as ids
         ids = await anyio.to_thread.run_sync(engine.encode_prompt, render_chat(body.messages))
     return {"tokens": ids, "count": len(ids), "max_seq_len": engine.max_seq_len}
@@ -68,4 +76,18 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     if bad:
         raise ValidationError(f"tokens: ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param="tokens")
     text = await anyio.to_thread.run_sync(engine.tokenizer.decode, body.tokens)
-    return {"text": text}
+    return {"text": text, "prompt": text}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's tokenizer description, which lm-eval's `local-completions` model looks for to tokenize through
+    this server (`/tokenize`, `/detokenize`) instead of loading a Hugging Face tokenizer (docs/evaluation.md)."""
+    engine = state_of(request).worker.require_engine()
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValidationError("this model has no tokenizer", param=None)
+    return {"tokenizer_class": "HFTokenizer" if isinstance(tok, HFTokenizer) else "GPT2BPE (tiktoken)",
+            "eos_token": tok.eos_token, "bos_token": getattr(tok, "bos_token", None), "pad_token": None,
+            "chat_template": getattr(tok, "chat_template", None), "model_max_length": engine.max_seq_len,
+            "vocab_size": tok.vocab_size}

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from .errors import APIError
-from .generation import ServerState, collect, new_id, now, stream, total_usage
-from .logprobs import chat_content, completion_logprobs
+from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
+from .logprobs import chat_content, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer
 
@@ -47,37 +47,57 @@ async def get_model(model_id: str, request: Request):
 
 
 async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, extended: bool):
-    """Shared by /v1 and /api/v0, chat and text completion."""
+    """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
+    one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
     state = state_of(request)
     params = body.sampling_params()
     n = body.choices()
-    prompt = body.prompt() if chat else body.prompt_input(state.worker.require_engine().config.vocab_size)
-    handle = await state.submit(prompt, params, n=n, timeout_s=body.timeout_s,
-                                max_tokens_given=body.max_tokens_given())
+    engine = state.worker.require_engine()
+    prompts = [body.prompt()] if chat else body.prompt_inputs(engine.config.vocab_size)
+    handles = []
+    try:
+        for prompt in prompts:
+            handles.append(await state.submit(prompt, params, n=n, timeout_s=body.timeout_s,
+                                              max_tokens_given=body.max_tokens_given()))
+    except BaseException:
+        for h in handles:
+            h.abort()
+        raise
+    # echo: each prompt's text (as given, or its ids decoded) and ids
+    echo = [(p if isinstance(p, str) else engine.tokenizer.decode(p), list(h.plan.prompt_ids))
+            for p, h in zip(prompts, handles)] if not chat and body.echo else None
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     extras = state.lmstudio_extras if extended else None
-    tokenizer = state.worker.require_engine().tokenizer if params.logprobs is not None else None
+    tokenizer = engine.tokenizer if params.logprobs is not None else None
     if body.wants_stream():
-        cls = ChatFramer if chat else CompletionFramer
-        framer = cls(id=rid, created=created, model=body.model, include_usage=body.include_usage(), extras=extras,
-                     n=n, tokenizer=tokenizer)
+        framer = ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
+                            extras=extras, n=n, tokenizer=tokenizer) if chat else \
+            CompletionFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
+                             extras=extras, n=n * len(handles), per_prompt=n, tokenizer=tokenizer, echo=echo)
+        handle = handles[0] if len(handles) == 1 else MergedHandle(handles, n)
         return await stream(handle, framer, state.settings.keepalive_s)
-    results = await collect(handle, request)
+    batches = await collect_all(handles, request)
     choices = []
-    for i, result in enumerate(results):
-        if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                            "finish_reason": result.finish_reason})
+    for p, results in enumerate(batches):
+        for i, result in enumerate(results):
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
+                                "finish_reason": result.finish_reason})
+                if tokenizer is not None:
+                    choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
+                continue
+            head, ids = echo[p] if echo else ("", [])
+            choices.append({"text": head + result.text, "index": p * n + i, "finish_reason": result.finish_reason})
             if tokenizer is not None:
-                choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
-        else:
-            choices.append({"text": result.text, "index": i, "finish_reason": result.finish_reason})
-            if tokenizer is not None:
-                choices[-1]["logprobs"] = completion_logprobs(tokenizer, result.token_ids, result.logprobs)
+                lp = completion_tail(tokenizer, result.token_ids, result.logprobs, result.stop_logprob, len(head),
+                                     len(head) + len(result.text))
+                if echo:
+                    lp = join(completion_logprobs(tokenizer, ids, result.prompt_logprobs), lp)
+                choices[-1]["logprobs"] = lp
     out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-           "model": body.model, "choices": choices, "usage": total_usage(results)}
+           "model": body.model, "choices": choices, "usage": sum_usage([total_usage(r) for r in batches])}
     if extras:
-        out.update(extras(results[0].stats))
+        out.update(extras(batches[0][0].stats))
     return out
 
 

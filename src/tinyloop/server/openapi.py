@@ -55,6 +55,7 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[type[BaseModel], str]
     "/generate/tree_speculative": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
     "/tokenize": ("post", R.TokenizeResponse, None, TOKEN_ERRORS),
     "/detokenize": ("post", R.DetokenizeResponse, None, TOKEN_ERRORS),
+    "/tokenizer_info": ("get", R.TokenizerInfo, None, (400, 401, 503)),
     "/v1/models": ("get", R.ModelList, None, (401, 503)),
     "/v1/models/{model_id}": ("get", R.ModelCard, None, (401, 404, 503)),
     "/api/v0/models": ("get", R.LMStudioModelList, None, (401, 503)),

@@ -34,10 +34,15 @@ class ErrorResponse(Closed):
     error: ErrorDetail
 
 
+class PromptTokensDetails(Closed):
+    cached_tokens: int               # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Stats(Open):
@@ -45,6 +50,7 @@ class Stats(Open):
     wall_ms: float
     tokens_per_second: float
     prompt_tokens: int
+    prompt_tokens_cached: int        # of prompt_tokens, served from the prefix cache
     completion_tokens: int
     mode: Literal["generate", "speculative", "tree_speculative"]
     loops_used: int | float          # the mean over generated tokens (adaptive depth: loops "auto")
@@ -87,9 +93,10 @@ class ChatLogprobs(Closed):
 
 
 class TextLogprobs(Closed):
+    """With echo the prompt's tokens come first; the first prompt token has null for both."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -155,6 +162,7 @@ class GenerateResponse(Closed):
     finish_reason: FinishReason
     stats: Stats
     logprobs: list[NativeLogprob] | None = None   # with logprobs: k, one per token in `tokens`
+    prompt_logprobs: list[NativeLogprob | None] | None = None  # with prompt_logprobs: k, per prompt token (first null)
 
 
 class ModelCard(Closed):
@@ -196,6 +204,18 @@ class TokenizeResponse(Closed):
 
 class DetokenizeResponse(Closed):
     text: str
+    prompt: str                          # the same text under vLLM's name (lm-eval's remote tokenizer reads it)
+
+
+class TokenizerInfo(Closed):
+    """vLLM's /tokenizer_info: what lm-eval's remote tokenizer backend asks for (docs/evaluation.md)."""
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None            # the model's own Jinja template (imported checkpoints), else null
+    model_max_length: int
+    vocab_size: int
 
 
 class HealthOK(Closed):
@@ -267,6 +287,7 @@ class NativeEvent(Closed):
     stats: Stats | None = None
     logprob: float | None = None         # with logprobs: k
     top_logprobs: list[IdLogprob] | None = None
+    prompt_logprobs: list[NativeLogprob | None] | None = None  # with prompt_logprobs: on the first event
 
 
 def sse_event_schema(ref: str, what: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ the settings (`x-limit`) are filled in when the document is served (server/opena
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -31,7 +32,7 @@ OPENAI_TEMPERATURE = 1.0
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),  # echo: /v1/completions takes it
     "response_format": (None, {"type": "text"}),  # JSON mode / structured output: not implemented
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
@@ -141,6 +142,18 @@ def _seed(value: int | None, param: str) -> int | None:
     return value
 
 
+LOOPS_SUFFIX = re.compile(r"@loops=(auto|-?[0-9]+)$")
+
+
+def model_loops(model: str) -> int | str | None:
+    """The depth a model name asks for: "tinyloop@loops=4" -> 4, "x@loops=auto" -> "auto", else None.
+    (Evaluation harnesses send a fixed body but let the user name the model: docs/evaluation.md.)"""
+    m = LOOPS_SUFFIX.search(model)
+    if m is None:
+        return None
+    return "auto" if m.group(1) == "auto" else int(m.group(1))
+
+
 def check_timeout(value: float | None) -> None:
     if value is not None and not 0 < value <= 86400:
         raise ValidationError(f"timeout_s: must be in (0, 86400] seconds, got {value}", param="timeout_s")
@@ -150,10 +163,12 @@ class OpenAIRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
 
     # strict OpenAI clients send fields we do not use: unknown fields are ignored
-    model_config = ConfigDict(extra="allow", strict=True,
-                              json_schema_extra=lambda s: s["properties"].update(_unsupported_schema()))
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=lambda s: s["properties"].update(
+        {k: v for k, v in _unsupported_schema().items() if k not in s["properties"]}))
 
-    model: str
+    model: str = Field(description='echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
+                                   'asks for that depth when the body names no loops (harnesses that fix the '
+                                   'rest of the body: docs/evaluation.md)')
     max_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")
     temperature: float | None = rng(lo=0, hi=2)
     top_p: float | None = rng(gt=0, hi=1)
@@ -202,7 +217,7 @@ class OpenAIRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
-            max_tokens=self.requested_max_tokens(), loops=self.loops,
+            max_tokens=self.requested_max_tokens(), loops=self.requested_loops(),
             temperature=_or(self.temperature, OPENAI_TEMPERATURE), top_p=_or(self.top_p, param_default("top_p")),
             top_k=_or(self.top_k, param_default("top_k")),
             presence_penalty=_or(self.presence_penalty, param_default("presence_penalty")),
@@ -212,6 +227,16 @@ class OpenAIRequest(BaseModel):
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
             logprobs=self.logprobs_param(), **self.extension_params())
+
+    def requested_loops(self) -> int | str | None:
+        """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
+        suffix = model_loops(self.model)
+        if suffix is None:
+            return self.loops
+        if self.loops is not None and self.loops != suffix:
+            raise ValidationError(f"loops: the body asks for {self.loops!r}, the model name {self.model!r} for "
+                                  f"{suffix!r}; give one", param="loops")
+        return suffix
 
     def extension_params(self) -> dict[str, Any]:
         return {}
@@ -278,10 +303,17 @@ class ChatCompletionRequest(OpenAIRequest):
         return render_chat(self.messages)
 
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of the batch)
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], doc(minItems=1)] | PromptIds | \
-        Annotated[list[PromptIds], doc(minItems=1)] = Field(description="text, texts, token ids or lists of token ids; "
-        "none empty. For a list of prompts the first is used; the others are checked all the same")
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], doc(minItems=1, maxItems=MAX_PROMPTS)] | PromptIds | \
+        Annotated[list[PromptIds], doc(minItems=1, maxItems=MAX_PROMPTS)] = Field(
+            description=f"text, token ids, or a list of up to {MAX_PROMPTS} of either (a batch: prompt i's choices are "
+                        "indices i*n .. i*n+n-1); none empty")
+    max_tokens: Int | None = rng(lo=0, hi_limit="max_tokens", description="0 only with echo: score the prompt")
+    echo: bool | None = Field(False, description="return the prompt before the completion; with logprobs, the "
+                                                 "prompt tokens' log-probabilities first (the first one null)")
     logprobs: Int | None = rng(lo=0, hi=5, description="return each output token's log-probability and this many "
                                                          "alternatives, 0..5 (docs/server.md)")
 
@@ -291,18 +323,35 @@ class CompletionRequest(OpenAIRequest):
                                   param="logprobs")
         return self.logprobs
 
-    def prompt_input(self, vocab_size: int | None = None) -> str | list[int]:
-        """A string, or token ids. A list of prompts uses its first (n > 1 is not implemented); the others
-        are checked as the first would be (not empty, token ids inside the vocabulary)."""
+    def sampling_params(self) -> SamplingParams:
+        """As OpenAI's legacy completions: max_tokens 0 only with echo; echo with logprobs scores the prompt
+        (SamplingParams.prompt_logprobs, so does echo with max_tokens 0)."""
+        params = super().sampling_params()
+        if not self.echo:
+            if params.max_tokens == 0:
+                raise ValidationError("max_tokens: must be at least 1; 0 only with echo: true (score the prompt)",
+                                      param="max_tokens")
+            return params
+        if params.mode != "generate":
+            raise ValidationError(f"echo: is not supported in mode {params.mode!r} yet; use mode generate",
+                                  param="echo")
+        if params.logprobs is None and params.max_tokens > 0:
+            return params  # the prompt's text only: nothing to score
+        return params.replace(prompt_logprobs=params.logprobs or 0)
+
+    def prompt_inputs(self, vocab_size: int | None = None) -> list[str | list[int]]:
+        """Each prompt: a string or token ids (a list of strings or of id lists is a batch)."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise ValidationError("prompt: is empty", param="prompt")
-        first = p[0]
-        if isinstance(first, int):
-            return list(p)  # token ids
-        for i, each in enumerate(p[1:], 1):
+        if isinstance(p[0], int):
+            return [list(p)]  # token ids
+        if len(p) > MAX_PROMPTS:
+            raise ValidationError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}", param="prompt")
+        out = []
+        for i, each in enumerate(p):
             if not each:
                 raise ValidationError(f"prompt[{i}]: is empty", param="prompt")
             if vocab_size is not None and not isinstance(each, str):
@@ -310,7 +359,8 @@ class CompletionRequest(OpenAIRequest):
                 if bad:
                     raise ValidationError(f"prompt[{i}]: token ids {bad[:5]} are outside the vocabulary "
                                           f"0..{vocab_size - 1}", param="prompt")
-        return first if isinstance(first, str) else list(first)
+            out.append(each if isinstance(each, str) else list(each))
+        return out
 
 
 class LMStudioChatRequest(LMStudioKnobs, ChatCompletionRequest):
@@ -329,7 +379,7 @@ class GenerateRequest(BaseModel):
     MODE: ClassVar[str] = "generate"
 
     prompt: NonEmptyStr | PromptIds = Field(description="text or token ids; not empty")
-    max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=1, hi_limit="max_tokens")
+    max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=0, hi_limit="max_tokens", description="0 only with prompt_logprobs")
     loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # None -> the model's default_loops
     exit_criterion: ExitCriterion = param_default("exit_criterion")
     exit_threshold: float | None = rng(gt=0, hi=10)        # None -> the criterion's default
@@ -337,7 +387,10 @@ class GenerateRequest(BaseModel):
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
     kv_loops: KVLoops = rng(param_default("kv_loops"), lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
     logprobs: Int | None = rng(lo=0, hi=20, description="each token's log-probability and this many alternatives "
-                                                         "(ids), 0..20; mode generate only")
+                                                         "(ids), 0..20; every mode")
+    prompt_logprobs: Int | None = rng(lo=0, hi=20, description="each prompt token's log-probability (the first "
+                                      "null) and this many alternatives (ids), 0..20, under the model's raw "
+                                      "distribution at the request's loops; mode generate only")
     temperature: float = rng(param_default("temperature"), lo=0, hi=2)
     top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
     top_p: float = rng(0.9, gt=0, hi=1)
@@ -369,7 +422,8 @@ class GenerateRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
-            max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs, **self.speculative_params())
+            max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}
@@ -410,6 +464,8 @@ class TokenizeRequest(BaseModel):
     content: str | SkipJsonSchema[None] = None
     messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, json_schema_extra={"minItems": 1})
     model: str | None = None
+    add_special_tokens: bool = Field(True, description="vLLM's: let the tokenizer add its special tokens (BOS) "
+                                                       "to text; no effect for GPT-2 models and on messages")
 
     def plain_text(self) -> str | None:
         """The text to tokenize, under whichever name it came; None for `messages`."""

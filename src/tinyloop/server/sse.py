@@ -11,6 +11,12 @@ from typing import Any, Callable
 
 from ..engine import StreamEvent
 
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
 
@@ -23,24 +29,27 @@ class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool = False,
-                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1, tokenizer=None):
+                 extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1, tokenizer=None,
+                 per_prompt: int | None = None):
         self.id, self.created, self.model = id, created, model
         self.tokenizer = tokenizer  # set when the request asked for logprobs: each chunk carries its tokens'
         self.offsets: dict[int, int] = {}  # completions: characters streamed so far per choice (text_offset)
         self.include_usage = include_usage
         self.extras = extras  # /api/v0: stats, model_info, runtime on the final chunk
         self.n = n            # choices; the stream ends after the last one's final event
+        self.per_prompt = per_prompt or n  # choices per prompt (a batch of prompts: n = prompts x per_prompt)
         self.closed: dict[int, dict[str, Any]] = {}  # index -> stats of each finished choice
 
     @property
     def done(self) -> bool:
         return len(self.closed) >= self.n
 
-    def usage(self) -> dict[str, int]:
-        """Prompt tokens once (the n choices share the prefill), completion tokens summed."""
-        p = next(iter(self.closed.values()), {}).get("prompt_tokens", 0)
+    def usage(self) -> dict[str, Any]:
+        """Prompt tokens once per prompt (its n choices share the prefill), completion tokens summed."""
+        firsts = [st for i, st in self.closed.items() if i % self.per_prompt == 0]
         c = sum(st.get("completion_tokens", 0) for st in self.closed.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return usage(sum(st.get("prompt_tokens", 0) for st in firsts), c,
+                     sum(st.get("prompt_tokens_cached", 0) for st in firsts))
 
     def open(self) -> list[bytes]:
         return []
@@ -100,17 +109,41 @@ class ChatFramer(Framer):
 
 
 class CompletionFramer(ChatFramer):
+    """Text completion chunks. `echo`: per prompt, (its text, its ids): each choice's first chunk starts with
+    the prompt's text (and, with logprobs, the prompt tokens' logprobs, from the engine's prompt scores)."""
     object = "text_completion"
+
+    def __init__(self, *, echo: list[tuple[str, list[int]]] | None = None, **kw: Any):
+        super().__init__(**kw)
+        self.echo = echo
+        self.echoed: set[int] = set()
 
     def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
         return {"text": delta.get("content", ""), "index": index, "finish_reason": finish}
 
-    def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
-        from .logprobs import completion_logprobs
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        from .logprobs import completion_logprobs, completion_tail, join
 
-        out = completion_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, self.offsets.get(ev.index, 0))
-        self.offsets[ev.index] = self.offsets.get(ev.index, 0) + len(ev.text)
-        return out
+        i, text, lp = ev.index, ev.text, None
+        if self.echo is not None and i not in self.echoed:
+            self.echoed.add(i)
+            head, ids = self.echo[i // self.per_prompt]
+            text = head + text
+            self.offsets[i] = len(head)
+            if self.tokenizer is not None:
+                lp = completion_logprobs(self.tokenizer, ids, ev.prompt_logprobs or [None] * len(ids))
+        if self.tokenizer is not None and (ev.logprobs or ev.stop_logprob is not None):
+            start = self.offsets.get(i, 0)
+            tail = completion_tail(self.tokenizer, ev.token_ids, ev.logprobs or [], ev.stop_logprob, start,
+                                   start + len(ev.text))
+            lp = tail if lp is None else join(lp, tail)
+        self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
+        if lp is None and not text:
+            return []
+        choice = self._delta({"content": text}, index=i)
+        if lp is not None:
+            choice["logprobs"] = lp
+        return [frame(self._chunk(choice))]
 
     def open(self) -> list[bytes]:
         return []
@@ -129,10 +162,16 @@ class NativeFramer(Framer):
             e = {"token_id": t, "text": ev.text if i == len(ids) - 1 else ""}
             if ev.logprobs:
                 e.update(native_logprob(ev.logprobs[i]))
+            if i == 0 and ev.prompt_logprobs is not None:
+                e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
             out.append(frame(e))
         return out
 
     def close(self, ev: StreamEvent) -> list[bytes]:
+        from .logprobs import native_logprob
+
         self.closed[ev.index] = ev.stats or {}
-        return [frame({"token_id": -1, "text": ev.text, "finish_reason": ev.finish_reason,
-                       "stats": ev.stats or {}}), DONE]
+        e = {"token_id": -1, "text": ev.text, "finish_reason": ev.finish_reason, "stats": ev.stats or {}}
+        if ev.prompt_logprobs is not None:  # nothing was generated (max_tokens 0, or a stop token at once)
+            e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
+        return [frame(e), DONE]
