@@ -290,7 +290,21 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.settings import Settings
 
     settings = Settings.from_env(model_path=args.model)
-    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+    scaled = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None, None, None, None)
+    if not scaled:  # single process: Ray is never imported
+        serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    if not args.ray_address:
+        from .scaleout import local_cluster_env
+        local_cluster_env()  # before Ray is imported
+    try:
+        from .scaleout.app import ScaleOut, serve_cluster
+    except ImportError as exc:
+        return _fail(f"--replicas needs Ray Serve: pip install 'tinyloop[ray]' ({exc})")
+    scale = ScaleOut(replicas=args.replicas or args.min_replicas or 1, min_replicas=args.min_replicas,
+                     max_replicas=args.max_replicas, replica_cpus=args.replica_cpus, threads=args.threads)
+    serve_cluster(settings, scale, host=args.host, port=args.port, log_level=args.log_level,
+                  ray_address=args.ray_address)
     return 0
 
 
@@ -418,6 +432,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = s.add_argument_group("scale-out on Ray Serve (pip install 'tinyloop[ray]'; docs/scale-out.md)")
+    r.add_argument("--replicas", type=int, help="engine replicas, each one model copy and one batch "
+                   "(default: none, one process without Ray)")
+    r.add_argument("--min-replicas", type=int, help="autoscale on queue depth between this ...")
+    r.add_argument("--max-replicas", type=int, help="... and this many replicas")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    r.add_argument("--threads", type=int, default=0,
+                   help="torch threads per replica (default: --replica-cpus, at least 1)")
+    r.add_argument("--ray-address", help="join this Ray cluster (e.g. HEAD_IP:6379 after `ray start --head`) "
+                   "instead of starting one on this machine")
     s.set_defaults(func=_serve)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")

@@ -91,10 +91,13 @@ class GateMiddleware:
         await self.app(scope, receive_limited, send)
 
 
-def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, loader=None, worker_factory=None,
+               metrics: Metrics | None = None) -> FastAPI:
+    """The app. `worker_factory(settings, metrics)` replaces the in-process `EngineWorker` (scale-out: a
+    worker that forwards planned requests to engine replicas); `metrics` what `/metrics` renders."""
     settings = settings or Settings.from_env()
-    metrics = Metrics()
-    worker = EngineWorker(settings, metrics, loader=loader)
+    metrics = metrics or Metrics()
+    worker = (worker_factory or (lambda s, m: EngineWorker(s, m, loader=loader)))(settings, metrics)
     from ..modelfile import resolve_model_path
 
     path = resolve_model_path(settings.model_path)
@@ -128,7 +131,7 @@ def create_app(settings: Settings | None = None, *, loader=None) -> FastAPI:
             engine = worker.engine
             return {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
                     "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
-                    "queue_depth": worker.queue_depth}
+                    **worker.health()}
         try:
             worker.require_engine()
         except APIError as err:

@@ -178,13 +178,21 @@ class EngineWorker:
             raise APIError(503, self.error or "the engine thread failed", code="engine_failed")
         raise APIError(503, f"the engine is not loaded: {self.error}", code="model_not_loaded")
 
+    def health(self) -> dict[str, Any]:
+        """What `/health` adds to its `ok` answer about the engine's load."""
+        return {"queue_depth": self.queue_depth}
+
     # -- the HTTP side's interface ----------------------------------------------------------------
-    def submit(self, plan: RequestPlan, *, timeout_s: float | None = None) -> RequestHandle:
-        """Queue a planned request (`Engine.plan`). Must be called from the event loop that will read the handle."""
+    def check_open(self) -> None:
+        """Raise the 503 a new request gets while the engine is not serving or the server shuts down."""
         self.require_engine()
         if self._closing:
             raise APIError(503, "the server is shutting down; retry on another instance",
                            code="shutting_down", headers={"Retry-After": "5"})
+
+    def submit(self, plan: RequestPlan, *, timeout_s: float | None = None) -> RequestHandle:
+        """Queue a planned request (`Engine.plan`). Must be called from the event loop that will read the handle."""
+        self.check_open()
         with self._lock:
             if self._waiting >= self.settings.max_queue:
                 raise APIError(429, f"the request queue is full ({self.settings.max_queue} waiting); retry later",
