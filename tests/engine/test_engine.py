@@ -55,7 +55,7 @@ def test_stop_token_ids_and_eos(tiny_engine):
     res = tiny_engine.generate([5, 6], SamplingParams(max_tokens=10, stop_token_ids=[full[3]]))
     first = full.index(full[3])
     assert res.token_ids == full[:first] and res.finish_reason == "stop"
-    assert res.completion_tokens == first + 1
+    assert res.completion_tokens == first == len(res.token_ids)  # the stop token ends the output, uncounted
 
 
 def test_validation_errors(tiny_engine):

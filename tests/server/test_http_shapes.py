@@ -139,6 +139,7 @@ def test_native_generate_and_sse(tiny_server):
     stop_id = r["tokens"][2]
     t = post(tiny_server, "/generate", {**body, "stop": [stop_id]}).json()
     assert t["finish_reason"] == "stop" and stop_id not in t["tokens"]
+    assert t["stats"]["completion_tokens"] == len(t["tokens"])  # the stop token is neither returned nor counted
 
 
 def test_speculative_routes(tiny_server):

@@ -80,16 +80,16 @@ class TokenStream:
     def feed(self, tok: int, loops: int | None = None, logprob=None) -> StreamEvent | None:
         """One sampled token; `loops`: the core loops its row ran (None: the plan's depth); `logprob`: its
         (logprob, alternatives) when the request asked for them."""
-        self.n += 1
-        depth = self.loops_used if loops is None else loops
-        self.loops_per_token[depth] = self.loops_per_token.get(depth, 0) + 1
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.t0
-        if tok in self.stop_ids:
+        if tok in self.stop_ids:  # ends the output; not part of it, so not counted in completion_tokens
             self.stopped = True
             if logprob is not None:
                 self.stop_logprob = (tok, logprob)
             return None
+        self.n += 1
+        depth = self.loops_used if loops is None else loops
+        self.loops_per_token[depth] = self.loops_per_token.get(depth, 0) + 1
         return self._with_prompt(StreamEvent([tok], self._text(tok), index=self.index,
                                              logprobs=[logprob] if logprob is not None else None))
 
