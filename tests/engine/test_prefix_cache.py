@@ -215,3 +215,30 @@ def test_n_choices_and_adaptive_depth_with_the_cache(engine):
     a = run_to_completion(plain, [(prompt, auto)])[0]
     b = run_to_completion(core, [(prompt, auto)])[0]
     assert summary(b)[0] == summary(a)[0] and b[-1].stats["prompt_tokens_cached"] == 28
+
+
+@pytest.mark.parametrize("exit_", [False, True])
+def test_speculative_sequences_share_prompt_blocks_and_keep_their_outputs(exit_):
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    model = varied_model(CFG.replace(default_loops=4), seed=2, dtype=torch.float64)
+    if exit_:   # a draft exit for depth 1 with its own cache slots (perturbed: it drafts differently)
+        ex = DraftExit.from_model(model)
+        with torch.no_grad():
+            for p in ex.parameters():
+                p.add_(0.2 * p.abs().mean() * torch.randn(p.shape, generator=torch.Generator().manual_seed(3),
+                                                            dtype=torch.float64))
+        attach_draft_exits(model, {1: ex.eval()})
+    eng = Engine(LoadedModel(model, None, {}, None))
+    items = [(it[0], SamplingParams(max_tokens=8, ignore_eos=True, mode=mode, draft_loops=1, draft_ahead=3,
+                                    logprobs=1))
+             for it, mode in zip(shared_prefix_requests(seed=5)[:4], ["speculative", "tree_speculative"] * 2)]
+    plain = [summary(ev) for ev in run_to_completion(BatchEngine(eng, page_size=4, prefix_caching=False), items)]
+    core = BatchEngine(eng, page_size=4, speculation={"draft_vocab": None})
+    got = [run_to_completion(core, [it])[0] for it in items]
+    for want, ev in zip(plain, got):
+        assert summary(ev)[0] == want[0]
+        assert summary(ev)[1] == pytest.approx(want[1], abs=1e-9)
+    cached = [ev[-1].stats["prompt_tokens_cached"] for ev in got]
+    assert cached[0] == 0 and all(c >= 20 for c in cached[1:])
+    assert core.sched.pool.num_free == core.sched.pool.n_pages

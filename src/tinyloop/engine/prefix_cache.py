@@ -15,9 +15,10 @@ What the salt must hold (`BatchEngine` builds it):
     depth (and an adaptive-depth request's prompt, which runs its ceiling, shares with fixed depth);
   * the attention window (a windowed query sees other keys, so deeper layers' keys differ).
 Not shared at all: the loop-shared KV budget (`kv_loops` < loops: a ring slot's content depends on how
-the prompt was chunked) and the speculative modes (their sequences reserve every block up front and
-roll back inside it). Within an adaptive-depth sequence only prompt blocks are shared: its generated
-tokens may exit early, and their deeper slots hold copies (`PagedStep.fill_skipped`).
+the prompt was chunked). Within an adaptive-depth sequence only prompt blocks are shared: its generated
+tokens may exit early, and their deeper slots hold copies (`PagedStep.fill_skipped`). The speculative
+modes share prompt blocks among themselves (their layout adds a draft exit's slots, so the salt names
+the draft depth too): drafts are written, and rolled back, only past the prompt.
 The KV format, the weights and the state seed are the engine's own, the same for the whole pool.
 
 Memory: a cached block costs nothing extra. When its last user lets go, its pages go back to the free

@@ -262,11 +262,14 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.external:
-                if self.pool.num_free < self.max_pages(seq):
+                hit = self._cached_prefix(seq, len(seq.prompt))
+                reclaimed = sum(len(b) for b in hit if self.pool.refcount(b[0]) == 0)
+                if self.pool.num_free < self.max_pages(seq) - len(hit) * seq.n_slots + reclaimed:
                     break
                 self.waiting.popleft()
-                seq.block_table = [self.pool.allocate(seq.n_slots)
-                                   for _ in range(self.blocks_for(seq.reserve_positions))]
+                self._take_prefix(seq, hit, len(seq.prompt))
+                seq.block_table += [self.pool.allocate(seq.n_slots)
+                                    for _ in range(self.blocks_for(seq.reserve_positions) - len(hit))]
                 seq.status = RUNNING
                 self.running.append(seq)
                 out.admitted_external.append(seq)
@@ -287,15 +290,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
-            if hit:
-                self.prefix.take(hit)
-                seq.block_table = [list(b) for b in hit]
-                seq.n_cached, seq.n_named = hit_pos, len(hit)
-            if seq.n_generated == 0:
-                seq.prompt_cached = hit_pos
-            if self.prefix is not None and seq.prefix_salt is not None and seq.prefix_reads:
-                self.prefix.queried_tokens += target
-                self.prefix.hit_tokens += hit_pos
+            self._take_prefix(seq, hit, target)
             budget -= self._schedule_prefill(seq, budget, out)
         return out
 
@@ -332,6 +327,24 @@ class Scheduler:
         if seq.prefix_upto is not None:
             n = min(n, seq.prefix_upto // self.page_size)
         return self.prefix.peek(self._names(seq, n)) if n > 0 else []
+
+    def _take_prefix(self, seq: Sequence, hit: list[list[int]], target: int) -> None:
+        """Admission: `seq` starts from the cached blocks `hit` (from `_cached_prefix`) of its `target` tokens."""
+        if hit:
+            self.prefix.take(hit)
+            seq.block_table = [list(b) for b in hit]
+            seq.n_cached, seq.n_named = len(hit) * self.page_size, len(hit)
+        if seq.n_generated == 0:
+            seq.prompt_cached = len(hit) * self.page_size
+        if self.prefix is not None and seq.prefix_salt is not None and seq.prefix_reads:
+            self.prefix.queried_tokens += target
+            self.prefix.hit_tokens += len(hit) * self.page_size
+
+    def prompt_computed(self, seq: Sequence) -> None:
+        """An external sequence's prompt is in the cache (its runner says so): name its full blocks."""
+        seq.n_cached = max(seq.n_cached, len(seq.prompt))
+        if self.prefix is not None and seq.prefix_salt is not None:
+            self._name_blocks(seq)
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Offer the cache each block of `seq` that is now full and computed."""

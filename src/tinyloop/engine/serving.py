@@ -157,7 +157,8 @@ class BatchEngine:
         else:  # n independent sequences, each with every block it can reach
             for o in outputs:
                 o.seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
-                                 loops=plan.loops, window=plan.window, reserve_positions=plan.max_positions)
+                                 loops=plan.loops, window=plan.window, reserve_positions=plan.max_positions,
+                                 **self._prefix_rules(plan))
                 seqs.append(o.seq)
         try:
             for s in seqs:
@@ -178,6 +179,10 @@ class BatchEngine:
         """How a plain sequence of `plan` uses the prefix cache (what may be shared: engine.prefix_cache)."""
         if plan.kv_loops is not None:  # a ring slot's keys depend on how the prompt was chunked
             return {}
+        if plan.speculative:  # the prompt's blocks only (drafts are rolled back inside later blocks), shared
+            # with speculative sequences of the same layout: verify depth, draft depth (its draft exit's slots)
+            return {"prefix_salt": ("speculative", plan.loops, "draft", plan.draft_loops, "window", plan.window),
+                    "prefix_upto": plan.n_prompt}
         return {"prefix_salt": ("loops", plan.loops, "window", plan.window),
                 # prompt scoring needs every prompt position's logits: it computes them all
                 "prefix_reads": plan.params.prompt_logprobs is None,
@@ -319,7 +324,7 @@ class BatchEngine:
             self._finish(req, o, "length")
 
     def _finish(self, req: Request, o: _Output, reason: str | None) -> None:
-        if o.seq is not None and not o.seq.external:
+        if o.seq is not None:
             o.run_stats["prompt_tokens_cached"] = o.seq.prompt_cached
         self._release(o, reason or "stop")
         req.emit(o.stream.close(o.run_stats, reason))
@@ -343,7 +348,7 @@ class BatchEngine:
     def _start_speculative(self, seq: Sequence) -> None:
         req, o = self._outputs[seq.seq_id]
         table = torch.tensor(seq.block_table, device=self.kv.k.parts[0].device)
-        o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, **self.speculation)
+        o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, cached=seq.n_cached, **self.speculation)
         o.passes = o.spec.passes()
         self._advance_speculative(req, o)
 
@@ -357,6 +362,8 @@ class BatchEngine:
                     o.pending = item
                     return
                 o.spec.finish(o.run_stats)
+                if o.seq.n_cached < len(o.seq.prompt):   # the first token: the prompt is in the cache
+                    self.sched.prompt_computed(o.seq)
                 lps = o.spec.logprobs
                 for i, tok in enumerate(item):
                     self._token(req, o, tok, None, lps[i] if i < len(lps) else None)

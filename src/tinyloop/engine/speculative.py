@@ -230,7 +230,8 @@ class Speculator:
 
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
                  draft_vocab: int | None = DRAFT_VOCAB, draft_stop: float = DRAFT_STOP, fast_head: bool = True,
-                 draft_exit: bool = True):
+                 draft_exit: bool = True, cached: int = 0):
+        """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache)."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -238,6 +239,7 @@ class Speculator:
         self.draft_stop = draft_stop
         self.kv, self.table = kv, table       # the pool, and this sequence's pages in it (blocks, slots)
         self.length = 0                       # positions committed in every slot
+        self.cached = cached
         # A trained draft exit for this depth (model.draft_exit), if the model has one: it replaces the
         # coda (and final norm) in the draft, with cache slots of its own.
         exits = getattr(model, "draft_exits", None) or {}
@@ -295,7 +297,7 @@ class Speculator:
         loop-d states); returns the last position's logits (vocab,)."""
         prompt = list(self.plan.prompt_ids)
         last = None
-        for s in range(0, len(prompt), PREFILL_CHUNK):
+        for s in range(self.cached, len(prompt), PREFILL_CHUNK):
             part = prompt[s:s + PREFILL_CHUNK]
             if self.exit is None:
                 last = self._rows(s, len(part), self.V, tokens=part)
