@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,15 +22,18 @@ def free_port() -> int:
 
 
 def start_server(model: Path | None, *, env: dict[str, str] | None = None, log_level: str = "warning",
-                 log: Path | IO[bytes] | None = None, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """Start it (TINYLOOP_MODEL_PATH only when `model` is given; `env` on top of this process's) and wait for
-    /health. `log`: a path or binary file for its output (default: inherited). Returns (process, base url)."""
+                 log: Path | IO[bytes] | None = None, timeout_s: float = 180,
+                 args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start it (TINYLOOP_MODEL_PATH only when `model` is given; `env` on top of this process's; `args` more
+    `serve` options, e.g. `--replicas 2`) and wait for /health. `log`: a path or binary file for its output
+    (default: inherited). It runs in a process group of its own (see `stop_server`). Returns (process, url)."""
     port = free_port()
     full = {**os.environ, **({"TINYLOOP_MODEL_PATH": str(model)} if model is not None else {}), **(env or {})}
     out = open(log, "wb") if isinstance(log, Path) else log
     exe = Path(sys.executable).with_name("tinyloop")
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", log_level], env=full,
-                            stdout=out, stderr=subprocess.STDOUT if out is not None else None)
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--log-level", log_level, *(args or [])],
+                            env=full, stdout=out, stderr=subprocess.STDOUT if out is not None else None,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, timeout_s, log)
     return proc, url
@@ -49,7 +53,8 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200 and r.json().get("status") == "ok":  # scaled out: every replica serving
                 return
         except httpx.TransportError:
             pass
@@ -62,9 +67,15 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    """SIGTERM (a graceful stop; a scaled-out server also stops its Ray cluster), then SIGKILL to whatever
+    is left of its process group."""
     proc.terminate()
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout_s)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

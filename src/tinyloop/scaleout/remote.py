@@ -115,11 +115,25 @@ class RemoteWorker(EngineWorker):
         return handle
 
     async def _pump(self, handle: RemoteHandle) -> None:
-        """Stream the request from a replica into `handle`, retrying sends that produced nothing."""
+        """Stream the request from a replica into `handle`; whatever goes wrong, the handle gets an end."""
+        try:
+            await self._stream(handle)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never a request left without an end
+            log.exception("forwarding a request to a replica failed", extra={"request_id": handle.request_id})
+            handle._push(APIError(500, f"the ingress failed on this request: {type(exc).__name__}: {exc}",
+                                  code="engine_error"))
+            handle._push(None)
+
+    async def _stream(self, handle: RemoteHandle) -> None:
+        """Send the request to a replica and feed its items to `handle`, sending it again (to another
+        replica) when it was refused or its replica died before it produced anything."""
         for attempt in range(1, ATTEMPTS + 1):
             received = False
-            gen = self.engines.generate.remote(handle.plan, handle.timeout_s, handle.request_id)
+            gen = None
             try:
+                gen = self.engines.generate.remote(handle.plan, handle.timeout_s, handle.request_id)
                 async for batch in gen:
                     items = [decode(item) for item in batch]
                     first = items[0]
@@ -131,7 +145,8 @@ class RemoteWorker(EngineWorker):
                         handle._push(item)
                 return
             except asyncio.CancelledError:
-                gen.cancel()
+                if gen is not None:
+                    gen.cancel()
                 raise
             except _Refused as refused:
                 log.info("replica refused the request (%s); sending it again", refused.err.code,
