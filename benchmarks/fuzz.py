@@ -48,6 +48,7 @@ import schemathesis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
 import local_server  # noqa: E402
+from tinyloop.server.schemas import model_loops  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
@@ -84,6 +85,21 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     if path.endswith("/chat/completions") and body.get("top_logprobs") and not body.get("logprobs") \
             and param == "top_logprobs":
         return "top_logprobs without logprobs: true"
+    named = model_loops(body["model"]) if isinstance(body.get("model"), str) else None
+    if named is not None and param == "loops":
+        return "a depth in the model name (model@loops=K) out of range or unlike the body's loops"
+    if body.get("loops") is None and named is not None:
+        body = {**body, "loops": named}  # the depth the request runs at
+    if path.endswith("/completions") and not path.endswith("/chat/completions"):
+        if body.get("max_tokens") == 0 and not body.get("echo") and param == "max_tokens":
+            return "max_tokens 0 without echo"
+        if body.get("echo") and mode != "generate" and param == "echo":
+            return "echo with a speculative mode"
+    if path in NATIVE_MODES:
+        if body.get("max_tokens") == 0 and body.get("prompt_logprobs") is None and param == "max_tokens":
+            return "max_tokens 0 without prompt_logprobs"
+        if body.get("prompt_logprobs") is not None and mode != "generate" and param == "prompt_logprobs":
+            return "prompt_logprobs with a speculative mode"
     if _given(body, "kv_loops", "all") != "all" and mode != "generate" and param == "kv_loops":
         return "a loop-shared KV budget with a speculative mode"
     if body.get("loops") == "auto":
@@ -218,6 +234,17 @@ def sse_problems(path: str, raw: bytes, n: int) -> str | None:
     return None
 
 
+def choices(path: str, body: dict) -> int:
+    """Choices a request streams: n, times the prompts of a text completion's batch (a list of strings or
+    of token-id lists)."""
+    n = int(body.get("n") or 1)
+    prompt = body.get("prompt")
+    if path.endswith("/completions") and not path.endswith("/chat/completions") and isinstance(prompt, list) \
+            and prompt and isinstance(prompt[0], (str, list)):
+        return n * len(prompt)
+    return n
+
+
 @schemathesis.check
 def tinyloop_sse(ctx, response, case):
     ctype = _content_type(response)
@@ -226,7 +253,7 @@ def tinyloop_sse(ctx, response, case):
     if getattr(response, "stream_cut_short", False):  # the client stopped reading (fuzz.toml sets the limit)
         _fail("stream longer than max-stream-events; raise it in benchmarks/fuzz.toml")
     body = case.body if isinstance(case.body, dict) else {}
-    problem = sse_problems(case.path, response.content, int(body.get("n") or 1))
+    problem = sse_problems(case.path, response.content, choices(case.path, body))
     if problem:
         _fail(f"SSE: {problem}; the body ends {response.content[-300:]!r}")
 

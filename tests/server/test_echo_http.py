@@ -125,7 +125,7 @@ def test_a_stop_token_is_listed_with_its_logprob(tmp_path, tokenizer):
         lp = choice["logprobs"]
         assert lp["tokens"] == [" one", " two", " three", "<|endoftext|>"]
         assert lp["text_offset"] == [0, 4, 8, 14] and lp["token_logprobs"][-1] > -1e-3
-        assert r.json()["usage"]["completion_tokens"] == 1
+        assert r.json()["usage"]["completion_tokens"] == 0   # the stop token is listed, not counted
 
 
 def test_native_prompt_logprobs(tiny_server, engine):

@@ -48,7 +48,7 @@ def test_schemathesis_short_run(fuzz, limited_server):
     out = res["output"]
     assert res["ok"] and res["failures"] == 0 and res["errors"] == 0, out[-4000:]
     assert res["cases"] >= 300, out[-2000:]
-    assert "Selected: 15/15" in out and "Tested: 15" in out, out[-2000:]  # no operation skipped
+    assert "Selected: 16/16" in out and "Tested: 16" in out, out[-2000:]  # no operation skipped
     for phase in ("Examples", "Coverage", "Fuzzing", "Stateful"):  # none skipped (examples: the document's own)
         assert f"✅ {phase}" in out, out[-2000:]
 
@@ -79,6 +79,17 @@ def test_oracle_refuses_unexplained_rejections(fuzz):
     assert not fuzz.explained_rejection("/generate/speculative", {"draft_loops": 3, "verify_loops": 3},
                                         {"code": "invalid_value", "param": "temperature"}, 3)
     assert fuzz.explained_rejection("/v1/completions", {}, {"code": "context_length_exceeded", "param": "max_tokens"}, 3)
+    zero = {"code": "invalid_value", "param": "max_tokens"}   # echo and prompt scoring (issue 17)
+    assert fuzz.explained_rejection("/v1/completions", {"max_tokens": 0}, zero, 3)
+    assert not fuzz.explained_rejection("/v1/completions", {"max_tokens": 0, "echo": True}, zero, 3)
+    assert fuzz.explained_rejection("/generate", {"max_tokens": 0}, zero, 3)
+    assert not fuzz.explained_rejection("/generate", {"max_tokens": 0, "prompt_logprobs": 0}, zero, 3)
+    echo = {"code": "invalid_value", "param": "echo"}
+    assert fuzz.explained_rejection("/api/v0/completions", {"echo": True, "mode": "speculative"}, echo, 3)
+    assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True}, echo, 3)
+    loops = {"code": "invalid_value", "param": "loops"}
+    assert fuzz.explained_rejection("/v1/completions", {"model": "m@loops=0"}, loops, 3)
+    assert not fuzz.explained_rejection("/v1/completions", {"model": "m@loops"}, loops, 3)
     assert fuzz.sse_problems("/generate", b'data: {"token_id":1,"text":"a"}\n\ndata: [DONE]\n\n', 1)  # no final
     assert fuzz.sse_problems("/generate", b'data: {"token_id":-1,"text":""}\n\n', 1)                # no [DONE]
     good = b'data: {"token_id":1,"text":"a"}\n\n: keepalive\n\ndata: {"token_id":-1,"text":""}\n\ndata: [DONE]\n\n'
@@ -154,16 +165,17 @@ def test_long_multi_choice_stream_is_framed(fuzz, limited_server):
     only its first 100 events and reported a missing [DONE]; it now reads them all: fuzz.toml)."""
     r = post(limited_server, "/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 8, "max_tokens": 16,
                                                  "stream": True, "stream_options": {"include_usage": True}})
-    assert r.status_code == 200 and fuzz.sse_problems("/v1/completions", r.content, 8) is None
+    assert fuzz.choices("/v1/completions", {"prompt": ["a", "b"], "n": 8}) == 16   # two prompts: a batch
+    assert r.status_code == 200 and fuzz.sse_problems("/v1/completions", r.content, 16) is None
 
 
 def test_stop_token_counts(limited_server):
-    """completion_tokens counts every generated token; a stop token id ends the output without being
-    shown (found by the fuzzer's count check: the rule is now stated and checked)."""
+    """completion_tokens counts the tokens returned; a stop token id ends the output without being shown or
+    counted (found by the fuzzer's count check: the rule is now stated and checked)."""
     first = post(limited_server, "/generate", {"prompt": "x", "max_tokens": 4}).json()["tokens"]
     k = first.index(first[1])  # where the stop id first comes
     r = post(limited_server, "/generate", {"prompt": "x", "max_tokens": 4, "stop": [first[1]]}).json()
-    assert r["finish_reason"] == "stop" and r["tokens"] == first[:k] and r["stats"]["completion_tokens"] == k + 1
+    assert r["finish_reason"] == "stop" and r["tokens"] == first[:k] and r["stats"]["completion_tokens"] == k
 
 
 def test_sse_events_match_the_document(limited_server):

@@ -303,7 +303,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return render_chat(self.messages)
 
 
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of the batch)
+MAX_PROMPTS = 16  # prompts in one /v1/completions request (each is a request of the batch)
 
 
 class CompletionRequest(OpenAIRequest):
