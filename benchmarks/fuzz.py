@@ -93,8 +93,9 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     if path.endswith("/completions") and not path.endswith("/chat/completions"):
         if body.get("max_tokens") == 0 and not body.get("echo") and param == "max_tokens":
             return "max_tokens 0 without echo"
-        if body.get("echo") and mode != "generate" and param == "echo":
-            return "echo with a speculative mode"
+        scored = body.get("logprobs") is not None or body.get("max_tokens") == 0
+        if body.get("echo") and scored and mode != "generate" and param == "echo":
+            return "echo with logprobs or max_tokens 0 (prompt scoring) in a speculative mode"
     if path in NATIVE_MODES:
         if body.get("max_tokens") == 0 and body.get("prompt_logprobs") is None and param == "max_tokens":
             return "max_tokens 0 without prompt_logprobs"

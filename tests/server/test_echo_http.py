@@ -143,6 +143,13 @@ def test_native_prompt_logprobs(tiny_server, engine):
     assert all("prompt_logprobs" not in e for e in events[1:])
 
 
+def test_echo_without_scores_in_a_speculative_mode(tiny_server):
+    body = dict(prompt=TEXT, max_tokens=3, temperature=0, echo=True, loops=3)
+    spec = post(tiny_server.url, "/api/v0/completions", **body, mode="speculative", draft_loops=1).json()
+    plain = post(tiny_server.url, "/v1/completions", **body).json()
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"] and spec["choices"][0]["text"].startswith(TEXT)
+
+
 def test_the_tokenizer_routes_lm_eval_reads(tiny_server, engine):
     info = httpx.get(f"{tiny_server.url}/tokenizer_info").json()
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == engine.max_seq_len
@@ -168,7 +175,7 @@ def test_the_model_name_can_carry_the_depth(tiny_server):
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", dict(prompt="Hi", max_tokens=0), "max_tokens"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], echo=True), "echo"),
-    ("/api/v0/completions", dict(prompt="Hi", echo=True, mode="speculative", draft_loops=1), "echo"),
+    ("/api/v0/completions", dict(prompt="Hi", echo=True, logprobs=1, mode="speculative", draft_loops=1), "echo"),
     ("/generate", dict(prompt="Hi", max_tokens=0), "max_tokens"),
     ("/generate", dict(prompt="Hi", prompt_logprobs=21), "prompt_logprobs"),
     ("/generate/speculative", dict(prompt="Hi", prompt_logprobs=1, draft_loops=1), "prompt_logprobs"),

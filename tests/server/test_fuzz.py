@@ -85,8 +85,9 @@ def test_oracle_refuses_unexplained_rejections(fuzz):
     assert fuzz.explained_rejection("/generate", {"max_tokens": 0}, zero, 3)
     assert not fuzz.explained_rejection("/generate", {"max_tokens": 0, "prompt_logprobs": 0}, zero, 3)
     echo = {"code": "invalid_value", "param": "echo"}
-    assert fuzz.explained_rejection("/api/v0/completions", {"echo": True, "mode": "speculative"}, echo, 3)
-    assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True}, echo, 3)
+    assert fuzz.explained_rejection("/api/v0/completions", {"echo": True, "mode": "speculative", "logprobs": 0}, echo, 3)
+    assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True, "mode": "speculative"}, echo, 3)
+    assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True, "logprobs": 0}, echo, 3)
     loops = {"code": "invalid_value", "param": "loops"}
     assert fuzz.explained_rejection("/v1/completions", {"model": "m@loops=0"}, loops, 3)
     assert not fuzz.explained_rejection("/v1/completions", {"model": "m@loops"}, loops, 3)

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from .access import note
 from .errors import APIError
 from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
 from .logprobs import chat_content, completion_logprobs, completion_tail, join
@@ -63,6 +64,8 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
         for h in handles:
             h.abort()
         raise
+    if len(handles) > 1:  # the access line counts the whole batch
+        note(n=n * len(handles), prompt_tokens=sum(h.plan.n_prompt for h in handles))
     # echo: each prompt's text (as given, or its ids decoded) and ids
     echo = [(p if isinstance(p, str) else engine.tokenizer.decode(p), list(h.plan.prompt_ids))
             for p, h in zip(prompts, handles)] if not chat and body.echo else None

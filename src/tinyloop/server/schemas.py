@@ -332,11 +332,11 @@ class CompletionRequest(OpenAIRequest):
                 raise ValidationError("max_tokens: must be at least 1; 0 only with echo: true (score the prompt)",
                                       param="max_tokens")
             return params
-        if params.mode != "generate":
-            raise ValidationError(f"echo: is not supported in mode {params.mode!r} yet; use mode generate",
-                                  param="echo")
         if params.logprobs is None and params.max_tokens > 0:
             return params  # the prompt's text only: nothing to score
+        if params.mode != "generate":
+            raise ValidationError(f"echo: the prompt is not scored in mode {params.mode!r} yet (echo with logprobs "
+                                  "or max_tokens 0); use mode generate", param="echo")
         return params.replace(prompt_logprobs=params.logprobs or 0)
 
     def prompt_inputs(self, vocab_size: int | None = None) -> list[str | list[int]]:
