@@ -1,26 +1,29 @@
 """Scale-out on Ray Serve: aggregate tokens/s at 16 streaming clients, one process vs 1 and 2 replicas;
 time to healthy; recovery after a replica is SIGKILLed under load (issue 18).
 
-Three servers, one after the other, each started fresh on a loopback port (`local_server.py`):
+Three servers, one after the other, each started fresh on a loopback port (`local_server.py`), each
+engine with --threads T torch threads (default 1):
 
-    single     `tinyloop serve` (no Ray), OMP_NUM_THREADS = --cores
-    1 replica  `tinyloop serve --replicas 1 --replica-cpus C --threads C`   (C = --cores)
-    2 replicas `tinyloop serve --replicas 2 --replica-cpus C/2 --threads C/2`
+    single     `tinyloop serve` (no Ray), OMP_NUM_THREADS = T
+    1 replica  `tinyloop serve --replicas 1 --replica-cpus T --threads T`
+    2 replicas `tinyloop serve --replicas 2 --replica-cpus T --threads T`   (2T threads in all)
 
-so every configuration has the same number of compute threads (on a 2-core machine the two replicas
-each get one core: they compete for the same cores a single batch would use). Each runs one level of
-`serving.py`'s load generator (the same client code and accounting): 16 clients, each sending
---requests-per-client greedy streaming /v1/completions back to back. Reported: aggregate tokens/s (and
-the ratio to the single process), TTFT p50, time from process start to `/health` "ok" (every replica
-loaded), and the summed RSS of the server's process group when idle (Ray's own processes included).
+On a 2-core machine with T = 1 the two replicas use both cores where the others use one, and they share
+those cores with Ray's own processes and the load generator. (T = 2 on 2 cores is a trap on a shared
+machine: OpenMP's two threads spin against every other process; see docs/benchmarks.md.) Each server
+runs one level of `serving.py`'s load generator (the same client code and accounting): 16 clients, each
+sending --requests-per-client greedy streaming /v1/completions back to back. Reported: aggregate
+tokens/s (and the ratio to the single process), TTFT p50, time from process start to `/health` "ok"
+(every replica loaded), and the summed RSS of the server's process group when idle (Ray's processes in
+that group included).
 
 Recovery (2 replicas): 16 clients stream long generations; once all have tokens, one replica (the
-first `/health` lists) is SIGKILLed. Reported: streams that ended with an error event (all on the
+first `/health` lists) is SIGKILLed. Reported: streams that ended with an error event (those on the
 killed replica) vs completed, seconds from the kill to the last failed stream's error event, to
 `/health` "degraded", and to "ok" again with a new replica.
 
     .venv/bin/python benchmarks/scale_out.py --json benchmarks/results/scale_out.json
-    # options: [--model M.tinyloop] [--cores 2] [--requests-per-client 2] [--max-tokens 64] [--quick]
+    # options: [--model M.tinyloop] [--threads 1] [--requests-per-client 2] [--max-tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -81,10 +84,9 @@ def throughput(name: str, model: Path | None, args: list[str], threads: int, opt
             "idle_rss_mib": rss, **level}
 
 
-def recovery(model: Path | None, cores: int, opts, tmp: Path) -> dict:
-    each = max(1, cores // 2)
-    args = ["--replicas", "2", "--replica-cpus", str(each), "--threads", str(each)]
-    proc, url, healthy_s = start(model, args, each, tmp / "recovery.log")
+def recovery(model: Path | None, threads: int, opts, tmp: Path) -> dict:
+    args = ["--replicas", "2", "--replica-cpus", str(threads), "--threads", str(threads)]
+    proc, url, healthy_s = start(model, args, threads, tmp / "recovery.log")
     body = {"model": "m", "max_tokens": opts.recovery_tokens, "temperature": 0, "stream": True}
     started = threading.Barrier(CLIENTS + 1)
     out: dict[int, dict] = {}
@@ -141,7 +143,7 @@ def recovery(model: Path | None, cores: int, opts, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="default: the server's own default (the shipped model)")
-    ap.add_argument("--cores", type=int, default=2, help="compute threads per configuration (default 2)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--recovery-tokens", type=int, default=200)
@@ -153,15 +155,16 @@ def main() -> int:
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="tlso-", dir="/tmp"))  # Ray's files (short socket paths) and logs
-    c, half = opts.cores, max(1, opts.cores // 2)
-    configs = [("single process", [], c),
-               ("1 replica", ["--replicas", "1", "--replica-cpus", str(c), "--threads", str(c)], c),
-               ("2 replicas", ["--replicas", "2", "--replica-cpus", str(half), "--threads", str(half)], half)]
+    t = str(opts.threads)
+    configs = [("single process", [], opts.threads),
+               ("1 replica", ["--replicas", "1", "--replica-cpus", t, "--threads", t], opts.threads),
+               ("2 replicas", ["--replicas", "2", "--replica-cpus", t, "--threads", t], opts.threads)]
     rows = [throughput(name, opts.model, args, threads, opts, tmp) for name, args, threads in configs]
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["ratio_vs_single"] = round(r["tokens_per_s"] / base, 3) if base else None
-    rec = recovery(opts.model, c, opts, tmp)
+    rows[2]["ratio_vs_1_replica"] = round(rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"], 3)
+    rec = recovery(opts.model, opts.threads, opts, tmp)
 
     print(f"\n{CLIENTS} clients x {opts.requests_per_client} streaming requests of {opts.max_tokens} tokens, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
