@@ -44,7 +44,7 @@ class ScaleOut:
     @property
     def target(self) -> int:
         """Replicas that must run for full capacity: the fixed count, or the autoscaling minimum."""
-        return self.min_replicas or 1 if self.autoscaling else self.replicas
+        return (self.min_replicas or 1) if self.autoscaling else self.replicas
 
     @property
     def most(self) -> int:
