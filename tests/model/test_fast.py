@@ -217,7 +217,9 @@ def test_fp32_model_keeps_fp32_weights_unless_asked():
 
 
 def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
-    """Quantized modules (quant.linear.QuantLinear) are not nn.Linear: neither fused nor swapped."""
+    """Quantized modules (quant.linear.QuantLinear) are not nn.Linear: never swapped for fp16 kernels; fused
+    q/k/v only through QuantLinear.concat, which stacks them where this CPU's int4 layout allows (with
+    AVX-512 the layout packs rows in blocks of 64, so this model's 32-row k/v stay apart)."""
     from tinyloop.modelfile import load_model, make_header, write_model
     from tinyloop.quant.linear import QuantLinear
     from tinyloop.tools.gptq import QuantSpec, quantize_model
@@ -228,7 +230,8 @@ def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
     header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
     path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
     plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, threads=None)
-    assert isinstance(fast.core[0].attn.wq, QuantLinear) and fast.core[0].attn.wqkv is None
+    attn = fast.core[0].attn
+    assert isinstance(attn.wqkv, QuantLinear) if attn.wqkv is not None else isinstance(attn.wq, QuantLinear)
     x = toks(1, 12, vocab=512)
     with torch.inference_mode():
         torch.testing.assert_close(fast(x, loops=3), plain(x, loops=3), rtol=0, atol=0)

@@ -56,10 +56,12 @@ def test_concat_fuses_exactly(bits, group, kernel):
     assert fused is not None and fused.kind == parts[0].kind and fused.out_features == 384
     x = torch.randn(3, 4, 256, generator=torch.Generator().manual_seed(3))
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
-    # the CPU int4 layout packs rows in blocks of 64: parts of 32 rows do not stack, and the check says so
+    # with AVX-512 the CPU int4 layout packs rows in blocks of 64, so parts of 32 rows do not stack there and
+    # the probe says so (None); on CPUs where they do stack, the fused layer is exact
     if bits in (2, 4) and kernel == "auto":
         small = [QuantLinear.from_portable(*portable(32, 256, bits, group, seed=i)[:3], bits) for i in range(2)]
-        assert QuantLinear.concat(small) is None
+        got = QuantLinear.concat(small)
+        assert got is None or torch.equal(got(x), torch.cat([p(x) for p in small], dim=-1))
     # different formats do not fuse
     other = QuantLinear.from_portable(*portable(64, 256, 4, 128)[:3], 4)
     assert QuantLinear.concat([parts[0], other]) is None
