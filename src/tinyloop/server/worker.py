@@ -212,7 +212,8 @@ class EngineWorker:
             self.warnings += warnings
             s = self.settings
             self.batch = BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
-                                     kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20)
+                                     kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20,
+                                     prefix_caching=s.prefix_caching)
             self.batch.runner.before_head = self._flush_at_head
             self.state = "ready"
             self.metrics.engine_loaded.set(1)
@@ -319,6 +320,7 @@ class EngineWorker:
                             m.loops_per_token.observe(int(loops))
                     if item.index == 0:
                         m.prompt_tokens.inc(stats.get("prompt_tokens", handle.plan.n_prompt))
+                        m.prompt_tokens_cached.inc(stats.get("prompt_tokens_cached", 0))
             elif isinstance(item, BaseException):
                 if not isinstance(item, (NotImplementedError, ValidationError, APIError)):
                     log.error("request %d failed in the engine: %s", handle.id, item,
