@@ -207,7 +207,7 @@ def test_n_choices_and_adaptive_depth_with_the_cache(engine):
     plain = BatchEngine(engine, page_size=4, prefix_caching=False)
     core = BatchEngine(engine, page_size=4)
     run_to_completion(core, [(prompt, SamplingParams(max_tokens=2, loops=3))])   # warms the prefix
-    want, got = ({e.index: [] for e in evs} for evs in ([], []))
+    want, got = {}, {}
     for out, core_ in ((want, plain), (got, core)):
         for e in run_to_completion(core_, [(prompt, params)], n=3)[0]:
             out.setdefault(e.index, []).extend(e.token_ids)

@@ -51,8 +51,7 @@ class PrefixCache:
         pool.on_reuse = self._forget
         self._blocks: dict[bytes, list[int]] = {}
         self._page_name: dict[int, bytes] = {}
-        self.queried_tokens = 0        # prompt tokens looked up
-        self.hit_tokens = 0            # of which found in the cache
+        self.hit_tokens = 0            # prompt tokens admitted sequences found in the cache, so far
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -87,6 +86,3 @@ class PrefixCache:
             return
         for p in self._blocks.pop(name, ()):
             self._page_name.pop(p, None)
-
-    def stats(self) -> dict[str, Any]:
-        return {"blocks": len(self._blocks), "queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens}

@@ -267,7 +267,7 @@ class Scheduler:
                 if self.pool.num_free < self.max_pages(seq) - len(hit) * seq.n_slots + reclaimed:
                     break
                 self.waiting.popleft()
-                self._take_prefix(seq, hit, len(seq.prompt))
+                self._take_prefix(seq, hit)
                 seq.block_table += [self.pool.allocate(seq.n_slots)
                                     for _ in range(self.blocks_for(seq.reserve_positions) - len(hit))]
                 seq.status = RUNNING
@@ -290,7 +290,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
-            self._take_prefix(seq, hit, target)
+            self._take_prefix(seq, hit)
             budget -= self._schedule_prefill(seq, budget, out)
         return out
 
@@ -328,17 +328,16 @@ class Scheduler:
             n = min(n, seq.prefix_upto // self.page_size)
         return self.prefix.peek(self._names(seq, n)) if n > 0 else []
 
-    def _take_prefix(self, seq: Sequence, hit: list[list[int]], target: int) -> None:
-        """Admission: `seq` starts from the cached blocks `hit` (from `_cached_prefix`) of its `target` tokens."""
+    def _take_prefix(self, seq: Sequence, hit: list[list[int]]) -> None:
+        """Admission: `seq` starts from the cached blocks `hit` (from `_cached_prefix`)."""
+        cached = len(hit) * self.page_size
+        if seq.n_generated == 0:
+            seq.prompt_cached = cached
         if hit:
             self.prefix.take(hit)
+            self.prefix.hit_tokens += cached
             seq.block_table = [list(b) for b in hit]
-            seq.n_cached, seq.n_named = len(hit) * self.page_size, len(hit)
-        if seq.n_generated == 0:
-            seq.prompt_cached = len(hit) * self.page_size
-        if self.prefix is not None and seq.prefix_salt is not None and seq.prefix_reads:
-            self.prefix.queried_tokens += target
-            self.prefix.hit_tokens += len(hit) * self.page_size
+            seq.n_cached, seq.n_named = cached, len(hit)
 
     def prompt_computed(self, seq: Sequence) -> None:
         """An external sequence's prompt is in the cache (its runner says so): name its full blocks."""

@@ -176,7 +176,7 @@ class BatchEngine:
 
     @staticmethod
     def _prefix_rules(plan: RequestPlan) -> dict[str, Any]:
-        """How a plain sequence of `plan` uses the prefix cache (what may be shared: engine.prefix_cache)."""
+        """How the sequences of `plan` use the prefix cache (what may be shared: engine.prefix_cache)."""
         if plan.kv_loops is not None:  # a ring slot's keys depend on how the prompt was chunked
             return {}
         if plan.speculative:  # the prompt's blocks only (drafts are rolled back inside later blocks), shared
