@@ -127,7 +127,9 @@ def test_settings_from_env():
     s = Settings.from_env({"TINYLOOP_API_KEY": " a , b ,", "TINYLOOP_CORS_ORIGINS": "https://x, https://y",
                            "TINYLOOP_LOG_FORMAT": "JSON", "TINYLOOP_MAX_TOKENS": "64"})
     assert s.api_keys == ["a", "b"] and s.cors_origins == ["https://x", "https://y"]
-    assert s.log_format == "json" and s.max_tokens == 64
-    for bad in ({"TINYLOOP_MAX_TOKENS": "0"}, {"TINYLOOP_MAX_TOKENS": "9000"}, {"TINYLOOP_LOG_FORMAT": "xml"}):
+    assert s.log_format == "json" and s.max_tokens == 64 and s.prefix_caching
+    assert not Settings.from_env({"TINYLOOP_PREFIX_CACHING": "off"}).prefix_caching
+    for bad in ({"TINYLOOP_MAX_TOKENS": "0"}, {"TINYLOOP_MAX_TOKENS": "9000"}, {"TINYLOOP_LOG_FORMAT": "xml"},
+                {"TINYLOOP_PREFIX_CACHING": "maybe"}):
         with pytest.raises(SystemExit):
             Settings.from_env(bad)

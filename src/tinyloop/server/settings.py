@@ -33,11 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off"}
 MAX_TOKENS = 8192  # SamplingParams.validate's bound on max_tokens
 
 
 def _flag(env: dict[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in TRUE
+
+
+def _switch_env(env: dict[str, str], name: str, default: bool) -> bool:
+    """An on/off setting: 1/true/yes/on or 0/false/no/off; anything else stops start-up with a message."""
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in TRUE or value in FALSE:
+        return value in TRUE
+    raise SystemExit(f"tinyloop serve: {name} must be 1 or 0 (or true/false, yes/no, on/off), got {env[name]!r}")
 
 
 def kv_cache_mode_from_env(env: dict[str, str]) -> tuple[str, list[str]]:
@@ -150,7 +161,7 @@ class Settings:
             max_num_seqs=_int_env(env, "TINYLOOP_MAX_NUM_SEQS", 32),
             max_batched_tokens=_int_env(env, "TINYLOOP_MAX_BATCHED_TOKENS", 512),
             kv_pool_mb=_int_env(env, "TINYLOOP_KV_POOL_MB", None),
-            prefix_caching=_flag({"x": env.get("TINYLOOP_PREFIX_CACHING", "1")}, "x"),
+            prefix_caching=_switch_env(env, "TINYLOOP_PREFIX_CACHING", True),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             draft_exit=_draft_exit_env(env),
