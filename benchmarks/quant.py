@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/quant.py            # shipped model; writes benchmarks/results/quant.json
                                                     # and the tables block of docs/quantization.md
 
-1. Validation perplexity of the shipped model (or `--checkpoint runs/.../checkpoint.pt` while it trains)
+1. Validation perplexity of the shipped model (or `--checkpoint runs/.../checkpoint.safetensors` while it trains)
    at loops 1/4/8 for fp32, bf16, int8-rtn and int4/int2 x rtn/gptq x group 32/64/128, each through the
    real quantized modules (`tools.quantize.quantized_model`: what loading the quantized file gives), and
    for each KV format (fp32 weights). Validation text = the shipped model's held-out split: the last 1%
@@ -69,12 +69,10 @@ def validation_tokens(tok: Tokenizer, corpus: Path, per_file: int) -> list[int]:
 # -- models ----------------------------------------------------------------------------------
 def load_float(args) -> tuple[LoopedTransformer, Tokenizer, str, int | None]:
     if args.checkpoint:
-        ck = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
-        cfg = ModelConfig.from_dict(ck["model_config"])
-        with torch.device("meta"):
-            model = LoopedTransformer(cfg)
-        model.load_state_dict({k: v.float() for k, v in ck["model"].items()}, assign=True)
-        return model.eval(), Tokenizer.gpt2(), f"{args.checkpoint} (step {ck.get('step')})", None
+        from tinyloop.train.checkpoint import checkpoint_model
+
+        model, state = checkpoint_model(args.checkpoint)
+        return model, Tokenizer.gpt2(), f"{args.checkpoint} (step {state.get('step')})", None
     path = Path(args.model) if args.model else packaged_model_path(FLOAT_MODEL_NAME)
     lm = load_model(path, dtype=torch.float32)
     return lm.model, lm.tokenizer, str(path), path.stat().st_size

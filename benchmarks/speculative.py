@@ -1,7 +1,7 @@
 """Self-speculative decoding benchmark: plain generate at V loops against chain and tree speculation.
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py                      # the shipped model, full grid
-    python benchmarks/speculative.py --checkpoint runs/shipped/checkpoint.pt --quick
+    python benchmarks/speculative.py --checkpoint runs/shipped/checkpoint.safetensors --quick
     python benchmarks/speculative.py --json benchmarks/results/speculative.json --plot-only   # replot only
 
 Greedy, `--tokens` new tokens per prompt over a fixed prompt set, one thread, on the model as
@@ -55,13 +55,10 @@ def load(args):
     from tinyloop.tokenizer import Tokenizer
 
     if args.checkpoint:
-        from tinyloop.config import ModelConfig
-        from tinyloop.model.looped import LoopedTransformer
+        from tinyloop.train.checkpoint import checkpoint_model
 
-        ck = torch.load(args.checkpoint, weights_only=False, map_location="cpu")
-        model = LoopedTransformer(ModelConfig.from_dict(ck["model_config"]))
-        model.load_state_dict(ck["model"])
-        return model.float().eval(), Tokenizer.gpt2(), f"{args.checkpoint} (step {ck.get('step')})"
+        model, state = checkpoint_model(args.checkpoint)
+        return model, Tokenizer.gpt2(), f"{args.checkpoint} (step {state.get('step')})"
     from tinyloop.engine import Engine
     from tinyloop.modelfile import resolve_model_path
 

@@ -53,7 +53,7 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, corpus):
         if row.get("step") == 3 and "loss" in row:
             first._stop = True  # what SIGINT/SIGTERM does
     first._log = stop_after_three
-    assert first.train().name == "checkpoint.pt"
+    assert first.train().name == "checkpoint.safetensors"
     resumed = Trainer(tc)
     assert resumed.step == 3
     resumed.train()
@@ -74,3 +74,45 @@ def test_checkpoint_for_another_config_is_refused(tmp_path, corpus):
     Trainer(tc).train()
     with pytest.raises(SystemExit, match="different model config"):
         Trainer(config(tmp_path, corpus, "c", steps=1, overrides={"ffn_dim": 96}))
+
+
+def test_checkpoint_is_safetensors_with_json_state(tmp_path, corpus):
+    from safetensors import safe_open
+
+    tc = config(tmp_path, corpus, "d", steps=2)
+    Trainer(tc).train()
+    path = tmp_path / "d" / "checkpoint.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["tinyloop_checkpoint"])
+        keys = set(f.keys())
+    assert meta["state"]["step"] == 2 and meta["optimizer"]["param_groups"]
+    assert any(k.startswith("opt.") and k.endswith(".exp_avg_sq") for k in keys)
+    assert any(k.startswith("model.") for k in keys)
+    assert not list((tmp_path / "d").glob("*.tmp")) and not list((tmp_path / "d").glob(".*.tmp"))
+
+
+def test_pickled_checkpoint_is_refused_and_never_unpickled(tmp_path, corpus):
+    from tinyloop.train.checkpoint import CheckpointError
+
+    run = tmp_path / "e"
+    run.mkdir()
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    torch.save({"x": Evil()}, run / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="pickled torch.save checkpoint.*unpickling runs code"):
+        Trainer(config(tmp_path, corpus, "e"))
+    assert not marker.exists()
+
+
+def test_corrupt_checkpoint_is_refused_with_a_message(tmp_path, corpus):
+    from tinyloop.train.checkpoint import CheckpointError
+
+    tc = config(tmp_path, corpus, "f", steps=1)
+    Trainer(tc).train()
+    path = tmp_path / "f" / "checkpoint.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="unreadable checkpoint"):
+        Trainer(tc)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from ..config import ModelConfig, preset
 from ..model import LoopedTransformer
 from ..tokenizer import Tokenizer
 from . import data as data_mod
+from .checkpoint import CHECKPOINT_NAME, LEGACY_NAME, CheckpointError, legacy_message, load_checkpoint, \
+    save_checkpoint
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Trainer:
                                    else ("cpu" if tc.device == "auto" else tc.device))
         self.run_dir = Path(tc.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt_path = self.run_dir / "checkpoint.pt"
+        self.ckpt_path = self.run_dir / CHECKPOINT_NAME
         self.log_path = self.run_dir / "log.jsonl"
         self.tokenizer = Tokenizer.gpt2()
         self.data = data_mod.prepare(tc.files, self.run_dir / "tokens", self.tokenizer, tc.val_fraction)
@@ -139,26 +140,27 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0  # training seconds over all sessions of this run
         self._stop = False
+        legacy = self.run_dir / LEGACY_NAME
+        if legacy.exists() and not self.ckpt_path.exists():
+            raise CheckpointError(legacy_message(legacy))
         if self.ckpt_path.exists():
             self._load()
 
     # -- checkpoints ------------------------------------------------------------------------
     def _save(self) -> None:
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                    "elapsed": self.elapsed, "train_config": dataclasses.asdict(self.tc),
-                    "model_config": self.cfg.to_dict()}, tmp)
-        os.replace(tmp, self.ckpt_path)
+        save_checkpoint(self.ckpt_path, self.model, self.opt,
+                        {"step": self.step, "elapsed": self.elapsed, "train_config": dataclasses.asdict(self.tc),
+                         "model_config": self.cfg.to_dict()})
 
     def _load(self) -> None:
-        ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
-        if ck["model_config"] != self.cfg.to_dict():
+        model_sd, opt_sd, state = load_checkpoint(self.ckpt_path, self.device)
+        if state["model_config"] != json.loads(json.dumps(self.cfg.to_dict())):  # as the JSON state holds it
             raise SystemExit(f"{self.ckpt_path}: checkpoint is for a different model config; "
                              f"use another --run-dir or the same preset/overrides")
-        self.model.load_state_dict(ck["model"])
-        self.opt.load_state_dict(ck["opt"])
-        self.step = ck["step"]
-        self.elapsed = ck.get("elapsed", 0.0)
+        self.model.load_state_dict(model_sd)
+        self.opt.load_state_dict(opt_sd)
+        self.step = state["step"]
+        self.elapsed = state.get("elapsed", 0.0)
         print(f"resumed from {self.ckpt_path} at step {self.step}/{self.tc.steps}")
 
     def _log(self, row: dict) -> None:
