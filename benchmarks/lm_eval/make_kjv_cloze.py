@@ -1,12 +1,12 @@
 """Write kjv_cloze.jsonl: a last-word cloze task from text the shipped model never trained on.
 
-The source is the validation split of the corpus's King James Bible (`shared/corpus/kjv.txt.gz`, its last
+The source is the validation split of the corpus's King James Bible (`data/corpus/kjv.txt.gz` after `make corpus`, its last
 1% cut at a line break: what `tinyloop train` holds out, docs/data.md): the end of Revelation. Each verse
 of at least 8 words is one item: the context is the verse without its last word, the choices are that
 word and three last words of other verses (seeded), the answer is always listed at a seeded position.
 lm-eval scores it as a `multiple_choice` task (kjv_cloze.yaml): the log-likelihood of each choice.
 
-    python benchmarks/lm_eval/make_kjv_cloze.py [--corpus ../shared/corpus] [--items 150]
+    python benchmarks/lm_eval/make_kjv_cloze.py [--corpus data/corpus] [--items 150]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def items(text: str, n: int, seed: int = 0) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", type=Path, default=HERE.parents[2] / "shared" / "corpus")
+    ap.add_argument("--corpus", type=Path, default=HERE.parents[1] / "data" / "corpus")
     ap.add_argument("--items", type=int, default=150)
     ap.add_argument("--out", type=Path, default=HERE / "kjv_cloze.jsonl")
     args = ap.parse_args()

@@ -7,9 +7,10 @@ import json
 import os
 import sys
 
+# Only torch-free modules at the top: --help, info, list and refused flag values answer without torch.
 from .engine.params import MODES, param_default
 from .config import PRESETS
-from .quant.kv import KV_FORMATS
+from .quant.kv_formats import KV_FORMATS
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -26,6 +27,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from .modelfile import ModelFileError, check_writable
+    from .train.checkpoint import CheckpointError
     try:
         check_writable(args.out)  # before the run, not after it
     except ModelFileError as exc:
@@ -34,6 +36,8 @@ def _train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         Trainer(tc).train()
+    except CheckpointError as exc:
+        return _fail(str(exc))
     except ModelFileError as exc:  # the model file could not be written (full disk, ...): no partial file
         return _fail(f"{exc} (the run's checkpoint in {args.run_dir} is kept: fix the cause and rerun to resume)")
     return 0
@@ -54,12 +58,11 @@ def _loops_arg(value: str) -> int | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import Engine, SamplingParams
-    from .errors import ValidationError
-    from .modelfile import ModelFileError
+    from .engine.params import SamplingParams
+    from .errors import ModelFileError, ValidationError
+    from .modelheader import header_config, resolve_model_path
 
     try:
-        engine = Engine.load(args.model, kv_format=args.kv)
         params = SamplingParams(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -69,6 +72,12 @@ def _generate(args: argparse.Namespace) -> int:
                                 exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
                                 min_loops=args.min_loops, max_loops=args.max_loops,
                                 kv_loops=args.kv_loops)
+        path = resolve_model_path(args.model)
+        cfg = header_config(path)  # the model's limits from its header: flags are checked before torch loads
+        params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
+        from .engine import Engine
+
+        engine = Engine.load(path, kv_format=args.kv)
         if args.stream:
             stats = {}
             for ev in engine.stream(args.prompt, params):
@@ -89,34 +98,40 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .modelfile import ModelFileError, model_info, read_header, check_header, resolve_model_path
+    from .errors import ModelFileError
+    from .model.companion import DRAFT_SUFFIX, find_companion
+    from .modelheader import header_config, model_info, read_header, resolve_model_path
 
-    path = str(resolve_model_path(args.file))
+    path = resolve_model_path(args.file)
     try:
-        header, index = read_header(path)
-        check_header(__import__("pathlib").Path(path), header, index)
+        header, _ = read_header(path)
+        header_config(path)  # framing and config; the tensors are checked when the model loads
     except ModelFileError as exc:
         return _fail(str(exc))
-    import os
-
-    from .model.draft_exit import draft_exit_path
-    exit_file = draft_exit_path(path, header)
+    exit_file = find_companion(path, header, DRAFT_SUFFIX)
+    tok = header.get("tokenizer") or {}
+    prov = header.get("provenance") or {}
     info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
+            "family": prov.get("family", "tinyloop"),
             "weights_dtype": header["weights"]["dtype"], "format_version": header["format_version"],
+            "tokenizer": {k: tok.get(k) for k in ("type", "eos_token", "eos_id", "eos_ids", "bos_token")
+                          if tok.get(k) is not None},
+            "chat_template": tok.get("chat_template"),
             "draft_exit": str(exit_file) if exit_file else None,
-            "provenance": header.get("provenance", {})}
+            "provenance": prov}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    width = max(len(k) for k in info)
-    for k, v in info.items():
-        if k == "provenance":
-            continue
+    rows = {k: v for k, v in info.items() if k not in ("provenance", "tokenizer", "chat_template")}
+    rows["tokenizer"] = ", ".join(f"{k} {v}" for k, v in info["tokenizer"].items())
+    template = info["chat_template"]
+    rows["chat_template"] = (f"{len(template)} characters (tinyloop info --json shows it)" if template
+                             else "none (\"Role: content\" lines)")
+    rows.update({f"provenance.{k}": (f"({len(v)} entries: tinyloop info --json)" if isinstance(v, (dict, list))
+                                      else v) for k, v in prov.items()})
+    width = max(len(k) for k in rows)
+    for k, v in rows.items():
         print(f"{k:<{width}}  {v}")
-    prov = info["provenance"]
-    for k in ("created", "tool", "tool_version", "steps", "tokens_seen", "train_seconds"):
-        if k in prov:
-            print(f"{'provenance.' + k:<{width}}  {prov[k]}")
     return 0
 
 
@@ -234,7 +249,8 @@ def _quantize(args: argparse.Namespace) -> int:
         check_writable(args.output)  # before the work, not after it
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
                                calib_seq_len=args.calib_seq_len,
-                               calib_val_fraction=args.calib_val_fraction, progress=not args.quiet)
+                               calib_val_fraction=args.calib_val_fraction,
+                               progress=not args.quiet and sys.stderr.isatty())  # no bar in a redirected log
     except (ModelFileError, QuantError) as exc:
         return _fail(str(exc))
     print(report["text"])
@@ -383,19 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="quantize a model file's block weights (GPTQ or round-to-nearest)")
     qz.add_argument("input", help="a float .tinyloop file")
     qz.add_argument("output", help="the quantized .tinyloop file to write")
-    qz.add_argument("--bits", type=int, default=4, help="4 or 2 (8: per-channel int8)")
-    qz.add_argument("--group-size", type=int, default=32, help="input columns per scale/zero (32, 64, 128)")
-    qz.add_argument("--method", default="gptq", help="gptq (needs --calib) or rtn")
+    qz.add_argument("--bits", type=int, default=4, help="4 or 2 (8: per-channel int8); default: %(default)s")
+    qz.add_argument("--group-size", type=int, default=32,
+                    help="input columns per scale/zero (32, 64, 128); default: %(default)s")
+    qz.add_argument("--method", default="gptq", help="gptq (needs --calib) or rtn; default: %(default)s")
     qz.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     qz.add_argument("--calib", nargs="+", help="calibration text files (.txt or .txt.gz) for GPTQ")
     qz.add_argument("--calib-val-fraction", type=float, default=0.0,
                     help="leave out the last fraction of each calibration file (0.01 = tinyloop train's "
-                         "validation split), so evaluation text stays unseen")
-    qz.add_argument("--calib-tokens", type=int, default=8192)
-    qz.add_argument("--calib-seq-len", type=int, default=256)
+                         "validation split), so evaluation text stays unseen; default: %(default)s")
+    qz.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens; default: %(default)s")
+    qz.add_argument("--calib-seq-len", type=int, default=256,
+                    help="tokens per calibration window; default: %(default)s")
     qz.add_argument("--calib-loops", type=int, help="loops to calibrate with (default: the model's default)")
-    qz.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean Hessian diagonal")
-    qz.add_argument("--quiet", action="store_true", help="no progress bar")
+    qz.add_argument("--damp", type=float, default=0.01,
+                    help="GPTQ dampening, fraction of mean Hessian diagonal; default: %(default)s")
+    qz.add_argument("--quiet", action="store_true",
+                    help="no progress bar (none is drawn when stderr is not a terminal)")
     qz.set_defaults(func=_quantize)
 
     td = sub.add_parser("train-draft", help="distil draft exits for self-speculation (docs/speculative.md)")
@@ -443,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray-address", help="join this Ray cluster (e.g. HEAD_IP:6379 after `ray start --head`) "
                    "instead of starting one on this machine")
     s.set_defaults(func=_serve)
+
+    from .store.commands import add_commands  # pull, list, rm
+    add_commands(sub)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")
     t.add_argument("files", nargs="+", help="text files (.txt or .txt.gz)")

@@ -35,21 +35,14 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
+from .modelheader import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
+                          MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
+                          packaged_models, read_header, resolve_model_path)
 from .tokenizer import HFTokenizer, Tokenizer, TokenizerError
 from .version import __version__
 
-FORMAT = "tinyloop"
-FORMAT_VERSION = 1
-TOKENIZER_TENSOR = "tokenizer.bpe_ranks"   # GPT-2 ranks or a tokenizer.json, by the header's tokenizer type
-TOKENIZER_TYPES = ("gpt2-bpe", "hf-tokenizers")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
-ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
-             "I8": "int8", "I32": "int32", "I64": "int64", "U16": "uint16", "I16": "int16"}
-ENV_MODEL = "TINYLOOP_MODEL_PATH"
-MODELS_DIR = Path(__file__).parent / "assets" / "models"
-FLOAT_MODEL_NAME = "tinyloop-16m.tinyloop"          # the trained model (fp16): the source of the int4 one
-DEFAULT_MODEL_NAME = "tinyloop-16m-int4.tinyloop"   # what serve / generate / Engine.load use by default
 
 
 @dataclass
@@ -63,79 +56,6 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
-
-
-# -- default model ---------------------------------------------------------------------------
-def packaged_model_path(name: str = DEFAULT_MODEL_NAME) -> Path:
-    return MODELS_DIR / name
-
-
-def packaged_models() -> list[str]:
-    """Names of the model files shipped inside the package (usable wherever a model path is)."""
-    return sorted(p.name for p in MODELS_DIR.glob("*.tinyloop"))
-
-
-def resolve_model_path(model: str | Path | None = None) -> Path:
-    """A model argument -> a file path. None -> $TINYLOOP_MODEL_PATH if set, else the package's default
-    model; an existing path -> itself; else the name of a packaged model, with or without `.tinyloop`
-    (e.g. `tinyloop-16m` for the fp16 one). The environment variable may hold a path or a name too."""
-    if model is None:
-        model = os.environ.get(ENV_MODEL) or packaged_model_path()
-    path = Path(model)
-    if path.exists() or path.parent != Path("."):
-        return path
-    name = path.name if path.name.endswith(".tinyloop") else path.name + ".tinyloop"
-    return packaged_model_path(name) if packaged_model_path(name).exists() else path
-
-
-# -- reading the framing ---------------------------------------------------------------------
-def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tinyloop header, safetensors tensor index) after checking the framing and file size."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelFileError(path, "no such file (packaged models, usable by name: "
-                                   f"{', '.join(packaged_models()) or 'none'})")
-    if path.is_dir():
-        raise ModelFileError(path, "is a directory, not a .tinyloop file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ModelFileError(path, f"not a .tinyloop file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > min(size - 8, 256 * 2**20):
-            raise ModelFileError(path, "not a .tinyloop file (no safetensors header)" if n > size - 8 and size > 8 + 4096
-                                 else "not a .tinyloop file, or its header is truncated")
-        try:
-            index = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise ModelFileError(path, "not a .tinyloop file (header is not safetensors JSON)") from None
-    if not isinstance(index, dict):
-        raise ModelFileError(path, "not a .tinyloop file (header is not a JSON object)")
-    meta = index.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not isinstance(meta.get("tinyloop"), str):
-        raise ModelFileError(path, "not a .tinyloop file (a safetensors file without a TinyLoop header)")
-    try:
-        header = json.loads(meta["tinyloop"])
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ModelFileError(path, f"TinyLoop header is not valid JSON: {exc}") from None
-    try:
-        data_end = max((int(t["data_offsets"][1]) for t in index.values()), default=0)
-        if not isinstance(header, dict) or any(
-                not (0 <= int(t["data_offsets"][0]) <= int(t["data_offsets"][1])) for t in index.values()):
-            raise ValueError("bad tensor offsets" if isinstance(header, dict) else "header is not an object")
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ModelFileError(path, f"not a .tinyloop file (malformed header: {exc})") from None
-    expected = 8 + n + data_end
-    if size < expected:
-        raise ModelFileError(path, f"truncated: header describes {expected} bytes, file has {size}")
-    if header.get("format") != FORMAT:
-        raise ModelFileError(path, f"not a .tinyloop file (format is {header.get('format')!r})")
-    version = header.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ModelFileError(path, f"unknown format version {version!r} (this TinyLoop {__version__} "
-                                   f"reads version {FORMAT_VERSION})")
-    return header, index
 
 
 def expected_tensors(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -346,23 +266,3 @@ def check_writable(path: str | Path) -> Path:
     except OSError as exc:
         raise ModelFileError(path, f"cannot be written: {exc.strerror or exc}") from None
     return path
-
-
-def model_info(header: dict[str, Any]) -> dict[str, Any]:
-    """A flat summary of a header (for `tinyloop info` and the server's model_info)."""
-    cfg = header["config"]
-    quant = header["weights"].get("quant") or {}
-    method = quant.get("method", "none")
-    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}  # the spec's names
-    qname = short.get(header["weights"]["dtype"], header["weights"]["dtype"]) if method == "none" \
-        else f"int{quant.get('bits')}"
-    return {
-        "arch": "weight-shared-looped-transformer",
-        "dim": cfg["dim"], "n_heads": cfg["n_heads"], "n_kv_heads": cfg.get("n_kv_heads") or cfg["n_heads"],
-        "ffn_dim": cfg["ffn_dim"], "vocab_size": cfg["vocab_size"],
-        "n_prelude": cfg["n_prelude"], "n_core": cfg["n_core"], "n_coda": cfg["n_coda"],
-        "default_loops": cfg["default_loops"], "max_loops": cfg["max_loops"], "max_seq_len": cfg["max_seq_len"],
-        "mlp": cfg["mlp"], "injection": cfg["injection"], "tie_embeddings": cfg["tie_embeddings"],
-        "quant": qname, "quant_method": method, "quant_group_size": quant.get("group_size"),
-        "params": ModelConfig.from_dict(cfg).param_count(),
-    }

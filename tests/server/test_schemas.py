@@ -17,7 +17,7 @@ def test_bodies_default_to_sampling_params():
         for name in KNOBS:
             assert getattr(got, name) == getattr(want, name), (type(body).__name__, name)
     assert LMStudioCompletionRequest(model="m", prompt="hi").sampling_params().mode == want.mode
-    # the specs' own defaults: OpenAI samples at temperature 1; the native API uses top_k 50, top_p 0.9
+    # OpenAI's own spec samples at temperature 1; the native API, the CLI and Engine share SamplingParams'
     assert CompletionRequest(model="m", prompt="hi").sampling_params().temperature == 1.0
     native = GenerateRequest(prompt="hi").sampling_params()
-    assert (native.temperature, native.top_k, native.top_p) == (want.temperature, 50, 0.9)
+    assert (native.temperature, native.top_k, native.top_p) == (want.temperature, want.top_k, want.top_p)

@@ -1,7 +1,7 @@
 """A frequency-ranked GPT-2 vocabulary for drafting against a reduced LM head.
 
 `GPT2_RANKED` holds the 8192 most frequent GPT-2 token ids on the shipped model's training corpus
-(`../shared/corpus`: Brown, KJV, Shakespeare, the Python docs; 7.59 M tokens), most frequent first. The
+(`data/corpus`, `make corpus`: Brown, KJV, Shakespeare, the Python docs; 7.59 M tokens), most frequent first. The
 top 4096 cover 88.6% of the corpus's tokens and the top 8192 93.9%. Exactness never depends on this list:
 verification always scores the full vocabulary; the list only decides which tokens a draft can propose.
 Rebuilt by `benchmarks/speculative.py --build-draft-vocab` (uint16 little-endian, zlib, base64).

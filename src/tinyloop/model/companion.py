@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+DRAFT_SUFFIX = ".draft.safetensors"   # draft exits (model/draft_exit.py)
+GATE_SUFFIX = ".gate.safetensors"     # a trained exit gate (model/gate.py)
+
 
 def companion_file(model_path: str | Path, suffix: str) -> Path:
     """`<stem><suffix>` beside the model file (where a trainer writes it)."""

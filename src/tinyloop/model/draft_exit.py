@@ -37,12 +37,12 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..errors import ModelFileError
-from .companion import find_companion
+from .companion import DRAFT_SUFFIX, find_companion
 from .layers import Block, RMSNorm
 
 FORMAT = "tinyloop-draft-exit"
 FORMAT_VERSION = 1
-SUFFIX = ".draft.safetensors"
+SUFFIX = DRAFT_SUFFIX
 SHAPE_KEYS = ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "mlp", "n_coda", "vocab_size")
 
 

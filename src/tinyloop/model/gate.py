@@ -16,9 +16,9 @@ from typing import Any
 import torch.nn as nn
 
 from ..errors import ModelFileError
-from .companion import find_companion
+from .companion import GATE_SUFFIX, find_companion
 
-SUFFIX = ".gate.safetensors"
+SUFFIX = GATE_SUFFIX
 
 
 def gate_path(model_path: str | Path, header: dict[str, Any] | None = None) -> Path | None:

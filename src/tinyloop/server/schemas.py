@@ -22,8 +22,8 @@ from ..engine.plan import MAX_N
 from ..chat import Chat
 from ..errors import ValidationError
 
-# Request defaults are SamplingParams' (one place); only where an API's own spec says otherwise (OpenAI's
-# temperature 1.0, the native API's top_k 50 / top_p 0.9) is a default written here.
+# Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
+# OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.
 DEFAULT_MAX_TOKENS = param_default("max_tokens")
 OPENAI_TEMPERATURE = 1.0
 
@@ -392,8 +392,8 @@ class GenerateRequest(BaseModel):
                                       "null) and this many alternatives (ids), 0..20, under the model's raw "
                                       "distribution at the request's loops; mode generate only")
     temperature: float = rng(param_default("temperature"), lo=0, hi=2)
-    top_k: Int = rng(50, lo=0, hi=1000)     # the native API's own defaults (spec)
-    top_p: float = rng(0.9, gt=0, hi=1)
+    top_k: Int = rng(param_default("top_k"), lo=0, hi=1000)
+    top_p: float = rng(param_default("top_p"), gt=0, hi=1)
     repetition_penalty: float = rng(param_default("repetition_penalty"), lo=0.5, hi=2)
     presence_penalty: float = rng(param_default("presence_penalty"), lo=-2, hi=2)
     frequency_penalty: float = rng(param_default("frequency_penalty"), lo=-2, hi=2)
