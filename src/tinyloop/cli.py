@@ -112,7 +112,7 @@ def _info(args: argparse.Namespace) -> int:
     tok = header.get("tokenizer") or {}
     prov = header.get("provenance") or {}
     info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
-            "family": prov.get("family", "tinyloop"),
+            "family": (prov.get("source_provenance") or prov).get("family", "tinyloop"),
             "weights_dtype": header["weights"]["dtype"], "format_version": header["format_version"],
             "tokenizer": {k: tok.get(k) for k in ("type", "eos_token", "eos_id", "eos_ids", "bos_token")
                           if tok.get(k) is not None},
@@ -306,6 +306,13 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.settings import Settings
 
     settings = Settings.from_env(model_path=args.model)
+    if str(settings.model_path or os.environ.get("TINYLOOP_MODEL_PATH", "")).startswith("hf:"):
+        from .errors import ModelFileError
+        from .modelheader import resolve_model_path
+        try:
+            resolve_model_path(settings.model_path)  # a pulled model: pulled now if missing, before serving
+        except ModelFileError as exc:
+            return _fail(str(exc))
     scaled = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None, None, None, None)
     if not scaled:  # single process: Ray is never imported
         serve(settings, host=args.host, port=args.port, log_level=args.log_level)

@@ -37,7 +37,7 @@ from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
 from .modelheader import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
                           MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
-                          packaged_models, read_header, resolve_model_path)
+                          packaged_models, read_header, resolve_model_path, check_writable)
 from .tokenizer import HFTokenizer, Tokenizer, TokenizerError
 from .version import __version__
 
@@ -249,20 +249,4 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
-
-
-def check_writable(path: str | Path) -> Path:
-    """Fail early (before hours of training or quantizing) when `path` cannot be written: its folder is
-    created if missing and a probe file is created and removed there. Raises ModelFileError."""
-    path = Path(path)
-    if path.is_dir():
-        raise ModelFileError(path, "is a folder; give a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ModelFileError(path, f"cannot be written: {exc.strerror or exc}") from None
     return path

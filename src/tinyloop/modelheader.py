@@ -41,9 +41,15 @@ def packaged_models() -> list[str]:
 def resolve_model_path(model: str | Path | None = None) -> Path:
     """A model argument -> a file path. None -> $TINYLOOP_MODEL_PATH if set, else the package's default
     model; an existing path -> itself; else the name of a packaged model, with or without `.tinyloop`
-    (e.g. `tinyloop-16m` for the fp16 one). The environment variable may hold a path or a name too."""
+    (e.g. `tinyloop-16m` for the fp16 one), or `hf:ORG/NAME[@REV][:int4]`, a model pulled into the store
+    (`tinyloop pull`; pulled here first, saying so, when the store does not hold it yet). The environment
+    variable may hold any of these too."""
     if model is None:
         model = os.environ.get(ENV_MODEL) or packaged_model_path()
+    if str(model).startswith("hf:"):
+        from .store.pull import resolve_pulled  # (huggingface_hub and torch only when it must pull)
+
+        return resolve_pulled(str(model))
     path = Path(model)
     if path.exists() or path.parent != Path("."):
         return path
@@ -129,3 +135,19 @@ def model_info(header: dict[str, Any]) -> dict[str, Any]:
         "quant": qname, "quant_method": method, "quant_group_size": quant.get("group_size"),
         "params": ModelConfig.from_dict(cfg).param_count(),
     }
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early (before hours of training or quantizing) when `path` cannot be written: its folder is
+    created if missing and a probe file is created and removed there. Raises ModelFileError."""
+    path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(path, "is a folder; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot be written: {exc.strerror or exc}") from None
+    return path

@@ -32,10 +32,11 @@ def entry(path: Path) -> StoreEntry:
         return StoreEntry(name=path.name, path=str(path), family="?", size_bytes=size, quant="?", source="?",
                           problem=exc.problem)
     prov = header.get("provenance") or {}
-    hub = prov.get("hub") or {}
+    origin = prov.get("source_provenance") or prov  # a quantized file: the converted file's provenance
+    hub = origin.get("hub") or {}
     name = hub.get("name") or str(path)
     source = f"{hub['repo_id']}@{hub.get('commit', '?')}" if hub.get("repo_id") else prov.get("tool", "?")
-    return StoreEntry(name=name, path=str(path), family=prov.get("family", "tinyloop"), size_bytes=size,
+    return StoreEntry(name=name, path=str(path), family=origin.get("family", "tinyloop"), size_bytes=size,
                       quant=model_info(header)["quant"], source=source)
 
 

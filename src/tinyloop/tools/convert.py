@@ -29,6 +29,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..modelfile import DTYPES, expected_tensors, make_header, write_model
 from ..tokenizer import HFTokenizer, TokenizerError
+from ..version import __version__
 
 FAMILIES = ("ouro", "huginn_raven")
 
@@ -252,7 +253,26 @@ def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any]) -> HFToke
 
 
 # -- the whole conversion -----------------------------------------------------------------------------
-def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progress: bool = True) -> Path:
+def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
+    """A checkpoint's config.json -> ModelConfig, or ConvertError saying why the architecture is not
+    supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
+                           f"reads ({', '.join(FAMILIES)})")
+    try:
+        make_cfg = ouro_config if family == "ouro" else huginn_config
+        return make_cfg(hf, src, eos)
+    except KeyError as exc:
+        raise ConvertError(f"{src / 'config.json'}: missing {exc.args[0]!r}") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConvertError(f"{src / 'config.json'}: {exc}") from None
+
+
+def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progress: bool = True,
+            provenance: dict[str, Any] | None = None) -> Path:
+    """Convert the snapshot `src` into the model file `out` (atomically); `provenance` is added to the
+    header's (`tinyloop pull` records the repository and commit there)."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise ConvertError(f"{src}: not a directory (give a local Hugging Face snapshot)")
@@ -261,17 +281,9 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
     hf = _read_json(src / "config.json")
     gen = _read_json(src / "generation_config.json", required=False)
     family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
-                           f"reads ({', '.join(FAMILIES)})")
+    model_config(hf, src, [0])  # the architecture is refused before the tokenizer and the weights are read
     tokenizer = load_tokenizer(src, hf, gen)
-    try:
-        make_cfg = ouro_config if family == "ouro" else huginn_config
-        cfg = make_cfg(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index))
-    except KeyError as exc:
-        raise ConvertError(f"{src / 'config.json'}: missing {exc.args[0]!r}") from None
-    except ConfigError as exc:
-        raise ConvertError(f"{src / 'config.json'}: {exc}") from None
+    cfg = model_config(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConvertError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                            f"{cfg.vocab_size}")
@@ -296,7 +308,8 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
         raise ConvertError(f"{src}: the checkpoint has no tensor for {missing[0]!r}"
                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
-                                                       "source_dtype": hf.get("torch_dtype")})
+                                                       "source_dtype": hf.get("torch_dtype"),
+                                                       "converter_version": __version__, **(provenance or {})})
     return write_model(out, None, tokenizer=tokenizer, tensors=tensors, header=header)
 
 
