@@ -102,3 +102,37 @@ def test_error_names_the_file(model_file):
     with pytest.raises(ModelFileError) as exc:
         load_model(path)
     assert str(path) in str(exc.value) and "n_core" in str(exc.value)
+
+
+def test_float_weights_are_views_of_one_mapping_of_the_file(model_file):
+    """Zero-copy loading: every weight lies where the file puts it, in one mapping (no read, no copy)."""
+    path, _ = model_file
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    index = json.loads(raw[8:8 + n])
+    lm = load_model(path)
+    params = dict(lm.model.named_parameters())
+    first = min(params, key=lambda k: index[k]["data_offsets"][0])
+    for name, p in params.items():
+        gap = index[name]["data_offsets"][0] - index[first]["data_offsets"][0]
+        assert p.data_ptr() - params[first].data_ptr() == gap, name
+    # copy-on-write: a write to a loaded weight never reaches the file
+    with torch.no_grad():
+        params[first].add_(1.0)
+    assert path.read_bytes() == raw
+
+
+def test_truncated_or_corrupt_files_name_the_tensor(model_file):
+    path, _ = model_file
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-1000])
+    with pytest.raises(ModelFileError, match=r"truncated: tensor '.+' ends at byte \d+ but the file has"):
+        load_model(path)
+    path.write_bytes(raw)
+
+    def shrink(index):
+        name = next(k for k in index if k.endswith("wq.weight"))
+        index[name]["data_offsets"][1] -= 4
+    _rewrite_header(path, shrink)
+    with pytest.raises(ModelFileError, match=r"tensor '.*wq.weight' holds \d+ bytes but its shape"):
+        load_model(path)

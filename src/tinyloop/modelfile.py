@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
@@ -135,6 +135,41 @@ def _check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> 
     return cfg
 
 
+# -- mapping the tensors ---------------------------------------------------------------------
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "I16": torch.int16,
+                "U16": getattr(torch, "uint16", torch.int16)}
+
+
+def map_tensors(path: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a checked file as a view of one memory mapping of it: nothing is read or copied
+    until a page is used, and processes that map the same file share its pages in the page cache (a
+    second server or Ray replica adds no copy of the weights). The mapping is copy-on-write (MAP_PRIVATE),
+    so an in-place write to a weight changes only this process's copy of that page, never the file. The
+    mapping lives as long as the tensors do (torch.frombuffer holds it). A model file renamed over this one
+    (writes are atomic) leaves the mapped one intact."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(path, f"cannot map the file: {exc}") from None
+    base = 8 + n
+    out = {}
+    for name, t in index.items():
+        start, end = (int(x) for x in t["data_offsets"])
+        dtype = TORCH_DTYPES[t["dtype"]]
+        shape = [int(d) for d in t["shape"]]
+        if end == start:  # an empty tensor has no bytes to view
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - start, offset=base + start)
+        if (base + start) % raw.new_empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # a misaligned tensor (never in files TinyLoop writes) is copied
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
 # -- public API ------------------------------------------------------------------------------
 def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> LoadedModel:
@@ -148,11 +183,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
                                    "or set TINYLOOP_MODEL_PATH (tinyloop init writes a random one for tests)")
     header, index = read_header(path)
     cfg = check_header(path, header, index)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - surface any container error with the file name
-        raise ModelFileError(path, f"cannot read tensors: {exc}") from None
+    tensors = map_tensors(path, index)
     blob = tensors.pop(header["tokenizer"]["tensor"]).numpy().tobytes()
     tok_h = header["tokenizer"]
     if tok_h.get("sha256") and hashlib.sha256(blob).hexdigest() != tok_h["sha256"]:

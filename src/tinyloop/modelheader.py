@@ -97,7 +97,13 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ModelFileError(path, f"not a .tinyloop file (malformed header: {exc})") from None
     expected = 8 + n + data_end
     if size < expected:
-        raise ModelFileError(path, f"truncated: header describes {expected} bytes, file has {size}")
+        last = max(index, key=lambda k: int(index[k]["data_offsets"][1]))
+        cut = next((k for k, t in sorted(index.items(), key=lambda kv: int(kv[1]["data_offsets"][1]))
+                    if 8 + n + int(t["data_offsets"][1]) > size), last)
+        raise ModelFileError(path, f"truncated: tensor {cut!r} ends at byte {8 + n + int(index[cut]['data_offsets'][1])}"
+                                   f" but the file has {size} bytes (the header describes {expected}); "
+                                   "copy or convert the file again")
+    check_tensor_spans(path, index)
     if header.get("format") != FORMAT:
         raise ModelFileError(path, f"not a .tinyloop file (format is {header.get('format')!r})")
     version = header.get("format_version")
@@ -105,6 +111,37 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ModelFileError(path, f"unknown format version {version!r} (this TinyLoop {__version__} "
                                    f"reads version {FORMAT_VERSION})")
     return header, index
+
+
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "U16": 2, "I16": 2}
+
+
+def check_tensor_spans(path: Path, index: dict[str, Any]) -> None:
+    """Every tensor's bytes: as many as its shape and dtype need, and no two tensors sharing bytes. A
+    corrupted index fails here, naming the tensor, before anything is mapped or built."""
+    spans = []
+    for name, t in index.items():
+        try:
+            start, end = (int(x) for x in t["data_offsets"])
+            shape = [int(d) for d in t["shape"]]
+            item = ITEM_BYTES.get(t["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFileError(path, f"tensor {name!r}: malformed index entry ({exc})") from None
+        if item is None:
+            raise ModelFileError(path, f"tensor {name!r}: unknown dtype {t['dtype']!r}")
+        if any(d < 0 for d in shape):
+            raise ModelFileError(path, f"tensor {name!r}: negative shape {shape}")
+        need = item
+        for d in shape:
+            need *= d
+        if end - start != need:
+            raise ModelFileError(path, f"tensor {name!r} holds {end - start} bytes but its shape {shape} of "
+                                       f"{t['dtype']} needs {need} (corrupt file)")
+        spans.append((start, end, name))
+    spans.sort()
+    for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+        if s1 < e0 and s1 != e1:
+            raise ModelFileError(path, f"tensor {b!r} overlaps tensor {a!r} (corrupt file)")
 
 
 def header_config(path: str | Path) -> ModelConfig:
