@@ -155,3 +155,38 @@ def test_ouro_exit_gate_matches_the_reference(tmp_path):
             h = m.core_loop(h, e, step, ctx)
             got = m.exit_gate(h)[0, :, 0]
             assert (got - torch.tensor(want)).abs().max() <= 1e-4, step
+
+
+def test_convert_streams_and_a_full_disk_leaves_no_file(tmp_path, monkeypatch):
+    import errno
+
+    from tinyloop import modelfile_writer
+    from tinyloop.errors import ModelFileError
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, b):
+            self.writes += 1
+            if self.writes > 4:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    enter = modelfile_writer.ModelFileWriter.__enter__
+
+    def full_enter(self):
+        w = enter(self)
+        w._f = FullDisk(w._f)
+        return w
+
+    monkeypatch.setattr(modelfile_writer.ModelFileWriter, "__enter__", full_enter)
+    out = tmp_path / "o.tinyloop"
+    with pytest.raises(ModelFileError, match="No space left on device"):
+        convert(FIXTURES / "ouro-tiny", out, dtype="float32", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    assert cli_main(["convert", str(FIXTURES / "ouro-tiny"), str(out), "--quiet"]) == 2  # a message, no traceback
+    assert list(tmp_path.iterdir()) == []

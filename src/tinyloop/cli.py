@@ -225,11 +225,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from .errors import ModelFileError
     from .tools.convert import ConvertError, convert
 
     try:
         out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet and sys.stderr.isatty())
-    except ConvertError as exc:
+    except (ConvertError, ModelFileError) as exc:  # ModelFileError: the output could not be written
         return _fail(str(exc))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0

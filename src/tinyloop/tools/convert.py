@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..modelfile import DTYPES, expected_tensors, make_header, write_model
+from ..modelfile import DTYPES, expected_tensors, make_header, tokenizer_blob
+from ..modelfile_writer import ModelFileWriter
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 
@@ -289,28 +290,31 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
                            f"{cfg.vocab_size}")
     torch_dtype = DTYPES[dtype]
     expected = expected_tensors(cfg, {"dtype": dtype})
-    tensors: dict[str, torch.Tensor] = {}
-
-    def emit(name: str, t: torch.Tensor) -> None:
-        if name not in expected:
-            raise ConvertError(f"{src}: tensor maps to {name!r}, which this config does not have")
-        shape = expected[name][0]
-        if tuple(t.shape) != shape:
-            raise ConvertError(f"{src}: {name} has shape {list(t.shape)}, the config needs {list(shape)}")
-        tensors[name] = t.to(torch_dtype).contiguous()
-
-    convert_one = ouro_tensor if family == "ouro" else huginn_tensor
-    for name, t in iter_tensors(shard_files(src), progress):
-        if not convert_one(cfg, name, t, lambda n, x, src_name=name: _emit_named(emit, src_name, n, x)):
-            raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family}")
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ConvertError(f"{src}: the checkpoint has no tensor for {missing[0]!r}"
-                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
                                                        "source_dtype": hf.get("torch_dtype"),
                                                        "converter_version": __version__, **(provenance or {})})
-    return write_model(out, None, tokenizer=tokenizer, tensors=tensors, header=header)
+    files = shard_files(src)
+    # Streamed: the file's layout is known from the config, so each tensor is cast and written at its place
+    # as it is read (one tensor in memory at a time, one shard mapped), then the file is moved into place.
+    with ModelFileWriter(out, {k: (shape, torch_dtype) for k, (shape, _) in expected.items()}, header,
+                         tokenizer_blob(tokenizer)) as writer:
+        def emit(name: str, t: torch.Tensor) -> None:
+            if name not in expected:
+                raise ConvertError(f"{src}: tensor maps to {name!r}, which this config does not have")
+            shape = expected[name][0]
+            if tuple(t.shape) != shape:
+                raise ConvertError(f"{src}: {name} has shape {list(t.shape)}, the config needs {list(shape)}")
+            writer.add(name, t)
+
+        convert_one = ouro_tensor if family == "ouro" else huginn_tensor
+        for name, t in iter_tensors(files, progress):
+            if not convert_one(cfg, name, t, lambda n, x, src_name=name: _emit_named(emit, src_name, n, x)):
+                raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family}")
+        missing = sorted(set(expected) - writer.written)
+        if missing:
+            raise ConvertError(f"{src}: the checkpoint has no tensor for {missing[0]!r}"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return out
 
 
 def _emit_named(emit: Emit, src_name: str, name: str, t: torch.Tensor) -> None:
