@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyloop import cli, modelfile
+from tinyloop import cli
 from tinyloop.config import preset
 from tinyloop.model import build_model
 from tinyloop.modelfile import ModelFileError, load_model, write_model
@@ -175,13 +175,32 @@ def test_pickles_are_never_loaded(small_file, tmp_path):
 
 # -- atomic writes --------------------------------------------------------------------------------------
 def _fill_disk_after(monkeypatch, nbytes: int = 4096):
-    """save_file writes part of the file, then the disk is full."""
-    def save_file(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"\0" * nbytes)
-        raise OSError(errno.ENOSPC, "No space left on device")
+    """The writer writes part of the file, then the disk is full."""
+    from tinyloop import modelfile_writer
 
-    monkeypatch.setattr(modelfile, "save_file", save_file)
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.left = f, nbytes
+
+        def write(self, b):
+            n = len(memoryview(b).cast("B"))
+            if n > self.left:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= n
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    enter = modelfile_writer.ModelFileWriter.__enter__
+
+    def full_enter(self):
+        self._f = None
+        w = enter(self)
+        w._f = FullDisk(w._f)
+        return w
+
+    monkeypatch.setattr(modelfile_writer.ModelFileWriter, "__enter__", full_enter)
 
 
 def test_full_disk_leaves_no_partial_file(small_file, tmp_path, monkeypatch, tokenizer):

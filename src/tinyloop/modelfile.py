@@ -21,9 +21,7 @@ anything, and raises `ModelFileError` naming the file and the exact problem.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
@@ -254,30 +251,22 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
                 header: dict[str, Any] | None = None) -> Path:
     """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically: to a temporary
     file beside `path`, flushed to disk, then renamed over it. A failure (full disk, unwritable folder)
-    raises ModelFileError naming the path and leaves neither a partial file nor the temporary one."""
+    raises ModelFileError naming the path and leaves neither a partial file nor the temporary one.
+    Each tensor is written from where it lies (`ModelFileWriter`): no serialised copy of the model is
+    built in memory."""
+    from .modelfile_writer import ModelFileWriter
+
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ModelFileError(path, f"cannot create its folder: {exc.strerror or exc}") from None
     if tensors is None:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach() for k, v in model.state_dict().items()}
         dtype = next(iter(tensors.values())).dtype
         header = make_header(model.cfg, dtype, tokenizer, provenance or {})
-    blob = tokenizer_blob(tokenizer)
-    tensors = dict(tensors)
-    tensors[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"tinyloop": json.dumps(header)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())  # on disk before the rename makes it the file
-        os.chmod(tmp, 0o644)  # a model file is data anyone may read
-        os.replace(tmp, path)
-    except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own SafetensorError for I/O errors
-        tmp.unlink(missing_ok=True)
-        raise ModelFileError(path, f"cannot write the model file: {getattr(exc, 'strerror', None) or exc}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    with ModelFileWriter(path, specs, header, tokenizer_blob(tokenizer)) as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
     return path

@@ -86,7 +86,7 @@ class ModelFileWriter:
             raise ModelFileError(self.path, f"cannot write the model file: {exc.strerror or exc}") from None
         self.written.add(name)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type, exc_value, tb) -> None:
         if exc_type is not None:
             self._abort()
             return

@@ -164,9 +164,12 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None = None, *,
-                   progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+                   progress: bool = True, fake_quantize: bool = True
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Quantize every block linear of `model` (a float LoopedTransformer; its linears are overwritten with
-    their dequantized weights). Returns (file tensors, header quant section, report)."""
+    their dequantized weights: always with GPTQ, with RTN unless `fake_quantize=False`, which only reads
+    them, one layer at a time, so a model mapped from its file is never copied). Returns (file tensors,
+    header quant section, report)."""
     spec.validate(model)
     if spec.method == "gptq" and calib is None:
         raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
@@ -214,8 +217,9 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
                     row["err_all_loops_hessian"] = row["err_gptq"] if not use_loop1 else err_other
                     row["err_loop1_hessian"] = err_other if not use_loop1 else row["err_gptq"]
             out.update(portable_tensors(name, q, s, z, bits))
-            with torch.no_grad():  # later units calibrate on the quantized weights
-                lin.weight.copy_(dequantize(q, s, z, lin.weight.dtype))
+            if fake_quantize or spec.method == "gptq":
+                with torch.no_grad():  # later units calibrate on the quantized weights
+                    lin.weight.copy_(dequantize(q, s, z, lin.weight.dtype))
             report["layers"].append(row)
             if bar is not None:
                 bar.update(1)

@@ -40,15 +40,15 @@ def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *,
     if (loaded.header["weights"].get("quant") or {}).get("method", "none") != "none":
         raise QuantError(f"{src} is already quantized; quantize a float model file")
     dtype = next(model.parameters()).dtype  # the file's float dtype: high-precision tensors keep it
-    if dtype in (torch.float16, torch.bfloat16):
-        model.float()  # calibrate in fp32
+    if dtype in (torch.float16, torch.bfloat16) and spec.method == "gptq":
+        model.float()  # calibrate in fp32 (RTN reads one layer at a time from the mapped file instead)
     calib_ids = None
     if spec.method == "gptq":
         if calib is None:
             raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
         calib_ids = read_calibration(calib, tok, calib_tokens, min(calib_seq_len, model.cfg.max_seq_len),
                                      val_fraction=calib_val_fraction)
-    tensors, quant, report = quantize_model(model, spec, calib_ids, progress=progress)
+    tensors, quant, report = quantize_model(model, spec, calib_ids, progress=progress, fake_quantize=False)
     tensors = {k: v.to(dtype) if v.is_floating_point() and k in quant["high_precision"] else v
                for k, v in tensors.items()}
     if calib is not None and spec.method == "gptq":
