@@ -102,8 +102,8 @@ def _info(args: argparse.Namespace) -> int:
     from .model.companion import DRAFT_SUFFIX, find_companion
     from .modelheader import header_config, model_info, read_header, resolve_model_path
 
-    path = resolve_model_path(args.file)
     try:
+        path = resolve_model_path(args.file)  # (an hf: name not in the store yet is pulled first)
         header, _ = read_header(path)
         header_config(path)  # framing and config; the tensors are checked when the model loads
     except ModelFileError as exc:

@@ -83,7 +83,7 @@ def test_pull_serve_greedy_equals_the_reference_then_list_and_rm(hub):
     assert r.returncode == 2 and "is not in the store" in r.stderr
 
 
-def test_a_model_path_pulls_on_first_use_and_int4_quantizes(hub, tmp_path):
+def test_a_model_path_pulls_on_first_use_and_int4_quantizes(hub, tmp_path, monkeypatch):
     hub.repos[OURO] = Repo(_ouro_with_ffn(tmp_path / "ouro192", 192))  # int4 groups need widths of 32k
     r = tinyloop(hub, "generate", "hello", "--model", f"hf:{OURO}:int4", "--max-tokens", "3", "--loops", "2")
     assert r.returncode == 0, r.stderr
@@ -94,6 +94,13 @@ def test_a_model_path_pulls_on_first_use_and_int4_quantizes(hub, tmp_path):
     n = len(hub.requests)
     r = tinyloop(hub, "generate", "hello", "--model", f"hf:{OURO}:int4", "--max-tokens", "2", "--loops", "2")
     assert r.returncode == 0 and len(hub.requests) == n  # held in the store: no network at all
+    # the Python API takes the same name, through the same resolution
+    from tinyloop import Engine, SamplingParams
+
+    monkeypatch.setenv("TINYLOOP_HOME", hub.env["TINYLOOP_HOME"])
+    engine = Engine.load(f"hf:{OURO}:int4", draft_exit=False)
+    assert len(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, loops=2, ignore_eos=True)).token_ids) == 2
+    assert len(hub.requests) == n
 
 
 @pytest.mark.parametrize("case", ["no-repo", "no-revision", "gated", "unauthorised", "unsupported", "network",
