@@ -47,6 +47,9 @@ class LoopedTransformer(nn.Module):
         # by the family's rule from a generator seeded by (seed, position): a token's state depends on its
         # position only, so cached decoding, batching and speculation see the same states. None: zeros.
         self.state_seed: int | None = None
+        # Set by model.fast.prepare_for_decode: the native executor (`kernels/`) that runs the one-token rows
+        # of a serving step it supports in one call (None: every row runs here, in PyTorch).
+        self.executor = None
 
     def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
         gen_state = torch.random.get_rng_state()
@@ -173,6 +176,10 @@ class LoopedTransformer(nn.Module):
 
         Rows are in the step's order; each phase (prelude, loop r, each read-out) runs once over the
         sequences taking part, packed (a contiguous slice when they are adjacent, else gathered)."""
+        if self.executor is not None:
+            step = self.executor.run(step)   # its rows are done; the rest (if any) run here
+            if step is None:
+                return
         with self._decode_threads(step.n):
             self._run(step)
 

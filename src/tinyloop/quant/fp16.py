@@ -58,6 +58,10 @@ class FP16Linear(nn.Module):
             warnings.simplefilter("ignore")  # "deprecated" in recent torch; no replacement kernel exists
             self._packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())
         self.bias = None if bias is None else bias.detach().float().clone()
+        # the weights as the native executor reads them: the caller's 16-bit tensor itself (no copy), or
+        # fp32 weights rounded to fp16 as FBGEMM holds them (the opt-in lossy mode)
+        src = weight.detach()
+        self.source = src.contiguous() if src.dtype in (torch.float16, torch.bfloat16) else src.half()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "FP16Linear":

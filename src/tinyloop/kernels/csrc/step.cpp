@@ -1,0 +1,208 @@
+// One decode step of the looped model for a batch of one-token rows: embedding, prelude, the core `loops`
+// times per row (injection, loop norm), coda. The math is model/looped.py's and model/layers.py's; this
+// file only runs it with fewer, fused passes. Rows are sorted by loops, deepest first, so the rows still
+// looping at loop r are a prefix.
+#include <algorithm>
+#include "tinyloop.h"
+#include "threads.h"
+#include "vec.h"
+
+void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch);
+int64_t tl_linear_scratch(const tl_linear* L, int m);
+void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin);
+void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
+void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
+                   float* out, int g, float* scratch);
+
+namespace {
+// F.rms_norm over rows of n: y = x / sqrt(mean(x^2) + eps) * w
+void rmsnorm(const float* x, const float* w, float* y, int m, int n, float eps) {
+    for (int r = 0; r < m; ++r) {
+        const float* xr = x + (int64_t)r * n;
+        float* yr = y + (int64_t)r * n;
+        const float inv = 1.0f / sqrtf(dot_f32(xr, xr, n) / (float)n + eps);
+        vf vi = vset1(inv);
+        for (int i = 0; i < n; i += TL_W) vstore(yr + i, vmul(vmul(vload(xr + i), vi), vload(w + i)));
+    }
+}
+
+struct Buffers {   // carved from the caller's scratch
+    float *x, *a, *e, *h, *qkv, *att, *y, *gu, *act, *lin, *attn, *tmp;
+    int64_t attn_per_thread;
+};
+
+int64_t max_k(const tl_model* m) {
+    int64_t k = std::max<int64_t>(2 * m->dim, m->ffn_dim);
+    return std::max<int64_t>(k, (int64_t)m->n_heads * m->head_dim);
+}
+
+Buffers carve(const tl_model* m, int M, int max_ctx, float* s, int64_t* total) {
+    const int64_t dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
+    const int64_t rep = H / Hkv, K = max_k(m);
+    Buffers b;
+    int64_t o = 0;
+    auto take = [&](int64_t n) { float* p = s ? s + o : nullptr; o += (n + 15) / 16 * 16; return p; };
+    b.x = take(M * dim); b.a = take(M * 2 * dim); b.e = take(M * dim); b.h = take(M * dim);
+    b.qkv = take(M * (H + 2 * Hkv) * D); b.att = take(M * H * D); b.y = take(M * dim);
+    b.gu = take(M * 2 * F); b.act = take(M * F);
+    b.lin = take(M * K + M * (K / 8));
+    b.attn_per_thread = (rep * (int64_t)max_ctx + D + rep * D + 15) / 16 * 16;
+    b.attn = take(b.attn_per_thread * 64);   // up to 64 threads
+    b.tmp = take(D);
+    *total = o;
+    return b;
+}
+
+void linears(const tl_linear* parts, int n, const float* x, int M, float* y, int ldy, float* lin) {
+    int off = 0;
+    for (int i = 0; i < n; ++i) {
+        tl_linear_rows(&parts[i], x, M, y + off, ldy, lin);
+        off += parts[i].n;
+    }
+}
+
+// the branch output y joins the residual stream x by the block's norm placement
+void residual(const tl_model* m, float* x, float* y, const float* out_norm, int M) {
+    const int n = m->dim;
+    const int64_t total = (int64_t)M * n;
+    if (m->placement == 0) {
+        for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
+    } else if (m->placement == 1) {
+        rmsnorm(y, out_norm, y, M, n, m->norm_eps);
+        for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
+    } else {
+        for (int64_t i = 0; i < total; i += TL_W) vstore(y + i, vadd(vload(x + i), vload(y + i)));
+        rmsnorm(y, out_norm, x, M, n, m->norm_eps);
+    }
+}
+
+void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
+           float* x, Buffers& B) {
+    const int dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
+    const int QKV = (H + 2 * Hkv) * D;
+    // attention: norm, q/k/v, bias, RoPE, keys into the pool, attention over the row's pages, output
+    rmsnorm(x, b->attn_norm, B.a, M, dim, m->norm_eps);
+    linears(b->qkv, b->n_qkv, B.a, M, B.qkv, QKV, B.lin);
+    for (int r = 0; r < M; ++r) {
+        float* q = B.qkv + (int64_t)r * QKV;
+        if (b->qk_bias)
+            for (int i = 0; i < (H + Hkv) * D; ++i) q[i] += b->qk_bias[i];
+        const int pos = rows[r].pos;
+        tl_rope(q, H + Hkv, D, m->rope_cos + (int64_t)pos * (D / 2), m->rope_sin + (int64_t)pos * (D / 2));
+        const int ps = kv->page_size;
+        const int64_t page = rows[r].table[(int64_t)(pos / ps) * rows[r].stride + slot];
+        for (int g = 0; g < Hkv; ++g) {
+            const int64_t e = (page * ps + pos % ps) * Hkv + g;
+            memcpy(B.tmp, q + (int64_t)(H + g) * D, sizeof(float) * D);
+            tl_kv_write(kv, 0, e, D, B.tmp);
+            memcpy(B.tmp, q + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
+            tl_kv_write(kv, 1, e, D, B.tmp);
+        }
+    }
+    tl_parallel([&](int t, int nt) {
+        int lo, hi;
+        tl_split(M * Hkv, t, nt, 1, &lo, &hi);
+        for (int task = lo; task < hi; ++task) {
+            const int r = task / Hkv, g = task % Hkv;
+            tl_attend_row(kv, &rows[r], slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, B.att + (int64_t)r * H * D, g,
+                          B.attn + B.attn_per_thread * t);
+        }
+    });
+    tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);
+    residual(m, x, B.y, b->attn_out_norm, M);
+    // MLP
+    rmsnorm(x, b->mlp_norm, B.a, M, dim, m->norm_eps);
+    if (m->swiglu) {
+        linears(b->up, b->n_up, B.a, M, B.gu, 2 * F, B.lin);
+        for (int r = 0; r < M; ++r) {
+            const float* g = B.gu + (int64_t)r * 2 * F;
+            float* o = B.act + (int64_t)r * F;
+            for (int i = 0; i < F; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+        }
+    } else {
+        linears(b->up, b->n_up, B.a, M, B.act, F, B.lin);
+        const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+        for (int64_t i = 0; i < (int64_t)M * F; ++i) {
+            const float v = B.act[i];
+            B.act[i] = 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+        }
+    }
+    tl_linear_rows(&b->down, B.act, M, B.y, dim, B.lin);
+    residual(m, x, B.y, b->mlp_out_norm, M);
+}
+}  // namespace
+
+extern "C" int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx) {
+    int64_t total;
+    carve(m, n_rows, max_ctx, nullptr, &total);
+    return total;
+}
+
+extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, const tl_row* rows, int32_t M, float* hidden,
+                         float* scratch, int64_t scratch_len) {
+    if (M <= 0) return 0;
+    if (tl_nthreads() > 64) return 3;
+    int max_ctx = 0;
+    for (int r = 0; r < M; ++r) {
+        max_ctx = std::max(max_ctx, rows[r].pos + 1);
+        if (rows[r].pos >= m->rope_len) return 2;
+        if (r && rows[r].loops > rows[r - 1].loops) return 4;
+    }
+    int64_t need;
+    Buffers B = carve(m, M, max_ctx, scratch, &need);
+    if (need > scratch_len) return 1;
+    const int64_t dim = m->dim;
+    // embedding (times embed_scale), then the prelude
+    for (int r = 0; r < M; ++r) {
+        float* xr = B.x + r * dim;
+        const int64_t o = (int64_t)rows[r].token * dim;
+        for (int i = 0; i < dim; ++i) {
+            float v = m->embed_kind == TL_F32 ? ((const float*)m->embed)[o + i]
+                    : m->embed_kind == TL_F16 ? f16_to_f32(((const uint16_t*)m->embed)[o + i])
+                    : bf16_to_f32(((const uint16_t*)m->embed)[o + i]);
+            xr[i] = m->embed_scale != 1.0f ? v * m->embed_scale : v;
+        }
+    }
+    for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, M, i, B.x, B);
+    // e: the prelude output every loop receives; h: the state (e itself without injection, else zeros)
+    memcpy(B.e, B.x, sizeof(float) * M * dim);
+    if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * M * dim);
+    else memset(B.h, 0, sizeof(float) * M * dim);
+    const tl_block* core = m->blocks + m->n_prelude;
+    const int core_slot0 = m->n_prelude + m->n_coda;
+    for (int loop = 0; loop < rows[0].loops; ++loop) {
+        int Ml = 0;
+        while (Ml < M && rows[Ml].loops > loop) ++Ml;
+        if (m->injection == 0) {
+            memcpy(B.x, B.h, sizeof(float) * Ml * dim);
+        } else if (m->injection == 1) {
+            for (int64_t i = 0; i < Ml * dim; i += TL_W) vstore(B.x + i, vadd(vload(B.h + i), vload(B.e + i)));
+        } else {
+            for (int r = 0; r < Ml; ++r) {
+                memcpy(B.a + r * 2 * dim, B.h + r * dim, sizeof(float) * dim);
+                memcpy(B.a + r * 2 * dim + dim, B.e + r * dim, sizeof(float) * dim);
+            }
+            tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
+        }
+        for (int j = 0; j < m->n_core; ++j)
+            block(m, &core[j], kv, rows, Ml, core_slot0 + loop * m->n_core + j, B.x, B);
+        if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.h, Ml, dim, m->norm_eps);
+        else memcpy(B.h, B.x, sizeof(float) * Ml * dim);
+    }
+    // the coda (after the final norm when it ends the recurrence)
+    if (m->post_loop_norm) rmsnorm(B.h, m->final_norm, hidden, M, dim, m->norm_eps);
+    else memcpy(hidden, B.h, sizeof(float) * M * dim);
+    const tl_block* coda = core + m->n_core;
+    for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, rows, M, m->n_prelude + i, hidden, B);
+    return 0;
+}
+
+extern "C" const char* tl_isa(void) {
+#if defined(__AVX512F__) && TL_SIMD
+    return "avx512 host, avx2+fma+f16c kernels";
+#elif TL_SIMD
+    return "avx2+fma+f16c";
+#else
+    return "portable scalar";
+#endif
+}

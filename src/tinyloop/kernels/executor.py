@@ -1,0 +1,223 @@
+"""The native executor: one C call runs a decode step's one-token rows through the whole looped model.
+
+`NativeExecutor(model)` describes the model to the library once (pointers to the very weight tensors the
+PyTorch modules hold: no copies, except fp32 copies of the small norm vectors and q/k biases) and
+`run(step)` takes the rows it supports out of a `model.paged.PagedStep`, runs them natively over the same
+paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. Supported rows: one token
+from its embedding through loops 0 .. last_loop - 1 and the coda (plain decoding), without an adaptive
+exit rule, a random initial state, a tree mask or a captured state. Speculative drafts and verification,
+prefill chunks and adaptive-depth rows run in PyTorch.
+
+The math is model/'s; tests/kernels/test_native.py checks every configuration against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+import torch.nn as nn
+
+from . import lib as L
+
+_CALL = threading.Lock()  # the library's thread pool serves one call at a time (engine cores share it)
+_FLOAT_KINDS = {torch.float32: L.TL_F32, torch.float16: L.TL_F16, torch.bfloat16: L.TL_BF16}
+_QUANT_KINDS = {8: L.TL_Q8, 4: L.TL_Q4, 2: L.TL_Q2}
+_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
+_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2}
+_KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
+
+
+class Unsupported(ValueError):
+    """A model (or layer) the native executor does not run; the PyTorch path serves it."""
+
+
+def default_threads() -> int:
+    n = os.environ.get("TINYLOOP_NATIVE_THREADS")
+    if n:
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"TINYLOOP_NATIVE_THREADS must be a positive integer, got {n!r}")
+        return int(n)
+    return max(1, torch.get_num_threads())
+
+
+def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
+    """A layer's weights as the library reads them (the module's own tensors)."""
+    from ..quant.fp16 import FP16Linear
+
+    d = L.TlLinear()
+    if type(mod) is nn.Linear or isinstance(mod, FP16Linear):
+        w = mod.weight if type(mod) is nn.Linear else mod.source
+        if getattr(mod, "bias", None) is not None:
+            raise Unsupported("a linear layer with a bias")
+        if w.dtype not in _FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
+            raise Unsupported(f"{w.dtype} weights on {w.device}")
+        d.kind, (d.n, d.k), d.w, d.group = _FLOAT_KINDS[w.dtype], w.shape, w.data_ptr(), 0
+        keep.append(w)
+    elif getattr(mod, "kind", None) == "native":   # QuantLinear (or its buffers) in the portable layout
+        d.kind, d.n, d.k, d.group = _QUANT_KINDS[mod.bits], mod.out_features, mod.in_features, mod.group_size
+        d.w, d.scales, d.zeros = mod.qweight.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr()
+    else:
+        raise Unsupported(f"a {type(mod).__name__} layer ({getattr(mod, 'kind', '')})")
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
+def _vec(t: torch.Tensor | None, keep: list) -> int | None:
+    if t is None:
+        return None
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+class NativeExecutor:
+    def __init__(self, model, threads: int | None = None):
+        cfg = model.cfg
+        if model.embed.weight.device.type != "cpu":
+            raise Unsupported("the native executor runs on the CPU")
+        if cfg.dim % 8 or cfg.head_dim % 8:
+            raise Unsupported("dim and head_dim must be multiples of 8")
+        self.lib = L.load()
+        self.model, self.keep = model, []
+        m = self.desc = L.TlModel()
+        m.dim, m.n_heads, m.n_kv_heads, m.head_dim = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
+        m.n_prelude, m.n_core, m.n_coda = cfg.n_prelude, cfg.n_core, cfg.n_coda
+        m.swiglu, m.injection = int(cfg.mlp == "swiglu"), _INJECTIONS[cfg.injection]
+        m.placement, m.loop_norm, m.post_loop_norm = _PLACEMENTS[cfg.norm_placement], cfg.loop_norm, cfg.post_loop_norm
+        m.norm_eps, m.embed_scale = cfg.norm_eps, cfg.embed_scale
+        emb = model.embed.weight
+        if emb.dtype not in _FLOAT_KINDS:
+            raise Unsupported(f"{emb.dtype} embeddings")
+        m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
+        blocks = [*model.prelude, *model.core, *model.coda]
+        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b) for b in blocks))
+        m.blocks = self.blocks
+        m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
+        m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
+        if model.adapter is not None:
+            m.adapter = linear_desc(model.adapter, self.keep)
+        self._rope(512)
+        self.threads = default_threads() if threads is None else threads
+        self.scratch = torch.empty(0)
+        self._kv: tuple | None = None
+        self.name = f"native ({self.lib.tl_isa().decode()}, {self.threads} threads)"
+
+    def _block(self, blk) -> L.TlBlock:
+        b, k = L.TlBlock(), self.keep
+        a, mlp = blk.attn, blk.mlp
+        qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
+        for i, lin in enumerate(qkv):
+            b.qkv[i] = linear_desc(lin, k)
+        b.n_qkv = len(qkv)
+        b.wo = linear_desc(a.wo, k)
+        up = [mlp.w_gate_up] if mlp.w_gate_up is not None else \
+            ([mlp.w_gate, mlp.w_up] if mlp.kind == "swiglu" else [mlp.w_up])
+        for i, lin in enumerate(up):
+            b.up[i] = linear_desc(lin, k)
+        b.n_up = len(up)
+        b.down = linear_desc(mlp.w_down, k)
+        b.attn_norm, b.mlp_norm = _vec(blk.attn_norm.weight, k), _vec(blk.mlp_norm.weight, k)
+        b.attn_out_norm = _vec(blk.attn_out_norm.weight if blk.attn_out_norm is not None else None, k)
+        b.mlp_out_norm = _vec(blk.mlp_out_norm.weight if blk.mlp_out_norm is not None else None, k)
+        b.qk_bias = _vec(a.qk_bias, k)
+        return b
+
+    def _rope(self, n: int) -> None:
+        cos, sin = self.model.rotary.table(n, torch.float32, "cpu")   # the PyTorch path's own tables
+        self.rope = (cos.contiguous(), sin.contiguous())
+        self.desc.rope_cos, self.desc.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
+        self.desc.rope_len = self.rope[0].shape[0]
+
+    def _kv_desc(self, kv) -> L.TlKV:
+        if self._kv is not None and self._kv[0] is kv:
+            return self._kv[1]
+        d = L.TlKV()
+        d.page_size = kv.page_size
+        if kv.kv_format in _KV_QUANT:
+            d.format = _KV_QUANT[kv.kv_format]
+            d.k, d.v = kv.k.codes.data_ptr(), kv.v.codes.data_ptr()
+            d.k_scale, d.k_offset = kv.k.scale.data_ptr(), kv.k.offset.data_ptr()
+            d.v_scale, d.v_offset = kv.v.scale.data_ptr(), kv.v.offset.data_ptr()
+        else:
+            if kv.dtype not in _FLOAT_KINDS:
+                raise Unsupported(f"a {kv.dtype} KV pool")
+            d.format = {torch.float32: L.TL_KV_F32, torch.float16: L.TL_KV_F16, torch.bfloat16: L.TL_KV_BF16}[kv.dtype]
+            d.k, d.v = kv.k.data.data_ptr(), kv.v.data.data_ptr()
+        self._kv = (kv, d)
+        return d
+
+    def supports(self, r) -> bool:
+        return (r.n == 1 and r.tokens is not None and r.first_loop == 0 and r.readout == "coda"
+                and not r.capture and r.tree_mask is None and r.exit_rule is None
+                and (self.model.state_seed is None or self.model.cfg.injection == "none")
+                and int(r.positions[0]) == r.start)
+
+    def run(self, step):
+        """Run the step's supported rows; returns a `PagedStep` of the others (None when none are left)."""
+        from ..model.paged import PagedStep
+
+        mine = [r for r in step.rows if self.supports(r)]
+        if not mine:
+            return step
+        rest = [r for r in step.rows if not self.supports(r)]
+        self.decode(step.kv, mine)
+        if not rest:
+            return None
+        m = self.model
+        return PagedStep(step.kv, rest, m.rotary, m.act_dtype or m.embed.weight.dtype, step.device)
+
+    def decode(self, kv, rows) -> None:
+        """rows: one-token `Rows`; each gets `hidden` (1, dim) after the coda."""
+        rows = sorted(rows, key=lambda r: -r.last_loop)
+        M, dim = len(rows), self.model.cfg.dim
+        max_pos = max(r.start for r in rows)
+        if max_pos >= self.desc.rope_len:
+            self._rope(max_pos + 1)
+        tables = [r.table if r.table.dtype == torch.int64 and r.table.is_contiguous()
+                  else r.table.to(torch.int64).contiguous() for r in rows]
+        crow = (L.TlRow * M)()
+        for c, r, t in zip(crow, rows, tables):
+            c.token, c.pos, c.loops, c.window = r.tokens[0], r.start, r.last_loop, r.window
+            c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+        kvd = self._kv_desc(kv)
+        need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+        hidden = torch.empty(M, dim, dtype=torch.float32)
+        with _CALL:
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
+                                    self.scratch.numel())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc})")
+        act = self.model.act_dtype or self.model.embed.weight.dtype
+        if act != torch.float32:
+            hidden = hidden.to(act)
+        for i, r in enumerate(rows):
+            r.hidden = hidden[i:i + 1]
+        self.model.core_loop_tokens += sum(r.last_loop for r in rows)
+
+
+def linear_forward(mod, x: torch.Tensor) -> torch.Tensor:
+    """x (..., k) fp32 -> (..., n) fp32 through the library (QuantLinear's "native" kind)."""
+    lib = L.load()
+    d = getattr(mod, "_tl_desc", None)
+    if d is None:
+        d = linear_desc(mod, [])
+        if isinstance(mod, nn.Module):
+            mod._tl_desc = d      # the buffers it points at live as long as the module
+    x2 = x.reshape(-1, d.k).float().contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, d.n, dtype=torch.float32)
+    scratch = torch.empty(M * d.k + M * (d.k // max(d.group, 1)) + 16, dtype=torch.float32)
+    with _CALL:
+        lib.tl_set_threads(default_threads())
+        rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native linear failed (code {rc})")
+    return y.reshape(*x.shape[:-1], d.n)
