@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test int4-model draft-exit gate clean
+.PHONY: install native serve test int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,10 +15,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# The native decode executor, compiled for this CPU and cached (~/.cache/tinyloop/kernels; a few seconds the
+# first time, nothing after). Without a C++ compiler it says so and the PyTorch path serves.
+native: $(STAMP)
+	$(VENV)/bin/python -m tinyloop.kernels.build
+
+serve: native
 	$(VENV)/bin/tinyloop serve $(ARGS)
 
-test: $(STAMP)
+test: native
 	$(VENV)/bin/python -m pytest -q
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of

@@ -99,11 +99,13 @@ def _info(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     import os
 
+    from .kernels.lib import describe as describe_executor
     from .model.draft_exit import draft_exit_path
     exit_file = draft_exit_path(path, header)
     info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
             "weights_dtype": header["weights"]["dtype"], "format_version": header["format_version"],
             "draft_exit": str(exit_file) if exit_file else None,
+            "executor": describe_executor(),
             "provenance": header.get("provenance", {})}
     if args.json:
         print(json.dumps(info, indent=2))

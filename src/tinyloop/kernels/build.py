@@ -80,14 +80,17 @@ def _key(cxx: str, isa: str) -> str:
     return h.hexdigest()[:16]
 
 
-def library_path(isa: str = "native") -> Path:
-    """The cached library for `isa`, built first if needed (NativeBuildError when it cannot be)."""
+def library_path(isa: str = "native", *, build: bool = True) -> Path:
+    """The cached library for `isa`, built first if needed (NativeBuildError when it cannot be, or when it
+    is not built and `build` is False)."""
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
     out = cache_dir() / f"libtinyloop-{isa}-{_key(cxx, isa)}.so"
     if out.exists():
         return out
+    if not build:
+        raise NativeBuildError(f"{out} is not built")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)

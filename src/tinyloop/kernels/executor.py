@@ -43,6 +43,19 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
+    """A float weight tensor (n, k) as a layer: the LM head (the embedding when tied)."""
+    if w.dtype not in _FLOAT_KINDS or w.device.type != "cpu" or w.dim() != 2:
+        raise Unsupported(f"{w.dtype} weights on {w.device}")
+    w = w.detach().contiguous()
+    keep.append(w)
+    d = L.TlLinear()
+    d.kind, (d.n, d.k), d.w, d.group = _FLOAT_KINDS[w.dtype], w.shape, w.data_ptr(), 0
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
 def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     """A layer's weights as the library reads them (the module's own tensors)."""
     from ..quant.fp16 import FP16Linear
@@ -52,10 +65,9 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
         w = mod.weight if type(mod) is nn.Linear else mod.source
         if getattr(mod, "bias", None) is not None:
             raise Unsupported("a linear layer with a bias")
-        if w.dtype not in _FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
-            raise Unsupported(f"{w.dtype} weights on {w.device}")
-        d.kind, (d.n, d.k), d.w, d.group = _FLOAT_KINDS[w.dtype], w.shape, w.data_ptr(), 0
-        keep.append(w)
+        if not w.is_contiguous():
+            raise Unsupported("a non-contiguous weight")
+        d = tensor_desc(w, keep)
     elif getattr(mod, "kind", None) == "native":   # QuantLinear (or its buffers) in the portable layout
         d.kind, d.n, d.k, d.group = _QUANT_KINDS[mod.bits], mod.out_features, mod.in_features, mod.group_size
         d.w, d.scales, d.zeros = mod.qweight.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr()
@@ -101,6 +113,8 @@ class NativeExecutor:
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
         if model.adapter is not None:
             m.adapter = linear_desc(model.adapter, self.keep)
+        head = model.head_linear
+        self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
         self.scratch = torch.empty(0)
@@ -203,21 +217,31 @@ class NativeExecutor:
         self.model.core_loop_tokens += sum(r.last_loop for r in rows)
 
 
-def linear_forward(mod, x: torch.Tensor) -> torch.Tensor:
-    """x (..., k) fp32 -> (..., n) fp32 through the library (QuantLinear's "native" kind)."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""
+        return _forward(self.head, x, self.threads)
+
+
+def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:
     lib = L.load()
+    x2 = x.reshape(-1, d.k).float().contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, d.n, dtype=torch.float32)
+    scratch = torch.empty(M * d.k + M * (d.k // max(d.group, 1)) + 16 if d.kind >= L.TL_Q8 else 16,
+                          dtype=torch.float32)
+    with _CALL:
+        lib.tl_set_threads(threads)
+        rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native linear failed (code {rc})")
+    return y.reshape(*x.shape[:-1], d.n)
+
+
+def linear_forward(mod, x: torch.Tensor) -> torch.Tensor:
+    """x (..., k) -> (..., n) fp32 through the library (QuantLinear's "native" kind)."""
     d = getattr(mod, "_tl_desc", None)
     if d is None:
         d = linear_desc(mod, [])
         if isinstance(mod, nn.Module):
             mod._tl_desc = d      # the buffers it points at live as long as the module
-    x2 = x.reshape(-1, d.k).float().contiguous()
-    M = x2.shape[0]
-    y = torch.empty(M, d.n, dtype=torch.float32)
-    scratch = torch.empty(M * d.k + M * (d.k // max(d.group, 1)) + 16, dtype=torch.float32)
-    with _CALL:
-        lib.tl_set_threads(default_threads())
-        rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"native linear failed (code {rc})")
-    return y.reshape(*x.shape[:-1], d.n)
+    return _forward(d, x, default_threads())

@@ -7,6 +7,8 @@ loads the scalar build instead of the host-tuned one (tests compare them).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import os
 import sys
@@ -77,8 +79,22 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         return lib
 
 
+_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_executor", default=None)
+
+
+@contextlib.contextmanager
+def choose(executor: str | None):
+    """Within the block, `executor_setting()` is `executor` (None: the environment's). Engine.load uses it so
+    that the quantized layers a load builds follow the executor asked for."""
+    token = _CHOICE.set(executor if executor not in (None, "auto") else None)
+    try:
+        yield
+    finally:
+        _CHOICE.reset(token)
+
+
 def executor_setting() -> str:
-    v = os.environ.get("TINYLOOP_EXECUTOR", "auto").strip().lower() or "auto"
+    v = _CHOICE.get() or os.environ.get("TINYLOOP_EXECUTOR", "auto").strip().lower() or "auto"
     if v not in EXECUTORS:
         raise ValueError(f"TINYLOOP_EXECUTOR must be one of {EXECUTORS}, got {v!r}")
     return v
@@ -102,3 +118,23 @@ def native_wanted() -> bool:
             print(f"tinyloop: native executor unavailable ({str(exc).splitlines()[0]}); "
                   "running the PyTorch path", file=sys.stderr)
         return False
+
+
+def describe() -> str:
+    """Which executor a model loaded now would use, without compiling anything (`tinyloop info`): "torch"
+    (forced, or no library), "native (ISA)" when the library is built, or what is missing."""
+    from .build import cache_dir, compiler
+
+    try:
+        setting = executor_setting()
+    except ValueError as exc:
+        return f"invalid setting ({exc})"
+    if setting == "torch":
+        return "torch (TINYLOOP_EXECUTOR=torch)"
+    if compiler() is None:
+        return "torch (no C++ compiler for the native executor)"
+    try:
+        path = library_path(os.environ.get("TINYLOOP_NATIVE_ISA", "native"), build=False)
+    except NativeBuildError:
+        return "native (not built yet: built on first load, or by `python -m tinyloop.kernels.build`)"
+    return f"native ({load().tl_isa().decode()})" if path.exists() else f"native (cache {cache_dir()})"

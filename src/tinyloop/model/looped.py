@@ -151,6 +151,8 @@ class LoopedTransformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_norm(x)
+        if self.executor is not None:
+            return self.executor.logits(x)
         if self.head_linear is not None:
             return self.head_linear(x)
         return F.linear(x, self.head_weight)

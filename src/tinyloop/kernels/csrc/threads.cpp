@@ -13,57 +13,58 @@
 namespace {
 constexpr int SPIN = 1 << 16;   // pause instructions before a worker sleeps (~100-300 us)
 
+// Workers are started once, up to the most threads ever asked for; a job uses the first `n` of them.
 struct Pool {
-    int n = 1;
-    std::vector<std::thread> workers;
+    int n = 1;                        // threads a job runs on (the caller is thread 0)
+    std::vector<std::thread> workers; // threads 1 .. workers.size()
     std::atomic<uint32_t> gen{0};     // bumped once per job
     std::atomic<int> pending{0};      // workers still running the current job
     std::atomic<int> sleepers{0};
     std::atomic<bool> stop{false};
     const std::function<void(int, int)>* job = nullptr;
 
-    void worker(int t) {
-        uint32_t seen = 0;
+    void worker(int t, uint32_t seen) {
         for (;;) {
             int spins = 0;
             uint32_t g;
-            while ((g = gen.load(std::memory_order_acquire)) == seen) {
+            while ((g = gen.load()) == seen) {
                 if (++spins < SPIN) { TL_PAUSE(); continue; }
                 sleepers.fetch_add(1);
-                if (gen.load(std::memory_order_acquire) == seen) gen.wait(seen);
+                if (gen.load() == seen) gen.wait(seen);
                 sleepers.fetch_sub(1);
                 spins = 0;
             }
             seen = g;
             if (stop.load()) return;
-            (*job)(t, n);
-            pending.fetch_sub(1, std::memory_order_acq_rel);
+            if (t < n) {
+                (*job)(t, n);
+                pending.fetch_sub(1);
+            }
         }
     }
-    void start(int threads) {
-        finish();
+    void resize(int threads) {
         n = threads < 1 ? 1 : threads;
-        stop = false;
-        for (int t = 1; t < n; ++t) workers.emplace_back([this, t] { worker(t); });
-    }
-    void finish() {
-        if (workers.empty()) return;
-        stop = true;
-        gen.fetch_add(1, std::memory_order_release);
-        gen.notify_all();
-        for (auto& w : workers) w.join();
-        workers.clear();
+        while ((int)workers.size() < n - 1) {
+            const int t = (int)workers.size() + 1;
+            const uint32_t seen = gen.load();   // a new worker waits for the next job, not the last one
+            workers.emplace_back([this, t, seen] { worker(t, seen); });
+        }
     }
     void run(const std::function<void(int, int)>& fn) {
         if (n == 1) { fn(0, 1); return; }
         job = &fn;
-        pending.store(n - 1, std::memory_order_release);
-        gen.fetch_add(1, std::memory_order_release);
+        pending.store(n - 1);
+        gen.fetch_add(1);
         if (sleepers.load() > 0) gen.notify_all();
         fn(0, n);
-        while (pending.load(std::memory_order_acquire) > 0) TL_PAUSE();
+        while (pending.load() > 0) TL_PAUSE();
     }
-    ~Pool() { finish(); }
+    ~Pool() {
+        stop = true;
+        gen.fetch_add(1);
+        gen.notify_all();
+        for (auto& w : workers) w.join();
+    }
 };
 
 Pool& pool() { static Pool p; return p; }
@@ -72,7 +73,5 @@ Pool& pool() { static Pool p; return p; }
 void tl_parallel(const std::function<void(int, int)>& fn) { pool().run(fn); }
 int tl_nthreads() { return pool().n; }
 
-extern "C" void tl_set_threads(int32_t n) {
-    if (n != pool().n || (n > 1 && pool().workers.empty())) pool().start(n);
-}
+extern "C" void tl_set_threads(int32_t n) { pool().resize(n); }
 extern "C" int32_t tl_threads(void) { return pool().n; }
