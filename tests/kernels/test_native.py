@@ -37,7 +37,7 @@ CONFIGS = {
     "tiny": BASE,                                                       # GQA, swiglu, add, prelude/coda
     "gelu-none": BASE.replace(mlp="gelu", injection="none", loop_norm=False, n_kv_heads=4),
     "ouro-like": BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich",
-                              loop_norm=True, head_norm=False, tie_embeddings=False),
+                              loop_norm=True, head_norm=False, tie_embeddings=False, exit_gate=True),
     "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
                                 injection="concat-adapter", loop_norm=False, post_loop_norm=True),
 }
@@ -94,7 +94,7 @@ SEQS = [  # (prompt length, loops, window): rows of one step, different depths, 
 
 
 @torch.inference_mode()
-def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS):
+def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS, rule=None, out=None):
     cfg = ref.cfg
     slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * max(s[1] for s in seqs)
     blocks = max(-(-(n + 1) // PAGE) for n, _, _ in seqs)
@@ -111,12 +111,15 @@ def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS):
     kv_nat = clone_kv(kv)
 
     def rows():
-        return [Rows(table=t, start=n, n=1, last_loop=loops, tokens=[tok], window=w)
+        return [Rows(table=t, start=n, n=1, last_loop=loops, tokens=[tok], window=w,
+                     exit_rule=None if rule is None else rule(loops))
                 for t, tok, (n, loops, w) in zip(tables, toks, seqs)]
 
     r_ref, r_nat = rows(), rows()
     ref.run(PagedStep(kv, r_ref, ref.rotary, torch.float32, "cpu"))
     nat.run(PagedStep(kv_nat, r_nat, nat.rotary, torch.float32, "cpu"))
+    if out is not None:
+        out.extend([(a.last_loop, b.last_loop, a.exit_survival, b.exit_survival) for a, b in zip(r_ref, r_nat)])
     lr = ref.logits(torch.cat([r.hidden for r in r_ref])[None])[0]
     ln = ref.logits(torch.cat([r.hidden.float() for r in r_nat])[None])[0]
     return lr, ln, kv, kv_nat
@@ -176,3 +179,26 @@ def test_unsupported_rows_run_in_pytorch():
     lr, ln, kv, kv_nat = one_step(ref, nat, seqs=[(9, 3, 0), (5, 2, 0)])
     check(lr, ln, kv, kv_nat)
     assert calls[-1] == 2
+
+
+@pytest.mark.parametrize("criterion,thresholds", [("latent", [0.05, 0.4, 0.8, 1.5]), ("gate", [0.2, 0.5, 0.9])])
+def test_adaptive_exits_run_natively(criterion, thresholds):
+    """loops "auto": each row's criterion is checked inside the call; an exit copies its last loop's keys into
+    the skipped slots. Same loops, survival, logits and pool as PyTorch, and some rows do exit early."""
+    from tinyloop.model.exits import ExitRule
+
+    ref, nat = make_pair(CONFIGS["ouro-like"], "fp32")
+    if criterion == "gate":
+        with torch.no_grad():   # a gate that fires: a bias around zero, weights of a useful scale
+            for m in (ref, nat):
+                m.exit_gate.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+                m.exit_gate.bias.fill_(-0.5)
+    seqs = [(9, 6, 0), (5, 6, 0), (14, 5, 6), (3, 6, 0), (7, 4, 0)]
+    runs = []
+    for th in thresholds:
+        got = []
+        check(*one_step(ref, nat, seqs=seqs, rule=lambda loops: ExitRule(criterion, th, 2, loops), out=got))
+        for lr, ln, sr, sn in got:
+            assert lr == ln and abs(sr - sn) < 1e-6
+        runs += [lr < s[1] for (lr, _, _, _), s in zip(got, seqs)]
+    assert any(runs) and not all(runs)

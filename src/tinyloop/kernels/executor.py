@@ -166,10 +166,23 @@ class NativeExecutor:
         return d
 
     def supports(self, r) -> bool:
+        rule = r.exit_rule
         return (r.n == 1 and r.tokens is not None and r.first_loop == 0 and r.readout == "coda"
-                and not r.capture and r.tree_mask is None and r.exit_rule is None
+                and not r.capture and r.tree_mask is None
+                and (rule is None or (rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
+                                      and (rule.criterion != "gate" or self.model.exit_gate is not None)))
                 and (self.model.state_seed is None or self.model.cfg.injection == "none")
                 and int(r.positions[0]) == r.start)
+
+    def _gate(self) -> None:
+        """The exit gate's weights (it may be attached after the executor is made: `Engine.load`)."""
+        g = self.model.exit_gate
+        key = None if g is None else (g.weight.data_ptr(), g.weight._version)
+        if key != getattr(self, "_gate_key", None):
+            self._gate_key = key
+            self.gate_w = None if g is None else g.weight.detach().reshape(-1).float().contiguous()
+            self.desc.gate_w = None if g is None else self.gate_w.data_ptr()
+            self.desc.gate_b = 0.0 if g is None else float(g.bias.detach().double()[0])
 
     def run(self, step):
         """Run the step's supported rows; returns a `PagedStep` of the others (None when none are left)."""
@@ -198,6 +211,11 @@ class NativeExecutor:
         for c, r, t in zip(crow, rows, tables):
             c.token, c.pos, c.loops, c.window = r.tokens[0], r.start, r.last_loop, r.window
             c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            if r.exit_rule is not None:
+                c.exit_kind, c.min_loops = L.TL_EXIT[r.exit_rule.criterion], r.exit_rule.min_loops
+                c.threshold, c.survival = r.exit_rule.threshold, r.exit_survival
+        if any(r.exit_rule is not None and r.exit_rule.criterion == "gate" for r in rows):
+            self._gate()
         kvd = self._kv_desc(kv)
         need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
         if self.scratch.numel() < need:
@@ -212,8 +230,10 @@ class NativeExecutor:
         act = self.model.act_dtype or self.model.embed.weight.dtype
         if act != torch.float32:
             hidden = hidden.to(act)
-        for i, r in enumerate(rows):
+        for i, (r, c) in enumerate(zip(rows, crow)):
             r.hidden = hidden[i:i + 1]
+            if r.exit_rule is not None:   # adaptive depth: the loops it ran (the runner reports them)
+                r.last_loop, r.exit_survival = c.loops_run, c.survival
         self.model.core_loop_tokens += sum(r.last_loop for r in rows)
 
 

@@ -20,6 +20,7 @@ EXECUTORS = ("auto", "native", "torch")
 
 TL_F32, TL_F16, TL_BF16, TL_Q8, TL_Q4, TL_Q2 = range(6)
 TL_KV_F32, TL_KV_F16, TL_KV_BF16, TL_KV_I8, TL_KV_I4, TL_KV_I4H = range(6)
+TL_EXIT = {"latent": 1, "gate": 2}
 _p = ctypes.c_void_p
 _i = ctypes.c_int32
 
@@ -40,7 +41,7 @@ class TlModel(ctypes.Structure):
                 ("placement", _i), ("loop_norm", _i), ("post_loop_norm", _i), ("norm_eps", ctypes.c_float),
                 ("embed_scale", ctypes.c_float), ("embed", _p), ("embed_kind", _i), ("blocks", ctypes.POINTER(TlBlock)),
                 ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
-                ("rope_len", _i)]
+                ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double)]
 
 
 class TlKV(ctypes.Structure):
@@ -50,7 +51,8 @@ class TlKV(ctypes.Structure):
 
 class TlRow(ctypes.Structure):
     _fields_ = [("token", _i), ("pos", _i), ("loops", _i), ("window", _i), ("table", _p), ("stride", _i),
-                ("n_blocks", _i)]
+                ("n_blocks", _i), ("exit_kind", _i), ("min_loops", _i), ("threshold", ctypes.c_double),
+                ("survival", ctypes.c_double), ("loops_run", _i)]
 
 
 _lock = threading.Lock()

@@ -150,3 +150,24 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
     if (rot)
         for (int i = 0; i < rep; ++i) tl_fwht(og + (int64_t)i * D, D);
 }
+
+// copy `n` consecutive pool entries (keys and values, codes with their scales) from entry `src` to `dst`
+void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D) {
+    int64_t bytes;
+    switch (kv->format) {
+        case TL_KV_F32: bytes = 4 * (int64_t)D; break;
+        case TL_KV_F16: case TL_KV_BF16: bytes = 2 * (int64_t)D; break;
+        case TL_KV_I8: bytes = D; break;
+        default: bytes = D / 2; break;
+    }
+    for (int which = 0; which < 2; ++which) {
+        char* base = (char*)(which ? kv->v : kv->k);
+        memmove(base + dst * bytes, base + src * bytes, n * bytes);
+        if (kv->format >= TL_KV_I8) {
+            uint16_t* sc = which ? kv->v_scale : kv->k_scale;
+            uint16_t* of = which ? kv->v_offset : kv->k_offset;
+            memmove(sc + dst, sc + src, n * 2);
+            memmove(of + dst, of + src, n * 2);
+        }
+    }
+}

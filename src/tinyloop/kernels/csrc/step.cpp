@@ -3,6 +3,7 @@
 // file only runs it with fewer, fused passes. Rows are sorted by loops, deepest first, so the rows still
 // looping at loop r are a prefix.
 #include <algorithm>
+#include <vector>
 #include "tinyloop.h"
 #include "threads.h"
 #include "vec.h"
@@ -11,6 +12,7 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
 int64_t tl_linear_scratch(const tl_linear* L, int m);
 void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin);
 void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
+void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D);
 void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
                    float* out, int g, float* scratch);
 
@@ -138,7 +140,39 @@ extern "C" int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t 
     return total;
 }
 
-extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, const tl_row* rows, int32_t M, float* hidden,
+// A row that exits after `used` of `upto` loops: its keys and values of loops used .. upto-1 (every core
+// layer) become copies of loop used-1's, the slots deeper tokens read (model/paged.py fill_skipped)
+void fill_skipped(const tl_model* m, const tl_kv* kv, const tl_row* r, int used, int upto) {
+    const int ps = kv->page_size, Hkv = m->n_kv_heads, core0 = m->n_prelude + m->n_coda;
+    const int64_t* tab = r->table + (int64_t)(r->pos / ps) * r->stride;
+    for (int l = used; l < upto; ++l)
+        for (int j = 0; j < m->n_core; ++j) {
+            const int64_t src = (tab[core0 + (used - 1) * m->n_core + j] * ps + r->pos % ps) * Hkv;
+            const int64_t dst = (tab[core0 + l * m->n_core + j] * ps + r->pos % ps) * Hkv;
+            tl_kv_copy(kv, src, dst, Hkv, m->head_dim);
+        }
+}
+
+// the exit criterion of row r after loop `loop` (0-based): old and new states (dim), updates survival
+bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, const float* h_new) {
+    if (r->exit_kind == TL_EXIT_NONE || r->loops <= loop + 1) return false;
+    if (r->exit_kind == TL_EXIT_GATE) {   // every loop's gate counts, checked or not
+        double logit = m->gate_b;
+        for (int i = 0; i < m->dim; ++i) logit += (double)m->gate_w[i] * (double)h_new[i];
+        r->survival *= 1.0 - 1.0 / (1.0 + exp(-logit));
+    }
+    if (loop + 1 < r->min_loops) return false;
+    if (r->exit_kind == TL_EXIT_GATE) return 1.0 - r->survival >= r->threshold;
+    double d2 = 0, n2 = 0;
+    for (int i = 0; i < m->dim; ++i) {
+        const double a = h_new[i], b = h_old[i];
+        d2 += (a - b) * (a - b);
+        n2 += a * a;
+    }
+    return sqrt(d2) / std::max(sqrt(n2), 1e-30) < r->threshold;
+}
+
+extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t M, float* hidden,
                          float* scratch, int64_t scratch_len) {
     if (M <= 0) return 0;
     if (tl_nthreads() > 64) return 3;
@@ -170,9 +204,33 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, const tl_row* rows,
     else memset(B.h, 0, sizeof(float) * M * dim);
     const tl_block* core = m->blocks + m->n_prelude;
     const int core_slot0 = m->n_prelude + m->n_coda;
+    // The loops run on the rows still looping, packed first: `ph` holds the rows in that physical order
+    // (e and h rows move with them), `orig` maps a physical row back to the caller's.
+    std::vector<tl_row> ph(rows, rows + M);
+    std::vector<int> orig(M), order(M);
+    for (int r = 0; r < M; ++r) orig[r] = r;
     for (int loop = 0; loop < rows[0].loops; ++loop) {
+        // stable partition: rows with loops left first (exits break the caller's deepest-first order)
         int Ml = 0;
-        while (Ml < M && rows[Ml].loops > loop) ++Ml;
+        for (int p = 0; p < M; ++p) if (ph[p].loops > loop) order[Ml++] = p;
+        if (Ml == 0) break;
+        bool moved = false;
+        for (int p = 0, q = Ml; p < M; ++p) if (ph[p].loops <= loop) order[q++] = p;
+        for (int p = 0; p < M; ++p) moved |= order[p] != p;
+        if (moved) {
+            std::vector<tl_row> ph2(M);
+            std::vector<int> orig2(M);
+            for (int p = 0; p < M; ++p) {
+                ph2[p] = ph[order[p]];
+                orig2[p] = orig[order[p]];
+                memcpy(B.a + p * dim, B.e + order[p] * dim, sizeof(float) * dim);
+                memcpy(B.y + p * dim, B.h + order[p] * dim, sizeof(float) * dim);
+            }
+            ph.swap(ph2);
+            orig.swap(orig2);
+            memcpy(B.e, B.a, sizeof(float) * M * dim);
+            memcpy(B.h, B.y, sizeof(float) * M * dim);
+        }
         if (m->injection == 0) {
             memcpy(B.x, B.h, sizeof(float) * Ml * dim);
         } else if (m->injection == 1) {
@@ -185,10 +243,22 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, const tl_row* rows,
             tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
         }
         for (int j = 0; j < m->n_core; ++j)
-            block(m, &core[j], kv, rows, Ml, core_slot0 + loop * m->n_core + j, B.x, B);
-        if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.h, Ml, dim, m->norm_eps);
-        else memcpy(B.h, B.x, sizeof(float) * Ml * dim);
+            block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
+        if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
+        else memcpy(B.y, B.x, sizeof(float) * Ml * dim);
+        for (int p = 0; p < Ml; ++p)
+            if (should_exit(m, &ph[p], loop, B.h + p * dim, B.y + p * dim)) {
+                fill_skipped(m, kv, &ph[p], loop + 1, ph[p].loops);
+                ph[p].loops = loop + 1;
+            }
+        memcpy(B.h, B.y, sizeof(float) * Ml * dim);
     }
+    for (int p = 0; p < M; ++p) {   // back in the caller's order
+        memcpy(B.a + (int64_t)orig[p] * dim, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        rows[orig[p]].loops_run = ph[p].loops;
+        rows[orig[p]].survival = ph[p].survival;
+    }
+    memcpy(B.h, B.a, sizeof(float) * M * dim);
     // the coda (after the final norm when it ends the recurrence)
     if (m->post_loop_norm) rmsnorm(B.h, m->final_norm, hidden, M, dim, m->norm_eps);
     else memcpy(hidden, B.h, sizeof(float) * M * dim);

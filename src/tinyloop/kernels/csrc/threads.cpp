@@ -11,7 +11,8 @@
 #endif
 
 namespace {
-constexpr int SPIN = 1 << 16;   // pause instructions before a worker sleeps (~100-300 us)
+constexpr int SPIN = 4096;      // pause instructions before a waiting thread yields its core (~30-100 us)
+constexpr int YIELDS = 64;      // yields before a worker sleeps on a futex
 
 // Workers are started once, up to the most threads ever asked for; a job uses the first `n` of them.
 struct Pool {
@@ -29,6 +30,7 @@ struct Pool {
             uint32_t g;
             while ((g = gen.load()) == seen) {
                 if (++spins < SPIN) { TL_PAUSE(); continue; }
+                if (spins < SPIN + YIELDS) { std::this_thread::yield(); continue; }
                 sleepers.fetch_add(1);
                 if (gen.load() == seen) gen.wait(seen);
                 sleepers.fetch_sub(1);
@@ -57,7 +59,10 @@ struct Pool {
         gen.fetch_add(1);
         if (sleepers.load() > 0) gen.notify_all();
         fn(0, n);
-        while (pending.load() > 0) TL_PAUSE();
+        // spin while the others finish; yield the core if they are slow (another process may hold it)
+        for (int spins = 0; pending.load() > 0; ++spins) {
+            if (spins < SPIN) TL_PAUSE(); else std::this_thread::yield();
+        }
     }
     ~Pool() {
         stop = true;

@@ -42,6 +42,7 @@ typedef struct {
     const float* final_norm; // post_loop_norm
     tl_linear adapter;       // injection 2: (dim, 2 * dim)
     const float* rope_cos; const float* rope_sin; int32_t rope_len;   // (rope_len, D / 2)
+    const float* gate_w; double gate_b;     // the exit gate Linear(dim -> 1) (exit criterion "gate")
 } tl_model;
 
 typedef struct {
@@ -51,15 +52,23 @@ typedef struct {
     uint16_t* v_scale; uint16_t* v_offset;
 } tl_kv;
 
+enum { TL_EXIT_NONE = 0, TL_EXIT_LATENT = 1, TL_EXIT_GATE = 2 };   // model/exits.py criteria
+
 typedef struct {
     int32_t token, pos, loops, window;      // one new token at storage index == position `pos`
     const int64_t* table;                   // (n_blocks, stride): page of each (block, slot)
     int32_t stride, n_blocks;
+    // adaptive depth (model/exits.py): checked after each loop from min_loops on; an exit copies the last
+    // computed loop's keys into the skipped slots (PagedStep.fill_skipped)
+    int32_t exit_kind, min_loops;
+    double threshold;
+    double survival;                        // in/out: the gate rule's probability of not having exited
+    int32_t loops_run;                      // out: core loops this row ran
 } tl_row;
 
 // One decode step for `n_rows` one-token rows, sorted by `loops` descending. Writes `hidden` (n_rows, dim)
 // after the coda. `scratch` holds tl_scratch_floats(...) floats. Returns 0, or an error code.
-int tl_decode(const tl_model* m, const tl_kv* kv, const tl_row* rows, int32_t n_rows, float* hidden,
+int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t n_rows, float* hidden,
               float* scratch, int64_t scratch_len);
 int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
 
