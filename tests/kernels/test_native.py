@@ -202,3 +202,53 @@ def test_adaptive_exits_run_natively(criterion, thresholds):
             assert lr == ln and abs(sr - sn) < 1e-6
         runs += [lr < s[1] for (lr, _, _, _), s in zip(got, seqs)]
     assert any(runs) and not all(runs)
+
+
+def _ids(model, prompt, params, use_native, **kw):
+    from conftest import core_ids
+    ex = model.executor
+    model.executor = ex if use_native else None
+    try:
+        stats = {}
+        out = core_ids(model, prompt, params, stats, **kw)
+        return out, stats
+    finally:
+        model.executor = ex
+
+
+@pytest.mark.parametrize("mode,kw", [("speculative", {"draft_loops": 1, "draft_ahead": 4}),
+                                     ("speculative", {"draft_loops": 2, "draft_ahead": 3}),
+                                     ("tree_speculative", {"draft_loops": 1, "k_branches": 2})])
+@pytest.mark.parametrize("with_exit", [False, True])
+def test_speculation_native_equals_pytorch(mode, kw, with_exit):
+    """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and chain verification run
+    natively; greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    if with_exit:
+        exits = {}
+        for d in (1, 2):
+            ex = DraftExit.from_model(nat)
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(d)
+                for p in ex.parameters():
+                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+            exits[d] = ex.eval()
+        attach_draft_exits(nat, exits)
+    calls = []
+    orig = nat.executor.decode
+    nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
+                                            orig(kv, rows))[1]
+    prompt = [5, 17, 300, 42, 7, 9]
+    params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
+    got, st_n = _ids(nat, prompt, params, True, draft_vocab=None)
+    ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None)
+    assert got == ref and st_n["acceptance_rate"] == st_t["acceptance_rate"]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=24, loops=4, temperature=0), True)
+    assert got == plain
+    rows = [r for c in calls for r in c]
+    if mode == "speculative":   # (a tree's drafts and verification are tree-masked: PyTorch)
+        assert any(n == 1 and first == 0 and cap for n, first, cap in rows)           # draft steps
+        assert any(n > 1 and first > 0 for n, first, _ in rows)                      # chain verification

@@ -3,10 +3,9 @@
 `NativeExecutor(model)` describes the model to the library once (pointers to the very weight tensors the
 PyTorch modules hold: no copies, except fp32 copies of the small norm vectors and q/k biases) and
 `run(step)` takes the rows it supports out of a `model.paged.PagedStep`, runs them natively over the same
-paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. Supported rows: one token
-from its embedding through loops 0 .. last_loop - 1 and the coda (plain decoding), without an adaptive
-exit rule, a random initial state, a tree mask or a captured state. Speculative drafts and verification,
-prefill chunks and adaptive-depth rows run in PyTorch.
+paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. `supports` says which rows it
+takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
+PyTorch.
 
 The math is model/'s; tests/kernels/test_native.py checks every configuration against it.
 """
@@ -119,6 +118,7 @@ class NativeExecutor:
         self.threads = default_threads() if threads is None else threads
         self.scratch = torch.empty(0)
         self._kv: tuple | None = None
+        self._exit_blocks: dict[int, tuple] = {}
         self.name = f"native ({self.lib.tl_isa().decode()}, {self.threads} threads)"
 
     def _block(self, blk) -> L.TlBlock:
@@ -166,13 +166,24 @@ class NativeExecutor:
         return d
 
     def supports(self, r) -> bool:
-        rule = r.exit_rule
-        return (r.n == 1 and r.tokens is not None and r.first_loop == 0 and r.readout == "coda"
-                and not r.capture and r.tree_mask is None
-                and (rule is None or (rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
-                                      and (rule.criterion != "gate" or self.model.exit_gate is not None)))
-                and (self.model.state_seed is None or self.model.cfg.injection == "none")
-                and int(r.positions[0]) == r.start)
+        """Rows this executor runs: one token from its embedding (plain decoding, a draft step, adaptive depth
+        with the latent or gate criterion), or a run of consecutive positions continuing from a draft's
+        states (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
+        Prefill chunks, tree-masked rows and the kl criterion run in PyTorch."""
+        from ..model.draft_exit import DraftExit
+
+        rule, ro = r.exit_rule, r.readout
+        if r.tree_mask is not None or int(r.positions[0]) != r.start or \
+                (r.n > 1 and int(r.positions[-1]) != r.start + r.n - 1):
+            return False
+        if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(ro[0], DraftExit))):
+            return False
+        if r.tokens is not None:
+            return (r.n == 1 and r.first_loop == 0
+                    and (rule is None or (rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
+                                          and (rule.criterion != "gate" or self.model.exit_gate is not None)))
+                    and (self.model.state_seed is None or self.model.cfg.injection == "none"))
+        return rule is None and r.first_loop > 0
 
     def _gate(self) -> None:
         """The exit gate's weights (it may be attached after the executor is made: `Engine.load`)."""
@@ -184,43 +195,83 @@ class NativeExecutor:
             self.desc.gate_w = None if g is None else self.gate_w.data_ptr()
             self.desc.gate_b = 0.0 if g is None else float(g.bias.detach().double()[0])
 
+    def _readout(self, ro, table: dict, keep: list) -> int:
+        """-1 (none), 0 (the coda), or the index + 1 of a draft exit's read-out in this call's list."""
+        if ro is None:
+            return -1
+        if ro == "coda":
+            return 0
+        key = (id(ro[0]), tuple(ro[1]))
+        if key not in table:
+            blocks = self._exit_blocks.get(id(ro[0]))
+            if blocks is None or blocks[0] is not ro[0]:
+                blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
+                    *(self._block(b) for b in ro[0].coda)))
+            slots = (ctypes.c_int32 * len(ro[1]))(*ro[1])
+            keep.append(slots)
+            table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots))
+        return table[key][0]
+
     def run(self, step):
         """Run the step's supported rows; returns a `PagedStep` of the others (None when none are left)."""
         from ..model.paged import PagedStep
 
-        mine = [r for r in step.rows if self.supports(r)]
-        if not mine:
+        ok = [self.supports(r) for r in step.rows]
+        if not any(ok):
             return step
-        rest = [r for r in step.rows if not self.supports(r)]
-        self.decode(step.kv, mine)
+        self.decode(step.kv, [r for r, o in zip(step.rows, ok) if o])
+        rest = [r for r, o in zip(step.rows, ok) if not o]
         if not rest:
             return None
         m = self.model
         return PagedStep(step.kv, rest, m.rotary, m.act_dtype or m.embed.weight.dtype, step.device)
 
     def decode(self, kv, rows) -> None:
-        """rows: one-token `Rows`; each gets `hidden` (1, dim) after the coda."""
-        rows = sorted(rows, key=lambda r: -r.last_loop)
-        M, dim = len(rows), self.model.cfg.dim
-        max_pos = max(r.start for r in rows)
+        """Supported `Rows` (rows from tokens first): each gets `hidden` (n, dim) after its read-out, and
+        `out_state` when it asks for it."""
+        rows = sorted(rows, key=lambda r: r.tokens is None)       # stable: rows from tokens first
+        dim = self.model.cfg.dim
+        M = sum(r.n for r in rows)
+        max_pos = max(r.start + r.n - 1 for r in rows)
         if max_pos >= self.desc.rope_len:
             self._rope(max_pos + 1)
-        tables = [r.table if r.table.dtype == torch.int64 and r.table.is_contiguous()
-                  else r.table.to(torch.int64).contiguous() for r in rows]
+        keep, readouts = [], {}
         crow = (L.TlRow * M)()
-        for c, r, t in zip(crow, rows, tables):
-            c.token, c.pos, c.loops, c.window = r.tokens[0], r.start, r.last_loop, r.window
-            c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
-            if r.exit_rule is not None:
-                c.exit_kind, c.min_loops = L.TL_EXIT[r.exit_rule.criterion], r.exit_rule.min_loops
-                c.threshold, c.survival = r.exit_rule.threshold, r.exit_survival
+        hidden = torch.empty(M, dim, dtype=torch.float32)
+        i = 0
+        for r in rows:
+            t = r.table if r.table.dtype == torch.int64 and r.table.is_contiguous() else \
+                r.table.to(torch.int64).contiguous()
+            keep.append(t)
+            ro = self._readout(r.readout, readouts, keep)
+            if r.state is not None:
+                e, h = (x.float().contiguous() for x in r.state)
+                keep += [e, h]
+            if r.capture:
+                oe, oh = torch.empty(r.n, dim), torch.empty(r.n, dim)
+                r.out_state = (oe, oh)
+            for j in range(r.n):
+                c = crow[i + j]
+                c.pos, c.loops, c.window, c.first_loop, c.readout = r.start + j, r.last_loop, r.window, r.first_loop, ro
+                c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+                if r.tokens is not None:
+                    c.token = r.tokens[j]
+                else:
+                    c.state_e, c.state_h = e[j].data_ptr(), h[j].data_ptr()
+                if r.capture:
+                    c.out_e, c.out_h = oe[j].data_ptr(), oh[j].data_ptr()
+                if r.exit_rule is not None:
+                    c.exit_kind, c.min_loops = L.TL_EXIT[r.exit_rule.criterion], r.exit_rule.min_loops
+                    c.threshold, c.survival = r.exit_rule.threshold, r.exit_survival
+            i += r.n
         if any(r.exit_rule is not None and r.exit_rule.criterion == "gate" for r in rows):
             self._gate()
+        arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
+        self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
         kvd = self._kv_desc(kv)
         need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
-        hidden = torch.empty(M, dim, dtype=torch.float32)
         with _CALL:
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
@@ -230,12 +281,18 @@ class NativeExecutor:
         act = self.model.act_dtype or self.model.embed.weight.dtype
         if act != torch.float32:
             hidden = hidden.to(act)
-        for i, (r, c) in enumerate(zip(rows, crow)):
-            r.hidden = hidden[i:i + 1]
+        i = 0
+        loops = 0
+        for r in rows:
+            if r.readout is not None:
+                r.hidden = hidden[i:i + r.n]
+            if r.capture and act != torch.float32:
+                r.out_state = tuple(x.to(act) for x in r.out_state)
             if r.exit_rule is not None:   # adaptive depth: the loops it ran (the runner reports them)
-                r.last_loop, r.exit_survival = c.loops_run, c.survival
-        self.model.core_loop_tokens += sum(r.last_loop for r in rows)
-
+                r.last_loop, r.exit_survival = crow[i].loops_run, crow[i].survival
+            loops += r.n * (r.last_loop - r.first_loop)
+            i += r.n
+        self.model.core_loop_tokens += loops
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""

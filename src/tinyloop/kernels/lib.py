@@ -35,13 +35,18 @@ class TlBlock(ctypes.Structure):
                 ("mlp_out_norm", _p), ("qk_bias", _p)]
 
 
+class TlReadout(ctypes.Structure):
+    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(TlBlock)), ("slots", ctypes.POINTER(_i))]
+
+
 class TlModel(ctypes.Structure):
     _fields_ = [("dim", _i), ("n_heads", _i), ("n_kv_heads", _i), ("head_dim", _i), ("ffn_dim", _i), ("vocab", _i),
                 ("n_prelude", _i), ("n_core", _i), ("n_coda", _i), ("swiglu", _i), ("injection", _i),
                 ("placement", _i), ("loop_norm", _i), ("post_loop_norm", _i), ("norm_eps", ctypes.c_float),
                 ("embed_scale", ctypes.c_float), ("embed", _p), ("embed_kind", _i), ("blocks", ctypes.POINTER(TlBlock)),
                 ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
-                ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double)]
+                ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double),
+                ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i)]
 
 
 class TlKV(ctypes.Structure):
@@ -52,7 +57,8 @@ class TlKV(ctypes.Structure):
 class TlRow(ctypes.Structure):
     _fields_ = [("token", _i), ("pos", _i), ("loops", _i), ("window", _i), ("table", _p), ("stride", _i),
                 ("n_blocks", _i), ("exit_kind", _i), ("min_loops", _i), ("threshold", ctypes.c_double),
-                ("survival", ctypes.c_double), ("loops_run", _i)]
+                ("survival", ctypes.c_double), ("loops_run", _i), ("first_loop", _i), ("readout", _i),
+                ("state_e", _p), ("state_h", _p), ("out_e", _p), ("out_h", _p)]
 
 
 _lock = threading.Lock()

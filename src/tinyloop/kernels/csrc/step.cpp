@@ -176,18 +176,24 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
                          float* scratch, int64_t scratch_len) {
     if (M <= 0) return 0;
     if (tl_nthreads() > 64) return 3;
-    int max_ctx = 0;
+    int max_ctx = 0, n_fresh = 0, max_loops = 0;
     for (int r = 0; r < M; ++r) {
         max_ctx = std::max(max_ctx, rows[r].pos + 1);
+        max_loops = std::max(max_loops, rows[r].loops);
         if (rows[r].pos >= m->rope_len) return 2;
-        if (r && rows[r].loops > rows[r - 1].loops) return 4;
+        if (rows[r].first_loop == 0) {
+            if (n_fresh != r) return 4;   // rows from tokens come first
+            ++n_fresh;
+        }
+        if (rows[r].readout > m->n_readouts) return 5;
     }
     int64_t need;
     Buffers B = carve(m, M, max_ctx, scratch, &need);
     if (need > scratch_len) return 1;
     const int64_t dim = m->dim;
-    // embedding (times embed_scale), then the prelude
-    for (int r = 0; r < M; ++r) {
+    // rows from tokens: embedding (times embed_scale), the prelude; e is its output, h the state loop 0
+    // starts from (e itself without injection, else zeros). Other rows bring their (e, h).
+    for (int r = 0; r < n_fresh; ++r) {
         float* xr = B.x + r * dim;
         const int64_t o = (int64_t)rows[r].token * dim;
         for (int i = 0; i < dim; ++i) {
@@ -197,27 +203,31 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             xr[i] = m->embed_scale != 1.0f ? v * m->embed_scale : v;
         }
     }
-    for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, M, i, B.x, B);
-    // e: the prelude output every loop receives; h: the state (e itself without injection, else zeros)
-    memcpy(B.e, B.x, sizeof(float) * M * dim);
-    if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * M * dim);
-    else memset(B.h, 0, sizeof(float) * M * dim);
+    if (n_fresh)
+        for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, n_fresh, i, B.x, B);
+    memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
+    if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);
+    else memset(B.h, 0, sizeof(float) * n_fresh * dim);
+    for (int r = n_fresh; r < M; ++r) {
+        memcpy(B.e + r * dim, rows[r].state_e, sizeof(float) * dim);
+        memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
+    }
     const tl_block* core = m->blocks + m->n_prelude;
     const int core_slot0 = m->n_prelude + m->n_coda;
-    // The loops run on the rows still looping, packed first: `ph` holds the rows in that physical order
+    // Each loop runs on the rows it concerns, packed first: `ph` holds the rows in that physical order
     // (e and h rows move with them), `orig` maps a physical row back to the caller's.
     std::vector<tl_row> ph(rows, rows + M);
     std::vector<int> orig(M), order(M);
     for (int r = 0; r < M; ++r) orig[r] = r;
-    for (int loop = 0; loop < rows[0].loops; ++loop) {
-        // stable partition: rows with loops left first (exits break the caller's deepest-first order)
+    for (int loop = 0; loop < max_loops; ++loop) {
         int Ml = 0;
-        for (int p = 0; p < M; ++p) if (ph[p].loops > loop) order[Ml++] = p;
-        if (Ml == 0) break;
+        auto active = [&](const tl_row& r) { return r.first_loop <= loop && loop < r.loops; };
+        for (int p = 0; p < M; ++p) if (active(ph[p])) order[Ml++] = p;
+        if (Ml == 0) continue;
         bool moved = false;
-        for (int p = 0, q = Ml; p < M; ++p) if (ph[p].loops <= loop) order[q++] = p;
+        for (int p = 0, q = Ml; p < M; ++p) if (!active(ph[p])) order[q++] = p;
         for (int p = 0; p < M; ++p) moved |= order[p] != p;
-        if (moved) {
+        if (moved) {   // a stable partition
             std::vector<tl_row> ph2(M);
             std::vector<int> orig2(M);
             for (int p = 0; p < M; ++p) {
@@ -253,17 +263,42 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             }
         memcpy(B.h, B.y, sizeof(float) * Ml * dim);
     }
-    for (int p = 0; p < M; ++p) {   // back in the caller's order
-        memcpy(B.a + (int64_t)orig[p] * dim, B.h + (int64_t)p * dim, sizeof(float) * dim);
-        rows[orig[p]].loops_run = ph[p].loops;
-        rows[orig[p]].survival = ph[p].survival;
+    // back in the caller's order: the states (kept where asked), loops run, survival
+    for (int p = 0; p < M; ++p) {
+        const int r = orig[p];
+        memcpy(B.a + (int64_t)r * dim, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        rows[r].loops_run = ph[p].loops;
+        rows[r].survival = ph[p].survival;
+        if (rows[r].out_h) {
+            memcpy(rows[r].out_e, B.e + (int64_t)p * dim, sizeof(float) * dim);
+            memcpy(rows[r].out_h, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        }
     }
-    memcpy(B.h, B.a, sizeof(float) * M * dim);
-    // the coda (after the final norm when it ends the recurrence)
-    if (m->post_loop_norm) rmsnorm(B.h, m->final_norm, hidden, M, dim, m->norm_eps);
-    else memcpy(hidden, B.h, sizeof(float) * M * dim);
-    const tl_block* coda = core + m->n_core;
-    for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, rows, M, m->n_prelude + i, hidden, B);
+    memcpy(hidden, B.a, sizeof(float) * M * dim);
+    // read-outs, one pass per kind over its rows: the coda (after the final norm when it ends the
+    // recurrence), or a draft exit's blocks on their own slots
+    for (int ro = 0; ro <= m->n_readouts; ++ro) {
+        std::vector<tl_row> sel;
+        std::vector<int> idx;
+        for (int r = 0; r < M; ++r)
+            if (rows[r].readout == ro) { sel.push_back(rows[r]); idx.push_back(r); }
+        if (sel.empty()) continue;
+        const int n = (int)sel.size();
+        for (int i = 0; i < n; ++i) {
+            float* x = B.x + (int64_t)i * dim;
+            const float* h = hidden + (int64_t)idx[i] * dim;
+            if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, x, 1, dim, m->norm_eps);
+            else memcpy(x, h, sizeof(float) * dim);
+        }
+        if (ro == 0) {
+            const tl_block* coda = core + m->n_core;
+            for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, sel.data(), n, m->n_prelude + i, B.x, B);
+        } else {
+            const tl_readout* x = &m->readouts[ro - 1];
+            for (int i = 0; i < x->n_blocks; ++i) block(m, &x->blocks[i], kv, sel.data(), n, x->slots[i], B.x, B);
+        }
+        for (int i = 0; i < n; ++i) memcpy(hidden + (int64_t)idx[i] * dim, B.x + (int64_t)i * dim, sizeof(float) * dim);
+    }
     return 0;
 }
 

@@ -43,7 +43,15 @@ typedef struct {
     tl_linear adapter;       // injection 2: (dim, 2 * dim)
     const float* rope_cos; const float* rope_sin; int32_t rope_len;   // (rope_len, D / 2)
     const float* gate_w; double gate_b;     // the exit gate Linear(dim -> 1) (exit criterion "gate")
+    const struct tl_readout* readouts;      // read-outs besides the coda (draft exits)
+    int32_t n_readouts;
 } tl_model;
+
+typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
+    int32_t n_blocks;
+    const tl_block* blocks;
+    const int32_t* slots;                   // the cache slot of each block
+} tl_readout;
 
 typedef struct {
     int32_t format, page_size;
@@ -55,7 +63,9 @@ typedef struct {
 enum { TL_EXIT_NONE = 0, TL_EXIT_LATENT = 1, TL_EXIT_GATE = 2 };   // model/exits.py criteria
 
 typedef struct {
-    int32_t token, pos, loops, window;      // one new token at storage index == position `pos`
+    // one token at storage index == position `pos`: from its embedding (first_loop 0) or from the state
+    // (e, h) after loop first_loop - 1; then loops first_loop .. loops - 1, then the read-out
+    int32_t token, pos, loops, window;
     const int64_t* table;                   // (n_blocks, stride): page of each (block, slot)
     int32_t stride, n_blocks;
     // adaptive depth (model/exits.py): checked after each loop from min_loops on; an exit copies the last
@@ -64,10 +74,14 @@ typedef struct {
     double threshold;
     double survival;                        // in/out: the gate rule's probability of not having exited
     int32_t loops_run;                      // out: core loops this row ran
+    int32_t first_loop;
+    int32_t readout;                        // -1 none, 0 the model's coda, i > 0 readouts[i - 1]
+    const float* state_e; const float* state_h;   // first_loop > 0: (dim) each
+    float* out_e; float* out_h;             // non-null: the state after the last loop is kept here
 } tl_row;
 
-// One decode step for `n_rows` one-token rows, sorted by `loops` descending. Writes `hidden` (n_rows, dim)
-// after the coda. `scratch` holds tl_scratch_floats(...) floats. Returns 0, or an error code.
+// One decode step for `n_rows` one-token rows (rows from tokens first). Writes `hidden` (n_rows, dim)
+// after each row's read-out. `scratch` holds tl_scratch_floats(...) floats. Returns 0, or an error code.
 int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t n_rows, float* hidden,
               float* scratch, int64_t scratch_len);
 int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
