@@ -56,22 +56,24 @@ def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
 
 
 def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
-    """A layer's weights as the library reads them (the module's own tensors)."""
-    from ..quant.fp16 import FP16Linear
-
-    d = L.TlLinear()
-    if type(mod) is nn.Linear or isinstance(mod, FP16Linear):
-        w = mod.weight if type(mod) is nn.Linear else mod.source
-        if getattr(mod, "bias", None) is not None:
+    """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
+    that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;
+    quant.linear.QuantLinear of kind "native": bits, group size and the portable codes, scales, zeros)."""
+    if type(mod) is nn.Linear:
+        if mod.bias is not None:
             raise Unsupported("a linear layer with a bias")
-        if not w.is_contiguous():
-            raise Unsupported("a non-contiguous weight")
-        d = tensor_desc(w, keep)
-    elif getattr(mod, "kind", None) == "native":   # QuantLinear (or its buffers) in the portable layout
-        d.kind, d.n, d.k, d.group = _QUANT_KINDS[mod.bits], mod.out_features, mod.in_features, mod.group_size
-        d.w, d.scales, d.zeros = mod.qweight.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr()
-    else:
+        return tensor_desc(mod.weight, keep)
+    native = getattr(mod, "native_weights", None)
+    w = native() if native is not None else None
+    if isinstance(w, torch.Tensor):
+        return tensor_desc(w, keep)
+    if not isinstance(w, dict):
         raise Unsupported(f"a {type(mod).__name__} layer ({getattr(mod, 'kind', '')})")
+    d = L.TlLinear()
+    d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
+    d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
+    d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
+    keep.append(w)
     if d.k % 8:
         raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
     return d
@@ -170,13 +172,12 @@ class NativeExecutor:
         with the latent or gate criterion), or a run of consecutive positions continuing from a draft's
         states (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
         Prefill chunks, tree-masked rows and the kl criterion run in PyTorch."""
-        from ..model.draft_exit import DraftExit
-
         rule, ro = r.exit_rule, r.readout
         if r.tree_mask is not None or int(r.positions[0]) != r.start or \
                 (r.n > 1 and int(r.positions[-1]) != r.start + r.n - 1):
             return False
-        if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(ro[0], DraftExit))):
+        if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
+                                                                                    nn.ModuleList))):
             return False
         if r.tokens is not None:
             return (r.n == 1 and r.first_loop == 0
@@ -212,19 +213,12 @@ class NativeExecutor:
             table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots))
         return table[key][0]
 
-    def run(self, step):
-        """Run the step's supported rows; returns a `PagedStep` of the others (None when none are left)."""
-        from ..model.paged import PagedStep
-
-        ok = [self.supports(r) for r in step.rows]
-        if not any(ok):
-            return step
-        self.decode(step.kv, [r for r, o in zip(step.rows, ok) if o])
-        rest = [r for r, o in zip(step.rows, ok) if not o]
-        if not rest:
-            return None
-        m = self.model
-        return PagedStep(step.kv, rest, m.rotary, m.act_dtype or m.embed.weight.dtype, step.device)
+    def run(self, kv, rows: list) -> list:
+        """Run the supported ones of a step's `Rows` over the pool `kv`; returns the others."""
+        ok = [self.supports(r) for r in rows]
+        if any(ok):
+            self.decode(kv, [r for r, o in zip(rows, ok) if o])
+        return [r for r, o in zip(rows, ok) if not o]
 
     def decode(self, kv, rows) -> None:
         """Supported `Rows` (rows from tokens first): each gets `hidden` (n, dim) after its read-out, and

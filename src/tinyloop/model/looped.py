@@ -179,9 +179,11 @@ class LoopedTransformer(nn.Module):
         Rows are in the step's order; each phase (prelude, loop r, each read-out) runs once over the
         sequences taking part, packed (a contiguous slice when they are adjacent, else gathered)."""
         if self.executor is not None:
-            step = self.executor.run(step)   # its rows are done; the rest (if any) run here
-            if step is None:
+            rest = self.executor.run(step.kv, step.rows)   # its rows are done; the rest (if any) run here
+            if not rest:
                 return
+            if len(rest) < len(step.rows):
+                step = PagedStep(step.kv, rest, self.rotary, self.act_dtype or self.embed.weight.dtype, step.device)
         with self._decode_threads(step.n):
             self._run(step)
 

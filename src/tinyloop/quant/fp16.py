@@ -67,6 +67,10 @@ class FP16Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "FP16Linear":
         return cls(linear.weight, linear.bias)
 
+    def native_weights(self) -> torch.Tensor:
+        """What the native executor (`kernels/`) reads for this layer: the 16-bit weight (out, in)."""
+        return self.source
+
     @property
     def weight_nbytes(self) -> int:
         """Bytes of weight one forward call reads."""

@@ -63,14 +63,12 @@ def _kernel_call(kind: str, x: torch.Tensor, bufs: dict[str, torch.Tensor], grou
 class _NativeView:
     """The portable buffers as `kernels.executor.linear_desc` reads a `QuantLinear` of kind "native"."""
 
-    kind = "native"
-
     def __init__(self, bufs: dict[str, torch.Tensor], group_size: int):
-        self.qweight, self.scales, self.zeros = bufs["qweight"], bufs["scales"], bufs["zeros"]
-        self.out_features = self.qweight.shape[0]
-        self.group_size = group_size
-        self.in_features = group_size * self.scales.shape[1]
-        self.bits = self.qweight.shape[1] * 8 // self.in_features
+        k = group_size * bufs["scales"].shape[1]
+        self.w = {"bits": bufs["qweight"].shape[1] * 8 // k, "group_size": group_size, **bufs}
+
+    def native_weights(self) -> dict:
+        return self.w
 
 
 def _native_executor() -> bool:
@@ -157,6 +155,13 @@ class QuantLinear(nn.Module):
         K = qweight.shape[1] * 8 // bits
         kind, bufs = to_kernel_layout(qweight, scales, zeros, bits, device, kernel=kernel)
         return cls(K, N, bits, K // scales.shape[1], kind, bufs)
+
+    def native_weights(self) -> dict | None:
+        """What the native executor (`kernels/`) reads for this layer (kind "native"; None otherwise)."""
+        if self.kind != "native":
+            return None
+        return {"bits": self.bits, "group_size": self.group_size, "qweight": self.qweight, "scales": self.scales,
+                "zeros": self.zeros}
 
     @property
     def weight_bytes(self) -> int:
