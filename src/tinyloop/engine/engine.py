@@ -10,6 +10,7 @@ server uses.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -115,6 +116,9 @@ class Engine:
             prepare_for_decode(loaded.model, executor=executor)
         attach_draft_exit_file(loaded, draft_exit)
         attach_gate_file(loaded, gate)
+        # The model's thousands of long-lived objects leave the garbage collector's generations: a full
+        # collection would otherwise walk them all, mid-step (measured ~6% of a native decode step's time).
+        gc.freeze()
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:

@@ -17,6 +17,14 @@ static inline vf load_w(int kind, const void* w, int64_t i) {
     return vload_bf16((const uint16_t*)w + i);
 }
 
+static inline void tl_prefetch(const void* w, int kind, int64_t i) {
+#if TL_SIMD
+    _mm_prefetch((const char*)w + i * (kind == TL_F32 ? 4 : 2), _MM_HINT_T0);
+#else
+    (void)w; (void)kind; (void)i;
+#endif
+}
+
 // float weights: rows [n0, n1) of W against MR input rows, NR weight rows at a time (MR * NR independent
 // accumulators; compile-time sizes keep them in registers)
 template <int KIND, int MR, int NR>
@@ -28,6 +36,8 @@ void float_tile(const tl_linear* L, const float* x, float* y, int ldy, int n0, i
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
         for (int k = 0; k < K; k += TL_W) {
+            if (k % 32 == 0)   // the next NR rows, a cache line per row at a time (the streams a head reads)
+                for (int j = 0; j < NR; ++j) tl_prefetch(L->w, KIND, (int64_t)(n + NR + j) * K + k);
             vf w[NR];
             for (int j = 0; j < NR; ++j) w[j] = load_w(KIND, L->w, (int64_t)(n + j) * K + k);
             for (int r = 0; r < MR; ++r) {
