@@ -33,6 +33,15 @@ class Unsupported(ValueError):
     """A model (or layer) the native executor does not run; the PyTorch path serves it."""
 
 
+def q8_activations() -> bool:
+    """Whether int4 layers quantize their activations to int8 for integer dot products (llama.cpp's q4 x q8;
+    `TINYLOOP_NATIVE_Q8=0` keeps fp32 activations, exact to the dequantized weights)."""
+    v = os.environ.get("TINYLOOP_NATIVE_Q8", "1").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"TINYLOOP_NATIVE_Q8 must be 1 or 0, got {v!r}")
+    return v in ("1", "true", "yes", "on")
+
+
 def default_threads() -> int:
     n = os.environ.get("TINYLOOP_NATIVE_THREADS")
     if n:
@@ -73,6 +82,7 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
     d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
     d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
+    d.act_q8 = int(d.kind == L.TL_Q4 and q8_activations())
     keep.append(w)
     if d.k % 8:
         raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
@@ -298,8 +308,7 @@ def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:
     x2 = x.reshape(-1, d.k).float().contiguous()
     M = x2.shape[0]
     y = torch.empty(M, d.n, dtype=torch.float32)
-    scratch = torch.empty(M * d.k + M * (d.k // max(d.group, 1)) + 16 if d.kind >= L.TL_Q8 else 16,
-                          dtype=torch.float32)
+    scratch = torch.empty(M * d.k + M * (d.k // 8) + 16 if d.kind >= L.TL_Q8 else 16, dtype=torch.float32)
     with _CALL:
         lib.tl_set_threads(threads)
         rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())

@@ -26,7 +26,8 @@ _i = ctypes.c_int32
 
 
 class TlLinear(ctypes.Structure):
-    _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p)]
+    _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p),
+                ("act_q8", _i)]
 
 
 class TlBlock(ctypes.Structure):

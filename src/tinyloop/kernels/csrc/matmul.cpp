@@ -132,6 +132,81 @@ void quant_rows(const tl_linear* L, const float* xp, const float* xs, int m, flo
     }
 }
 
+#if TL_SIMD
+// int4 weights against int8 activations (llama.cpp's q4 x q8 idea on the portable layout): per 32 columns,
+// x is quantized to q = round(x / d) with d = max|x| / 127 and stored evens first, then odds, to meet
+// the low and high nibbles of the 16 code bytes; sum_k (c - z) s x ~= s d (sum_k c q - z sum_k q).
+template <int MR>
+void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int n = n0; n < n1; ++n) {
+        __m256 acc[MR];
+        float corr[MR];
+        for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+        const uint8_t* qrow = codes + (int64_t)n * (K / 2);
+        _mm_prefetch((const char*)(qrow + 2 * (K / 2)), _MM_HINT_T0);
+        for (int g = 0; g < NG; ++g) {
+            const float s = f16_to_f32(L->scales[(int64_t)n * NG + g]);
+            const float z = (float)L->zeros[(int64_t)n * NG + g];
+            for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(qrow + b * 16));
+                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+                for (int r = 0; r < MR; ++r) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                    const float sd = s * xd[(int64_t)r * NB + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[r]);
+                    corr[r] += sd * z * xs[(int64_t)r * NB + b];
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r) y[(int64_t)r * ldy + n] = vsum(acc[r]) - corr[r];
+    }
+}
+
+// x (m, k) -> int8 codes (m, k) in the nibble order, scales d and code sums per 32 columns (m, k / 32)
+void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs) {
+    for (int r = 0; r < m; ++r)
+        for (int b = 0; b < K / 32; ++b) {
+            const float* v = x + (int64_t)r * K + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            int8_t* q = xq + (int64_t)r * K + b * 32;
+            int sum = 0;
+            for (int j = 0; j < 16; ++j) {
+                const int e = (int)nearbyintf(v[2 * j] * id), o = (int)nearbyintf(v[2 * j + 1] * id);
+                q[j] = (int8_t)e;
+                q[16 + j] = (int8_t)o;
+                sum += e + o;
+            }
+            xd[(int64_t)r * (K / 32) + b] = d;
+            xs[(int64_t)r * (K / 32) + b] = (float)sum;
+        }
+}
+
+void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, int m, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, NB = K / 32;
+    int mt = 0;
+    for (; mt + 4 <= m; mt += 4)
+        q4q8_tile<4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, xs + (int64_t)mt * NB, y + (int64_t)mt * ldy, ldy, n0, n1);
+    const int8_t* q = xq + (int64_t)mt * K;
+    const float* d = xd + (int64_t)mt * NB;
+    const float* s = xs + (int64_t)mt * NB;
+    float* yt = y + (int64_t)mt * ldy;
+    switch (m - mt) {
+        case 1: q4q8_tile<1>(L, q, d, s, yt, ldy, n0, n1); break;
+        case 2: q4q8_tile<2>(L, q, d, s, yt, ldy, n0, n1); break;
+        case 3: q4q8_tile<3>(L, q, d, s, yt, ldy, n0, n1); break;
+        default: break;
+    }
+}
+#endif
+
 int bits_of(int kind) { return kind == TL_Q8 ? 8 : kind == TL_Q4 ? 4 : 2; }
 }  // namespace
 
@@ -154,11 +229,25 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
 
 int64_t tl_linear_scratch(const tl_linear* L, int m) {
     if (L->kind <= TL_BF16) return 0;
-    return (int64_t)m * L->k + (int64_t)m * (L->k / L->group);
+    return (int64_t)m * L->k + (int64_t)m * (L->k / 8);
 }
 
 // y[:, 0:n] with row stride ldy; runs on the pool. scratch: tl_linear_scratch floats (quantized kinds).
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
+#if TL_SIMD
+    if (L->kind == TL_Q4 && L->act_q8) {
+        int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
+        float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
+        float* xs = xd + (int64_t)m * (L->k / 32);
+        quantize_q8(x, m, L->k, xq, xd, xs);
+        tl_parallel([&](int t, int nt) {
+            int n0, n1;
+            tl_split(L->n, t, nt, 8, &n0, &n1);
+            if (n0 < n1) q4q8_rows(L, xq, xd, xs, m, y, ldy, n0, n1);
+        });
+        return;
+    }
+#endif
     const float* xp = x;
     const float* xs = nullptr;
     if (L->kind > TL_BF16) {
