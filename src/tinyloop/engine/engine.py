@@ -10,6 +10,7 @@ server uses.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 import time
@@ -26,6 +27,8 @@ from ..tokenizer import HFTokenizer
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
+
+atexit.register(gc.unfreeze)
 
 __all__ = ["Engine", "GenerationResult", "StreamEvent", "attach_draft_exit_file"]
 
@@ -118,7 +121,7 @@ class Engine:
         attach_gate_file(loaded, gate)
         # The model's thousands of long-lived objects leave the garbage collector's generations: a full
         # collection would otherwise walk them all, mid-step (measured ~6% of a native decode step's time).
-        gc.freeze()
+        gc.freeze()   # (unfrozen at exit, so that extension modules see their objects freed as usual)
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:
