@@ -23,8 +23,10 @@ native: $(STAMP)
 serve: native
 	$(VENV)/bin/tinyloop serve $(ARGS)
 
+# The suite is split over two worker processes (pytest-xdist), a test file per worker at a time.
+TEST_WORKERS ?= 2
 test: native
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of
 # the corpus; docs/quantization.md). CORPUS defaults to the shared copy; scripts/build_corpus.py rebuilds it.
