@@ -9,8 +9,10 @@
 #include "tinyloop.h"
 #include "threads.h"
 #include "vec.h"
+#include <algorithm>
 
 namespace {
+constexpr int CHUNK = 32;   // output rows per unit of work the threads share
 static inline vf load_w(int kind, const void* w, int64_t i) {
     if (kind == TL_F32) return vload((const float*)w + i);
     if (kind == TL_F16) return vload_f16((const uint16_t*)w + i);
@@ -240,10 +242,8 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
         float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
         float* xs = xd + (int64_t)m * (L->k / 32);
         quantize_q8(x, m, L->k, xq, xd, xs);
-        tl_parallel([&](int t, int nt) {
-            int n0, n1;
-            tl_split(L->n, t, nt, 8, &n0, &n1);
-            if (n0 < n1) q4q8_rows(L, xq, xd, xs, m, y, ldy, n0, n1);
+        tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
+            q4q8_rows(L, xq, xd, xs, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
         });
         return;
     }
@@ -255,10 +255,8 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
         xp = scratch;
         xs = scratch + (int64_t)m * L->k;
     }
-    tl_parallel([&](int t, int nt) {
-        int n0, n1;
-        tl_split(L->n, t, nt, 8, &n0, &n1);
-        if (n0 >= n1) return;
+    tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
+        const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
         switch (L->kind) {
             case TL_F32: float_rows<TL_F32>(L, x, m, y, ldy, n0, n1); break;
             case TL_F16: float_rows<TL_F16>(L, x, m, y, ldy, n0, n1); break;

@@ -101,14 +101,10 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             tl_kv_write(kv, 1, e, D, B.tmp);
         }
     }
-    tl_parallel([&](int t, int nt) {
-        int lo, hi;
-        tl_split(M * Hkv, t, nt, 1, &lo, &hi);
-        for (int task = lo; task < hi; ++task) {
-            const int r = task / Hkv, g = task % Hkv;
-            tl_attend_row(kv, &rows[r], slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, B.att + (int64_t)r * H * D, g,
-                          B.attn + B.attn_per_thread * t);
-        }
+    tl_parallel_for(M * Hkv, [&](int task, int t) {   // a (row, kv head) each
+        const int r = task / Hkv, g = task % Hkv;
+        tl_attend_row(kv, &rows[r], slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, B.att + (int64_t)r * H * D, g,
+                      B.attn + B.attn_per_thread * t);
     });
     tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);
     residual(m, x, B.y, b->attn_out_norm, M);

@@ -1,10 +1,12 @@
-// A persistent thread pool: `parallel(fn)` runs fn(thread, n_threads) on every thread (the caller is
-// thread 0) and returns when all are done. Workers spin between jobs for a short while (a decode step
-// issues ~100 jobs, microseconds apart), then sleep on a futex (std::atomic wait) until the next one.
+// A persistent thread pool. `tl_parallel_for(n, fn)` runs fn(chunk, thread) for chunk 0 .. n-1 over the
+// threads (the caller is thread 0; `thread` indexes per-thread scratch) and returns when all are done. Each thread owns a contiguous share of the chunks
+// (the same share every call, so a thread keeps reading the same weight rows: they stay in its cache) and,
+// once its share is done, takes chunks from the others' shares: a thread the OS has descheduled (another
+// process holds its core) delays nobody. Idle workers spin briefly, yield, then sleep on a futex.
 #pragma once
 #include <functional>
 
-void tl_parallel(const std::function<void(int, int)>& fn);
+void tl_parallel_for(int n_chunks, const std::function<void(int, int)>& fn);
 int tl_nthreads();
 
 // the share [lo, hi) of `total` items for thread `t` of `n`, in multiples of `align`
