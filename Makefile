@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test corpus int4-model draft-exit gate clean
+.PHONY: install native serve test corpus int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,11 +15,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# The native decode executor, compiled for this CPU and cached (~/.cache/tinyloop/kernels; a few seconds the
+# first time, nothing after). Without a C++ compiler it says so and the PyTorch path serves.
+native: $(STAMP)
+	$(VENV)/bin/python -m tinyloop.kernels.build
+
+serve: native
 	$(VENV)/bin/tinyloop serve $(ARGS)
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+# The suite is split over two worker processes (pytest-xdist), a test file per worker at a time.
+TEST_WORKERS ?= 2
+test: native
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of
 # the corpus; docs/quantization.md). CORPUS defaults to data/corpus inside the clone, which

@@ -11,7 +11,9 @@ should, up to fp16 rounding in near-ties).
 
 Pairs: the fp16 file against GGUF F16; the int4 file against GGUF Q4_0 and Q4_1 (embedding and head kept
 in F16); TinyLoop's default self-speculation (fp16 file, draft exits, `mode="speculative"` with its default
-knobs) against llama.cpp's plain F16 decode. Neither peer package is in the default install or CI:
+knobs) and adaptive depth (`loops: "auto"`, default threshold) against llama.cpp's plain F16 decode. Each
+TinyLoop row runs with the native executor and, as the baseline of the same run, with the PyTorch path
+(`executor="torch"`). Neither peer package is in the default install or CI:
 
     .venv/bin/pip install gguf llama-cpp-python      # compiles llama.cpp once (minutes)
     .venv/bin/python benchmarks/peer_llamacpp.py [--tokens 64] [--loops 8] [--threads 1,2] [--json PATH]
@@ -136,7 +138,10 @@ def run_tinyloop(engine, ids: list[int], tokens: int, loops: int, threads: int, 
 
     torch.set_num_threads(threads)
     engine.model.decode_threads = threads
-    params = SamplingParams(max_tokens=tokens, loops=loops, ignore_eos=True, mode=mode)
+    if engine.model.executor is not None:
+        engine.model.executor.threads = threads
+    params = SamplingParams(max_tokens=tokens, loops="auto" if mode == "auto" else loops, ignore_eos=True,
+                            mode="generate" if mode == "auto" else mode)
     rates, out = [], []
     for _ in range(repeats + 1):
         stamps, out = [], []
@@ -166,10 +171,12 @@ def main() -> int:
     from tinyloop.modelfile import load_model, resolve_model_path
 
     source = load_model(resolve_model_path("tinyloop-16m"), dtype=torch.float32).model
-    engines = {"fp16": Engine.load("tinyloop-16m", draft_exit=False),
-               "int4": Engine.load("tinyloop-16m-int4", draft_exit=False)}
-    spec_engine = Engine.load("tinyloop-16m")  # draft exits on: the default speculative settings
-    ids = engines["fp16"].encode_prompt(PROMPT)
+    engines, specs = {}, {}
+    for ex in ("native", "torch"):
+        engines[f"fp16 {ex}"] = Engine.load("tinyloop-16m", draft_exit=False, executor=ex)
+        engines[f"int4 {ex}"] = Engine.load("tinyloop-16m-int4", draft_exit=False, executor=ex)
+        specs[ex] = Engine.load("tinyloop-16m", executor=ex)  # draft exits on: the default speculative settings
+    ids = engines["fp16 native"].encode_prompt(PROMPT)
     threads = [int(t) for t in args.threads.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,11 +185,16 @@ def main() -> int:
         sizes = {q: os.path.getsize(p) for q, p in ggufs.items()}
         for t in threads:
             tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats) for k, e in engines.items()}
-            tl["fp16 speculative (defaults)"] = run_tinyloop(spec_engine, ids, args.tokens, args.loops, t,
-                                                             args.repeats, mode="speculative")
+            for ex, e in specs.items():
+                tl[f"fp16 speculative (defaults) {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t,
+                                                                       args.repeats, mode="speculative")
+                tl[f"fp16 loops auto {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats,
+                                                           mode="auto")
             lc = {q: run_llama(p, ids, args.tokens, t, args.repeats) for q, p in ggufs.items()}
-            for tl_name, q in (("fp16", "F16"), ("int4", "Q4_0"), ("int4", "Q4_1"),
-                               ("fp16 speculative (defaults)", "F16")):
+            pairs = [(f"{name} {ex}", q) for ex in ("native", "torch")
+                     for name, q in (("fp16", "F16"), ("int4", "Q4_0"), ("int4", "Q4_1"),
+                                     ("fp16 speculative (defaults)", "F16"), ("fp16 loops auto", "F16"))]
+            for tl_name, q in pairs:
                 a, b = tl[tl_name], lc[q]
                 agree = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
                 first_diff = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)

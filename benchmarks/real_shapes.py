@@ -8,7 +8,8 @@ resident memory after loading, decode tok/s of one greedy request at the trained
 decode steps after the first token), the weight bytes one token reads, and that over the read bandwidth
 measured in the same run (the ceiling).
 
-    .venv/bin/python benchmarks/real_shapes.py [--shapes ouro-1.4b] [--tokens 16] [--threads 1,2] [--workdir DIR] [--json PATH]
+    .venv/bin/python benchmarks/real_shapes.py [--shapes ouro-1.4b] [--tokens 16] [--threads 1,2] [--loops 1,4]
+        [--executors native,torch] [--workdir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -88,16 +89,17 @@ def module_bytes(mod: torch.nn.Module) -> int:
     return total
 
 
-def token_bytes(engine: Engine) -> int:
+def token_bytes(engine: Engine, loops: int | None = None) -> int:
     """Weight bytes one decode token reads: prelude and coda once, the core (and adapter) every loop, the
     head once (norms and the embedding row are negligible)."""
-    m, loops = engine.model, engine.config.default_loops
+    m, loops = engine.model, loops or engine.config.default_loops
     core = sum(module_bytes(b) for b in m.core) + (module_bytes(m.adapter) if m.adapter is not None else 0)
     head = module_bytes(m.head_linear) if m.head_linear is not None else m.head_weight.numel() * m.head_weight.element_size()
     return sum(module_bytes(b) for b in [*m.prelude, *m.coda]) + loops * core + head
 
 
-def run_shape(name: str, tokens: int, workdir: Path, threads: list[int]) -> dict:
+def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executor: str = "native",
+              loops: int | None = None) -> dict:
     family, hf = SHAPES[name]
     tok = small_tokenizer()
     cfg = (ouro_config if family == "ouro" else huginn_config)(hf, workdir, [0])
@@ -118,20 +120,26 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int]) -> dict
         gc.collect()
     rss0 = rss_gib()
     t0 = time.perf_counter()
-    engine = Engine.load(int4, draft_exit=False)
+    engine = Engine.load(int4, draft_exit=False, executor=executor)
     t_load = time.perf_counter() - t0
     rss1 = rss_gib()
     decode = {}
+    loops = loops or cfg.default_loops
     for n in threads:
         torch.set_num_threads(n)
         engine.model.decode_threads = n
+        if engine.model.executor is not None:
+            engine.model.executor.threads = n
         stamps = []
-        for ev in engine.stream([5, 17, 42, 7, 99, 3, 11, 64], SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        for ev in engine.stream([5, 17, 42, 7, 99, 3, 11, 64],
+                                SamplingParams(max_tokens=tokens, ignore_eos=True, loops=loops)):
             if ev.token_ids:
                 stamps.append(time.perf_counter())
         decode[n] = round(1 / statistics.median([b - a for a, b in zip(stamps, stamps[1:])]), 2)
-    nbytes = token_bytes(engine)
-    return {"shape": name, "params": cfg.param_count(), "loops": cfg.default_loops,
+    nbytes = token_bytes(engine, loops)
+    del engine
+    gc.collect()
+    return {"shape": name, "executor": executor, "params": cfg.param_count(), "loops": loops,
             "int4_file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
             "rss_before_load_GiB": round(rss0, 2), "build_write_s": t_write, "quantize_s": t_quant,
             "load_s": round(t_load, 1), "decode_tok_s_by_threads": decode, "decode_tok_s": max(decode.values()),
@@ -144,6 +152,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="ouro-1.4b", help=f"comma-separated: {', '.join(SHAPES)}")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", default="1,2", help="decode thread counts to time")
+    ap.add_argument("--executors", default="native,torch", help="decode executors to time (docs/decode.md)")
+    ap.add_argument("--loops", default="", help="comma-separated depths (default: the family's trained depth)")
     ap.add_argument("--workdir", help="keep the built int4 files here (reused when present); default: a temp dir")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -153,19 +163,21 @@ def main() -> int:
         work = Path(args.workdir) if args.workdir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for name in args.shapes.split(","):
-            r = run_shape(name, args.tokens, work, [int(t) for t in args.threads.split(",")])
-            r["ceiling_tok_s"] = round(bw["best_GBps"] / r["token_GB"], 2)
-            r["fraction_of_ceiling"] = round(r["decode_tok_s"] / r["ceiling_tok_s"], 2)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            gc.collect()
+            for loops in [int(x) for x in args.loops.split(",") if x] or [None]:
+                for ex in args.executors.split(","):
+                    r = run_shape(name, args.tokens, work, [int(t) for t in args.threads.split(",")], ex, loops)
+                    r["ceiling_tok_s"] = round(bw["best_GBps"] / r["token_GB"], 2)
+                    r["fraction_of_ceiling"] = round(r["decode_tok_s"] / r["ceiling_tok_s"], 2)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    gc.collect()
     print(f"# read bandwidth {bw['best_GBps']:.1f} GB/s (best of 7, {torch.get_num_threads()} threads)")
-    print("| shape | params | loops | int4 file GiB | RSS after load GiB | decode tok/s by threads | GB/token | "
-          "ceiling tok/s | best / ceiling |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("| shape | executor | params | loops | int4 file GiB | RSS after load GiB | decode tok/s by threads | "
+          "GB/token | ceiling tok/s | best / ceiling |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         by = ", ".join(f"{n}: {v}" for n, v in r["decode_tok_s_by_threads"].items())
-        print(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['loops']} | {r['int4_file_GiB']} | "
+        print(f"| {r['shape']} | {r['executor']} | {r['params'] / 1e9:.2f}B | {r['loops']} | {r['int4_file_GiB']} | "
               f"{r['rss_after_load_GiB']} | {by} | {r['token_GB']} | {r['ceiling_tok_s']} | "
               f"{r['fraction_of_ceiling']} |")
     if args.json:

@@ -108,6 +108,8 @@ def _info(args: argparse.Namespace) -> int:
         header_config(path)  # framing and config; the tensors are checked when the model loads
     except ModelFileError as exc:
         return _fail(str(exc))
+    from .kernels.lib import describe as describe_executor
+
     exit_file = find_companion(path, header, DRAFT_SUFFIX)
     tok = header.get("tokenizer") or {}
     prov = header.get("provenance") or {}
@@ -118,6 +120,7 @@ def _info(args: argparse.Namespace) -> int:
                           if tok.get(k) is not None},
             "chat_template": tok.get("chat_template"),
             "draft_exit": str(exit_file) if exit_file else None,
+            "executor": describe_executor(),
             "provenance": prov}
     if args.json:
         print(json.dumps(info, indent=2))

@@ -229,7 +229,7 @@ def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
                                        None, progress=False)
     header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
     path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
-    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, threads=None)
+    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, threads=None, executor="torch")
     attn = fast.core[0].attn
     assert isinstance(attn.wqkv, QuantLinear) if attn.wqkv is not None else isinstance(attn.wq, QuantLinear)
     x = toks(1, 12, vocab=512)

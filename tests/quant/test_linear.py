@@ -13,14 +13,20 @@ def portable(N, K, bits, group, seed=0):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (2, 32), (2, 64), (8, None)])
 @pytest.mark.parametrize("M", [1, 5])
-def test_quant_linear_matches_dequantized_reference(bits, group, M):
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_quant_linear_matches_dequantized_reference(bits, group, M, kernel, monkeypatch):
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")   # fp32 activations (tests/kernels covers int8 ones)
     qw, s, z, w_ref = portable(96, 256, bits, group)
-    lin = QuantLinear.from_portable(qw, s, z, bits)
+    lin = QuantLinear.from_portable(qw, s, z, bits, kernel=kernel)
     assert lin.kind != "dense", "this CPU build should have the int4/int8 kernels"
     x = torch.randn(2, M, 256, generator=torch.Generator().manual_seed(1))
     y = lin(x)
     assert y.shape == (2, M, 96) and y.dtype == x.dtype
-    ref = x.to(torch.bfloat16).float() @ w_ref.t()  # the kernels take bf16 activations
+    if kernel == "native":  # fp32 activations and accumulation
+        ref = x @ w_ref.t()
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        return
+    ref = x.to(torch.bfloat16).float() @ w_ref.t()  # the torch kernels take bf16 activations
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
@@ -33,20 +39,31 @@ def test_dense_reference_path_matches_dequantized_weights():
 
 
 def test_int2_and_int4_read_the_same_kernel_bytes():
-    k4 = QuantLinear.from_portable(*portable(64, 128, 4, 32)[:3], 4)
-    k2 = QuantLinear.from_portable(*portable(64, 128, 2, 32)[:3], 2)
+    k4 = QuantLinear.from_portable(*portable(64, 128, 4, 32)[:3], 4, kernel="torch")
+    k2 = QuantLinear.from_portable(*portable(64, 128, 2, 32)[:3], 2, kernel="torch")
     assert k2.kind == k4.kind == "int4pack_cpu"
     assert k2.weight_bytes == k4.weight_bytes < 64 * 128 * 2 // 2  # well under bf16's 2 bytes per weight
 
 
+def test_native_kernels_read_the_portable_bytes():
+    """The native kind keeps the file's own tensors: int2 reads half of int4's bytes, nothing is repacked."""
+    qw, sc, zr = portable(64, 128, 4, 32)[:3]
+    k4 = QuantLinear.from_portable(qw, sc, zr, 4, kernel="native")
+    k2 = QuantLinear.from_portable(*portable(64, 128, 2, 32)[:3], 2, kernel="native")
+    assert k4.kind == k2.kind == "native" and k4.qweight.data_ptr() == qw.data_ptr()
+    assert k2.weight_bytes < k4.weight_bytes
+    assert k4.state_dict() == {}
+
+
 def test_quant_linear_has_no_persistent_state():
-    lin = QuantLinear.from_portable(*portable(32, 64, 4, 32)[:3], 4)
+    lin = QuantLinear.from_portable(*portable(32, 64, 4, 32)[:3], 4, kernel="torch")
     assert lin.state_dict() == {}
-    kind, bufs = to_kernel_layout(*portable(32, 64, 4, 32)[:3], 4)
+    kind, bufs = to_kernel_layout(*portable(32, 64, 4, 32)[:3], 4, kernel="torch")
     assert kind == "int4pack_cpu" and set(bufs) == {"packed", "sz"}
 
 
-@pytest.mark.parametrize("bits,group,kernel", [(4, 32, "auto"), (2, 64, "auto"), (8, None, "auto"),
+@pytest.mark.parametrize("bits,group,kernel", [(4, 32, "torch"), (2, 64, "torch"), (8, None, "torch"),
+                                               (4, 32, "native"), (2, 64, "native"), (8, None, "native"),
                                                (4, 32, "dense")])
 def test_concat_fuses_exactly(bits, group, kernel):
     # fused q/k/v (or gate/up): one kernel call whose output rows are the parts' rows, bit for bit
@@ -79,7 +96,7 @@ def test_quantized_model_fuses_projections_and_keeps_its_logits(tokenizer, tmp_p
                                        progress=False)
     header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
     path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
-    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model)
+    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, executor="torch")
     assert fast.decode_prepared["fused"] == 2 * (cfg.n_prelude + cfg.n_core + cfg.n_coda)
     assert isinstance(fast.core[0].attn.wqkv, QuantLinear) and isinstance(fast.core[0].mlp.w_gate_up, QuantLinear)
     x = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -79,6 +79,7 @@ def test_lmstudio_extras(tiny_server):
     assert s["mode"] == "generate" and s["loops_used"] == 2 and s["completion_tokens"] == 3
     mi = r["model_info"]
     assert mi["quant"] == "fp32" and mi["kv_cache_mode"] == "fp16" and mi["dim"] == 64 and mi["default_loops"] == 3
+    assert mi["executor"] == "torch" or mi["executor"].startswith("native (")
     assert r["runtime"]["name"] == "tinyloop" and "version" in r["runtime"]
     models = httpx.get(tiny_server.url + "/api/v0/models").json()["data"]
     assert models[0]["state"] == "loaded" and models[0]["quantization"] == "fp32"
@@ -200,6 +201,7 @@ def test_errors(tiny_server):
 def test_health_and_metrics(tiny_server):
     h = httpx.get(tiny_server.url + "/health").json()
     assert h["status"] == "ok" and h["kv_cache_mode"] == "fp16" and h["model"].endswith("tiny.tinyloop")
+    assert h["executor"] == "torch" or h["executor"].startswith("native (")      # docs/decode.md
     before = metric(tiny_server.url, "tinyloop_generated_tokens_total")
     post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 3})
     assert metric(tiny_server.url, "tinyloop_generated_tokens_total") == before + 3

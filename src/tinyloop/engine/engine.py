@@ -10,6 +10,8 @@ server uses.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import threading
 import time
 from pathlib import Path
@@ -19,11 +21,14 @@ import torch
 
 from ..chat import Chat, ChatTemplateError, render_plain, render_template
 from ..errors import ValidationError
+from ..model.fast import executor_name
 from ..modelfile import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
+
+atexit.register(gc.unfreeze)
 
 __all__ = ["Engine", "GenerationResult", "StreamEvent", "attach_draft_exit_file"]
 
@@ -83,7 +88,7 @@ class Engine:
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
              max_seq_len: int | None = None, kv_format: str = "fp16", fast: bool = True,
              draft_exit: str | Path | bool = True, state_seed: int | None = None,
-             gate: str | Path | bool = True) -> "Engine":
+             gate: str | Path | bool = True, executor: str | None = None) -> "Engine":
         """`fast=True` (the default) applies model.fast.prepare_for_decode (fused projections, fp16 FBGEMM
         weights for 16-bit models on CPU, thread policy): see docs/decode.md. `fast=False` keeps the
         plain eager modules (the reference the tests compare against).
@@ -98,17 +103,25 @@ class Engine:
 
         state_seed: for models whose family starts the recurrence from a random state (Huginn; the header's
         `state_init_std`), draw it by that rule, per position, from this seed; None (the default) starts
-        from zeros, the deterministic state the authors evaluate with (docs/models.md)."""
-        loaded = load_model(path, device=device, dtype=dtype)
+        from zeros, the deterministic state the authors evaluate with (docs/models.md).
+
+        executor: who runs decode rows with `fast=True`: "native" (the C++ executor, `kernels/`), "torch", or
+        None (`TINYLOOP_EXECUTOR`, default: native where its library builds; see docs/decode.md)."""
+        from ..kernels.lib import choose
+        with choose(executor):   # quantized layers are built for the executor that will run them
+            loaded = load_model(path, device=device, dtype=dtype)
         if state_seed is not None:
             if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":
                 raise ValidationError("state_seed: this model has no random initial-state rule", param="state_seed")
             loaded.model.state_seed = int(state_seed)
         if fast:
             from ..model.fast import prepare_for_decode
-            prepare_for_decode(loaded.model)
+            prepare_for_decode(loaded.model, executor=executor)
         attach_draft_exit_file(loaded, draft_exit)
         attach_gate_file(loaded, gate)
+        # The model's thousands of long-lived objects leave the garbage collector's generations: a full
+        # collection would otherwise walk them all, mid-step (measured ~6% of a native decode step's time).
+        gc.freeze()   # (unfrozen at exit, so that extension modules see their objects freed as usual)
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
 
     def model_info(self) -> dict[str, Any]:
@@ -116,6 +129,7 @@ class Engine:
         exit_path = self.loaded.draft_exit_path
         return {**model_info(self.header), "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
                 "kv_cache_mode": self.kv_format,
+                "executor": executor_name(self.model),  # who runs decode rows: "native (...)" or "torch"
                 "kv_loops": "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 

@@ -20,6 +20,7 @@ every `nn.Linear` inside an Attention or MLP to a factory and installs what the 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -113,8 +114,36 @@ def recommended_threads(model: nn.Module) -> int | None:
     return 1 if cfg.dim * cfg.ffn_dim <= 1024 * 4096 else None
 
 
+def attach_executor(model: nn.Module, executor: str | None = None) -> str:
+    """Give `model` the native executor (`kernels/`) when it is wanted and runs this model; returns the
+    executor's name ("native (...)" or "torch"). executor: "native", "torch", or None/"auto" (the
+    `TINYLOOP_EXECUTOR` setting: native where its library builds here)."""
+    from ..kernels.executor import NativeExecutor, Unsupported
+    from ..kernels.lib import EXECUTORS, executor_setting, native_wanted
+
+    setting = executor_setting() if executor in (None, "auto") else executor
+    if setting not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {setting!r}")
+    model.executor = None
+    if setting == "torch" or (setting == "auto" and not native_wanted()):
+        return "torch"
+    try:
+        model.executor = NativeExecutor(model)
+    except Unsupported as exc:
+        if setting == "native":
+            raise
+        warnings.warn(f"the native executor does not run this model ({exc}); using the PyTorch path")
+        return "torch"
+    return model.executor.name
+
+
+def executor_name(model: nn.Module) -> str:
+    ex = getattr(model, "executor", None)
+    return "torch" if ex is None else ex.name
+
+
 def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = True,
-                       threads: int | str | None = "auto") -> nn.Module:
+                       threads: int | str | None = "auto", executor: str | None = None) -> nn.Module:
     """Make `model` (a loaded LoopedTransformer, in eval mode) fast at decode, in place; returns it.
 
     weights: "auto" - fp16 FBGEMM for bf16/fp16 models on CPU, fp32/fp64 weights kept exactly;
@@ -123,6 +152,8 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
     fuse:    fuse QKV and gate/up projections (exact).
     threads: torch threads for one-token forward calls (decode steps; prefill keeps torch's setting):
              "auto" - `recommended_threads`; an int - that many; None - torch's setting.
+    executor: "native", "torch" or None (`TINYLOOP_EXECUTOR`, default: native where it builds): who runs
+             the one-token rows of serving steps (`attach_executor`).
     """
     from ..quant.fp16 import FP16Linear, fbgemm_fp16_available
 
@@ -150,5 +181,7 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
                 mod.weight = nn.Parameter(mod.weight.detach().float(), requires_grad=False)
     n_threads = recommended_threads(model) if threads == "auto" else threads
     model.decode_threads = None if n_threads is None else int(n_threads)
-    model.decode_prepared = {"weights": weights, "fused": fused, "swapped": swapped, "threads": n_threads}
+    name = attach_executor(model, executor)
+    model.decode_prepared = {"weights": weights, "fused": fused, "swapped": swapped, "threads": n_threads,
+                             "executor": name}
     return model

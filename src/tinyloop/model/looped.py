@@ -47,6 +47,9 @@ class LoopedTransformer(nn.Module):
         # by the family's rule from a generator seeded by (seed, position): a token's state depends on its
         # position only, so cached decoding, batching and speculation see the same states. None: zeros.
         self.state_seed: int | None = None
+        # Set by model.fast.prepare_for_decode: the native executor (`kernels/`) that runs the one-token rows
+        # of a serving step it supports in one call (None: every row runs here, in PyTorch).
+        self.executor = None
 
     def init_weights(self, seed: int | None = None) -> "LoopedTransformer":
         gen_state = torch.random.get_rng_state()
@@ -148,6 +151,8 @@ class LoopedTransformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_norm(x)
+        if self.executor is not None:
+            return self.executor.logits(x)
         if self.head_linear is not None:
             return self.head_linear(x)
         return F.linear(x, self.head_weight)
@@ -173,6 +178,12 @@ class LoopedTransformer(nn.Module):
 
         Rows are in the step's order; each phase (prelude, loop r, each read-out) runs once over the
         sequences taking part, packed (a contiguous slice when they are adjacent, else gathered)."""
+        if self.executor is not None:
+            rest = self.executor.run(step.kv, step.rows)   # its rows are done; the rest (if any) run here
+            if not rest:
+                return
+            if len(rest) < len(step.rows):
+                step = PagedStep(step.kv, rest, self.rotary, self.act_dtype or self.embed.weight.dtype, step.device)
         with self._decode_threads(step.n):
             self._run(step)
 

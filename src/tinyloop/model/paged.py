@@ -290,9 +290,17 @@ class PagedStep:
             r.row0 = r0
             r0 += r.n
         self.n = r0
-        positions = torch.cat([r.positions for r in rows]).to(device)
-        self._rope = rope_tables(*rotary.cos_sin(positions, dtype))              # (N, 1, D) each
+        self._rotary, self._dtype = rotary, dtype
+        self._rope_all: tuple[torch.Tensor, torch.Tensor] | None = None   # made when a view first needs it
         self._views: dict[tuple[int, ...], PagedView] = {}
+
+    @property
+    def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' RoPE tables, (N, 1, D) each (a step whose rows all run natively never makes them)."""
+        if self._rope_all is None:
+            positions = torch.cat([r.positions for r in self.rows]).to(self.device)
+            self._rope_all = rope_tables(*self._rotary.cos_sin(positions, self._dtype))
+        return self._rope_all
 
     def rope_rows(self, view: PagedView) -> tuple[torch.Tensor, torch.Tensor]:
         if view.span is not None:

@@ -58,10 +58,18 @@ class FP16Linear(nn.Module):
             warnings.simplefilter("ignore")  # "deprecated" in recent torch; no replacement kernel exists
             self._packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())
         self.bias = None if bias is None else bias.detach().float().clone()
+        # the weights as the native executor reads them: the caller's 16-bit tensor itself (no copy), or
+        # fp32 weights rounded to fp16 as FBGEMM holds them (the opt-in lossy mode)
+        src = weight.detach()
+        self.source = src.contiguous() if src.dtype in (torch.float16, torch.bfloat16) else src.half()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "FP16Linear":
         return cls(linear.weight, linear.bias)
+
+    def native_weights(self) -> torch.Tensor:
+        """What the native executor (`kernels/`) reads for this layer: the 16-bit weight (out, in)."""
+        return self.source
 
     @property
     def weight_nbytes(self) -> int:

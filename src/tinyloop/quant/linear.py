@@ -9,6 +9,9 @@ falling back to a dequantized dense weight (with a warning) when a kernel is mis
                   shifted offset, so int2 runs at int4 speed (the file is smaller, the bytes read are int4's)
     bits 4/2 CUDA torch.ops.aten._weight_int4pack_mm (tinygemm)
     bits 8        torch.ops.aten._weight_int8pack_mm (per-channel symmetric)
+    native        the native executor's kernels (`kernels/`), chosen on CPU when that executor runs: they
+                  read the portable tensors as they are (no repacking, fp32 activations), so the decode
+                  executor and the PyTorch path (prefill, speculation) share one copy of the weights
 
 The kernels take bf16 activations (the int4 CPU kernel is ~30x slower with fp32 ones): inputs are cast
 to bf16 and outputs back to the caller's dtype. Multi-row inputs (prefill, verification) use the same
@@ -45,6 +48,9 @@ def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> 
 
 
 def _kernel_call(kind: str, x: torch.Tensor, bufs: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    if kind == "native":
+        from ..kernels.executor import linear_forward
+        return linear_forward(_NativeView(bufs, group_size), x)
     if kind == "int4pack_cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, bufs["packed"], group_size, bufs["sz"])
     if kind == "int4pack_cuda":
@@ -54,19 +60,43 @@ def _kernel_call(kind: str, x: torch.Tensor, bufs: dict[str, torch.Tensor], grou
     return F.linear(x.to(bufs["w"].dtype), bufs["w"])
 
 
+class _NativeView:
+    """The portable buffers as `kernels.executor.linear_desc` reads a `QuantLinear` of kind "native"."""
+
+    def __init__(self, bufs: dict[str, torch.Tensor], group_size: int):
+        k = group_size * bufs["scales"].shape[1]
+        self.w = {"bits": bufs["qweight"].shape[1] * 8 // k, "group_size": group_size, **bufs}
+
+    def native_weights(self) -> dict:
+        return self.w
+
+
+def _native_executor() -> bool:
+    from ..kernels.lib import native_wanted
+    return native_wanted()
+
+
 def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                      device: torch.device | str = "cpu", *, kernel: str = "auto",
                      check: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
     """Portable tensors -> (kind, buffers) for `QuantLinear`. THE torch-version-specific repacking.
 
-    kernel: "auto" (the device's kernel) or "dense" (dequantized float32 weight: a reference path).
+    kernel: "auto" (the native kernels where the native executor runs, else the device's torch kernel),
+    "torch" (the device's torch kernel), "native", or "dense" (dequantized float32 weight: a reference path).
     """
     device = torch.device(device)
     q = unpack(qweight, bits)                                  # (N, K) codes
     N, K = q.shape
     group_size = K // scales.shape[1]
     kind, bufs = "dense", {}
-    if kernel == "auto":
+    if kernel == "auto" and device.type == "cpu" and _native_executor():
+        kernel = "native"
+    if kernel == "native":
+        if device.type != "cpu":
+            raise ValueError("the native kernels run on the CPU")
+        kind, bufs = "native", {"qweight": qweight.contiguous(), "scales": scales.contiguous(),
+                                "zeros": zeros.contiguous()}
+    elif kernel in ("auto", "torch"):
         try:
             if bits in (2, 4) and device.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_int4_codes(q, bits), 1)
@@ -126,6 +156,13 @@ class QuantLinear(nn.Module):
         kind, bufs = to_kernel_layout(qweight, scales, zeros, bits, device, kernel=kernel)
         return cls(K, N, bits, K // scales.shape[1], kind, bufs)
 
+    def native_weights(self) -> dict | None:
+        """What the native executor (`kernels/`) reads for this layer (kind "native"; None otherwise)."""
+        if self.kind != "native":
+            return None
+        return {"bits": self.bits, "group_size": self.group_size, "qweight": self.qweight, "scales": self.scales,
+                "zeros": self.zeros}
+
     @property
     def weight_bytes(self) -> int:
         """Bytes this layer reads per matmul (what bounds batch-1 decode)."""
@@ -155,6 +192,9 @@ class QuantLinear(nn.Module):
         return fused if ok else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "native":  # fp32 activations in and out (the native executor's layers)
+            from ..kernels.executor import linear_forward
+            return linear_forward(self, x).to(x.dtype)
         x2 = x.reshape(-1, self.in_features)                      # (M, K)
         if self.kind == "int4pack_cpu":  # the hot path (CPU decode): no per-call dict of buffers
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.packed, self.group_size,

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__
+from ..model.fast import executor_name
 from . import access, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi
 from .errors import APIError
@@ -131,6 +132,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
             engine = worker.engine
             return {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
                     "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
+                    "executor": executor_name(engine.model),
                     **worker.health()}
         try:
             worker.require_engine()

@@ -227,6 +227,7 @@ class HealthOK(Closed):
     kv_cache_mode_requested: str
     warnings: list[str]
     max_seq_len: int
+    executor: str                        # who runs decode steps: "native (isa, threads)" or "torch"
     queue_depth: int
 
 

@@ -1,0 +1,275 @@
+// Linear layers y (m, n) = x (m, k) W^T for every weight format, fp32 activations and accumulation.
+// Weight-stationary: each thread owns a range of output rows n and streams those weights once for all m
+// input rows (a decode step's rows, or a prefill chunk in tiles of MR rows).
+//
+// Quantized weights are read in the project's portable layout (quant/packing.py) as they lie in the file:
+// per 8-byte chunk, byte j holds the codes of columns c0 + per*j + i (i = 0 .. per-1, per = 8 / bits) at
+// bit bits*i. `permute_x` reorders each input row once per call so that lane j of sub-vector i is
+// column c0 + per*j + i; then sum_k (q - z) s x = s * (sum_k q x) - s * z * (sum of x over the group).
+#include "tinyloop.h"
+#include "threads.h"
+#include "vec.h"
+#include <algorithm>
+
+namespace {
+constexpr int CHUNK = 32;   // output rows per unit of work the threads share
+static inline vf load_w(int kind, const void* w, int64_t i) {
+    if (kind == TL_F32) return vload((const float*)w + i);
+    if (kind == TL_F16) return vload_f16((const uint16_t*)w + i);
+    return vload_bf16((const uint16_t*)w + i);
+}
+
+static inline void tl_prefetch(const void* w, int kind, int64_t i) {
+#if TL_SIMD
+    _mm_prefetch((const char*)w + i * (kind == TL_F32 ? 4 : 2), _MM_HINT_T0);
+#else
+    (void)w; (void)kind; (void)i;
+#endif
+}
+
+// float weights: rows [n0, n1) of W against MR input rows, NR weight rows at a time (MR * NR independent
+// accumulators; compile-time sizes keep them in registers)
+template <int KIND, int MR, int NR>
+void float_tile(const tl_linear* L, const float* x, float* y, int ldy, int n0, int n1) {
+    const int K = L->k;
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        vf acc[MR][NR];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
+        for (int k = 0; k < K; k += TL_W) {
+            if (k % 32 == 0)   // the next NR rows, a cache line per row at a time (the streams a head reads)
+                for (int j = 0; j < NR; ++j) tl_prefetch(L->w, KIND, (int64_t)(n + NR + j) * K + k);
+            vf w[NR];
+            for (int j = 0; j < NR; ++j) w[j] = load_w(KIND, L->w, (int64_t)(n + j) * K + k);
+            for (int r = 0; r < MR; ++r) {
+                vf xv = vload(x + (int64_t)r * K + k);
+                for (int j = 0; j < NR; ++j) acc[r][j] = vfma(w[j], xv, acc[r][j]);
+            }
+        }
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(acc[r][j]);
+    }
+    if (NR > 1 && n < n1) float_tile<KIND, MR, 1>(L, x, y, ldy, n, n1);
+}
+
+template <int KIND>
+void float_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k;
+    int mt = 0;
+    for (; mt + 4 <= m; mt += 4) float_tile<KIND, 4, 2>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n0, n1);
+    const float* xt = x + (int64_t)mt * K;
+    float* yt = y + (int64_t)mt * ldy;
+    switch (m - mt) {
+        case 1: float_tile<KIND, 1, 4>(L, xt, yt, ldy, n0, n1); break;
+        case 2: float_tile<KIND, 2, 4>(L, xt, yt, ldy, n0, n1); break;
+        case 3: float_tile<KIND, 3, 2>(L, xt, yt, ldy, n0, n1); break;
+        default: break;
+    }
+}
+
+// quantized weights (codes of BITS bits): rows [n0, n1) against MR permuted input rows xp with group sums
+// xs (m, k / group), NR weight rows at a time
+template <int BITS, int MR, int NR>
+void quant_tile(const tl_linear* L, const float* xp, const float* xs, float* y, int ldy, int n0, int n1) {
+    constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+    const int K = L->k, G = L->group, NG = K / G;
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        vf tot[MR][NR];
+        float corr[MR][NR];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NR; ++j) { tot[r][j] = vzero(); corr[r][j] = 0.f; }
+        for (int g = 0; g < NG; ++g) {
+            vf ga[MR][NR], gb[MR][NR];
+            for (int r = 0; r < MR; ++r)
+                for (int j = 0; j < NR; ++j) { ga[r][j] = vzero(); gb[r][j] = vzero(); }
+            // a group is G codes = G * BITS / 8 bytes, in chunks of TL_W bytes (TL_W * PER codes)
+            for (int c = g * G; c < (g + 1) * G; c += TL_W * PER) {
+                vi b[NR];
+                for (int j = 0; j < NR; ++j) b[j] = vload_u8(codes + (int64_t)(n + j) * row_bytes + (int64_t)c * BITS / 8);
+                for (int i = 0; i < PER; ++i) {
+                    vf w[NR];
+                    for (int j = 0; j < NR; ++j) w[j] = vcodes(b[j], BITS * i, MASK);
+                    for (int r = 0; r < MR; ++r) {
+                        vf xv = vload(xp + (int64_t)r * K + c + i * TL_W);
+                        for (int j = 0; j < NR; ++j) {
+                            if (i & 1) gb[r][j] = vfma(w[j], xv, gb[r][j]);
+                            else ga[r][j] = vfma(w[j], xv, ga[r][j]);
+                        }
+                    }
+                }
+            }
+            for (int j = 0; j < NR; ++j) {
+                const float s = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
+                const float sz = s * (float)L->zeros[(int64_t)(n + j) * NG + g];
+                vf vs = vset1(s);
+                for (int r = 0; r < MR; ++r) {
+                    tot[r][j] = vfma(vs, vadd(ga[r][j], gb[r][j]), tot[r][j]);
+                    corr[r][j] += sz * xs[(int64_t)r * NG + g];
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
+    }
+    if (NR > 1 && n < n1) quant_tile<BITS, MR, 1>(L, xp, xs, y, ldy, n, n1);
+}
+
+template <int BITS>
+void quant_rows(const tl_linear* L, const float* xp, const float* xs, int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group;
+    int mt = 0;
+    for (; mt + 3 <= m; mt += 3)
+        quant_tile<BITS, 3, 1>(L, xp + (int64_t)mt * K, xs + (int64_t)mt * NG, y + (int64_t)mt * ldy, ldy, n0, n1);
+    const float* xt = xp + (int64_t)mt * K;
+    const float* st = xs + (int64_t)mt * NG;
+    float* yt = y + (int64_t)mt * ldy;
+    switch (m - mt) {
+        case 1: quant_tile<BITS, 1, 2>(L, xt, st, yt, ldy, n0, n1); break;
+        case 2: quant_tile<BITS, 2, 1>(L, xt, st, yt, ldy, n0, n1); break;
+        default: break;
+    }
+}
+
+#if TL_SIMD
+// int4 weights against int8 activations (llama.cpp's q4 x q8 idea on the portable layout): per 32 columns,
+// x is quantized to q = round(x / d) with d = max|x| / 127 and stored evens first, then odds, to meet
+// the low and high nibbles of the 16 code bytes; sum_k (c - z) s x ~= s d (sum_k c q - z sum_k q).
+template <int MR>
+void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int n = n0; n < n1; ++n) {
+        __m256 acc[MR];
+        float corr[MR];
+        for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+        const uint8_t* qrow = codes + (int64_t)n * (K / 2);
+        _mm_prefetch((const char*)(qrow + 2 * (K / 2)), _MM_HINT_T0);
+        for (int g = 0; g < NG; ++g) {
+            const float s = f16_to_f32(L->scales[(int64_t)n * NG + g]);
+            const float z = (float)L->zeros[(int64_t)n * NG + g];
+            for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(qrow + b * 16));
+                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+                for (int r = 0; r < MR; ++r) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                    const float sd = s * xd[(int64_t)r * NB + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[r]);
+                    corr[r] += sd * z * xs[(int64_t)r * NB + b];
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r) y[(int64_t)r * ldy + n] = vsum(acc[r]) - corr[r];
+    }
+}
+
+// x (m, k) -> int8 codes (m, k) in the nibble order, scales d and code sums per 32 columns (m, k / 32)
+void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs) {
+    for (int r = 0; r < m; ++r)
+        for (int b = 0; b < K / 32; ++b) {
+            const float* v = x + (int64_t)r * K + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            int8_t* q = xq + (int64_t)r * K + b * 32;
+            int sum = 0;
+            for (int j = 0; j < 16; ++j) {
+                const int e = (int)nearbyintf(v[2 * j] * id), o = (int)nearbyintf(v[2 * j + 1] * id);
+                q[j] = (int8_t)e;
+                q[16 + j] = (int8_t)o;
+                sum += e + o;
+            }
+            xd[(int64_t)r * (K / 32) + b] = d;
+            xs[(int64_t)r * (K / 32) + b] = (float)sum;
+        }
+}
+
+void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, int m, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, NB = K / 32;
+    int mt = 0;
+    for (; mt + 4 <= m; mt += 4)
+        q4q8_tile<4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, xs + (int64_t)mt * NB, y + (int64_t)mt * ldy, ldy, n0, n1);
+    const int8_t* q = xq + (int64_t)mt * K;
+    const float* d = xd + (int64_t)mt * NB;
+    const float* s = xs + (int64_t)mt * NB;
+    float* yt = y + (int64_t)mt * ldy;
+    switch (m - mt) {
+        case 1: q4q8_tile<1>(L, q, d, s, yt, ldy, n0, n1); break;
+        case 2: q4q8_tile<2>(L, q, d, s, yt, ldy, n0, n1); break;
+        case 3: q4q8_tile<3>(L, q, d, s, yt, ldy, n0, n1); break;
+        default: break;
+    }
+}
+#endif
+
+int bits_of(int kind) { return kind == TL_Q8 ? 8 : kind == TL_Q4 ? 4 : 2; }
+}  // namespace
+
+// x (m, k) -> xp (m, k) in the chunk order above, xs (m, k / group) group sums
+void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs) {
+    const int K = L->k, G = L->group, bits = bits_of(L->kind), per = 8 / bits, chunk = TL_W * per;
+    for (int r = 0; r < m; ++r) {
+        const float* xr = x + (int64_t)r * K;
+        float* pr = xp + (int64_t)r * K;
+        for (int c0 = 0; c0 < K; c0 += chunk)
+            for (int i = 0; i < per; ++i)
+                for (int j = 0; j < TL_W; ++j) pr[c0 + i * TL_W + j] = xr[c0 + per * j + i];
+        for (int g = 0; g < K / G; ++g) {
+            float s = 0.f;
+            for (int c = g * G; c < (g + 1) * G; ++c) s += xr[c];
+            xs[(int64_t)r * (K / G) + g] = s;
+        }
+    }
+}
+
+int64_t tl_linear_scratch(const tl_linear* L, int m) {
+    if (L->kind <= TL_BF16) return 0;
+    return (int64_t)m * L->k + (int64_t)m * (L->k / 8);
+}
+
+// y[:, 0:n] with row stride ldy; runs on the pool. scratch: tl_linear_scratch floats (quantized kinds).
+void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
+#if TL_SIMD
+    if (L->kind == TL_Q4 && L->act_q8) {
+        int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
+        float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
+        float* xs = xd + (int64_t)m * (L->k / 32);
+        quantize_q8(x, m, L->k, xq, xd, xs);
+        tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
+            q4q8_rows(L, xq, xd, xs, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+        });
+        return;
+    }
+#endif
+    const float* xp = x;
+    const float* xs = nullptr;
+    if (L->kind > TL_BF16) {
+        tl_permute(L, x, m, scratch, scratch + (int64_t)m * L->k);
+        xp = scratch;
+        xs = scratch + (int64_t)m * L->k;
+    }
+    tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
+        const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
+        switch (L->kind) {
+            case TL_F32: float_rows<TL_F32>(L, x, m, y, ldy, n0, n1); break;
+            case TL_F16: float_rows<TL_F16>(L, x, m, y, ldy, n0, n1); break;
+            case TL_BF16: float_rows<TL_BF16>(L, x, m, y, ldy, n0, n1); break;
+            case TL_Q8: quant_rows<8>(L, xp, xs, m, y, ldy, n0, n1); break;
+            case TL_Q4: quant_rows<4>(L, xp, xs, m, y, ldy, n0, n1); break;
+            default: quant_rows<2>(L, xp, xs, m, y, ldy, n0, n1); break;
+        }
+    });
+}
+
+extern "C" int tl_linear_forward(const tl_linear* L, const float* x, int32_t m, float* y, float* scratch) {
+    if (L->k % TL_W) return 1;
+    tl_linear_rows(L, x, m, y, L->n, scratch);
+    return 0;
+}

@@ -1,0 +1,309 @@
+// One decode step of the looped model for a batch of one-token rows: embedding, prelude, the core `loops`
+// times per row (injection, loop norm), coda. The math is model/looped.py's and model/layers.py's; this
+// file only runs it with fewer, fused passes. Rows are sorted by loops, deepest first, so the rows still
+// looping at loop r are a prefix.
+#include <algorithm>
+#include <vector>
+#include "tinyloop.h"
+#include "threads.h"
+#include "vec.h"
+
+void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch);
+int64_t tl_linear_scratch(const tl_linear* L, int m);
+void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin);
+void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
+void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D);
+void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
+                   float* out, int g, float* scratch);
+
+namespace {
+// F.rms_norm over rows of n: y = x / sqrt(mean(x^2) + eps) * w
+void rmsnorm(const float* x, const float* w, float* y, int m, int n, float eps) {
+    for (int r = 0; r < m; ++r) {
+        const float* xr = x + (int64_t)r * n;
+        float* yr = y + (int64_t)r * n;
+        const float inv = 1.0f / sqrtf(dot_f32(xr, xr, n) / (float)n + eps);
+        vf vi = vset1(inv);
+        for (int i = 0; i < n; i += TL_W) vstore(yr + i, vmul(vmul(vload(xr + i), vi), vload(w + i)));
+    }
+}
+
+struct Buffers {   // carved from the caller's scratch
+    float *x, *a, *e, *h, *qkv, *att, *y, *gu, *act, *lin, *attn, *tmp;
+    int64_t attn_per_thread;
+};
+
+int64_t max_k(const tl_model* m) {
+    int64_t k = std::max<int64_t>(2 * m->dim, m->ffn_dim);
+    return std::max<int64_t>(k, (int64_t)m->n_heads * m->head_dim);
+}
+
+Buffers carve(const tl_model* m, int M, int max_ctx, float* s, int64_t* total) {
+    const int64_t dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
+    const int64_t rep = H / Hkv, K = max_k(m);
+    Buffers b;
+    int64_t o = 0;
+    auto take = [&](int64_t n) { float* p = s ? s + o : nullptr; o += (n + 15) / 16 * 16; return p; };
+    b.x = take(M * dim); b.a = take(M * 2 * dim); b.e = take(M * dim); b.h = take(M * dim);
+    b.qkv = take(M * (H + 2 * Hkv) * D); b.att = take(M * H * D); b.y = take(M * dim);
+    b.gu = take(M * 2 * F); b.act = take(M * F);
+    b.lin = take(M * K + M * (K / 8));
+    b.attn_per_thread = (rep * (int64_t)max_ctx + D + rep * D + 15) / 16 * 16;
+    b.attn = take(b.attn_per_thread * 64);   // up to 64 threads
+    b.tmp = take(D);
+    *total = o;
+    return b;
+}
+
+void linears(const tl_linear* parts, int n, const float* x, int M, float* y, int ldy, float* lin) {
+    int off = 0;
+    for (int i = 0; i < n; ++i) {
+        tl_linear_rows(&parts[i], x, M, y + off, ldy, lin);
+        off += parts[i].n;
+    }
+}
+
+// the branch output y joins the residual stream x by the block's norm placement
+void residual(const tl_model* m, float* x, float* y, const float* out_norm, int M) {
+    const int n = m->dim;
+    const int64_t total = (int64_t)M * n;
+    if (m->placement == 0) {
+        for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
+    } else if (m->placement == 1) {
+        rmsnorm(y, out_norm, y, M, n, m->norm_eps);
+        for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
+    } else {
+        for (int64_t i = 0; i < total; i += TL_W) vstore(y + i, vadd(vload(x + i), vload(y + i)));
+        rmsnorm(y, out_norm, x, M, n, m->norm_eps);
+    }
+}
+
+void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
+           float* x, Buffers& B) {
+    const int dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
+    const int QKV = (H + 2 * Hkv) * D;
+    // attention: norm, q/k/v, bias, RoPE, keys into the pool, attention over the row's pages, output
+    rmsnorm(x, b->attn_norm, B.a, M, dim, m->norm_eps);
+    linears(b->qkv, b->n_qkv, B.a, M, B.qkv, QKV, B.lin);
+    for (int r = 0; r < M; ++r) {
+        float* q = B.qkv + (int64_t)r * QKV;
+        if (b->qk_bias)
+            for (int i = 0; i < (H + Hkv) * D; ++i) q[i] += b->qk_bias[i];
+        const int pos = rows[r].pos;
+        tl_rope(q, H + Hkv, D, m->rope_cos + (int64_t)pos * (D / 2), m->rope_sin + (int64_t)pos * (D / 2));
+        const int ps = kv->page_size;
+        const int64_t page = rows[r].table[(int64_t)(pos / ps) * rows[r].stride + slot];
+        for (int g = 0; g < Hkv; ++g) {
+            const int64_t e = (page * ps + pos % ps) * Hkv + g;
+            memcpy(B.tmp, q + (int64_t)(H + g) * D, sizeof(float) * D);
+            tl_kv_write(kv, 0, e, D, B.tmp);
+            memcpy(B.tmp, q + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
+            tl_kv_write(kv, 1, e, D, B.tmp);
+        }
+    }
+    tl_parallel_for(M * Hkv, [&](int task, int t) {   // a (row, kv head) each
+        const int r = task / Hkv, g = task % Hkv;
+        tl_attend_row(kv, &rows[r], slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, B.att + (int64_t)r * H * D, g,
+                      B.attn + B.attn_per_thread * t);
+    });
+    tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);
+    residual(m, x, B.y, b->attn_out_norm, M);
+    // MLP
+    rmsnorm(x, b->mlp_norm, B.a, M, dim, m->norm_eps);
+    if (m->swiglu) {
+        linears(b->up, b->n_up, B.a, M, B.gu, 2 * F, B.lin);
+        for (int r = 0; r < M; ++r) {
+            const float* g = B.gu + (int64_t)r * 2 * F;
+            float* o = B.act + (int64_t)r * F;
+            for (int i = 0; i < F; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+        }
+    } else {
+        linears(b->up, b->n_up, B.a, M, B.act, F, B.lin);
+        const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+        for (int64_t i = 0; i < (int64_t)M * F; ++i) {
+            const float v = B.act[i];
+            B.act[i] = 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+        }
+    }
+    tl_linear_rows(&b->down, B.act, M, B.y, dim, B.lin);
+    residual(m, x, B.y, b->mlp_out_norm, M);
+}
+}  // namespace
+
+extern "C" int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx) {
+    int64_t total;
+    carve(m, n_rows, max_ctx, nullptr, &total);
+    return total;
+}
+
+// A row that exits after `used` of `upto` loops: its keys and values of loops used .. upto-1 (every core
+// layer) become copies of loop used-1's, the slots deeper tokens read (model/paged.py fill_skipped)
+void fill_skipped(const tl_model* m, const tl_kv* kv, const tl_row* r, int used, int upto) {
+    const int ps = kv->page_size, Hkv = m->n_kv_heads, core0 = m->n_prelude + m->n_coda;
+    const int64_t* tab = r->table + (int64_t)(r->pos / ps) * r->stride;
+    for (int l = used; l < upto; ++l)
+        for (int j = 0; j < m->n_core; ++j) {
+            const int64_t src = (tab[core0 + (used - 1) * m->n_core + j] * ps + r->pos % ps) * Hkv;
+            const int64_t dst = (tab[core0 + l * m->n_core + j] * ps + r->pos % ps) * Hkv;
+            tl_kv_copy(kv, src, dst, Hkv, m->head_dim);
+        }
+}
+
+// the exit criterion of row r after loop `loop` (0-based): old and new states (dim), updates survival
+bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, const float* h_new) {
+    if (r->exit_kind == TL_EXIT_NONE || r->loops <= loop + 1) return false;
+    if (r->exit_kind == TL_EXIT_GATE) {   // every loop's gate counts, checked or not
+        double logit = m->gate_b;
+        for (int i = 0; i < m->dim; ++i) logit += (double)m->gate_w[i] * (double)h_new[i];
+        r->survival *= 1.0 - 1.0 / (1.0 + exp(-logit));
+    }
+    if (loop + 1 < r->min_loops) return false;
+    if (r->exit_kind == TL_EXIT_GATE) return 1.0 - r->survival >= r->threshold;
+    double d2 = 0, n2 = 0;
+    for (int i = 0; i < m->dim; ++i) {
+        const double a = h_new[i], b = h_old[i];
+        d2 += (a - b) * (a - b);
+        n2 += a * a;
+    }
+    return sqrt(d2) / std::max(sqrt(n2), 1e-30) < r->threshold;
+}
+
+extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t M, float* hidden,
+                         float* scratch, int64_t scratch_len) {
+    if (M <= 0) return 0;
+    if (tl_nthreads() > 64) return 3;
+    int max_ctx = 0, n_fresh = 0, max_loops = 0;
+    for (int r = 0; r < M; ++r) {
+        max_ctx = std::max(max_ctx, rows[r].pos + 1);
+        max_loops = std::max(max_loops, rows[r].loops);
+        if (rows[r].pos >= m->rope_len) return 2;
+        if (rows[r].first_loop == 0) {
+            if (n_fresh != r) return 4;   // rows from tokens come first
+            ++n_fresh;
+        }
+        if (rows[r].readout > m->n_readouts) return 5;
+    }
+    int64_t need;
+    Buffers B = carve(m, M, max_ctx, scratch, &need);
+    if (need > scratch_len) return 1;
+    const int64_t dim = m->dim;
+    // rows from tokens: embedding (times embed_scale), the prelude; e is its output, h the state loop 0
+    // starts from (e itself without injection, else zeros). Other rows bring their (e, h).
+    for (int r = 0; r < n_fresh; ++r) {
+        float* xr = B.x + r * dim;
+        const int64_t o = (int64_t)rows[r].token * dim;
+        for (int i = 0; i < dim; ++i) {
+            float v = m->embed_kind == TL_F32 ? ((const float*)m->embed)[o + i]
+                    : m->embed_kind == TL_F16 ? f16_to_f32(((const uint16_t*)m->embed)[o + i])
+                    : bf16_to_f32(((const uint16_t*)m->embed)[o + i]);
+            xr[i] = m->embed_scale != 1.0f ? v * m->embed_scale : v;
+        }
+    }
+    if (n_fresh)
+        for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, n_fresh, i, B.x, B);
+    memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
+    if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);
+    else memset(B.h, 0, sizeof(float) * n_fresh * dim);
+    for (int r = n_fresh; r < M; ++r) {
+        memcpy(B.e + r * dim, rows[r].state_e, sizeof(float) * dim);
+        memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
+    }
+    const tl_block* core = m->blocks + m->n_prelude;
+    const int core_slot0 = m->n_prelude + m->n_coda;
+    // Each loop runs on the rows it concerns, packed first: `ph` holds the rows in that physical order
+    // (e and h rows move with them), `orig` maps a physical row back to the caller's.
+    std::vector<tl_row> ph(rows, rows + M);
+    std::vector<int> orig(M), order(M);
+    for (int r = 0; r < M; ++r) orig[r] = r;
+    for (int loop = 0; loop < max_loops; ++loop) {
+        int Ml = 0;
+        auto active = [&](const tl_row& r) { return r.first_loop <= loop && loop < r.loops; };
+        for (int p = 0; p < M; ++p) if (active(ph[p])) order[Ml++] = p;
+        if (Ml == 0) continue;
+        bool moved = false;
+        for (int p = 0, q = Ml; p < M; ++p) if (!active(ph[p])) order[q++] = p;
+        for (int p = 0; p < M; ++p) moved |= order[p] != p;
+        if (moved) {   // a stable partition
+            std::vector<tl_row> ph2(M);
+            std::vector<int> orig2(M);
+            for (int p = 0; p < M; ++p) {
+                ph2[p] = ph[order[p]];
+                orig2[p] = orig[order[p]];
+                memcpy(B.a + p * dim, B.e + order[p] * dim, sizeof(float) * dim);
+                memcpy(B.y + p * dim, B.h + order[p] * dim, sizeof(float) * dim);
+            }
+            ph.swap(ph2);
+            orig.swap(orig2);
+            memcpy(B.e, B.a, sizeof(float) * M * dim);
+            memcpy(B.h, B.y, sizeof(float) * M * dim);
+        }
+        if (m->injection == 0) {
+            memcpy(B.x, B.h, sizeof(float) * Ml * dim);
+        } else if (m->injection == 1) {
+            for (int64_t i = 0; i < Ml * dim; i += TL_W) vstore(B.x + i, vadd(vload(B.h + i), vload(B.e + i)));
+        } else {
+            for (int r = 0; r < Ml; ++r) {
+                memcpy(B.a + r * 2 * dim, B.h + r * dim, sizeof(float) * dim);
+                memcpy(B.a + r * 2 * dim + dim, B.e + r * dim, sizeof(float) * dim);
+            }
+            tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
+        }
+        for (int j = 0; j < m->n_core; ++j)
+            block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
+        if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
+        else memcpy(B.y, B.x, sizeof(float) * Ml * dim);
+        for (int p = 0; p < Ml; ++p)
+            if (should_exit(m, &ph[p], loop, B.h + p * dim, B.y + p * dim)) {
+                fill_skipped(m, kv, &ph[p], loop + 1, ph[p].loops);
+                ph[p].loops = loop + 1;
+            }
+        memcpy(B.h, B.y, sizeof(float) * Ml * dim);
+    }
+    // back in the caller's order: the states (kept where asked), loops run, survival
+    for (int p = 0; p < M; ++p) {
+        const int r = orig[p];
+        memcpy(B.a + (int64_t)r * dim, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        rows[r].loops_run = ph[p].loops;
+        rows[r].survival = ph[p].survival;
+        if (rows[r].out_h) {
+            memcpy(rows[r].out_e, B.e + (int64_t)p * dim, sizeof(float) * dim);
+            memcpy(rows[r].out_h, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        }
+    }
+    memcpy(hidden, B.a, sizeof(float) * M * dim);
+    // read-outs, one pass per kind over its rows: the coda (after the final norm when it ends the
+    // recurrence), or a draft exit's blocks on their own slots
+    for (int ro = 0; ro <= m->n_readouts; ++ro) {
+        std::vector<tl_row> sel;
+        std::vector<int> idx;
+        for (int r = 0; r < M; ++r)
+            if (rows[r].readout == ro) { sel.push_back(rows[r]); idx.push_back(r); }
+        if (sel.empty()) continue;
+        const int n = (int)sel.size();
+        for (int i = 0; i < n; ++i) {
+            float* x = B.x + (int64_t)i * dim;
+            const float* h = hidden + (int64_t)idx[i] * dim;
+            if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, x, 1, dim, m->norm_eps);
+            else memcpy(x, h, sizeof(float) * dim);
+        }
+        if (ro == 0) {
+            const tl_block* coda = core + m->n_core;
+            for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, sel.data(), n, m->n_prelude + i, B.x, B);
+        } else {
+            const tl_readout* x = &m->readouts[ro - 1];
+            for (int i = 0; i < x->n_blocks; ++i) block(m, &x->blocks[i], kv, sel.data(), n, x->slots[i], B.x, B);
+        }
+        for (int i = 0; i < n; ++i) memcpy(hidden + (int64_t)idx[i] * dim, B.x + (int64_t)i * dim, sizeof(float) * dim);
+    }
+    return 0;
+}
+
+extern "C" const char* tl_isa(void) {
+#if defined(__AVX512F__) && TL_SIMD
+    return "avx512 host, avx2+fma+f16c kernels";
+#elif TL_SIMD
+    return "avx2+fma+f16c";
+#else
+    return "portable scalar";
+#endif
+}

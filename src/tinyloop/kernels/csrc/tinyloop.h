@@ -1,0 +1,96 @@
+// The native executor's C interface: what Python (kernels/executor.py) fills in with ctypes.
+// Python owns every buffer; kernels are functions over raw pointers and sizes.
+#pragma once
+#include <stdint.h>
+
+extern "C" {
+
+// Weight formats of a linear layer y = x W^T, W (n out, k in), row-major.
+enum { TL_F32 = 0, TL_F16 = 1, TL_BF16 = 2, TL_Q8 = 3, TL_Q4 = 4, TL_Q2 = 5 };
+// KV pool formats (model/paged.py PagedKV, quant/kv.py KVTensor).
+enum { TL_KV_F32 = 0, TL_KV_F16 = 1, TL_KV_BF16 = 2, TL_KV_I8 = 3, TL_KV_I4 = 4, TL_KV_I4H = 5 };
+
+typedef struct {
+    int32_t kind;            // TL_F32 .. TL_Q2
+    int32_t n, k, group;     // group: input columns per scale (quantized kinds)
+    const void* w;           // float kinds: (n, k); quantized: portable codes (n, k * bits / 8), quant/packing.py
+    const uint16_t* scales;  // float16 (n, k / group)
+    const uint8_t* zeros;    // uint8 (n, k / group): w = (q - zero) * scale
+    int32_t act_q8;          // TL_Q4 with SIMD: activations quantized to int8 per 32 (integer dot products)
+} tl_linear;
+
+typedef struct {
+    tl_linear qkv[3]; int32_t n_qkv;   // outputs concatenated: q (H*D), k (Hkv*D), v (Hkv*D)
+    tl_linear wo;
+    tl_linear up[2]; int32_t n_up;     // swiglu: gate then up (one fused part or two); gelu: up
+    tl_linear down;
+    const float* attn_norm; const float* mlp_norm;
+    const float* attn_out_norm; const float* mlp_out_norm;   // sandwich placements only
+    const float* qk_bias;              // (H + Hkv, D) or null
+} tl_block;
+
+typedef struct {
+    int32_t dim, n_heads, n_kv_heads, head_dim, ffn_dim, vocab;
+    int32_t n_prelude, n_core, n_coda;
+    int32_t swiglu;          // 1: silu(gate) * up; 0: gelu (tanh) of up
+    int32_t injection;       // 0 none, 1 add, 2 concat-adapter
+    int32_t placement;       // 0 pre, 1 sandwich, 2 sandwich-residual
+    int32_t loop_norm, post_loop_norm;
+    float norm_eps, embed_scale;
+    const void* embed; int32_t embed_kind;   // (vocab, dim), TL_F32/F16/BF16
+    const tl_block* blocks;  // n_prelude + n_core + n_coda: prelude, core, coda
+    const float* core_norm;  // loop_norm
+    const float* final_norm; // post_loop_norm
+    tl_linear adapter;       // injection 2: (dim, 2 * dim)
+    const float* rope_cos; const float* rope_sin; int32_t rope_len;   // (rope_len, D / 2)
+    const float* gate_w; double gate_b;     // the exit gate Linear(dim -> 1) (exit criterion "gate")
+    const struct tl_readout* readouts;      // read-outs besides the coda (draft exits)
+    int32_t n_readouts;
+} tl_model;
+
+typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
+    int32_t n_blocks;
+    const tl_block* blocks;
+    const int32_t* slots;                   // the cache slot of each block
+} tl_readout;
+
+typedef struct {
+    int32_t format, page_size;
+    void* k; void* v;                       // floats or codes: (pages, page_size, Hkv, D or D * bits / 8)
+    uint16_t* k_scale; uint16_t* k_offset;  // float16 (pages, page_size, Hkv) for quantized formats
+    uint16_t* v_scale; uint16_t* v_offset;
+} tl_kv;
+
+enum { TL_EXIT_NONE = 0, TL_EXIT_LATENT = 1, TL_EXIT_GATE = 2 };   // model/exits.py criteria
+
+typedef struct {
+    // one token at storage index == position `pos`: from its embedding (first_loop 0) or from the state
+    // (e, h) after loop first_loop - 1; then loops first_loop .. loops - 1, then the read-out
+    int32_t token, pos, loops, window;
+    const int64_t* table;                   // (n_blocks, stride): page of each (block, slot)
+    int32_t stride, n_blocks;
+    // adaptive depth (model/exits.py): checked after each loop from min_loops on; an exit copies the last
+    // computed loop's keys into the skipped slots (PagedStep.fill_skipped)
+    int32_t exit_kind, min_loops;
+    double threshold;
+    double survival;                        // in/out: the gate rule's probability of not having exited
+    int32_t loops_run;                      // out: core loops this row ran
+    int32_t first_loop;
+    int32_t readout;                        // -1 none, 0 the model's coda, i > 0 readouts[i - 1]
+    const float* state_e; const float* state_h;   // first_loop > 0: (dim) each
+    float* out_e; float* out_h;             // non-null: the state after the last loop is kept here
+} tl_row;
+
+// One decode step for `n_rows` one-token rows (rows from tokens first). Writes `hidden` (n_rows, dim)
+// after each row's read-out. `scratch` holds tl_scratch_floats(...) floats. Returns 0, or an error code.
+int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t n_rows, float* hidden,
+              float* scratch, int64_t scratch_len);
+int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
+
+// y (m, n) = x (m, k) W^T, for the PyTorch path's layers of the same formats (multi-row: prefill).
+int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, float* scratch);
+
+void tl_set_threads(int32_t n);
+int32_t tl_threads(void);
+const char* tl_isa(void);
+}

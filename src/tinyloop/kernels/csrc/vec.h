@@ -1,0 +1,87 @@
+// SIMD mappings behind one interface: 8 float lanes (`vf`) with AVX2 + FMA + F16C, or one lane in the
+// portable scalar build. Kernels are written once against these functions (ggml's vec.h idea).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TL_SIMD 1
+#define TL_W 8
+typedef __m256 vf;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline vf vload_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+// 8 bytes -> 8 int lanes; codes of `bits` at bit offset `shift` of each byte -> floats
+typedef __m256i vi;
+static inline vi vload_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline vf vcodes(vi b, int shift, int mask) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), _mm256_set1_epi32(mask)));
+}
+#else
+#define TL_SIMD 0
+#define TL_W 1
+typedef float vf;
+static inline vf vzero() { return 0.0f; }
+static inline vf vset1(float a) { return a; }
+static inline vf vload(const float* p) { return *p; }
+static inline void vstore(float* p, vf a) { *p = a; }
+static inline float f16_to_f32(uint16_t h);
+static inline vf vload_f16(const uint16_t* p) { return f16_to_f32(*p); }
+static inline vf vload_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline float vsum(vf a) { return a; }
+typedef int32_t vi;
+static inline vi vload_u8(const uint8_t* p) { return *p; }
+static inline vf vcodes(vi b, int shift, int mask) { return (float)((b >> shift) & mask); }
+#endif
+
+// scalar conversions (IEEE round-to-nearest-even, as torch's .to())
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v; memcpy(&v, &h, 2); return (float)v;
+}
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 v = (_Float16)f; uint16_t h; memcpy(&h, &v, 2); return h;
+}
+static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);   // NaN stays NaN
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// dot of n floats (n a multiple of TL_W), two accumulators
+static inline float dot_f32(const float* a, const float* b, int n) {
+    vf s0 = vzero(), s1 = vzero();
+    int i = 0;
+    for (; i + 2 * TL_W <= n; i += 2 * TL_W) {
+        s0 = vfma(vload(a + i), vload(b + i), s0);
+        s1 = vfma(vload(a + i + TL_W), vload(b + i + TL_W), s1);
+    }
+    for (; i < n; i += TL_W) s0 = vfma(vload(a + i), vload(b + i), s0);
+    return vsum(vadd(s0, s1));
+}
+
+// y += a * x over n floats
+static inline void axpy_f32(float a, const float* x, float* y, int n) {
+    vf va = vset1(a);
+    for (int i = 0; i < n; i += TL_W) vstore(y + i, vfma(va, vload(x + i), vload(y + i)));
+}

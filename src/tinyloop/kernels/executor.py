@@ -1,0 +1,327 @@
+"""The native executor: one C call runs a decode step's one-token rows through the whole looped model.
+
+`NativeExecutor(model)` describes the model to the library once (pointers to the very weight tensors the
+PyTorch modules hold: no copies, except fp32 copies of the small norm vectors and q/k biases) and
+`run(step)` takes the rows it supports out of a `model.paged.PagedStep`, runs them natively over the same
+paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. `supports` says which rows it
+takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
+PyTorch.
+
+The math is model/'s; tests/kernels/test_native.py checks every configuration against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+import torch.nn as nn
+
+from . import lib as L
+
+_CALL = threading.Lock()  # the library's thread pool serves one call at a time (engine cores share it)
+_FLOAT_KINDS = {torch.float32: L.TL_F32, torch.float16: L.TL_F16, torch.bfloat16: L.TL_BF16}
+_QUANT_KINDS = {8: L.TL_Q8, 4: L.TL_Q4, 2: L.TL_Q2}
+_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
+_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2}
+_KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
+
+
+class Unsupported(ValueError):
+    """A model (or layer) the native executor does not run; the PyTorch path serves it."""
+
+
+def q8_activations() -> bool:
+    """Whether int4 layers quantize their activations to int8 for integer dot products (llama.cpp's q4 x q8;
+    `TINYLOOP_NATIVE_Q8=0` keeps fp32 activations, exact to the dequantized weights)."""
+    v = os.environ.get("TINYLOOP_NATIVE_Q8", "1").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"TINYLOOP_NATIVE_Q8 must be 1 or 0, got {v!r}")
+    return v in ("1", "true", "yes", "on")
+
+
+def default_threads() -> int:
+    n = os.environ.get("TINYLOOP_NATIVE_THREADS")
+    if n:
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"TINYLOOP_NATIVE_THREADS must be a positive integer, got {n!r}")
+        return int(n)
+    return max(1, torch.get_num_threads())
+
+
+def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
+    """A float weight tensor (n, k) as a layer: the LM head (the embedding when tied)."""
+    if w.dtype not in _FLOAT_KINDS or w.device.type != "cpu" or w.dim() != 2:
+        raise Unsupported(f"{w.dtype} weights on {w.device}")
+    w = w.detach().contiguous()
+    keep.append(w)
+    d = L.TlLinear()
+    d.kind, (d.n, d.k), d.w, d.group = _FLOAT_KINDS[w.dtype], w.shape, w.data_ptr(), 0
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
+def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
+    """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
+    that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;
+    quant.linear.QuantLinear of kind "native": bits, group size and the portable codes, scales, zeros)."""
+    if type(mod) is nn.Linear:
+        if mod.bias is not None:
+            raise Unsupported("a linear layer with a bias")
+        return tensor_desc(mod.weight, keep)
+    native = getattr(mod, "native_weights", None)
+    w = native() if native is not None else None
+    if isinstance(w, torch.Tensor):
+        return tensor_desc(w, keep)
+    if not isinstance(w, dict):
+        raise Unsupported(f"a {type(mod).__name__} layer ({getattr(mod, 'kind', '')})")
+    d = L.TlLinear()
+    d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
+    d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
+    d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
+    d.act_q8 = int(d.kind == L.TL_Q4 and q8_activations())
+    keep.append(w)
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
+def _vec(t: torch.Tensor | None, keep: list) -> int | None:
+    if t is None:
+        return None
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+class NativeExecutor:
+    def __init__(self, model, threads: int | None = None):
+        cfg = model.cfg
+        if model.embed.weight.device.type != "cpu":
+            raise Unsupported("the native executor runs on the CPU")
+        if cfg.dim % 8 or cfg.head_dim % 8:
+            raise Unsupported("dim and head_dim must be multiples of 8")
+        self.lib = L.load()
+        self.model, self.keep = model, []
+        m = self.desc = L.TlModel()
+        m.dim, m.n_heads, m.n_kv_heads, m.head_dim = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
+        m.n_prelude, m.n_core, m.n_coda = cfg.n_prelude, cfg.n_core, cfg.n_coda
+        m.swiglu, m.injection = int(cfg.mlp == "swiglu"), _INJECTIONS[cfg.injection]
+        m.placement, m.loop_norm, m.post_loop_norm = _PLACEMENTS[cfg.norm_placement], cfg.loop_norm, cfg.post_loop_norm
+        m.norm_eps, m.embed_scale = cfg.norm_eps, cfg.embed_scale
+        emb = model.embed.weight
+        if emb.dtype not in _FLOAT_KINDS:
+            raise Unsupported(f"{emb.dtype} embeddings")
+        m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
+        blocks = [*model.prelude, *model.core, *model.coda]
+        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b) for b in blocks))
+        m.blocks = self.blocks
+        m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
+        m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
+        if model.adapter is not None:
+            m.adapter = linear_desc(model.adapter, self.keep)
+        head = model.head_linear
+        self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
+        self._rope(512)
+        self.threads = default_threads() if threads is None else threads
+        self.scratch = torch.empty(0)
+        self._kv: tuple | None = None
+        self._exit_blocks: dict[int, tuple] = {}
+        self.name = f"native ({self.lib.tl_isa().decode()}, {self.threads} threads)"
+
+    def _block(self, blk) -> L.TlBlock:
+        b, k = L.TlBlock(), self.keep
+        a, mlp = blk.attn, blk.mlp
+        qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
+        for i, lin in enumerate(qkv):
+            b.qkv[i] = linear_desc(lin, k)
+        b.n_qkv = len(qkv)
+        b.wo = linear_desc(a.wo, k)
+        up = [mlp.w_gate_up] if mlp.w_gate_up is not None else \
+            ([mlp.w_gate, mlp.w_up] if mlp.kind == "swiglu" else [mlp.w_up])
+        for i, lin in enumerate(up):
+            b.up[i] = linear_desc(lin, k)
+        b.n_up = len(up)
+        b.down = linear_desc(mlp.w_down, k)
+        b.attn_norm, b.mlp_norm = _vec(blk.attn_norm.weight, k), _vec(blk.mlp_norm.weight, k)
+        b.attn_out_norm = _vec(blk.attn_out_norm.weight if blk.attn_out_norm is not None else None, k)
+        b.mlp_out_norm = _vec(blk.mlp_out_norm.weight if blk.mlp_out_norm is not None else None, k)
+        b.qk_bias = _vec(a.qk_bias, k)
+        return b
+
+    def _rope(self, n: int) -> None:
+        cos, sin = self.model.rotary.table(n, torch.float32, "cpu")   # the PyTorch path's own tables
+        self.rope = (cos.contiguous(), sin.contiguous())
+        self.desc.rope_cos, self.desc.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
+        self.desc.rope_len = self.rope[0].shape[0]
+
+    def _kv_desc(self, kv) -> L.TlKV:
+        if self._kv is not None and self._kv[0] is kv:
+            return self._kv[1]
+        d = L.TlKV()
+        d.page_size = kv.page_size
+        if kv.kv_format in _KV_QUANT:
+            d.format = _KV_QUANT[kv.kv_format]
+            d.k, d.v = kv.k.codes.data_ptr(), kv.v.codes.data_ptr()
+            d.k_scale, d.k_offset = kv.k.scale.data_ptr(), kv.k.offset.data_ptr()
+            d.v_scale, d.v_offset = kv.v.scale.data_ptr(), kv.v.offset.data_ptr()
+        else:
+            if kv.dtype not in _FLOAT_KINDS:
+                raise Unsupported(f"a {kv.dtype} KV pool")
+            d.format = {torch.float32: L.TL_KV_F32, torch.float16: L.TL_KV_F16, torch.bfloat16: L.TL_KV_BF16}[kv.dtype]
+            d.k, d.v = kv.k.data.data_ptr(), kv.v.data.data_ptr()
+        self._kv = (kv, d)
+        return d
+
+    def supports(self, r) -> bool:
+        """Rows this executor runs: one token from its embedding (plain decoding, a draft step, adaptive depth
+        with the latent or gate criterion), or a run of consecutive positions continuing from a draft's
+        states (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
+        Prefill chunks, tree-masked rows and the kl criterion run in PyTorch."""
+        rule, ro = r.exit_rule, r.readout
+        if r.tree_mask is not None or int(r.positions[0]) != r.start or \
+                (r.n > 1 and int(r.positions[-1]) != r.start + r.n - 1):
+            return False
+        if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
+                                                                                    nn.ModuleList))):
+            return False
+        if r.tokens is not None:
+            return (r.n == 1 and r.first_loop == 0
+                    and (rule is None or (rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
+                                          and (rule.criterion != "gate" or self.model.exit_gate is not None)))
+                    and (self.model.state_seed is None or self.model.cfg.injection == "none"))
+        return rule is None and r.first_loop > 0
+
+    def _gate(self) -> None:
+        """The exit gate's weights (it may be attached after the executor is made: `Engine.load`)."""
+        g = self.model.exit_gate
+        key = None if g is None else (g.weight.data_ptr(), g.weight._version)
+        if key != getattr(self, "_gate_key", None):
+            self._gate_key = key
+            self.gate_w = None if g is None else g.weight.detach().reshape(-1).float().contiguous()
+            self.desc.gate_w = None if g is None else self.gate_w.data_ptr()
+            self.desc.gate_b = 0.0 if g is None else float(g.bias.detach().double()[0])
+
+    def _readout(self, ro, table: dict, keep: list) -> int:
+        """-1 (none), 0 (the coda), or the index + 1 of a draft exit's read-out in this call's list."""
+        if ro is None:
+            return -1
+        if ro == "coda":
+            return 0
+        key = (id(ro[0]), tuple(ro[1]))
+        if key not in table:
+            blocks = self._exit_blocks.get(id(ro[0]))
+            if blocks is None or blocks[0] is not ro[0]:
+                blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
+                    *(self._block(b) for b in ro[0].coda)))
+            slots = (ctypes.c_int32 * len(ro[1]))(*ro[1])
+            keep.append(slots)
+            table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots))
+        return table[key][0]
+
+    def run(self, kv, rows: list) -> list:
+        """Run the supported ones of a step's `Rows` over the pool `kv`; returns the others."""
+        ok = [self.supports(r) for r in rows]
+        if any(ok):
+            self.decode(kv, [r for r, o in zip(rows, ok) if o])
+        return [r for r, o in zip(rows, ok) if not o]
+
+    def decode(self, kv, rows) -> None:
+        """Supported `Rows` (rows from tokens first): each gets `hidden` (n, dim) after its read-out, and
+        `out_state` when it asks for it."""
+        rows = sorted(rows, key=lambda r: r.tokens is None)       # stable: rows from tokens first
+        dim = self.model.cfg.dim
+        M = sum(r.n for r in rows)
+        max_pos = max(r.start + r.n - 1 for r in rows)
+        if max_pos >= self.desc.rope_len:
+            self._rope(max_pos + 1)
+        keep, readouts = [], {}
+        crow = (L.TlRow * M)()
+        hidden = torch.empty(M, dim, dtype=torch.float32)
+        i = 0
+        for r in rows:
+            t = r.table if r.table.dtype == torch.int64 and r.table.is_contiguous() else \
+                r.table.to(torch.int64).contiguous()
+            keep.append(t)
+            ro = self._readout(r.readout, readouts, keep)
+            if r.state is not None:
+                e, h = (x.float().contiguous() for x in r.state)
+                keep += [e, h]
+            if r.capture:
+                oe, oh = torch.empty(r.n, dim), torch.empty(r.n, dim)
+                r.out_state = (oe, oh)
+            for j in range(r.n):
+                c = crow[i + j]
+                c.pos, c.loops, c.window, c.first_loop, c.readout = r.start + j, r.last_loop, r.window, r.first_loop, ro
+                c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+                if r.tokens is not None:
+                    c.token = r.tokens[j]
+                else:
+                    c.state_e, c.state_h = e[j].data_ptr(), h[j].data_ptr()
+                if r.capture:
+                    c.out_e, c.out_h = oe[j].data_ptr(), oh[j].data_ptr()
+                if r.exit_rule is not None:
+                    c.exit_kind, c.min_loops = L.TL_EXIT[r.exit_rule.criterion], r.exit_rule.min_loops
+                    c.threshold, c.survival = r.exit_rule.threshold, r.exit_survival
+            i += r.n
+        if any(r.exit_rule is not None and r.exit_rule.criterion == "gate" for r in rows):
+            self._gate()
+        arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
+        self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
+        kvd = self._kv_desc(kv)
+        need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+        with _CALL:
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
+                                    self.scratch.numel())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc})")
+        act = self.model.act_dtype or self.model.embed.weight.dtype
+        if act != torch.float32:
+            hidden = hidden.to(act)
+        i = 0
+        loops = 0
+        for r in rows:
+            if r.readout is not None:
+                r.hidden = hidden[i:i + r.n]
+            if r.capture and act != torch.float32:
+                r.out_state = tuple(x.to(act) for x in r.out_state)
+            if r.exit_rule is not None:   # adaptive depth: the loops it ran (the runner reports them)
+                r.last_loop, r.exit_survival = crow[i].loops_run, crow[i].survival
+            loops += r.n * (r.last_loop - r.first_loop)
+            i += r.n
+        self.model.core_loop_tokens += loops
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""
+        return _forward(self.head, x, self.threads)
+
+
+def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:
+    lib = L.load()
+    x2 = x.reshape(-1, d.k).float().contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, d.n, dtype=torch.float32)
+    scratch = torch.empty(M * d.k + M * (d.k // 8) + 16 if d.kind >= L.TL_Q8 else 16, dtype=torch.float32)
+    with _CALL:
+        lib.tl_set_threads(threads)
+        rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native linear failed (code {rc})")
+    return y.reshape(*x.shape[:-1], d.n)
+
+
+def linear_forward(mod, x: torch.Tensor) -> torch.Tensor:
+    """x (..., k) -> (..., n) fp32 through the library (QuantLinear's "native" kind)."""
+    d = getattr(mod, "_tl_desc", None)
+    if d is None:
+        d = linear_desc(mod, [])
+        if isinstance(mod, nn.Module):
+            mod._tl_desc = d      # the buffers it points at live as long as the module
+    return _forward(d, x, default_threads())

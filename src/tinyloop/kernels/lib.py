@@ -1,0 +1,149 @@
+"""The native library's C interface (`csrc/tinyloop.h`) in ctypes, and which executor this process uses.
+
+`TINYLOOP_EXECUTOR=native|torch` forces one; unset (or `auto`), the native executor is used when its
+library builds here, and the PyTorch path otherwise (said once, on stderr). `TINYLOOP_NATIVE_ISA=portable`
+loads the scalar build instead of the host-tuned one (tests compare them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import os
+import sys
+import threading
+
+from .build import NativeBuildError, library_path
+
+EXECUTORS = ("auto", "native", "torch")
+
+TL_F32, TL_F16, TL_BF16, TL_Q8, TL_Q4, TL_Q2 = range(6)
+TL_KV_F32, TL_KV_F16, TL_KV_BF16, TL_KV_I8, TL_KV_I4, TL_KV_I4H = range(6)
+TL_EXIT = {"latent": 1, "gate": 2}
+_p = ctypes.c_void_p
+_i = ctypes.c_int32
+
+
+class TlLinear(ctypes.Structure):
+    _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p),
+                ("act_q8", _i)]
+
+
+class TlBlock(ctypes.Structure):
+    _fields_ = [("qkv", TlLinear * 3), ("n_qkv", _i), ("wo", TlLinear), ("up", TlLinear * 2), ("n_up", _i),
+                ("down", TlLinear), ("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p),
+                ("mlp_out_norm", _p), ("qk_bias", _p)]
+
+
+class TlReadout(ctypes.Structure):
+    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(TlBlock)), ("slots", ctypes.POINTER(_i))]
+
+
+class TlModel(ctypes.Structure):
+    _fields_ = [("dim", _i), ("n_heads", _i), ("n_kv_heads", _i), ("head_dim", _i), ("ffn_dim", _i), ("vocab", _i),
+                ("n_prelude", _i), ("n_core", _i), ("n_coda", _i), ("swiglu", _i), ("injection", _i),
+                ("placement", _i), ("loop_norm", _i), ("post_loop_norm", _i), ("norm_eps", ctypes.c_float),
+                ("embed_scale", ctypes.c_float), ("embed", _p), ("embed_kind", _i), ("blocks", ctypes.POINTER(TlBlock)),
+                ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
+                ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double),
+                ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i)]
+
+
+class TlKV(ctypes.Structure):
+    _fields_ = [("format", _i), ("page_size", _i), ("k", _p), ("v", _p), ("k_scale", _p), ("k_offset", _p),
+                ("v_scale", _p), ("v_offset", _p)]
+
+
+class TlRow(ctypes.Structure):
+    _fields_ = [("token", _i), ("pos", _i), ("loops", _i), ("window", _i), ("table", _p), ("stride", _i),
+                ("n_blocks", _i), ("exit_kind", _i), ("min_loops", _i), ("threshold", ctypes.c_double),
+                ("survival", ctypes.c_double), ("loops_run", _i), ("first_loop", _i), ("readout", _i),
+                ("state_e", _p), ("state_h", _p), ("out_e", _p), ("out_h", _p)]
+
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL] = {}
+_said = False
+
+
+def load(isa: str | None = None) -> ctypes.CDLL:
+    """The native library (built and cached on first use); NativeBuildError if it cannot be had."""
+    isa = isa or os.environ.get("TINYLOOP_NATIVE_ISA", "native")
+    with _lock:
+        if isa in _libs:
+            return _libs[isa]
+        lib = ctypes.CDLL(str(library_path(isa)))
+        P = ctypes.POINTER
+        lib.tl_decode.argtypes = [P(TlModel), P(TlKV), P(TlRow), _i, _p, _p, ctypes.c_int64]
+        lib.tl_decode.restype = ctypes.c_int
+        lib.tl_scratch_floats.argtypes = [P(TlModel), _i, _i]
+        lib.tl_scratch_floats.restype = ctypes.c_int64
+        lib.tl_linear_forward.argtypes = [P(TlLinear), _p, _i, _p, _p]
+        lib.tl_linear_forward.restype = ctypes.c_int
+        lib.tl_set_threads.argtypes = [_i]
+        lib.tl_threads.restype = _i
+        lib.tl_isa.restype = ctypes.c_char_p
+        _libs[isa] = lib
+        return lib
+
+
+_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_executor", default=None)
+
+
+@contextlib.contextmanager
+def choose(executor: str | None):
+    """Within the block, `executor_setting()` is `executor` (None: the environment's). Engine.load uses it so
+    that the quantized layers a load builds follow the executor asked for."""
+    token = _CHOICE.set(executor if executor not in (None, "auto") else None)
+    try:
+        yield
+    finally:
+        _CHOICE.reset(token)
+
+
+def executor_setting() -> str:
+    v = _CHOICE.get() or os.environ.get("TINYLOOP_EXECUTOR", "auto").strip().lower() or "auto"
+    if v not in EXECUTORS:
+        raise ValueError(f"TINYLOOP_EXECUTOR must be one of {EXECUTORS}, got {v!r}")
+    return v
+
+
+def native_wanted() -> bool:
+    """Whether this process runs the native executor: forced, or `auto` and the library builds here.
+    `native` forced where it cannot build raises NativeBuildError."""
+    global _said
+    setting = executor_setting()
+    if setting == "torch":
+        return False
+    try:
+        load()
+        return True
+    except NativeBuildError as exc:
+        if setting == "native":
+            raise
+        if not _said:
+            _said = True
+            print(f"tinyloop: native executor unavailable ({str(exc).splitlines()[0]}); "
+                  "running the PyTorch path", file=sys.stderr)
+        return False
+
+
+def describe() -> str:
+    """Which executor a model loaded now would use, without compiling anything (`tinyloop info`): "torch"
+    (forced, or no library), "native (ISA)" when the library is built, or what is missing."""
+    from .build import cache_dir, compiler
+
+    try:
+        setting = executor_setting()
+    except ValueError as exc:
+        return f"invalid setting ({exc})"
+    if setting == "torch":
+        return "torch (TINYLOOP_EXECUTOR=torch)"
+    if compiler() is None:
+        return "torch (no C++ compiler for the native executor)"
+    try:
+        path = library_path(os.environ.get("TINYLOOP_NATIVE_ISA", "native"), build=False)
+    except NativeBuildError:
+        return "native (not built yet: built on first load, or by `python -m tinyloop.kernels.build`)"
+    return f"native ({load().tl_isa().decode()})" if path.exists() else f"native (cache {cache_dir()})"

@@ -1,0 +1,281 @@
+"""The native executor (`kernels/`) against the PyTorch forward (`model/`), configuration by configuration.
+
+Each case builds one model twice with the same effective weights: the reference runs every row in PyTorch
+with fp32 weights (quantized codes dequantized, 16-bit weights rounded); the native one holds the weights in
+the format under test and runs its one-token rows through the library. Both start from the same KV pool (a
+prompt prefilled in PyTorch), take one decode step for several sequences at once (different loops,
+windows, positions), and must agree on the logits (1e-4) and on what they wrote into the pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import varied_model
+from tinyloop.config import preset
+
+kernels = pytest.importorskip("tinyloop.kernels.lib")
+try:
+    kernels.load("native")
+    kernels.load("portable")
+except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
+    pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
+
+from tinyloop.kernels.executor import NativeExecutor  # noqa: E402
+from tinyloop.model.paged import PagedKV, PagedStep, Rows  # noqa: E402
+from tinyloop.quant.linear import QuantLinear  # noqa: E402
+from tinyloop.quant.packing import pack, quantize_rtn  # noqa: E402
+
+BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511, max_seq_len=128)
+CONFIGS = {
+    "tiny": BASE,                                                       # GQA, swiglu, add, prelude/coda
+    "gelu-none": BASE.replace(mlp="gelu", injection="none", loop_norm=False, n_kv_heads=4),
+    "ouro-like": BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich",
+                              loop_norm=True, head_norm=False, tie_embeddings=False, exit_gate=True),
+    "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
+                                injection="concat-adapter", loop_norm=False, post_loop_norm=True),
+}
+PAGE = 4
+
+
+def _linears(model):
+    for mod in model.modules():
+        for name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and name != "lm_head":
+                yield mod, name, child
+
+
+def make_pair(cfg, weights: str):
+    """(reference fp32 model, native model) with the same effective weights."""
+    ref = varied_model(cfg, seed=1)
+    if cfg.qk_bias:
+        with torch.no_grad():
+            for blk in [*ref.prelude, *ref.core, *ref.coda]:
+                blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    nat = copy.deepcopy(ref)
+    if weights in ("fp16", "bf16"):
+        dt = torch.float16 if weights == "fp16" else torch.bfloat16
+        for (_, _, r), (_, _, n) in zip(_linears(ref), _linears(nat)):
+            w = r.weight.detach().to(dt)
+            r.weight.data = w.float()
+            n.weight = nn.Parameter(w, requires_grad=False)
+    elif weights.startswith("int"):
+        bits = int(weights[3:])
+        for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
+            q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
+            qw = pack(q, bits)
+            setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))
+            setattr(nm, nn_, QuantLinear.from_portable(qw, s, z, bits, kernel="native"))
+    nat.executor = NativeExecutor(nat, threads=2)
+    return ref.eval(), nat.eval()
+
+
+def clone_kv(kv: PagedKV) -> PagedKV:
+    out = copy.copy(kv)
+    out.k, out.v = copy.copy(kv.k), copy.copy(kv.v)
+    for t in (out.k, out.v):
+        t.parts = tuple(p.clone() for p in t.parts)
+        if t.bits is None:
+            t.data = t.parts[0]
+        else:
+            t.codes, t.scale, t.offset = t.parts
+    return out
+
+
+SEQS = [  # (prompt length, loops, window): rows of one step, different depths, positions and windows
+    (9, 3, 0), (5, 1, 0), (14, 2, 6), (3, 3, 0),
+]
+
+
+@torch.inference_mode()
+def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS, rule=None, out=None):
+    cfg = ref.cfg
+    slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * max(s[1] for s in seqs)
+    blocks = max(-(-(n + 1) // PAGE) for n, _, _ in seqs)
+    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
+    g = torch.Generator().manual_seed(7)
+    tables, toks = [], []
+    for i, (n, loops, window) in enumerate(seqs):
+        table = torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
+        prompt = torch.randint(0, cfg.vocab_size, (n + 1,), generator=g).tolist()
+        ref.run(PagedStep(kv, [Rows(table=table, start=0, n=n, last_loop=loops, tokens=prompt[:n], window=window)],
+                          ref.rotary, torch.float32, "cpu"))
+        tables.append(table)
+        toks.append(prompt[n])
+    kv_nat = clone_kv(kv)
+
+    def rows():
+        return [Rows(table=t, start=n, n=1, last_loop=loops, tokens=[tok], window=w,
+                     exit_rule=None if rule is None else rule(loops))
+                for t, tok, (n, loops, w) in zip(tables, toks, seqs)]
+
+    r_ref, r_nat = rows(), rows()
+    ref.run(PagedStep(kv, r_ref, ref.rotary, torch.float32, "cpu"))
+    nat.run(PagedStep(kv_nat, r_nat, nat.rotary, torch.float32, "cpu"))
+    if out is not None:
+        out.extend([(a.last_loop, b.last_loop, a.exit_survival, b.exit_survival) for a, b in zip(r_ref, r_nat)])
+    lr = ref.logits(torch.cat([r.hidden for r in r_ref])[None])[0]
+    ln = ref.logits(torch.cat([r.hidden.float() for r in r_nat])[None])[0]
+    return lr, ln, kv, kv_nat
+
+
+def check(lr, ln, kv, kv_nat, tol=1e-4):
+    err = (lr - ln).abs().max().item()
+    assert err <= tol, f"logits differ by {err:.3g}"
+    for a, b in ((kv.k, kv_nat.k), (kv.v, kv_nat.v)):
+        ra, rb = a.read(slice(None), torch.float32), b.read(slice(None), torch.float32)
+        scale = ra.abs().max().item()
+        # 16-bit and quantized pools: a value that sits on a rounding boundary may round the other way
+        bad = ((ra - rb).abs() > 1e-4 * max(1.0, scale)).float().mean().item()
+        exact = a.bits is None and a.dtype == torch.float32
+        assert bad <= (0.0 if exact else 0.002), f"{bad:.2%} of pool entries differ"
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    """fp32 activations for int4 layers (exact to the dequantized weights); test_int8_activations covers
+    the int8 ones."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "int4", "int2"])
+def test_native_step_equals_pytorch(name, weights):
+    ref, nat = make_pair(CONFIGS[name], weights)
+    check(*one_step(ref, nat))
+
+
+def test_int8_activations(monkeypatch):
+    """int4 weights against activations quantized to int8 per 32 values (the integer dot products): one
+    layer is within the 2e-2 the PyTorch int4 kernels (bf16 activations) are checked to; a whole step of
+    the chaotic random model (weights 8x GPT-2's scale) amplifies it, and stays within 5e-2 of the logits."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, 4, 32)
+    lin = QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="native")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    ref = x @ (QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.t())
+    got = lin(x)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < err < 2e-2, err
+    ref_m, nat = make_pair(CONFIGS["huginn-like"], "int4")
+    assert any(d.act_q8 for b in nat.executor.blocks for d in (b.wo, b.down))
+    lr, ln, _, _ = one_step(ref_m, nat)
+    err = (lr - ln).abs().max().item() / lr.abs().max().item()
+    assert 0 < err < 5e-2, err
+
+
+@pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("fp16", torch.bfloat16),
+                                                ("int8", torch.float32), ("int4", torch.float32),
+                                                ("int4-h", torch.float32)])
+@pytest.mark.parametrize("name", ["tiny", "huginn-like"])
+def test_native_step_every_kv_format(name, kv_format, kv_dtype):
+    ref, nat = make_pair(CONFIGS[name], "fp32")
+    check(*one_step(ref, nat, kv_format, kv_dtype))
+
+
+def test_portable_build_equals_pytorch(monkeypatch):
+    """The scalar fallback (no SIMD) computes the same step."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_ISA", "portable")
+    ref, nat = make_pair(CONFIGS["huginn-like"], "int4")
+    assert "portable" in nat.executor.name
+    check(*one_step(ref, nat, "int4-h"))
+
+
+def test_one_thread_equals_two():
+    ref, nat = make_pair(CONFIGS["tiny"], "int4")
+    _, l2, _, kv2 = one_step(ref, nat)
+    nat.executor.threads = 1
+    _, l1, _, kv1 = one_step(ref, nat)
+    assert torch.equal(l1, l2)
+
+
+def test_unsupported_rows_run_in_pytorch():
+    """Rows the executor does not take (a multi-token chunk, a state continuation) run in PyTorch in the same
+    step, next to native rows."""
+    ref, nat = make_pair(CONFIGS["tiny"], "fp32")
+    calls = []
+    orig = nat.executor.decode
+    nat.executor.decode = lambda kv, rows: (calls.append(len(rows)), orig(kv, rows))
+    lr, ln, kv, kv_nat = one_step(ref, nat, seqs=[(9, 3, 0), (5, 2, 0)])
+    check(lr, ln, kv, kv_nat)
+    assert calls[-1] == 2
+
+
+@pytest.mark.parametrize("criterion,thresholds", [("latent", [0.05, 0.4, 0.8, 1.5]), ("gate", [0.2, 0.5, 0.9])])
+def test_adaptive_exits_run_natively(criterion, thresholds):
+    """loops "auto": each row's criterion is checked inside the call; an exit copies its last loop's keys into
+    the skipped slots. Same loops, survival, logits and pool as PyTorch, and some rows do exit early."""
+    from tinyloop.model.exits import ExitRule
+
+    ref, nat = make_pair(CONFIGS["ouro-like"], "fp32")
+    if criterion == "gate":
+        with torch.no_grad():   # a gate that fires: a bias around zero, weights of a useful scale
+            for m in (ref, nat):
+                m.exit_gate.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+                m.exit_gate.bias.fill_(-0.5)
+    seqs = [(9, 6, 0), (5, 6, 0), (14, 5, 6), (3, 6, 0), (7, 4, 0)]
+    runs = []
+    for th in thresholds:
+        got = []
+        check(*one_step(ref, nat, seqs=seqs, rule=lambda loops: ExitRule(criterion, th, 2, loops), out=got))
+        for lr, ln, sr, sn in got:
+            assert lr == ln and abs(sr - sn) < 1e-6
+        runs += [lr < s[1] for (lr, _, _, _), s in zip(got, seqs)]
+    assert any(runs) and not all(runs)
+
+
+def _ids(model, prompt, params, use_native, **kw):
+    from conftest import core_ids
+    ex = model.executor
+    model.executor = ex if use_native else None
+    try:
+        stats = {}
+        out = core_ids(model, prompt, params, stats, **kw)
+        return out, stats
+    finally:
+        model.executor = ex
+
+
+@pytest.mark.parametrize("mode,kw", [("speculative", {"draft_loops": 1, "draft_ahead": 4}),
+                                     ("speculative", {"draft_loops": 2, "draft_ahead": 3}),
+                                     ("tree_speculative", {"draft_loops": 1, "k_branches": 2})])
+@pytest.mark.parametrize("with_exit", [False, True])
+def test_speculation_native_equals_pytorch(mode, kw, with_exit):
+    """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and chain verification run
+    natively; greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    if with_exit:
+        exits = {}
+        for d in (1, 2):
+            ex = DraftExit.from_model(nat)
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(d)
+                for p in ex.parameters():
+                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+            exits[d] = ex.eval()
+        attach_draft_exits(nat, exits)
+    calls = []
+    orig = nat.executor.decode
+    nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
+                                            orig(kv, rows))[1]
+    prompt = [5, 17, 300, 42, 7, 9]
+    params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
+    got, st_n = _ids(nat, prompt, params, True, draft_vocab=None)
+    ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None)
+    assert got == ref and st_n["acceptance_rate"] == st_t["acceptance_rate"]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=24, loops=4, temperature=0), True)
+    assert got == plain
+    rows = [r for c in calls for r in c]
+    if mode == "speculative":   # (a tree's drafts and verification are tree-masked: PyTorch)
+        assert any(n == 1 and first == 0 and cap for n, first, cap in rows)           # draft steps
+        assert any(n > 1 and first > 0 for n, first, _ in rows)                      # chain verification
