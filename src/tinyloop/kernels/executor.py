@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import lib as L
 
-_CALL = threading.Lock()  # the library's thread pool serves one call at a time (engine cores share it)
+_CALL = threading.RLock()  # the library's thread pool serves one call at a time (engine cores share it)
 _FLOAT_KINDS = {torch.float32: L.TL_F32, torch.float16: L.TL_F16, torch.bfloat16: L.TL_BF16}
 _QUANT_KINDS = {8: L.TL_Q8, 4: L.TL_Q4, 2: L.TL_Q2}
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
@@ -236,6 +236,10 @@ class NativeExecutor:
     def decode(self, kv, rows) -> None:
         """Supported `Rows` (rows from tokens first): each gets `hidden` (n, dim) after its read-out, and
         `out_state` when it asks for it."""
+        with _CALL:   # one call at a time: the descriptors and the scratch are shared (engine cores per thread)
+            self._decode(kv, rows)
+
+    def _decode(self, kv, rows) -> None:
         rows = sorted(rows, key=lambda r: r.tokens is None)       # stable: rows from tokens first
         dim = self.model.cfg.dim
         M = sum(r.n for r in rows)
@@ -279,10 +283,9 @@ class NativeExecutor:
         need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
-        with _CALL:
-            self.lib.tl_set_threads(self.threads)
-            rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
-                                    self.scratch.numel())
+        self.lib.tl_set_threads(self.threads)
+        rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
+                                self.scratch.numel())
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc})")
         act = self.model.act_dtype or self.model.embed.weight.dtype
