@@ -108,7 +108,7 @@ class Engine:
         executor: who runs decode rows with `fast=True`: "native" (the C++ executor, `kernels/`), "torch", or
         None (`TINYLOOP_EXECUTOR`, default: native where its library builds; see docs/decode.md)."""
         from ..kernels.lib import choose
-        with choose(executor):   # quantized layers are built for the executor that will run them
+        with choose(executor if fast else "torch"):   # quantized layers are built for the executor that runs them
             loaded = load_model(path, device=device, dtype=dtype)
         if state_seed is not None:
             if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":
