@@ -2,9 +2,9 @@
 
 `NativeExecutor(model)` describes the model to the library once (pointers to the very weight tensors the
 PyTorch modules hold: no copies, except fp32 copies of the small norm vectors and q/k biases) and
-`run(step)` takes the rows it supports out of a `model.paged.PagedStep`, runs them natively over the same
-paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. `supports` says which rows it
-takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
+`run(kv, rows)` takes the rows of a serving step it supports (`model.paged.Rows`), runs them natively over
+the same paged KV pool, and hands back the others for `LoopedTransformer._run`. `supports` says which rows
+it takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
 PyTorch.
 
 The math is model/'s; tests/kernels/test_native.py checks every configuration against it.
@@ -134,7 +134,11 @@ class NativeExecutor:
         self.scratch = torch.empty(0)
         self._kv: tuple | None = None
         self._exit_blocks: dict[int, tuple] = {}
-        self.name = f"native ({self.lib.tl_isa().decode()}, {self.threads} threads)"
+        self.isa = self.lib.tl_isa().decode()
+
+    @property
+    def name(self) -> str:
+        return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
     def _block(self, blk) -> L.TlBlock:
         b, k = L.TlBlock(), self.keep
