@@ -135,7 +135,16 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
         float mx = s[0];
         for (int t = 1; t < L; ++t) mx = s[t] > mx ? s[t] : mx;
         float sum = 0.f;
-        for (int t = 0; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        int t = 0;
+        const vf vmx = vset1(mx);
+        vf vs = vzero();
+        for (; t + TL_W <= L; t += TL_W) {
+            const vf e = vexp(vsub(vload(s + t), vmx));
+            vstore(s + t, e);
+            vs = vadd(vs, e);
+        }
+        sum = vsum(vs);
+        for (; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
         const float inv = 1.0f / sum;
         for (int t = 0; t < L; ++t) s[t] *= inv;
     }
