@@ -129,6 +129,7 @@ class NativeExecutor:
         # FBGEMM's packed fp16 GEMV streams a 16-bit head ~1.5x faster than these kernels on this class of CPU
         # (docs/decode.md): a head the fast path packed for it stays there, on the executor's threads
         self.fbgemm_head = head if type(head).__name__ == "FP16Linear" else None
+        self.head_threads: int | None = None   # torch threads for the FBGEMM head (None: the executor's)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
         self.scratch = torch.empty(0)
@@ -312,13 +313,13 @@ class NativeExecutor:
         """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""
         if self.fbgemm_head is None:
             return _forward(self.head, x, self.threads)
-        prev = torch.get_num_threads()
-        if prev != self.threads:
-            torch.set_num_threads(self.threads)
+        n, prev = self.head_threads or self.threads, torch.get_num_threads()
+        if prev != n:
+            torch.set_num_threads(n)
         try:
             return self.fbgemm_head(x)
         finally:
-            if prev != self.threads:
+            if prev != n:
                 torch.set_num_threads(prev)
 
 
