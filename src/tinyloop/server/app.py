@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__
-from . import access, errors, lmstudio, native, openai, playground
+from . import access, docs_ui, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi
 from .errors import APIError
 from .generation import ServerState
@@ -26,7 +26,7 @@ from .settings import Settings
 from .worker import EngineWorker
 
 log = logging.getLogger("tinyloop.server")
-OPEN_PATHS = {"/health", *playground.PATHS}  # the playground's page and files hold no model data
+OPEN_PATHS = {"/health", *playground.PATHS, *docs_ui.PATHS}  # the playground's and /docs' files hold no model data
 
 
 async def _send_error(send, err: APIError) -> None:
@@ -56,9 +56,7 @@ class GateMiddleware:
         try:
             await self._gate(scope, receive, send_tracked)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(label, scope.get("method", ""), str(status["code"])).inc()
+            self.metrics.requests.labels(access.route_label(scope), scope.get("method", ""), str(status["code"])).inc()
 
     async def _gate(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -115,13 +113,14 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
         yield
         worker.stop()
 
-    app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tl = state
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(lmstudio.router)
     app.include_router(native.router)
     app.include_router(playground.router)
+    app.include_router(docs_ui.router)   # /docs with Swagger UI's files served from here (no CDN)
 
     @app.get("/health")
     async def health():

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..errors import ValidationError
 from .access import note
 from .errors import APIError
 from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
@@ -60,9 +61,12 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
         for prompt in prompts:
             handles.append(await state.submit(prompt, params, n=n, timeout_s=body.timeout_s,
                                               max_tokens_given=body.max_tokens_given()))
-    except BaseException:
+    except BaseException as exc:
         for h in handles:
             h.abort()
+        if chat and isinstance(exc, ValidationError) and exc.param == "prompt":  # chat's prompt is its messages
+            raise ValidationError("messages" + exc.message.removeprefix("prompt").replace("the prompt", "the messages"),
+                                  param="messages", code=exc.code) from None
         raise
     if len(handles) > 1:  # the access line counts the whole batch
         note(n=n * len(handles), prompt_tokens=sum(h.plan.n_prompt for h in handles))

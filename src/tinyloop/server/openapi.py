@@ -27,16 +27,18 @@ from .access import REQUEST_ID_HEADER
 ERROR_TEXT = {
     400: "invalid value (out of range, over the context length or KV capacity, conflicting fields)",
     401: "API key missing or wrong (when TINYLOOP_API_KEY is set)",
-    404: "no such model",
+    404: "no such model (the `model` of a request is not one the server serves: code model_not_found)",
+    408: "the request's own timeout_s ran out while it was still queued",
     413: "request body over TINYLOOP_MAX_BODY_BYTES",
     422: "malformed body: wrong types, missing or unknown fields, invalid JSON",
     429: "the queue is full (TINYLOOP_MAX_QUEUE); see Retry-After",
     500: "the engine failed on this request",
     501: "not implemented in this build",
     503: "the model is loading or failed to load, or the server is shutting down",
-    504: "timeout_s ran out while the request was still queued",
+    504: "the server's default time limit (TINYLOOP_REQUEST_TIMEOUT_S) ran out while the request was still queued",
 }
-GENERATE_ERRORS = (400, 401, 413, 422, 429, 500, 501, 503, 504)
+GENERATE_ERRORS = (400, 401, 408, 413, 422, 429, 500, 501, 503, 504)
+OPENAI_ERRORS = (*GENERATE_ERRORS, 404)   # and a model name this server does not serve
 TOKEN_ERRORS = (400, 401, 413, 422, 503)
 
 CHAT_SSE = (R.ChatChunk, "chat.completion.chunk events")
@@ -46,10 +48,10 @@ NATIVE_SSE = (R.NativeEvent, "one {token_id, text} event per token, then {token_
 
 # path -> (method, 200 body model, (SSE event model, description) or None, error statuses)
 ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[type[BaseModel], str] | None, tuple[int, ...]]] = {
-    "/v1/chat/completions": ("post", R.ChatCompletion, CHAT_SSE, GENERATE_ERRORS),
-    "/v1/completions": ("post", R.Completion, TEXT_SSE, GENERATE_ERRORS),
-    "/api/v0/chat/completions": ("post", R.LMStudioChatCompletion, (CHAT_SSE[0], CHAT_SSE[1] + V0), GENERATE_ERRORS),
-    "/api/v0/completions": ("post", R.LMStudioCompletion, (TEXT_SSE[0], TEXT_SSE[1] + V0), GENERATE_ERRORS),
+    "/v1/chat/completions": ("post", R.ChatCompletion, CHAT_SSE, OPENAI_ERRORS),
+    "/v1/completions": ("post", R.Completion, TEXT_SSE, OPENAI_ERRORS),
+    "/api/v0/chat/completions": ("post", R.LMStudioChatCompletion, (CHAT_SSE[0], CHAT_SSE[1] + V0), OPENAI_ERRORS),
+    "/api/v0/completions": ("post", R.LMStudioCompletion, (TEXT_SSE[0], TEXT_SSE[1] + V0), OPENAI_ERRORS),
     "/generate": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
     "/generate/speculative": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
     "/generate/tree_speculative": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),

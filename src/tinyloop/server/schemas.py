@@ -14,7 +14,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 from ..engine import SamplingParams, param_default
 from ..engine.params import MODES
@@ -52,7 +52,11 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
-Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
+# a depth, or "auto": adaptive depth per token. Any JSON value is taken here and checked by the engine
+# (SamplingParams.validate), so `"fast"`, 2.5 or true get the same clean 400 naming `loops` as 0 does,
+# not a union type error
+Loops = Annotated[Any, BeforeValidator(_integral),
+                  WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["auto"]}]})]
 ExitCriterion = Literal["latent", "kl", "gate"]  # model/exits.py CRITERIA
 KVLoops = Int | Literal["all", "last"]  # the loop-shared KV budget
 KV_LOOPS_DOC = ('core KV slots kept per layer: "all" (one per loop, the default), "last" (1: every loop reads earlier '
@@ -94,6 +98,19 @@ def _json_equal(a: Any, b: Any) -> bool:
 
 def is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(_json_equal(value, d) for d in allowed)
+
+
+def _closed_schema(schema: dict[str, Any]) -> None:
+    """The document of an OpenAI body: the refused fields with the only values accepted, and no others."""
+    schema["properties"].update({k: v for k, v in _unsupported_schema().items() if k not in schema["properties"]})
+    schema["additionalProperties"] = False
+
+
+def _unsupported_schema() -> dict[str, Any]:
+    """The OpenAI fields TinyLoop refuses unless they hold their default: documented with the only values
+    accepted, so a client (or the fuzzer) can see what is refused."""
+    return {name: {"enum": list(allowed), "description": "not supported: only its default is accepted"}
+            for name, allowed in UNSUPPORTED.items()}
 
 
 class StreamOptions(BaseModel):
@@ -154,17 +171,56 @@ def model_loops(model: str) -> int | str | None:
     return "auto" if m.group(1) == "auto" else int(m.group(1))
 
 
+MIN_TIMEOUT_S = 0.001  # a limit shorter than this cannot cover one engine step: refused rather than sure to expire
+
+
 def check_timeout(value: float | None) -> None:
-    if value is not None and not 0 < value <= 86400:
-        raise ValidationError(f"timeout_s: must be in (0, 86400] seconds, got {value}", param="timeout_s")
+    if value is not None and not MIN_TIMEOUT_S <= value <= 86400:
+        raise ValidationError(f"timeout_s: must be in {MIN_TIMEOUT_S}..86400 seconds (a shorter limit cannot cover "
+                              f"one engine step), got {value}", param="timeout_s")
 
 
-class OpenAIRequest(BaseModel):
-    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
+def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
+                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
+    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
+    in the modes that use them; a value the document calls invalid is never accepted silently), and
+    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
+    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
+                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
+                                ("cache_window", cache_window, 0, MAX_WINDOW)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
+                                  param=name)
 
-    # strict OpenAI clients send fields we do not use: unknown fields are ignored
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=lambda s: s["properties"].update(
-        {k: v for k, v in _unsupported_schema().items() if k not in s["properties"]}))
+
+class LoopKnobs(BaseModel):
+    """TinyLoop's own knobs, taken on /v1 and /api/v0 alike (as vLLM takes its sampling extras on /v1):
+    the generation mode, the speculative knobs, the cache window and the repetition penalty."""
+
+    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
+    draft_loops: Int | None = rng(lo=1, hi=32)
+    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
+    draft_ahead: Int | None = rng(lo=1, hi=16)
+    K_branches: Int | None = rng(lo=1, hi=16)
+    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
+    repetition_penalty: float | None = rng(lo=0.5, hi=2)
+
+    def extension_params(self) -> dict[str, Any]:
+        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
+        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
+                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
+                 "repetition_penalty": self.repetition_penalty}
+        return {name: _or(value, param_default(name)) for name, value in given.items()}
+
+
+class OpenAIRequest(LoopKnobs):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults), plus
+    TinyLoop's knobs (LoopKnobs). A field that is neither is a 400 naming it (`unknown_parameter`), never
+    silently ignored: a typo'd knob would otherwise run as plain generation. Extra fields are let through
+    pydantic (so that this is a 400 naming the field, not a 422) and refused in `check_unsupported`; the
+    document says `additionalProperties: false`."""
+
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_closed_schema)
 
     model: str = Field(description='echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
                                    'asks for that depth when the body names no loops (harnesses that fix the '
@@ -186,12 +242,20 @@ class OpenAIRequest(BaseModel):
     min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
     kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(gt=0, hi=86400)              # TinyLoop extension: this request's time limit
+    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
     user: str | None = None
+    # OpenAI's bookkeeping fields: accepted, no effect here
+    metadata: dict[str, str] | None = Field(None, description="accepted; no effect")
+    store: bool | None = Field(None, description="accepted; no effect (nothing is stored)")
+    service_tier: str | None = Field(None, description="accepted; no effect")
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and not is_default(value, UNSUPPORTED[name]):
+            if name not in UNSUPPORTED:
+                raise ValidationError(f"{name}: unknown field; this route takes OpenAI's fields and TinyLoop's "
+                                      "knobs (the list: /docs or /openapi.json)", param=name,
+                                      code="unknown_parameter")
+            if not is_default(value, UNSUPPORTED[name]):
                 raise ValidationError(f"{name}: is not supported by TinyLoop", param=name, code="unsupported_parameter")
 
     def stop_list(self) -> list[str]:
@@ -238,9 +302,6 @@ class OpenAIRequest(BaseModel):
                                   f"{suffix!r}; give one", param="loops")
         return suffix
 
-    def extension_params(self) -> dict[str, Any]:
-        return {}
-
     def logprobs_param(self) -> int | None:
         """Alternatives per token to report (SamplingParams.logprobs), or None."""
         return None
@@ -248,38 +309,6 @@ class OpenAIRequest(BaseModel):
     def choices(self) -> int:
         """`n` as asked (default 1); the request plan checks its range with every other knob."""
         return _or(self.n, 1)
-
-
-def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
-                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
-    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
-    in the modes that use them; a value the document calls invalid is never accepted silently), and
-    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
-    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
-                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
-                                ("cache_window", cache_window, 0, MAX_WINDOW)):
-        if value is not None and not (lo <= value and (hi is None or value <= hi)):
-            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
-                                  param=name)
-
-
-class LMStudioKnobs(BaseModel):
-    """The /api/v0 superset: generation mode and the looped model's knobs."""
-
-    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
-    draft_loops: Int | None = rng(lo=1, hi=32)
-    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    draft_ahead: Int | None = rng(lo=1, hi=16)
-    K_branches: Int | None = rng(lo=1, hi=16)
-    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
-    repetition_penalty: float | None = rng(lo=0.5, hi=2)
-
-    def extension_params(self) -> dict[str, Any]:
-        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
-        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
-                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
-                 "repetition_penalty": self.repetition_penalty}
-        return {name: _or(value, param_default(name)) for name, value in given.items()}
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -294,7 +323,11 @@ class ChatCompletionRequest(OpenAIRequest):
         return _or(self.top_logprobs, 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int:
-        return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+        value = _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+        if value < 1:  # chat has no prompt scoring: the engine's "0 only with prompt_logprobs" does not apply
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise ValidationError(f"{name}: must be at least 1, got {value}", param=name)
+        return value
 
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None or self.max_completion_tokens is not None
@@ -363,12 +396,12 @@ class CompletionRequest(OpenAIRequest):
         return out
 
 
-class LMStudioChatRequest(LMStudioKnobs, ChatCompletionRequest):
-    pass
+class LMStudioChatRequest(ChatCompletionRequest):
+    """/api/v0/chat/completions: the /v1 body (its own name in the document)."""
 
 
-class LMStudioCompletionRequest(LMStudioKnobs, CompletionRequest):
-    pass
+class LMStudioCompletionRequest(CompletionRequest):
+    """/api/v0/completions: the /v1 body (its own name in the document)."""
 
 
 # -- native -----------------------------------------------------------------------------------
@@ -402,7 +435,7 @@ class GenerateRequest(BaseModel):
     stop: NonEmptyStr | StopStrings | TokenIds | None = Field(
         None, description=f"a string, up to {MAX_STOP} non-empty strings, or stop token ids")
     cache_window: Int = rng(param_default("cache_window"), lo=0, hi=MAX_WINDOW)
-    timeout_s: float | None = rng(gt=0, hi=86400)  # time limit for this request (default: the server's)
+    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # time limit for this request (default: the server's)
 
     def sampling_params(self) -> SamplingParams:
         check_timeout(self.timeout_s)
@@ -485,10 +518,3 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     tokens: TokenIds
     model: str | None = None
-
-
-def _unsupported_schema() -> dict[str, Any]:
-    """The OpenAI fields TinyLoop refuses unless they hold their default: documented with the only values
-    accepted, so a client (or the fuzzer) can see what is refused."""
-    return {name: {"enum": list(allowed), "description": "not supported: only its default is accepted"}
-            for name, allowed in UNSUPPORTED.items()}
