@@ -17,7 +17,9 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   `stream_options` without `stream`, `loops: "auto"` with a speculative mode, with min_loops above its
   max_loops, or with exit_criterion "gate" (the fuzzed model has no exit gate; a gate threshold is at
   most 1), a `kv_loops` budget other than "all" with a speculative mode,
-  chat `top_logprobs` without `logprobs: true`. The 400 must also name the right field.
+  chat `top_logprobs` without `logprobs: true`, a prompt that alone fills the context (naming `prompt`, or
+  `messages` for chat). The 400 must also name the right field. A 408 (the request's own `timeout_s` ran
+  out while it was queued) is excused for a `timeout_s` under a second.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
   request whose own `timeout_s` was under a second (it asked to be dropped if not started by then).
 
@@ -73,12 +75,15 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     code, param = error.get("code"), error.get("param")
     if code in ("context_length_exceeded", "kv_capacity_exceeded") and param == "max_tokens":
         return code  # depends on the prompt's token count and the pool: no schema can say it
+    prompt_field = "messages" if path.endswith("/chat/completions") else "prompt"
+    if code == "context_length_exceeded" and param == prompt_field:
+        return "the prompt alone fills the context"
     if path.startswith("/v1/") or path.startswith("/api/v0/"):
         if body.get("stream_options") is not None and not body.get("stream") and param == "stream_options":
             return "stream_options without stream"
     if path in NATIVE_MODES:
         mode = NATIVE_MODES[path]
-    elif path.startswith("/api/v0/"):
+    elif path in OPENAI_ROUTES:  # /v1 takes TinyLoop's knobs as /api/v0 does
         mode = _given(body, "mode", "generate")
     else:
         mode = "generate"
@@ -161,7 +166,7 @@ def tinyloop_positive_acceptance(ctx, response, case):
     if response.status_code == 400 and isinstance(error, dict):
         if explained_rejection(case.path, case.body, error, int(os.environ.get("TINYLOOP_FUZZ_DEFAULT_LOOPS", 3))):
             return None
-    if response.status_code == 504 and _short_timeout(case.body):
+    if response.status_code in (408, 504) and _short_timeout(case.body):
         return None
     _fail(f"a schema-valid request was refused ({response.status_code}) and no documented rule explains it: "
           f"{response.text[:300]}")

@@ -7,7 +7,7 @@ import httpx
 
 def test_auto_loops_on_the_routes(tiny_server):
     url = tiny_server.url
-    r = httpx.post(f"{url}/api/v0/completions", json={"model": "x", "prompt": "The king", "max_tokens": 6,
+    r = httpx.post(f"{url}/api/v0/completions", json={"model": "tinyloop", "prompt": "The king", "max_tokens": 6,
                                                        "temperature": 0, "loops": "auto", "exit_threshold": 10,
                                                        "min_loops": 1, "max_loops": 3})
     assert r.status_code == 200, r.text
@@ -16,10 +16,10 @@ def test_auto_loops_on_the_routes(tiny_server):
     assert stats["loops_histogram"] == {"1": 5, "3": 1} and stats["loops_used"] == round(8 / 6, 3)
     r = httpx.post(f"{url}/generate", json={"prompt": "The king", "max_tokens": 4, "loops": "auto"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "Hi"}],
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}],
                                                        "max_tokens": 4, "loops": "auto"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/api/v0/completions", json={"model": "x", "prompt": "The king", "max_tokens": 4,
+    r = httpx.post(f"{url}/api/v0/completions", json={"model": "tinyloop", "prompt": "The king", "max_tokens": 4,
                                                       "loops": "auto", "mode": "speculative"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "loops", r.text
     r = httpx.post(f"{url}/generate", json={"prompt": "The king", "loops": "auto", "min_loops": 5, "max_loops": 2})
@@ -42,7 +42,7 @@ def test_kv_loops_over_http(tiny_server):
     url = tiny_server.url
     r = httpx.post(f"{url}/generate", json={"prompt": "The king", "max_tokens": 4, "loops": 3, "kv_loops": "last"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/v1/completions", json={"model": "x", "prompt": "The king", "max_tokens": 4, "kv_loops": 2})
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tinyloop", "prompt": "The king", "max_tokens": 4, "kv_loops": 2})
     assert r.status_code == 200, r.text
     r = httpx.post(f"{url}/generate/speculative", json={"prompt": "The king", "kv_loops": "last"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_loops", r.text
@@ -63,7 +63,7 @@ def test_tokenize_takes_the_names_other_servers_use(tiny_server):
 
 
 def test_response_format_other_than_text_is_refused(tiny_server):
-    body = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
     assert r.json()["error"]["param"] == "response_format"

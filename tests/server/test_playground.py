@@ -104,7 +104,7 @@ def artifacts_dir() -> Path:
 
 def expected_completion(url: str, prompt: str, max_tokens: int, loops: int) -> str:
     r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "loops": loops})
+                   json={"model": "tinyloop", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "loops": loops})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 

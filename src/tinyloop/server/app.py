@@ -20,7 +20,7 @@ from .. import __version__
 from . import access, docs_ui, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi
 from .errors import APIError
-from .generation import ServerState
+from .generation import ServerState, served_names
 from .metrics import Metrics
 from .settings import Settings
 from .worker import EngineWorker
@@ -103,7 +103,9 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
         created = int(path.stat().st_mtime)
     except OSError:
         created = int(time.time())
-    state = ServerState(settings, worker, metrics, model_id=str(path), created=created)
+    state = ServerState(settings, worker, metrics, names=served_names(settings.served_model_names, path),
+                        created=created)
+    state.model_path = str(path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,13 +126,18 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
 
     @app.get("/health")
     async def health():
-        base: dict[str, Any] = {"model": state.model_id, "version": __version__, "commit": settings.commit,
+        base: dict[str, Any] = {"model": state.model_path, "model_id": state.model_id, "version": __version__, "commit": settings.commit,
                                 "kv_cache_mode": settings.kv_cache_mode, "warnings": worker.warnings}
         if worker.state == "ready":
             engine = worker.engine
-            return {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
-                    "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
-                    **worker.health()}
+            out = {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
+                   "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
+                   **worker.health()}
+            if out["status"] in ("ok", "degraded"):
+                return out
+            # loaded but not serving yet (scale-out: no engine replica ready): 503, so readiness waits
+            err = APIError(503, out.get("reason") or "not serving yet", code="not_ready", headers={"Retry-After": "1"})
+            return JSONResponse({**out, **err.body()}, status_code=503, headers=err.headers)
         try:
             worker.require_engine()
         except APIError as err:

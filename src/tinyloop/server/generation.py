@@ -19,6 +19,7 @@ from ..version import __version__
 from ..engine import SamplingParams
 from ..errors import ValidationError
 from .access import add_completion_tokens, note
+from .schemas import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
 from .sse import DONE, KEEPALIVE, Framer, usage
 from .worker import EngineWorker, RequestHandle
@@ -48,12 +49,38 @@ class Result:
     stop_logprob: tuple | None = None     # (stop id, entry) when a stop token ended it, with logprobs
 
 
-class ServerState:
-    """What routes need: the settings, the engine worker, metrics and the model's identity."""
+DEFAULT_NAME = "tinyloop"   # what the README's examples send
 
-    def __init__(self, settings, worker: EngineWorker, metrics, model_id: str, created: int):
+
+def served_names(given: list[str], path) -> list[str]:
+    """The names a request's `model` may use, the id (`/v1/models`) first: `--served-model-name`'s, else the
+    file's stem, "tinyloop", and its path (with and without the leading '/')."""
+    if given:
+        return list(dict.fromkeys(given))
+    path = str(path)
+    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
+    return list(dict.fromkeys([stem, DEFAULT_NAME, path, path.lstrip("/")]))
+
+
+class ServerState:
+    """What routes need: the settings, the engine worker, metrics and the model's identity (`names`: the
+    names requests may use; the first is its id)."""
+
+    def __init__(self, settings, worker: EngineWorker, metrics, names: list[str], created: int):
         self.settings, self.worker, self.metrics = settings, worker, metrics
-        self.model_id, self.created = model_id, created
+        self.names, self.created = names, created
+
+    @property
+    def model_id(self) -> str:
+        return self.names[0]
+
+    def check_model(self, name: str) -> None:
+        """A request's `model` must be one of this server's names (a `@loops=K` suffix aside): else 404
+        `model_not_found`, as vLLM and OpenAI answer."""
+        if LOOPS_SUFFIX.sub("", name) not in self.names:
+            shown = ", ".join(repr(n) for n in self.names[:2])
+            raise APIError(404, f"model {name!r} not found; this server serves {shown} (GET /v1/models)",
+                           param="model", code="model_not_found")
 
     def model_info(self) -> dict[str, Any]:
         info = self.worker.require_engine().model_info()  # quant from the file header; kv mode as served

@@ -27,12 +27,10 @@ def model_card(state: ServerState) -> dict[str, Any]:
 
 
 def find_model(state: ServerState, model_id: str) -> None:
-    """The model's id is its path; also accept it without the leading slash, or the file's stem."""
+    """`/v1/models/{id}`: any of the server's names (its id first: the file's stem by default)."""
     state.worker.require_engine()
-    path = state.model_id
-    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
-    if model_id not in (path, path.lstrip("/"), stem):
-        raise APIError(404, f"model {model_id!r} not found; this server serves {path!r}", param="model",
+    if model_id not in state.names:
+        raise APIError(404, f"model {model_id!r} not found; this server serves {state.model_id!r}", param="model",
                        code="model_not_found")
 
 
@@ -52,6 +50,7 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
     state = state_of(request)
+    state.check_model(body.model)
     params = body.sampling_params()
     n = body.choices()
     engine = state.worker.require_engine()

@@ -15,6 +15,7 @@ descriptions and surface as 400s naming the field.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.openapi.utils import get_openapi
@@ -90,14 +91,19 @@ def limits_of(state) -> dict[str, Any] | None:
     if worker.state != "ready":
         return None
     cfg = worker.engine.config
-    path = state.model_id
-    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
     return {"max_tokens": state.settings.max_tokens, "max_loops": cfg.max_loops, "vocab_max": cfg.vocab_size - 1,
-            "model_ids": list(dict.fromkeys([path, path.lstrip("/"), stem]))}
+            "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
+
+
+def model_name_pattern(names: list[str]) -> str:
+    """The `model` a request may name: one of the server's names, with an optional `@loops=K` suffix."""
+    return "^(" + "|".join(re.escape(n) for n in names) + ")(@loops=(auto|-?[0-9]+))?$"
 
 
 def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
     if isinstance(node, dict):
+        if node.pop("x-model-names", None):
+            node["pattern"] = limits["model_names"]
         name = node.pop("x-limit", None)
         if name is not None:
             node["maximum"] = limits[name]
@@ -152,7 +158,8 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
             for param in op.get("parameters", []):
                 if param["name"] == "model_id":
                     param["schema"] = {"type": "string", "enum": limits["model_ids"]}
-                    param["description"] = "the model's path, the path without its leading '/', or its file stem"
+                    param["description"] = "one of the server's model names (--served-model-name; by default the "\
+                                           "file's stem, \"tinyloop\" and its path)"
     for name, example in EXAMPLES.items():
         if name in comps:
             comps[name]["examples"] = [example]
@@ -163,7 +170,7 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
 def install(app, state) -> None:
     """Serve the document built above (cached once the model is loaded: the limits are then final)."""
     defaults = {"max_tokens": state.settings.max_tokens, "max_loops": 64, "vocab_max": 50256,
-                "model_ids": [state.model_id]}
+                "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:

@@ -220,7 +220,8 @@ class TokenizerInfo(Closed):
 
 class HealthOK(Closed):
     status: Literal["ok"]
-    model: str
+    model: str                           # the model file's path
+    model_id: str                        # its id in the API (the first served name)
     version: str
     commit: str | None
     kv_cache_mode: str
@@ -234,6 +235,7 @@ class HealthDown(Closed):
     status: Literal["loading", "failed"]
     reason: str | None
     model: str
+    model_id: str
     version: str
     commit: str | None
     kv_cache_mode: str
@@ -251,6 +253,7 @@ class ChatChunkChoice(Closed):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
+    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
 class TextChunkChoice(Closed):
@@ -258,6 +261,7 @@ class TextChunkChoice(Closed):
     index: int
     finish_reason: FinishReason | None
     logprobs: TextLogprobs | None = None
+    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
 class _Chunk(Closed):
@@ -288,6 +292,7 @@ class NativeEvent(Closed):
     logprob: float | None = None         # with logprobs: k
     top_logprobs: list[IdLogprob] | None = None
     prompt_logprobs: list[NativeLogprob | None] | None = None  # with prompt_logprobs: on the first event
+    loops: int | None = None             # loops "auto": the core loops this token ran
 
 
 def sse_event_schema(ref: str, what: str) -> dict[str, Any]:

@@ -222,9 +222,10 @@ class OpenAIRequest(LoopKnobs):
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_closed_schema)
 
-    model: str = Field(description='echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
+    model: str = Field(description='one of the server\'s model names (GET /v1/models; else 404 model_not_found), '
+                                   'echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
                                    'asks for that depth when the body names no loops (harnesses that fix the '
-                                   'rest of the body: docs/evaluation.md)')
+                                   'rest of the body: docs/evaluation.md)', json_schema_extra={"x-model-names": True})
     max_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")
     temperature: float | None = rng(lo=0, hi=2)
     top_p: float | None = rng(gt=0, hi=1)
