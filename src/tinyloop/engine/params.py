@@ -48,6 +48,9 @@ class SamplingParams:
     # loops (no temperature, top-k/top-p or penalties); the first token's entry is None. With it,
     # max_tokens may be 0 (score the prompt, generate nothing)
     prompt_logprobs: int | None = None
+    # constrained decoding (engine/constraint.py): a `Constraint` (JSON schema, JSON object, regex or grammar)
+    # the output must match; each step's row is masked to the tokens it allows. None: free text
+    constraint: Any = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)

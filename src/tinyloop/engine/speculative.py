@@ -252,7 +252,8 @@ class Speculator:
         self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
         self.head.add(list(plan.prompt_ids))
         self.penalties = _has_penalties(params)
-        plain_greedy = params.greedy and not self.penalties and params.logprobs is None
+        # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
+        plain_greedy = params.greedy and not self.penalties and params.logprobs is None and params.constraint is None
         self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1

@@ -204,12 +204,13 @@ class LoopKnobs(BaseModel):
     K_branches: Int | None = rng(lo=1, hi=16)
     cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
     repetition_penalty: float | None = rng(lo=0.5, hi=2)
+    ignore_eos: bool | None = Field(None, description="vLLM's: keep generating past end-of-text (benchmarks)")
 
     def extension_params(self) -> dict[str, Any]:
         check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
         given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
                  "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
-                 "repetition_penalty": self.repetition_penalty}
+                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
         return {name: _or(value, param_default(name)) for name, value in given.items()}
 
 
