@@ -64,7 +64,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
             encode = partial(encode, add_special_tokens=body.add_special_tokens)
         ids = await anyio.to_thread.run_sync(encode, text)
     else:  # what a chat request would feed the model: its chat template, special tokens as ids
-        ids = await anyio.to_thread.run_sync(engine.encode_prompt, render_chat(body.messages))
+        chat = render_chat(body.messages, getattr(engine.tokenizer, "chat_template", None))
+        ids = await anyio.to_thread.run_sync(engine.encode_prompt, chat)
     return {"tokens": ids, "count": len(ids), "max_seq_len": engine.max_seq_len}
 
 

@@ -12,7 +12,8 @@ from .errors import APIError
 from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
 from .logprobs import chat_content, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from .sse import ChatFramer, CompletionFramer
+from .sse import ChatFramer, CompletionFramer, ToolChatFramer
+from .structured import message_of
 
 router = APIRouter()
 
@@ -54,7 +55,11 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     params = body.sampling_params()
     n = body.choices()
     engine = state.worker.require_engine()
-    prompts = [body.prompt()] if chat else body.prompt_inputs(engine.config.vocab_size)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    tools = body.tool_plan(template) if chat else None   # tools: their prompt, constraint and parsing
+    if tools is not None:
+        params = params.replace(constraint=tools.constraint())
+    prompts = [body.prompt(template, tools)] if chat else body.prompt_inputs(engine.config.vocab_size)
     handles = []
     try:
         for prompt in prompts:
@@ -76,8 +81,10 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     extras = state.lmstudio_extras if extended else None
     tokenizer = engine.tokenizer if params.logprobs is not None else None
     if body.wants_stream():
-        framer = ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
-                            extras=extras, n=n, tokenizer=tokenizer) if chat else \
+        framer = ToolChatFramer(plan=tools, id=rid, created=created, model=body.model, extras=extras, n=n,
+                                include_usage=body.include_usage()) if tools is not None else \
+            ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
+                       extras=extras, n=n, tokenizer=tokenizer) if chat else \
             CompletionFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
                              extras=extras, n=n * len(handles), per_prompt=n, tokenizer=tokenizer, echo=echo)
         handle = handles[0] if len(handles) == 1 else MergedHandle(handles, n)
@@ -87,8 +94,9 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     for p, results in enumerate(batches):
         for i, result in enumerate(results):
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                                "finish_reason": result.finish_reason})
+                message, finish = ({"role": "assistant", "content": result.text}, result.finish_reason) \
+                    if tools is None else message_of(tools, result.text, result.finish_reason)
+                choices.append({"index": i, "message": message, "finish_reason": finish})
                 if tokenizer is not None:
                     choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
                 continue

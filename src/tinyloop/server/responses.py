@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]  # tool_calls: chat with tools only
 
 
 class Closed(BaseModel):
@@ -73,9 +73,33 @@ class ModelInfo(Open):
     kv_cache_mode: str
 
 
+class FunctionCall(Closed):
+    name: str
+    arguments: str                       # a JSON string
+
+
+class ToolCallOut(Closed):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Closed):
     role: Literal["assistant"]
-    content: str
+    content: str | None                  # null when the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class FunctionCallDelta(Closed):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Closed):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
 
 
 class TopLogprob(Closed):
@@ -246,6 +270,7 @@ class HealthDown(Closed):
 class ChatDelta(Closed):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None   # with tools: the name first, then the arguments
 
 
 class ChatChunkChoice(Closed):

@@ -17,10 +17,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 from ..engine import SamplingParams, param_default
+from ..engine.constraint import Constraint
 from ..engine.params import MODES
 from ..engine.plan import MAX_N
 from ..chat import Chat
 from ..errors import ValidationError
+from .structured import ResponseFormat, Tool, ToolCall, ToolChoice, ToolPlan, message_for_template
 
 # Request defaults are SamplingParams' (one place); only where an API's own spec says otherwise (OpenAI's
 # temperature 1.0, the native API's top_k 50 / top_p 0.9) is a default written here.
@@ -30,10 +32,10 @@ OPENAI_TEMPERATURE = 1.0
 # OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
 # rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "tools": (None, []), "functions": (None, []),   # tools: chat only (a text completion has no tool calls)
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "function_call": (None, "none"),
+    "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),  # echo: /v1/completions takes it
-    "response_format": (None, {"type": "text"}),  # JSON mode / structured output: not implemented
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
 MAX_STOP = 16  # SamplingParams.validate's limit
@@ -127,9 +129,11 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="role tool: the call this message answers")
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -139,12 +143,25 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-def render_chat(messages: list[ChatMessage]) -> Chat:
+def render_chat(messages: list[ChatMessage], template: str | None = None) -> Chat:
     """The conversation, checked, for the engine to render with the model's chat template (an imported
-    checkpoint's own Jinja template, or "Role: content" lines for TinyLoop's GPT-2 models: `tinyloop.chat`)."""
+    checkpoint's own Jinja template, or "Role: content" lines for TinyLoop's GPT-2 models: `tinyloop.chat`).
+    Earlier tool calls and tool results are written as the model's tool format has them (server/structured.py)."""
     if not messages:
         raise ValidationError("messages: must contain at least one message", param="messages")
-    return Chat(tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)))
+    style = "hermes" if template and "<tool_call>" in template else "generic"
+    out = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise ValidationError(f"messages[{i}].tool_call_id: a tool message answers a call: give its id",
+                                  param=f"messages[{i}].tool_call_id")
+        msg = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(message_for_template(msg, style))
+    return Chat(tuple(out))
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -245,6 +262,7 @@ class OpenAIRequest(LoopKnobs):
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
     kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
     timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
+    response_format: ResponseFormat | None = None
     user: str | None = None
     # OpenAI's bookkeeping fields: accepted, no effect here
     metadata: dict[str, str] | None = Field(None, description="accepted; no effect")
@@ -292,7 +310,11 @@ class OpenAIRequest(LoopKnobs):
             exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
-            logprobs=self.logprobs_param(), **self.extension_params())
+            logprobs=self.logprobs_param(), constraint=self.constraint(), **self.extension_params())
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match (`response_format`; chat's `tools` add theirs: server/tools.py)."""
+        return self.response_format.constraint() if self.response_format is not None else None
 
     def requested_loops(self) -> int | str | None:
         """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
@@ -334,8 +356,21 @@ class ChatCompletionRequest(OpenAIRequest):
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None or self.max_completion_tokens is not None
 
-    def prompt(self) -> Chat:
-        return render_chat(self.messages)
+    tools: list[Tool] | None = Field(None, description="functions the model may call (docs/structured.md)")
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (default with tools), "required", '
+                                           'or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description="allow more than one call per answer (default true)")
+
+    def tool_plan(self, template: str | None) -> ToolPlan | None:
+        plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, template)
+        if plan is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValidationError("response_format: give tools or a response_format, not both (or tool_choice "
+                                  '"none")', param="response_format")
+        return plan
+
+    def prompt(self, template: str | None = None, tools: ToolPlan | None = None) -> Chat:
+        chat = render_chat(self.messages, template)
+        return tools.chat(chat) if tools is not None else chat
 
 
 MAX_PROMPTS = 16  # prompts in one /v1/completions request (each is a request of the batch)
@@ -438,6 +473,24 @@ class GenerateRequest(BaseModel):
         None, description=f"a string, up to {MAX_STOP} non-empty strings, or stop token ids")
     cache_window: Int = rng(param_default("cache_window"), lo=0, hi=MAX_WINDOW)
     timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # time limit for this request (default: the server's)
+    json_schema: dict[str, Any] | None = Field(None, description="the output must be JSON matching this schema "
+                                               "(llama.cpp's name; docs/structured.md)")
+    regex: NonEmptyStr | None = Field(None, description="the output must match this regular expression")
+    grammar: NonEmptyStr | None = Field(None, description="the output must match this grammar: llama.cpp's GBNF "
+                                        "(root rule `root`) or Lark (docs/structured.md)")
+
+    def constraint(self) -> Constraint | None:
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValidationError(f"{given[1]}: give one of json_schema, regex or grammar, not {' and '.join(given)}",
+                                  param=given[1])
+        if self.json_schema is not None:
+            return Constraint.json_schema(self.json_schema, param="json_schema")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, param="regex")
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar, param="grammar")
+        return None
 
     def sampling_params(self) -> SamplingParams:
         check_timeout(self.timeout_s)
@@ -458,7 +511,7 @@ class GenerateRequest(BaseModel):
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
             max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs, **self.speculative_params())
+            prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}

@@ -194,3 +194,36 @@ class NativeFramer(Framer):
         if ev.prompt_logprobs is not None:  # nothing was generated (max_tokens 0, or a stop token at once)
             e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
         return [frame(e), DONE]
+
+
+class ToolChatFramer(ChatFramer):
+    """Chat chunks under tools: a choice's output is held until it ends, then parsed and sent as content
+    and tool-call deltas (`structured.stream_deltas`), with finish_reason "tool_calls" when it called."""
+
+    def __init__(self, *, plan, **kw: Any):
+        super().__init__(**kw)
+        self.plan = plan
+        self.text: dict[int, list[str]] = {}
+
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        self.text.setdefault(ev.index, []).append(ev.text)
+        return []
+
+    def close(self, ev: StreamEvent) -> list[bytes]:
+        from .structured import stream_deltas
+
+        stats = ev.stats or {}
+        self.closed[ev.index] = stats
+        text = "".join(self.text.pop(ev.index, [])) + ev.text
+        deltas = stream_deltas(self.plan, text)
+        out = [frame(self._chunk(self._delta(d, index=ev.index))) for d in deltas]
+        finish = "tool_calls" if ev.finish_reason == "stop" and any("tool_calls" in d for d in deltas) \
+            else ev.finish_reason
+        extra = self.extras(stats) if self.extras else {}
+        out.append(frame(self._chunk(self._delta({}, finish, index=ev.index), **extra)))
+        if not self.done:
+            return out
+        if self.include_usage:
+            out.append(frame(self._chunk(None, usage=self.usage())))
+        out.append(DONE)
+        return out
