@@ -18,7 +18,7 @@ from tinyloop.server.app import create_app
 from tinyloop.server.settings import Settings
 from tinyloop.server.worker import EngineWorker
 
-from .conftest import ServerThread, sse_events
+from .conftest import ServerThread
 from .test_http_shapes import assert_error, data_frames, post
 
 TEXT = {"model": "tinyloop", "prompt": "The king said", "max_tokens": 4, "temperature": 0}

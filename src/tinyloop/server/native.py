@@ -12,8 +12,9 @@ from ..tokenizer import HFTokenizer
 from .logprobs import native_logprob
 from .generation import collect, stream
 from .openai import state_of
-from .schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
-                      TreeSpeculativeRequest, render_chat)
+from .native_schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
+                             TreeSpeculativeRequest)
+from .schemas import render_chat
 from .sse import NativeFramer
 
 router = APIRouter()
