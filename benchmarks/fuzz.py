@@ -18,7 +18,10 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   max_loops, or with exit_criterion "gate" (the fuzzed model has no exit gate; a gate threshold is at
   most 1), a `kv_loops` budget other than "all" with a speculative mode,
   chat `top_logprobs` without `logprobs: true`, a prompt that alone fills the context (naming `prompt`, or
-  `messages` for chat). The 400 must also name the right field. A 408 (the request's own `timeout_s` ran
+  `messages` for chat), a constraint the grammar library refuses (an invalid regex, grammar or schema:
+  naming `json_schema`, `regex`, `grammar`, `response_format` or `tools`) or more than one of them,
+  `tool_choice` without `tools`, a tool message without `tool_call_id`. The 400 must also name the right
+  field. A 408 (the request's own `timeout_s` ran
   out while it was queued) is excused for a `timeout_s` under a second.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
   request whose own `timeout_s` was under a second (it asked to be dropped if not started by then).
@@ -90,6 +93,16 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     if path.endswith("/chat/completions") and body.get("top_logprobs") and not body.get("logprobs") \
             and param == "top_logprobs":
         return "top_logprobs without logprobs: true"
+    given = [n for n in ("json_schema", "regex", "grammar", "response_format", "tools") if body.get(n) is not None]
+    if param in given:   # whether a regex, grammar or schema compiles is not something JSON Schema can state
+        return "a constraint the grammar library refuses, or more than one constraint"
+    if path.endswith("/chat/completions"):
+        if param == "tool_choice" and body.get("tool_choice") not in (None, "none") and not body.get("tools"):
+            return "tool_choice without tools"
+        for i, m in enumerate(body.get("messages") or []):
+            if isinstance(m, dict) and m.get("role") == "tool" and not m.get("tool_call_id") \
+                    and param == f"messages[{i}].tool_call_id":
+                return "a tool message without tool_call_id"
     named = model_loops(body["model"]) if isinstance(body.get("model"), str) else None
     if named is not None and param == "loops":
         return "a depth in the model name (model@loops=K) out of range or unlike the body's loops"

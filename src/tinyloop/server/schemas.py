@@ -128,7 +128,8 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={  # a tool result names its call
+        "if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"]}})
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -45,7 +45,8 @@ class JSONSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """`text` (default), `json_object` (any JSON object) or `json_schema` (docs/structured.md)."""
-    model_config = STRICT
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]}})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -62,7 +63,7 @@ class ResponseFormat(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = STRICT
-    name: str = Field(json_schema_extra={"pattern": "^[A-Za-z0-9_-]{1,64}$"})
+    name: str = Field(pattern="^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
     strict: bool | None = None
