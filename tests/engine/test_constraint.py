@@ -115,3 +115,18 @@ def test_n_choices_keep_their_own_grammar_state(engine):
     for text, reason, _, _ in outs:
         if reason == "stop":
             jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+def test_sampled_speculative_outputs_validate(engine):
+    """Drafts follow the grammar (and are rolled back before verification): sampled chain speculation's
+    outputs still validate."""
+    schema = SCHEMAS[0]
+    c = Constraint.json_schema(schema)
+    done = 0
+    for seed in range(5):
+        text, reason, _, _ = run(engine, SamplingParams(max_tokens=64, temperature=0.8, seed=seed, constraint=c,
+                                                        mode="speculative", draft_loops=1, verify_loops=3))[0]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+            done += 1
+    assert done >= 2

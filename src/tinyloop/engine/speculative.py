@@ -343,7 +343,13 @@ class Speculator:
         return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
 
     def _draft_greedy(self, lg: torch.Tensor) -> int:
-        return self.head.token(int(torch.argmax(self._penalised(lg))))
+        x = self._penalised(lg)
+        m = self.sampler.matcher
+        if m is not None:  # under a constraint: the draft proposes only what the grammar allows here
+            allowed = m.mask() if self.head.ids is None else m.mask()[self.head.ids[: self.head.n].cpu()]
+            if bool(allowed.any()):
+                x = x.masked_fill(~allowed.to(x.device), float("-inf"))
+        return self.head.token(int(torch.argmax(x)))
 
     def _chain_round(self, k: int):
         sampler = self.sampler
@@ -351,6 +357,7 @@ class Speculator:
         t0 = time.perf_counter()
         toks, es, hs, qs = [self.pending], [], [], []
         backlog, self.exit_backlog = self.exit_backlog, None
+        matcher, drafted = sampler.matcher, 0
         for j in range(k):
             draft = self._draft([toks[-1]], L + j, self.draft_readout)
             if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
@@ -366,11 +373,16 @@ class Speculator:
             lg = self.head.logits(draft.hidden)[0]
             if self.params.greedy:
                 x = self._draft_greedy(lg)
-            else:
+            else:  # q: the draft's distribution, masked at this draft position under a constraint
                 q = sampler.probs(self.head.full_logits(lg, self.model.cfg.vocab_size))
                 x = draw(q, sampler.generator)
                 qs.append(q)
             toks.append(x)
+            if matcher is not None:  # the grammar follows the drafts (rolled back before verification)
+                if x == matcher.eos or not matcher.allows(x):
+                    break   # an end, or a token the verifier will refuse: nothing to draft past it
+                matcher.accept(x)
+                drafted += 1
             if self.draft_stop > 0 and j + 1 < k:
                 top = float(torch.softmax(lg.float(), dim=-1).max())
                 if top < self.draft_stop:
@@ -382,6 +394,8 @@ class Speculator:
         hs.append(draft.out_state[1])
         t1 = time.perf_counter()
         verify = self._verify(torch.cat(es), torch.cat(hs), L)
+        if matcher is not None:
+            matcher.rollback(drafted)   # verification accepts (and so advances the grammar) token by token
         yield verify
         out = self._accept_chain(toks, verify.hidden, qs)
         self.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
