@@ -20,7 +20,8 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   chat `top_logprobs` without `logprobs: true`, a prompt that alone fills the context (naming `prompt`, or
   `messages` for chat), a constraint the grammar library refuses (an invalid regex, grammar or schema:
   naming `json_schema`, `regex`, `grammar`, `response_format` or `tools`) or more than one of them,
-  `tool_choice` without `tools`, a tool message without `tool_call_id`. The 400 must also name the right
+  `tool_choice` without `tools`, a tool message without `tool_call_id`, chat's `max_tokens` and
+  `max_completion_tokens` both given and different. The 400 must also name the right
   field. A 408 (the request's own `timeout_s` ran
   out while it was queued) is excused for a `timeout_s` under a second.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
@@ -97,6 +98,9 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     if param in given:   # whether a regex, grammar or schema compiles is not something JSON Schema can state
         return "a constraint the grammar library refuses, or more than one constraint"
     if path.endswith("/chat/completions"):
+        if param == "max_tokens" and body.get("max_tokens") is not None and body.get("max_completion_tokens") \
+                is not None and body["max_tokens"] != body["max_completion_tokens"]:
+            return "max_tokens and max_completion_tokens disagree"
         if param == "tool_choice" and body.get("tool_choice") not in (None, "none") and not body.get("tools"):
             return "tool_choice without tools"
         for i, m in enumerate(body.get("messages") or []):

@@ -71,8 +71,9 @@ class Constraint:
                 from llguidance.gbnf_to_lark import any_to_lark
 
                 return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.source))
-        except (ValueError, KeyError, AssertionError) as exc:
-            raise ValidationError(f"{self.param}: {exc}", param=self.param) from None
+        except Exception as exc:  # noqa: BLE001 - whatever the converters raise, the client's text is at fault
+            raise ValidationError(f"{self.param}: {type(exc).__name__}: {exc}" if not isinstance(exc, ValueError)
+                                  else f"{self.param}: {exc}", param=self.param) from None
         raise ValidationError(f"{self.param}: unknown constraint kind {self.kind!r}", param=self.param)
 
 
@@ -141,7 +142,8 @@ class Grammars:
 def _reason(message: str) -> str:
     """llguidance's error, made to say what to fix (its messages name the keyword: "Unimplemented keys:
     [\"format\"]")."""
-    message = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    message = "; ".join(lines[:3]) if lines else "invalid grammar"
     if "Unimplemented" in message or "unimplemented" in message:
         return f"a schema feature this server does not support: {message}; remove it from the schema"
     return message

@@ -348,6 +348,11 @@ class ChatCompletionRequest(OpenAIRequest):
         return _or(self.top_logprobs, 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int:
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValidationError(f"max_tokens: {self.max_tokens} and max_completion_tokens "
+                                  f"{self.max_completion_tokens} disagree; give one (max_tokens is OpenAI's older name)",
+                                  param="max_tokens")
         value = _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
         if value < 1:  # chat has no prompt scoring: the engine's "0 only with prompt_logprobs" does not apply
             name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
