@@ -186,3 +186,23 @@ def test_tool_none_and_tool_messages(client, tiny_server):
     assert "Tool: 3" in text
     assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS + [
         {"role": "tool", "content": "3"}]}), 400, "messages[1].tool_call_id")
+
+
+class Weather(BaseModel):
+    """The weather in a city."""
+    city: str = Field(max_length=8)
+    unit: Literal["c", "f"]
+
+
+def test_langchain_with_structured_output_and_bind_tools(tiny_server):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=tiny_server.url + "/v1", api_key="unused", model="tinyloop", temperature=0,
+                        max_tokens=64, max_retries=0)
+    pet = llm.with_structured_output(Pet).invoke("A pet, as JSON")
+    assert isinstance(pet, Pet)
+    msg = llm.bind_tools([Weather], tool_choice="required").invoke("What is the weather in Paris?")
+    if msg.response_metadata.get("finish_reason") == "tool_calls":
+        (call,) = msg.tool_calls[:1]
+        assert call["name"] == "Weather" and Weather(**call["args"])
+    else:
+        assert msg.response_metadata.get("finish_reason") == "length"

@@ -144,7 +144,9 @@ class ToolPlan:
                                       param="tool_choice")
             fns = [f for f in fns if f.name == picked]
         style = "hermes" if template and "<tool_call>" in template else "generic"
-        return cls(fns, picked, True if parallel is None else parallel, style)
+        # parallel calls: OpenAI's default (true) for templates that know tools; one call unless asked in the
+        # generic format, as llama.cpp does (a base model asked for "one or more" rarely stops at one)
+        return cls(fns, picked, (style == "hermes") if parallel is None else parallel, style)
 
     # -- what the model sees ---------------------------------------------------------------------------------
     def openai_tools(self) -> list[dict[str, Any]]:
