@@ -291,8 +291,8 @@ def tinyloop_counts(ctx, response, case):
         u = out["usage"]
         if u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]:
             _fail(f"usage does not add up: {u}")
-        if len(out["choices"]) != int(body.get("n") or 1):
-            _fail(f"{len(out['choices'])} choices for n={body.get('n')}")
+        if len(out["choices"]) != choices(case.path, body):   # n, times a batch's prompts
+            _fail(f"{len(out['choices'])} choices for n={body.get('n')} and {choices(case.path, body)} expected")
         cap = body.get("max_completion_tokens") or body.get("max_tokens") or MAX_TOKENS
         if u["completion_tokens"] > cap * len(out["choices"]):
             _fail(f"{u['completion_tokens']} completion tokens over max_tokens {cap}")
