@@ -68,12 +68,15 @@ def from_engine_failure(exc: BaseException, handle: Any = None) -> APIError:
     """Map an exception raised while the engine ran a request. A request whose own `timeout_s` ran out
     before it started is answered 408 (the client chose the limit: a 4xx); the server's default limit
     (TINYLOOP_REQUEST_TIMEOUT_S) running out is the server's 504."""
-    if isinstance(exc, APIError):
+    client = getattr(handle, "client_timeout", False)
+    if isinstance(exc, APIError):   # (scale-out: a replica's 504 for a limit the client set is the client's 408)
+        if client and exc.status == 504 and exc.code == "timeout":
+            return APIError(408, f"{exc.message} (the request's own timeout_s)", param="timeout_s", code="timeout")
         return exc
     if isinstance(exc, ValidationError):
         return from_validation(exc)
     if isinstance(exc, RequestTimeout):
-        if getattr(handle, "client_timeout", False):
+        if client:
             return APIError(408, f"{exc} (the request's own timeout_s)", param="timeout_s", code="timeout")
         return APIError(504, str(exc), code="timeout")
     if isinstance(exc, NotImplementedError):
