@@ -172,3 +172,18 @@ def test_per_token_depth_under_auto(tiny_server):
     assert streamed == depths   # the same greedy request: the same exits
     fixed = httpx.post(tiny_server.url + "/generate", json={**body, "loops": 3}).content
     assert b'"loops"' not in fixed   # fixed depth: no per-token field
+
+
+def test_timeout_statuses():
+    """The client's own limit is a 408, the server's default a 504; scale-out replicas answer 504 and the
+    ingress, which knows whose limit it was, makes it a 408."""
+    from tinyloop.errors import RequestTimeout
+    from tinyloop.server.errors import APIError, from_engine_failure
+
+    class Handle:
+        client_timeout = True
+
+    assert from_engine_failure(RequestTimeout("late"), Handle()).status == 408
+    assert from_engine_failure(APIError(504, "late", code="timeout"), Handle()).status == 408
+    assert from_engine_failure(RequestTimeout("late"), None).status == 504
+    assert from_engine_failure(APIError(504, "late", code="timeout"), None).status == 504
