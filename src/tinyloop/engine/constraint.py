@@ -10,8 +10,8 @@ well under a millisecond per token on the GPT-2 vocabulary, measured). The engin
   compiled grammars, cached by content: each request gets a copy of a compiled matcher, never a recompile.
 - `Matcher` is one output's state: the allowed-token mask for the next position (computed off the engine
   thread's critical path: llguidance drops the GIL, so the mask for step t+1 is computed in a worker thread
-  while step t+1's forward pass runs), `accept` after each token, `rollback` for speculation. EOS is in the
-  mask only where the grammar may end.
+  while step t+1's forward pass runs), `accept` after each token, `rollback` for speculation's drafts. EOS
+  is in the mask only where the grammar may end.
 
 `Sampler` applies the mask to the row's logits before anything else, so greedy takes the argmax over allowed
 tokens, sampling draws from the masked distribution, and logprobs are those of that distribution.
@@ -215,11 +215,6 @@ class Matcher:
         self.consumed -= n
         self._prefetch()
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens`, from the current state, the grammar accepts in a row."""
-        self._wait()
-        return self.ll.validate_tokens(list(tokens))
-
     def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
@@ -229,6 +224,3 @@ class Matcher:
     def accepting(self) -> bool:
         self._wait()
         return self.ll.is_accepting()
-
-    def close(self) -> None:
-        self._wait()
