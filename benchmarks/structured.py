@@ -11,7 +11,7 @@ median over rounds and the ratio constrained / unconstrained at 16 and at 1 clie
 >= 0.9). Constrained outputs that finished with "stop" are checked against the schema (jsonschema).
 
     .venv/bin/python benchmarks/structured.py --json benchmarks/results/structured.json
-    # options: [--model M.tinyloop] [--rounds 3] [--requests 2] [--max-tokens 64] [--threads 2]
+    # options: [--model M.tinyloop] [--rounds 3] [--requests 2] [--max-tokens 64] [--threads 2] [--clients 16,1]
 """
 
 from __future__ import annotations
@@ -88,14 +88,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
+    ap.add_argument("--clients", default="16,1", help="the concurrency levels, e.g. 16,1 (the default) or 1")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
     proc, url = local_server.start_server(args.model, env={"OMP_NUM_THREADS": str(args.threads)})
     rows: dict[tuple[int, bool], list[dict]] = {}
     try:
         asyncio.run(level(url, 1, 1, 8, True))   # warm-up: the grammar tokenizer and the schema's compile
         for r in range(args.rounds):
-            order = [(16, False), (16, True), (1, False), (1, True)]
+            order = [(c, k) for c in levels for k in (False, True)]
             if r % 2:
                 order = [(c, not k) for c, k in order]
             for clients, constrained in order:
@@ -108,7 +110,7 @@ def main() -> int:
     med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in rows.items()}
     print("\n| clients | free text tokens/s | json_schema tokens/s | ratio |\n|---|---|---|---|")
     ratios = {}
-    for clients in (16, 1):
+    for clients in levels:
         ratios[clients] = med[(clients, True)] / med[(clients, False)]
         print(f"| {clients} | {med[(clients, False)]:.2f} | {med[(clients, True)]:.2f} | {ratios[clients]:.3f} |")
     bad = sum(x["stopped_invalid"] for v in rows.values() for x in v)
@@ -118,7 +120,7 @@ def main() -> int:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "levels": [x for v in rows.values() for x in v],
                                          "median_tokens_per_s": {f"{c}{'_json' if k else ''}": v for (c, k), v in med.items()},
-                                         "ratio_16": ratios[16], "ratio_1": ratios[1]}, indent=1))
+                                         "ratios": {str(c): r for c, r in ratios.items()}}, indent=1))
     return 0
 
 

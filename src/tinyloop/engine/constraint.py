@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ValidationError
@@ -179,9 +180,9 @@ class Matcher:
                 self._pending = None
             else:
                 self._fill()
-            shifts = torch.arange(32, dtype=torch.int32)
-            bits = (self._bits[0].unsqueeze(-1) >> shifts) & 1                       # (V/32, 32)
-            self._mask = bits.flatten()[: self.vocab_size].bool()
+            # (V/32,) int32 words, bit j of word i = token 32 i + j (little-endian) -> (V,) bool
+            bits = np.unpackbits(self._bits[0].numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+            self._mask = torch.from_numpy(bits.astype(np.bool_))
             if self.error is not None or not bool(self._mask.any()):  # nothing can follow: end the output
                 self._mask = torch.zeros(self.vocab_size, dtype=torch.bool)
                 self._mask[self.eos] = True
@@ -190,9 +191,11 @@ class Matcher:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (V,) with the disallowed tokens at -inf (a new tensor)."""
         mask = self.mask()
+        if logits.shape[-1] == mask.shape[0]:
+            return logits.masked_fill(~mask.to(logits.device), float("-inf"))
         n = min(logits.shape[-1], mask.shape[0])
         out = torch.full_like(logits, float("-inf"))
-        out[:n] = torch.where(mask[:n], logits[:n], out[:n])
+        out[:n] = torch.where(mask[:n].to(logits.device), logits[:n], out[:n])
         return out
 
     def allows(self, token: int) -> bool:
