@@ -62,13 +62,17 @@ def test_tokenize_takes_the_names_other_servers_use(tiny_server):
     assert r.status_code in (400, 422) and r.json()["error"]["param"] == "text", r.text
 
 
-def test_response_format_other_than_text_is_refused(tiny_server):
+def test_response_format_types(tiny_server):
+    """text and json_object run (issue 27: structured output, tests/server/test_structured.py); json_schema
+    without its schema is a 400 naming response_format; another type is a 422."""
     body = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
-    assert r.json()["error"]["param"] == "response_format"
-    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
-    assert r.status_code == 200, r.text
+    for fmt in ({"type": "json_object"}, {"type": "text"}):
+        r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": fmt})
+        assert r.status_code == 200, r.text
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "json_schema"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "xml"}})
+    assert r.status_code == 422, r.text
 
 
 def test_max_seq_len_setting_is_checked(tiny_model_path):

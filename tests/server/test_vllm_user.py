@@ -63,8 +63,12 @@ def test_context_errors_name_the_prompt_and_chat_max_tokens_0(tiny_server):
     err = assert_error(post(tiny_server, "/v1/completions", {**TEXT, "prompt": "hi " * 200, "max_tokens": 100}),
                        400, "max_tokens")   # fits alone, not with max_tokens
     for field in ("max_tokens", "max_completion_tokens"):
-        err = assert_error(post(tiny_server, "/v1/chat/completions", {**CHAT, field: 0}), 400, field)
+        body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+        err = assert_error(post(tiny_server, "/v1/chat/completions", {**body, field: 0}), 400, field)
         assert "prompt_logprobs" not in err["message"] and "at least 1" in err["message"]
+    err = assert_error(post(tiny_server, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 3}), 400,
+                       "max_tokens")   # both given and different
+    assert "disagree" in err["message"]
 
 
 def test_model_names(tiny_server, tiny_model_path):
