@@ -218,6 +218,28 @@ class Matcher:
         self.consumed -= n
         self._prefetch()
 
+    def mask_after(self, paths: list[list[int]], scores: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+        """Speculation's drafts under the grammar: `scores` (len(paths), n) over the draft columns `cols`
+        (token ids; None: the whole vocabulary) with -inf where the grammar, after each path of tokens from
+        the current state, refuses the token (a path the grammar refuses itself: its whole row). The state is
+        walked down each path and rolled back. A row with nothing allowed is left as it is (the verifier
+        refuses whatever it proposes)."""
+        out = scores.clone()
+        for r, path in enumerate(paths):
+            walked = 0
+            for tok in path:
+                if tok == self.eos or not self.allows(tok):
+                    break
+                self.accept(tok)
+                walked += 1
+            allowed = self.mask() if cols is None else self.mask()[cols]
+            if walked < len(path):
+                allowed = torch.zeros_like(allowed)
+            self.rollback(walked)
+            if bool(allowed.any()):
+                out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
+        return out
+
     def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()

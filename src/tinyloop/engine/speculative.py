@@ -342,13 +342,14 @@ class Speculator:
         x = apply_repetition_penalty(x, seen, p.repetition_penalty)
         return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
 
+    def _draft_cols(self) -> torch.Tensor | None:
+        """The token id of each draft-head column (None: the full vocabulary)."""
+        return None if self.head.ids is None else self.head.ids[: self.head.n].cpu()
+
     def _draft_greedy(self, lg: torch.Tensor) -> int:
         x = self._penalised(lg)
-        m = self.sampler.matcher
-        if m is not None:  # under a constraint: the draft proposes only what the grammar allows here
-            allowed = m.mask() if self.head.ids is None else m.mask()[self.head.ids[: self.head.n].cpu()]
-            if bool(allowed.any()):
-                x = x.masked_fill(~allowed.to(x.device), float("-inf"))
+        if self.sampler.matcher is not None:  # under a constraint: only what the grammar allows here
+            x = self.sampler.matcher.mask_after([[]], x[None], self._draft_cols())[0]
         return self.head.token(int(torch.argmax(x)))
 
     def _chain_round(self, k: int):
@@ -473,7 +474,8 @@ class Speculator:
             lg = self.head.logits(draft.hidden)
             logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
             if sampler.matcher is not None:  # each node's children: what the grammar allows after its path
-                logp = self._grammar_masked(logp, tree, frontier)
+                paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in frontier]  # below the root
+                logp = sampler.matcher.mask_after(paths, logp, self._draft_cols())
             rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
             toks = self.head.tokens(cols)
             frontier = [tree.add(tok, frontier[r], s) for r, tok, s in zip(rows_, toks, scores)]
@@ -497,28 +499,6 @@ class Speculator:
         st["draft_tokens"] += n_nodes - 1
         st["proposed"] += depth
         st["accepted"] += len(out) - 1
-        return out
-
-    def _grammar_masked(self, logp: torch.Tensor, tree: DraftTree, frontier: list[int]) -> torch.Tensor:
-        """(len(frontier), n) draft log-probabilities with -inf where the grammar, after each node's path from
-        the root (the root's token is already in it), refuses the token; the grammar is walked down each path
-        and rolled back."""
-        m = self.sampler.matcher
-        cols = None if self.head.ids is None else self.head.ids[: self.head.n].cpu()
-        out = logp.clone()
-        for r, node in enumerate(frontier):
-            path = [tree.tokens[i] for i in tree.path_to(node)[1:]]
-            walked = 0
-            for tok in path:
-                if tok == m.eos or not m.allows(tok):
-                    break
-                m.accept(tok)
-                walked += 1
-            allowed = m.mask() if cols is None else m.mask()[cols]
-            if walked < len(path):  # the path itself leaves the grammar: nothing below it can be accepted
-                allowed = torch.zeros_like(allowed)
-            m.rollback(walked)
-            out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
         return out
 
     def _accept_tree(self, tree: DraftTree, x: torch.Tensor, greedy_path: list[int]) -> tuple[list[int], list[int]]:
