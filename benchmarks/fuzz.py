@@ -17,7 +17,13 @@ SCHEMATHESIS_HOOKS), because JSON Schema cannot state a few rules that cross fie
   `stream_options` without `stream`, `loops: "auto"` with a speculative mode, with min_loops above its
   max_loops, or with exit_criterion "gate" (the fuzzed model has no exit gate; a gate threshold is at
   most 1), a `kv_loops` budget other than "all" with a speculative mode,
-  chat `top_logprobs` without `logprobs: true`. The 400 must also name the right field.
+  chat `top_logprobs` without `logprobs: true`, a prompt that alone fills the context (naming `prompt`, or
+  `messages` for chat), a constraint the grammar library refuses (an invalid regex, grammar or schema:
+  naming `json_schema`, `regex`, `grammar`, `response_format` or `tools`) or more than one of them,
+  `tool_choice` without `tools`, a tool message without `tool_call_id`, chat's `max_tokens` and
+  `max_completion_tokens` both given and different. The 400 must also name the right
+  field. A 408 (the request's own `timeout_s` ran
+  out while it was queued) is excused for a `timeout_s` under a second.
 - `tinyloop_no_server_error` (for `not_a_server_error`): no 5xx at all, except a 504 `timeout` for a
   request whose own `timeout_s` was under a second (it asked to be dropped if not started by then).
 
@@ -73,18 +79,34 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
     code, param = error.get("code"), error.get("param")
     if code in ("context_length_exceeded", "kv_capacity_exceeded") and param == "max_tokens":
         return code  # depends on the prompt's token count and the pool: no schema can say it
+    prompt_field = "messages" if path.endswith("/chat/completions") else "prompt"
+    if code == "context_length_exceeded" and param == prompt_field:
+        return "the prompt alone fills the context"
     if path.startswith("/v1/") or path.startswith("/api/v0/"):
         if body.get("stream_options") is not None and not body.get("stream") and param == "stream_options":
             return "stream_options without stream"
     if path in NATIVE_MODES:
         mode = NATIVE_MODES[path]
-    elif path.startswith("/api/v0/"):
+    elif path in OPENAI_ROUTES:  # /v1 takes TinyLoop's knobs as /api/v0 does
         mode = _given(body, "mode", "generate")
     else:
         mode = "generate"
     if path.endswith("/chat/completions") and body.get("top_logprobs") and not body.get("logprobs") \
             and param == "top_logprobs":
         return "top_logprobs without logprobs: true"
+    given = [n for n in ("json_schema", "regex", "grammar", "response_format", "tools") if body.get(n) is not None]
+    if param in given:   # whether a regex, grammar or schema compiles is not something JSON Schema can state
+        return "a constraint the grammar library refuses, or more than one constraint"
+    if path.endswith("/chat/completions"):
+        if param == "max_tokens" and body.get("max_tokens") is not None and body.get("max_completion_tokens") \
+                is not None and body["max_tokens"] != body["max_completion_tokens"]:
+            return "max_tokens and max_completion_tokens disagree"
+        if param == "tool_choice" and body.get("tool_choice") not in (None, "none") and not body.get("tools"):
+            return "tool_choice without tools"
+        for i, m in enumerate(body.get("messages") or []):
+            if isinstance(m, dict) and m.get("role") == "tool" and not m.get("tool_call_id") \
+                    and param == f"messages[{i}].tool_call_id":
+                return "a tool message without tool_call_id"
     named = model_loops(body["model"]) if isinstance(body.get("model"), str) else None
     if named is not None and param == "loops":
         return "a depth in the model name (model@loops=K) out of range or unlike the body's loops"
@@ -161,7 +183,7 @@ def tinyloop_positive_acceptance(ctx, response, case):
     if response.status_code == 400 and isinstance(error, dict):
         if explained_rejection(case.path, case.body, error, int(os.environ.get("TINYLOOP_FUZZ_DEFAULT_LOOPS", 3))):
             return None
-    if response.status_code == 504 and _short_timeout(case.body):
+    if response.status_code in (408, 504) and _short_timeout(case.body):
         return None
     _fail(f"a schema-valid request was refused ({response.status_code}) and no documented rule explains it: "
           f"{response.text[:300]}")
@@ -269,8 +291,8 @@ def tinyloop_counts(ctx, response, case):
         u = out["usage"]
         if u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]:
             _fail(f"usage does not add up: {u}")
-        if len(out["choices"]) != int(body.get("n") or 1):
-            _fail(f"{len(out['choices'])} choices for n={body.get('n')}")
+        if len(out["choices"]) != choices(case.path, body):   # n, times a batch's prompts
+            _fail(f"{len(out['choices'])} choices for n={body.get('n')} and {choices(case.path, body)} expected")
         cap = body.get("max_completion_tokens") or body.get("max_tokens") or MAX_TOKENS
         if u["completion_tokens"] > cap * len(out["choices"]):
             _fail(f"{u['completion_tokens']} completion tokens over max_tokens {cap}")

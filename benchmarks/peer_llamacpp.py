@@ -160,13 +160,16 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--tinyloop-only", action="store_true",
+                    help="only the TinyLoop rows (native against torch), without the peer packages")
     args = ap.parse_args()
-    try:
-        import gguf  # noqa: F401
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        print(f"needs the peer packages: .venv/bin/pip install gguf llama-cpp-python ({exc})", file=sys.stderr)
-        return 2
+    if not args.tinyloop_only:
+        try:
+            import gguf  # noqa: F401
+            import llama_cpp  # noqa: F401
+        except ImportError as exc:
+            print(f"needs the peer packages: .venv/bin/pip install gguf llama-cpp-python ({exc})", file=sys.stderr)
+            return 2
     from tinyloop.engine import Engine
     from tinyloop.modelfile import load_model, resolve_model_path
 
@@ -179,6 +182,28 @@ def main() -> int:
     ids = engines["fp16 native"].encode_prompt(PROMPT)
     threads = [int(t) for t in args.threads.split(",")]
     rows = []
+    if args.tinyloop_only:
+        for t in threads:
+            tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats) for k, e in engines.items()}
+            for ex, e in specs.items():
+                tl[f"fp16 speculative (defaults) {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t,
+                                                                       args.repeats, mode="speculative")
+                tl[f"fp16 loops auto {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats,
+                                                           mode="auto")
+            for name in ("fp16", "int4", "fp16 speculative (defaults)", "fp16 loops auto"):
+                a, b = tl[f"{name} native"], tl[f"{name} torch"]
+                same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+                rows.append({"threads": t, "tinyloop": name, "native_tok_s": round(a["tok_s"], 1),
+                             "torch_tok_s": round(b["tok_s"], 1), "ratio": round(a["tok_s"] / b["tok_s"], 2),
+                             "same_tokens": f"{same}/{len(a['tokens'])}"})
+        print("| threads | TinyLoop | native tok/s | torch tok/s | native / torch | same greedy tokens |")
+        print("|---|---|---:|---:|---:|---|")
+        for r in rows:
+            print(f"| {r['threads']} | {r['tinyloop']} | {r['native_tok_s']} | {r['torch_tok_s']} | {r['ratio']}x "
+                  f"| {r['same_tokens']} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "tokens": args.tokens, "loops": args.loops}, indent=1))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         ggufs = {q: write_unrolled_gguf(source, Path(tmp) / f"unrolled-{q}.gguf", args.loops, q)
                  for q in ("F16", "Q4_0", "Q4_1")}

@@ -45,7 +45,7 @@ def system_prompt(n_tokens: int) -> str:
 
 
 def turn(url: str, system: str, question: str, max_tokens: int) -> dict:
-    body = {"model": "m", "stream": True, "temperature": 0, "max_tokens": max_tokens,
+    body = {"model": "tinyloop", "stream": True, "temperature": 0, "max_tokens": max_tokens,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
     t0 = time.perf_counter()

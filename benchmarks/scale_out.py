@@ -87,7 +87,7 @@ def throughput(name: str, model: Path | None, args: list[str], threads: int, opt
 def recovery(model: Path | None, threads: int, opts, tmp: Path) -> dict:
     args = ["--replicas", "2", "--replica-cpus", str(threads), "--threads", str(threads)]
     proc, url, healthy_s = start(model, args, threads, tmp / "recovery.log")
-    body = {"model": "m", "max_tokens": opts.recovery_tokens, "temperature": 0, "stream": True}
+    body = {"model": "tinyloop", "max_tokens": opts.recovery_tokens, "temperature": 0, "stream": True}
     started = threading.Barrier(CLIENTS + 1)
     out: dict[int, dict] = {}
 

@@ -146,7 +146,7 @@ def make_spec(rng: random.Random) -> Spec:
             body.pop("stop", None)
     else:
         route = rng.choice(OPENAI_ROUTES)
-        body = {"model": "soak", "max_tokens": rng.choice(LENGTHS), "loops": rng.choice(LOOPS),
+        body = {"model": "tinyloop", "max_tokens": rng.choice(LENGTHS), "loops": rng.choice(LOOPS),
                 "temperature": 0.0}
         if "chat" in route:
             body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
@@ -184,7 +184,7 @@ def ref_request(key: tuple) -> tuple[str, dict[str, Any]]:
     prompts (same tokens as /v1/completions) and /v1/chat/completions for chats."""
     chat, prompt, loops, max_tokens, stop, seed, sampled = key
     if chat:
-        body = {"model": "soak", "messages": json.loads(prompt), "max_tokens": max_tokens, "loops": loops,
+        body = {"model": "tinyloop", "messages": json.loads(prompt), "max_tokens": max_tokens, "loops": loops,
                 "temperature": 0.0}
         route = "/v1/chat/completions"
     else:

@@ -31,6 +31,7 @@ class Chat:
     """A conversation to prompt with: `messages` are {"role": ..., "content": str} dicts, in order."""
 
     messages: tuple[dict, ...]
+    tools: tuple[dict, ...] = ()   # OpenAI tool definitions, for templates that render them (`tools`)
 
     def __post_init__(self):
         object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
@@ -83,8 +84,9 @@ def render_template(source: str, chat: Chat, *, bos_token: str | None = None, eo
     from jinja2 import TemplateError
 
     try:
+        extra = {"tools": [dict(t) for t in chat.tools]} if chat.tools else {}
         return _compile(source).render(messages=[dict(m) for m in chat.messages], bos_token=bos_token or "",
-                                       eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)
+                                       eos_token=eos_token or "", add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
     except TemplateError as exc:

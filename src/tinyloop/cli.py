@@ -309,7 +309,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.app import serve
     from .server.settings import Settings
 
-    settings = Settings.from_env(model_path=args.model)
+    settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
     if str(settings.model_path or os.environ.get("TINYLOOP_MODEL_PATH", "")).startswith("hf:"):
         from .errors import ModelFileError
         from .modelheader import resolve_model_path
@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model's names in the API (the first is its id; requests naming another get 404). "
+                   "Default: $TINYLOOP_SERVED_MODEL_NAME, else the file's stem and \"tinyloop\"")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'tinyloop[ray]'; docs/scale-out.md)")
     r.add_argument("--replicas", type=int, help="engine replicas, each one model copy and one batch "

@@ -279,3 +279,28 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     if mode == "speculative":   # (a tree's drafts and verification are tree-masked: PyTorch)
         assert any(n == 1 and first == 0 and cap for n, first, cap in rows)           # draft steps
         assert any(n > 1 and first > 0 for n, first, _ in rows)                      # chain verification
+
+
+def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):
+    """Engine.generate from several threads at once (a core each) through one executor: each output equals
+    the same request run alone."""
+    import threading
+
+    from tinyloop.engine import Engine, SamplingParams
+
+    e = Engine.load(tiny_model_path, executor="native")
+    e.model.executor.threads = 2
+    prompts = ["The king said", "A quick brown fox", "Once upon a time", "In the beginning"]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [e.generate(t, p).text for t in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = e.generate(prompts[i], p).text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone

@@ -65,7 +65,7 @@ def single_run(engine: Engine, spec: dict) -> str:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, spec: dict) -> tuple[str, str | None, int]:
-    body = {"model": "m", "temperature": 0, "stream": True, **spec}
+    body = {"model": "tinyloop", "temperature": 0, "stream": True, **spec}
     text, finish, n_events = "", None, 0
     async with client.stream("POST", url + "/api/v0/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, await r.aread()
@@ -101,7 +101,7 @@ def test_16_concurrent_streams_equal_their_single_runs(server64, model64_path):
 
 def test_n_choices_through_the_openai_client(server64, model64_path):
     client = openai.OpenAI(base_url=server64.url + "/v1", api_key="x")
-    r = client.completions.create(model="m", prompt="The king said", max_tokens=8, n=3, temperature=0.9, seed=5)
+    r = client.completions.create(model="tinyloop", prompt="The king said", max_tokens=8, n=3, temperature=0.9, seed=5)
     assert [c.index for c in r.choices] == [0, 1, 2]
     engine = Engine.load(model64_path)
     for i, c in enumerate(r.choices):
@@ -109,7 +109,7 @@ def test_n_choices_through_the_openai_client(server64, model64_path):
         assert c.text == engine.generate("The king said", p).text
     assert r.usage.prompt_tokens == len(engine.encode_prompt("The king said"))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+    chunks = list(client.chat.completions.create(model="tinyloop", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=5, n=2, stream=True, temperature=0,
                                                  stream_options={"include_usage": True}))
     finals = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -119,7 +119,7 @@ def test_n_choices_through_the_openai_client(server64, model64_path):
         for c in ch.choices:
             texts[c.index] += c.delta.content or ""
     assert texts[0] == texts[1]  # greedy: both choices are the same continuation
-    one = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+    one = client.chat.completions.create(model="tinyloop", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                          temperature=0)
     assert texts[0] == one.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens  # summed over choices
@@ -130,7 +130,7 @@ def test_disconnect_mid_stream_frees_pages(server64):
     batch = server64.app.state.tl.worker.batch
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server64.url + "/v1/completions",
-                      json={"model": "m", "prompt": "The king said", "max_tokens": 200, "stream": True,
+                      json={"model": "tinyloop", "prompt": "The king said", "max_tokens": 200, "stream": True,
                             "temperature": 0}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -147,7 +147,7 @@ def test_disconnect_mid_stream_frees_pages(server64):
 def test_queue_overflow_is_429_and_the_server_keeps_serving(model64_path):
     settings = Settings(model_path=model64_path, max_num_seqs=1, max_queue=2)
     with ServerThread(settings) as srv:
-        body = {"model": "m", "prompt": "The king said", "max_tokens": 60, "temperature": 0}
+        body = {"model": "tinyloop", "prompt": "The king said", "max_tokens": 60, "temperature": 0}
 
         async def main():
             async with httpx.AsyncClient(timeout=120) as client:
@@ -175,7 +175,7 @@ def test_graceful_shutdown_ends_every_stream_properly(model64_path):
         first = threading.Event()
 
         def run(name: str, max_tokens: int) -> None:
-            body = {"model": "m", "prompt": "The king said", "max_tokens": max_tokens, "stream": True,
+            body = {"model": "tinyloop", "prompt": "The king said", "max_tokens": max_tokens, "stream": True,
                     "temperature": 0, "loops": 16}
             lines = []
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
@@ -191,7 +191,7 @@ def test_graceful_shutdown_ends_every_stream_properly(model64_path):
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         try:  # uvicorn closes its listener at once; a request that still gets through is refused
-            refused = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2},
+            refused = httpx.post(srv.url + "/v1/completions", json={"model": "tinyloop", "prompt": "Hi", "max_tokens": 2},
                                  timeout=10)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         except httpx.TransportError:

@@ -34,7 +34,7 @@ def test_chat_routes_use_the_models_template(chat_server):
     r = httpx.post(f"{srv.url}/tokenize", json={"messages": messages})
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == want and want.count(1) == 3  # three <|im_start|> specials, as single ids
-    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": "x", "messages": messages, "max_tokens": 4, "temperature": 0})
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": "tinyloop", "messages": messages, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(want)
     r = httpx.post(f"{srv.url}/tokenize", json={"text": "<|im_end|>"})

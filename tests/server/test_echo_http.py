@@ -25,7 +25,7 @@ def engine(tiny_model_path):
 
 
 def post(url: str, path: str, **body) -> httpx.Response:
-    return httpx.post(url + path, json={"model": "m", **body}, timeout=60)
+    return httpx.post(url + path, json={"model": "tinyloop", **body}, timeout=60)
 
 
 def scores(engine, ids: list[int], loops: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ def scores(engine, ids: list[int], loops: int) -> torch.Tensor:
 
 
 def stream_chunks(url: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{url}/v1/completions", json={"model": "m", "stream": True, **body}, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": "tinyloop", "stream": True, **body}, timeout=60) as r:
         assert r.status_code == 200
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
@@ -42,7 +42,7 @@ def stream_chunks(url: str, body: dict) -> list[dict]:
 @pytest.mark.parametrize("loops", [1, 3])
 def test_echo_scores_the_prompt_as_openai_did(tiny_server, engine, loops):
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="x")
-    r = client.completions.create(model="m", prompt=TEXT, max_tokens=0, echo=True, logprobs=2,
+    r = client.completions.create(model="tinyloop", prompt=TEXT, max_tokens=0, echo=True, logprobs=2,
                                   extra_body={"loops": loops})
     ids = engine.tokenizer.encode(TEXT)
     choice = r.choices[0]

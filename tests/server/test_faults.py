@@ -56,7 +56,7 @@ def test_error_in_one_sequence_fails_that_request_alone(tiny_model_path, monkeyp
 
         jobs = [(f"ok{i}", "/generate", body) for i, body in enumerate(greedy)]
         jobs += [("bad", "/generate", faulty), ("bad_stream", "/generate", {**faulty, "stream": True}),
-                 ("bad_chat", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 ("bad_chat", "/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "x"}],
                                                        "max_tokens": 24, "temperature": 1.0, "seed": FAULTY_SEED})]
         threads = [threading.Thread(target=run, args=job) for job in jobs]
         for t in threads:
@@ -126,6 +126,6 @@ def test_engine_thread_failure_is_503_on_health_and_ends_requests(tiny_model_pat
         h = httpx.get(srv.url + "/health")
         assert h.status_code == 503
         assert h.json()["status"] == "failed" and "MemoryError: injected engine thread failure" in h.json()["reason"]
-        again = _post(srv, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+        again = _post(srv, "/v1/completions", {"model": "tinyloop", "prompt": "hi", "max_tokens": 2})
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
         assert metric(srv.url, "tinyloop_engine_loaded") == 0

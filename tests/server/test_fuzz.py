@@ -89,8 +89,8 @@ def test_oracle_refuses_unexplained_rejections(fuzz):
     assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True, "mode": "speculative"}, echo, 3)
     assert not fuzz.explained_rejection("/api/v0/completions", {"echo": True, "logprobs": 0}, echo, 3)
     loops = {"code": "invalid_value", "param": "loops"}
-    assert fuzz.explained_rejection("/v1/completions", {"model": "m@loops=0"}, loops, 3)
-    assert not fuzz.explained_rejection("/v1/completions", {"model": "m@loops"}, loops, 3)
+    assert fuzz.explained_rejection("/v1/completions", {"model": "tinyloop@loops=0"}, loops, 3)
+    assert not fuzz.explained_rejection("/v1/completions", {"model": "tinyloop@loops"}, loops, 3)
     assert fuzz.sse_problems("/generate", b'data: {"token_id":1,"text":"a"}\n\ndata: [DONE]\n\n', 1)  # no final
     assert fuzz.sse_problems("/generate", b'data: {"token_id":-1,"text":""}\n\n', 1)                # no [DONE]
     good = b'data: {"token_id":1,"text":"a"}\n\n: keepalive\n\ndata: {"token_id":-1,"text":""}\n\ndata: [DONE]\n\n'
@@ -100,13 +100,13 @@ def test_oracle_refuses_unexplained_rejections(fuzz):
 # -- regression tests: one per finding of the fuzzer ------------------------------------------------------
 @pytest.mark.parametrize("path,body,param", [
     # lax coercion accepted what the document refuses: "5" for 5, true for 1, [[false]] as token ids
-    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"model": "m", "prompt": [[False]]}, "prompt"),
+    ("/v1/completions", {"model": "tinyloop", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"model": "tinyloop", "prompt": [[False]]}, "prompt"),
     ("/generate", {"prompt": "x", "stream": 1}, "stream"),
     ("/generate", {"prompt": "x", "temperature": "0.5"}, "temperature"),
     ("/detokenize", {"tokens": [True]}, "tokens[0]"),
     # non-text content parts (images) and null where the document says string
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      None),
     ("/tokenize", {"text": None, "messages": [{"role": "user", "content": "x"}]}, None),
 ])
@@ -120,20 +120,20 @@ def test_wrong_types_are_422(limited_server, path, body, param):
 
 @pytest.mark.parametrize("path,body,param", [
     # knobs the engine checks only in the modes that use them were accepted silently in the others
-    ("/api/v0/completions", {"model": "m", "prompt": "x", "draft_loops": 100}, "draft_loops"),
-    ("/api/v0/completions", {"model": "m", "prompt": "x", "mode": "speculative", "K_branches": 0}, "K_branches"),
-    ("/api/v0/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "verify_loops": 0},
+    ("/api/v0/completions", {"model": "tinyloop", "prompt": "x", "draft_loops": 100}, "draft_loops"),
+    ("/api/v0/completions", {"model": "tinyloop", "prompt": "x", "mode": "speculative", "K_branches": 0}, "K_branches"),
+    ("/api/v0/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "x"}], "verify_loops": 0},
      "verify_loops"),
     # only the first of several prompts was checked
-    ("/v1/completions", {"model": "m", "prompt": ["x", ""]}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": [[1], [99999999]]}, "prompt"),
+    ("/v1/completions", {"model": "tinyloop", "prompt": ["x", ""]}, "prompt"),
+    ("/v1/completions", {"model": "tinyloop", "prompt": [[1], [99999999]]}, "prompt"),
     # max_tokens over the server's limit
     ("/generate", {"prompt": "x", "max_tokens": 17}, "max_tokens"),
     # a window too large for the engine's int64 tensors was a 500 (OverflowError)
     ("/generate/speculative", {"prompt": "x", "cache_window": 207347578219663933732720476160}, "cache_window"),
-    ("/api/v0/completions", {"model": "m", "prompt": "x", "cache_window": 2**31}, "cache_window"),
+    ("/api/v0/completions", {"model": "tinyloop", "prompt": "x", "cache_window": 2**31}, "cache_window"),
     # an unknown mode is a bad value (400), not a bad type
-    ("/api/v0/completions", {"model": "m", "prompt": "x", "mode": "beam"}, "mode"),
+    ("/api/v0/completions", {"model": "tinyloop", "prompt": "x", "mode": "beam"}, "mode"),
 ])
 def test_out_of_range_is_400(limited_server, path, body, param):
     r = post(limited_server, path, body)
@@ -149,7 +149,7 @@ def test_accepted_forms_the_document_allows(limited_server):
     r = post(limited_server, "/generate", {"prompt": "x"})
     assert r.status_code == 200 and r.json()["stats"]["completion_tokens"] <= 16
     # unsupported OpenAI fields at their defaults pass; JSON's false is not 0 (Python thinks it is)
-    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    chat = {"model": "tinyloop", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     assert post(limited_server, "/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0}).status_code == 200
     r = post(limited_server, "/v1/chat/completions", {**chat, "top_logprobs": False})   # a type error now
     assert r.status_code == 422 and r.json()["error"]["param"] == "top_logprobs"
@@ -164,7 +164,7 @@ def test_window_past_the_context_is_the_full_context(limited_server):
 def test_long_multi_choice_stream_is_framed(fuzz, limited_server):
     """n=8 x 16 tokens: a few hundred events, every choice's final chunk, then [DONE] (the fuzzer once read
     only its first 100 events and reported a missing [DONE]; it now reads them all: fuzz.toml)."""
-    r = post(limited_server, "/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 8, "max_tokens": 16,
+    r = post(limited_server, "/v1/completions", {"model": "tinyloop", "prompt": ["a", "b"], "n": 8, "max_tokens": 16,
                                                  "stream": True, "stream_options": {"include_usage": True}})
     assert fuzz.choices("/v1/completions", {"prompt": ["a", "b"], "n": 8}) == 16   # two prompts: a batch
     assert r.status_code == 200 and fuzz.sse_problems("/v1/completions", r.content, 16) is None
@@ -183,7 +183,7 @@ def test_sse_events_match_the_document(limited_server):
     doc = httpx.get(limited_server.url + "/openapi.json").json()
     event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
     assert event["properties"]["data"]["else"]["contentMediaType"] == "application/json"
-    r = post(limited_server, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+    r = post(limited_server, "/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "x"}],
                                                       "max_tokens": 3, "stream": True, "n": 2})
     frames = [f for f in r.content.split(b"\n\n") if f.startswith(b"data: {")]
     chunk_keys = set(doc["components"]["schemas"]["ChatChunk"]["properties"])

@@ -39,12 +39,12 @@ def assert_error(r: httpx.Response, status: int, param=None) -> dict:
 
 
 def test_chat_shape(tiny_server):
-    r = post(tiny_server, "/v1/chat/completions", {"model": "tl", "messages": [{"role": "user", "content": "Hi"}],
+    r = post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}],
                                                    "max_tokens": 5, "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", body["id"]) and body["object"] == "chat.completion"
-    assert body["model"] == "tl" and abs(body["created"] - time.time()) < 60 and isinstance(body["created"], int)
+    assert body["model"] == "tinyloop" and abs(body["created"] - time.time()) < 60 and isinstance(body["created"], int)
     (choice,) = body["choices"]
     assert set(choice) == {"index", "message", "finish_reason"} and choice["index"] == 0
     assert set(choice["message"]) == {"role", "content"} and choice["message"]["role"] == "assistant"
@@ -57,7 +57,7 @@ def test_chat_shape(tiny_server):
 
 
 def test_completion_shape_and_prompt_forms(tiny_server, tokenizer):
-    base = {"model": "m", "max_tokens": 4, "temperature": 0}
+    base = {"model": "tinyloop", "max_tokens": 4, "temperature": 0}
     a = post(tiny_server, "/v1/completions", {**base, "prompt": "The cat"}).json()
     assert set(a) == {"id", "object", "created", "model", "choices", "usage"} and a["object"] == "text_completion"
     assert a["id"].startswith("cmpl-") and set(a["choices"][0]) == {"text", "index", "finish_reason"}
@@ -70,7 +70,7 @@ def test_completion_shape_and_prompt_forms(tiny_server, tokenizer):
 
 
 def test_lmstudio_extras(tiny_server):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "loops": 2,
+    body = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "loops": 2,
             "repetition_penalty": 1.3, "cache_window": 16}
     r = post(tiny_server, "/api/v0/chat/completions", body).json()
     assert {"stats", "model_info", "runtime"} <= set(r)
@@ -86,7 +86,7 @@ def test_lmstudio_extras(tiny_server):
 
 
 def test_chat_sse_bytes(tiny_server):
-    body = {"model": "tl", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+    body = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
             "stream": True}
     r = post(tiny_server, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -96,7 +96,7 @@ def test_chat_sse_bytes(tiny_server):
     assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
     for c in chunks:
         assert set(c) == {"id", "object", "created", "model", "choices"} and c["object"] == "chat.completion.chunk"
-        assert c["id"] == chunks[0]["id"] and c["model"] == "tl"
+        assert c["id"] == chunks[0]["id"] and c["model"] == "tinyloop"
     middle = chunks[1:-1]
     assert middle and all(set(c["choices"][0]["delta"]) == {"content"} and c["choices"][0]["delta"]["content"]
                           for c in middle)  # no empty deltas
@@ -111,7 +111,7 @@ def test_chat_sse_bytes(tiny_server):
 
 
 def test_completion_and_lmstudio_sse(tiny_server):
-    r = post(tiny_server, "/api/v0/completions", {"model": "m", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
+    r = post(tiny_server, "/api/v0/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
                                                   "stream": True})
     frames = data_frames(r.content)
     chunks = [json.loads(f) for f in frames[:-1]]
@@ -150,13 +150,13 @@ def test_speculative_routes(tiny_server):
         assert r.status_code == 200 and r.json()["stats"]["mode"] == path.rsplit("/", 1)[-1]
         plain = post(tiny_server, "/generate", {"prompt": "Hello", "max_tokens": 4, "loops": 3}).json()
         assert r.json()["tokens"] == plain["tokens"]
-    r = post(tiny_server, "/api/v0/completions", {"model": "m", "prompt": "Hi", "mode": "speculative", "stream": True})
+    r = post(tiny_server, "/api/v0/completions", {"model": "tinyloop", "prompt": "Hi", "mode": "speculative", "stream": True})
     assert r.status_code == 200
-    assert_error(post(tiny_server, "/api/v0/completions", {"model": "m", "prompt": "Hi", "mode": "beam"}), 400, "mode")
+    assert_error(post(tiny_server, "/api/v0/completions", {"model": "tinyloop", "prompt": "Hi", "mode": "beam"}), 400, "mode")
 
 
 def test_errors(tiny_server):
-    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    chat = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}]}
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "temperature": 2.5}), 400, "temperature")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "n": 9}), 400, "n")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "timeout_s": 0}), 400, "timeout_s")
@@ -173,10 +173,10 @@ def test_errors(tiny_server):
     assert wide.status_code == 200, wide.text
     assert wide.json()["tokens"] == post(tiny_server, "/generate", {**sampled, "sample_seed": 5}).json()["tokens"]
     assert post(tiny_server, "/v1/chat/completions", {**chat, "seed": -(2**70), "max_tokens": 2}).status_code == 200
-    e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 300}), 400)
+    e = assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 300}), 400)
     assert e["code"] == "context_length_exceeded"
-    assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": [70000]}), 400, "prompt")
-    assert_error(post(tiny_server, "/v1/chat/completions", {"model": "m"}), 422, "messages")
+    assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": [70000]}), 400, "prompt")
+    assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop"}), 422, "messages")
     assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "max_tokens": "lots"}), 422, "max_tokens")
     assert_error(post(tiny_server, "/generate", {"prompt": "Hi", "temprature": 0.5}), 422, "temprature")
     r = httpx.post(tiny_server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
@@ -185,11 +185,11 @@ def test_errors(tiny_server):
     assert_error(httpx.get(tiny_server.url + "/v1/models/other-model"), 404, "model")
     assert_error(httpx.get(tiny_server.url + "/v1/chat/completions"), 405)
     assert_error(post(tiny_server, "/detokenize", {"tokens": [-1]}), 400, "tokens")
-    big = {"model": "m", "prompt": "x" * (1 << 20)}
+    big = {"model": "tinyloop", "prompt": "x" * (1 << 20)}
     assert_error(post(tiny_server, "/v1/completions", big), 413)
 
     def chunked():  # no Content-Length: the limit is enforced while reading
-        yield b'{"model": "m", "prompt": "'
+        yield b'{"model": "tinyloop", "prompt": "'
         for _ in range(70):
             yield b"y" * 16384
         yield b'"}'
@@ -225,7 +225,7 @@ def test_keepalive_while_engine_busy(tiny_server, monkeypatch):
     while metric(srv.url, "tinyloop_active_generations") < 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    r = post(srv, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 2, "stream": True})
+    r = post(srv, "/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 2, "stream": True})
     long.join()
     frames = sse_events(r.content)
     assert frames[0] == b": keepalive"
@@ -245,7 +245,7 @@ def test_kv_mode_from_env_is_reported(tiny_model_path):
     settings = Settings.from_env({"TINYLOOP_KV_INT8": "1"}, model_path=tiny_model_path)
     with ServerThread(settings) as srv:
         h = httpx.get(srv.url + "/health").json()
-        r = post(srv, "/api/v0/completions", {"model": "m", "prompt": "Hi", "max_tokens": 2})
+        r = post(srv, "/api/v0/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 2})
     assert h["kv_cache_mode_requested"] == "int8"
     if supported:
         assert h["kv_cache_mode"] == "int8" and r.json()["model_info"]["kv_cache_mode"] == "int8"
@@ -276,10 +276,10 @@ def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
         return real(chunks, copies, extra, **kw)
 
     monkeypatch.setattr(runner, "execute", failing)
-    e = assert_error(post(tiny_server, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 5}), 500)
+    e = assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 5}), 500)
     assert e["type"] == "server_error" and "simulated kernel failure" in e["message"]
     calls["n"] = 0
-    r = post(tiny_server, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+    r = post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}],
                                                    "max_tokens": 5, "stream": True, "temperature": 0})
     assert r.status_code == 200  # the stream had started: the error arrives as an event, then [DONE]
     frames = data_frames(r.content)
@@ -317,7 +317,7 @@ def test_server_drafts_through_the_models_draft_exit(tmp_path, tokenizer):
     model = varied_model(preset("tiny"), seed=3)
     path = write_model(tmp_path / "t.tinyloop", model, tokenizer=tokenizer, provenance={"tool": "tests"})
     write_draft_exits(tmp_path / "t.draft.safetensors", {1: DraftExit.from_model(model)}, model.cfg, {})
-    body = {"model": "m", "prompt": "Hello", "max_tokens": 6, "mode": "speculative", "draft_loops": 1,
+    body = {"model": "tinyloop", "prompt": "Hello", "max_tokens": 6, "mode": "speculative", "draft_loops": 1,
             "verify_loops": 3, "draft_ahead": 2}
     for env, attached in (({}, True), ({"TINYLOOP_DRAFT_EXIT": "none"}, False)):
         with ServerThread(Settings.from_env(env, model_path=path)) as srv:

@@ -19,7 +19,7 @@ def engine(tiny_model_path):
 
 def test_chat_and_completion_logprobs_match_the_engine(tiny_server, engine):
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="x")
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+    r = client.chat.completions.create(model="tinyloop", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                        temperature=0, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
@@ -30,7 +30,7 @@ def test_chat_and_completion_logprobs_match_the_engine(tiny_server, engine):
         want = torch.log_softmax(logits[len(ids) - 1 + i].double(), -1)[out.token_ids[i]]
         assert c.logprob == pytest.approx(float(want), abs=1e-4)
         assert bytes(c.bytes) == engine.tokenizer.token_bytes(out.token_ids[i])
-    r = client.completions.create(model="m", prompt="The king", max_tokens=4, temperature=0, logprobs=2)
+    r = client.completions.create(model="tinyloop", prompt="The king", max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
@@ -39,7 +39,7 @@ def test_chat_and_completion_logprobs_match_the_engine(tiny_server, engine):
 
 
 def test_streamed_logprobs_come_with_each_chunk(tiny_server):
-    body = {"model": "m", "prompt": "The king", "max_tokens": 4, "temperature": 0, "logprobs": 1, "stream": True}
+    body = {"model": "tinyloop", "prompt": "The king", "max_tokens": 4, "temperature": 0, "logprobs": 1, "stream": True}
     with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     n = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"] and c["choices"][0].get("logprobs"))
@@ -48,15 +48,15 @@ def test_streamed_logprobs_come_with_each_chunk(tiny_server):
 
 def test_logprobs_requests_that_cannot_be_served(tiny_server):
     url = tiny_server.url
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}],
                                                        "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
-    r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Hi", "logprobs": 6})
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tinyloop", "prompt": "Hi", "logprobs": 6})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
 def test_speculative_modes_report_plain_decodings_logprobs(tiny_server):
-    body = {"model": "m", "prompt": "The king said", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+    body = {"model": "tinyloop", "prompt": "The king said", "max_tokens": 6, "temperature": 0, "logprobs": 2,
             "ignore_eos": True}
     plain = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
     for mode in ("speculative", "tree_speculative"):

@@ -141,7 +141,7 @@ def test_auth_everywhere_but_health(served):
 
 
 def test_runtime_commit_from_env(served):
-    r = httpx.post(served.url + "/api/v0/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2},
+    r = httpx.post(served.url + "/api/v0/completions", json={"model": "tinyloop", "prompt": "Hi", "max_tokens": 2},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["runtime"]["commit"] == "abc123"
 
@@ -155,7 +155,7 @@ def test_corrupt_model_answers_503(tmp_path):
         body = h.json()
         assert body["status"] == "failed" and "corrupt.tinyloop" in body["reason"] and "not a .tinyloop" in body["reason"]
         for method, path, payload in [("get", "/v1/models", None), ("post", "/generate", {"prompt": "Hi"}),
-                                      ("post", "/v1/completions", {"model": "m", "prompt": "Hi"}),
+                                      ("post", "/v1/completions", {"model": "tinyloop", "prompt": "Hi"}),
                                       ("post", "/tokenize", {"text": "Hi"})]:
             r = getattr(httpx, method)(srv.url + path, **({"json": payload} if payload else {}))
             assert r.status_code == 503, path
@@ -163,5 +163,5 @@ def test_corrupt_model_answers_503(tmp_path):
             assert err["code"] == "model_not_loaded" and "not a .tinyloop" in err["message"]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+            client.chat.completions.create(model="tinyloop", messages=[{"role": "user", "content": "Hi"}])
         assert e.value.status_code == 503

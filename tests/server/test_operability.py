@@ -64,7 +64,7 @@ def test_request_id_accepted_or_generated_everywhere(keyed):
 
 def test_access_log_lines_are_structured(keyed, json_log):
     httpx.post(keyed.url + "/v1/completions", headers={**auth(1), "X-Request-Id": "log-me-1"},
-               json={"model": "m", "prompt": "Hello there", "max_tokens": 5, "loops": 2, "n": 2, "temperature": 0})
+               json={"model": "tinyloop", "prompt": "Hello there", "max_tokens": 5, "loops": 2, "n": 2, "temperature": 0})
     httpx.post(keyed.url + "/generate", headers={**auth(), "X-Request-Id": "log-me-2"},
                json={"prompt": "Hi", "max_tokens": 4, "stream": True})
     httpx.post(keyed.url + "/generate", headers={**auth(), "X-Request-Id": "log-me-3"}, json={"prompt": ""})

@@ -104,7 +104,7 @@ def artifacts_dir() -> Path:
 
 def expected_completion(url: str, prompt: str, max_tokens: int, loops: int) -> str:
     r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "loops": loops})
+                   json={"model": "tinyloop", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "loops": loops})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -209,6 +209,19 @@ def test_playground_in_a_real_browser(browser, keyed_server):
     page.fill("#prompt", " " + prompt)
     page.click("#send")
     page.wait_for_selector("#output[data-state=done]")
+
+    # adaptive depth: "auto" sends loops "auto" with the slider as the ceiling, and shades each token by the
+    # loops it ran (the forced model's blocks are identities: every token may exit at once)
+    page.check("#auto")
+    page.click("#send")
+    page.wait_for_selector("#output[data-state=done]")
+    assert bodies[-1]["loops"] == "auto" and bodies[-1]["max_loops"] == 5
+    spans = page.query_selector_all("#output .gen .depth")
+    assert spans and "".join(sp.inner_text() for sp in spans) == page.inner_text("#output .gen")
+    depths = [int(d) for sp in spans for d in sp.get_attribute("data-loops").split(",")]
+    assert all(1 <= d <= 5 for d in depths) and len(depths) == 24
+    assert spans[0].get_attribute("title").startswith("loops ") and "rgba" in spans[0].get_attribute("style")
+    page.uncheck("#auto")
 
     shot = artifacts_dir() / "playground.png"
     page.screenshot(path=str(shot), full_page=True)

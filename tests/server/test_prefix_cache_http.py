@@ -18,7 +18,7 @@ def client(tiny_server):
 
 def chat(client, question: str, **kw):
     return client.chat.completions.create(
-        model="m", max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        model="tinyloop", max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **kw)
 
 
@@ -46,8 +46,8 @@ def test_completions_and_native_report_cached_tokens(client, tiny_server):
     import httpx
 
     prompt = SYSTEM + "Once upon a time"
-    client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0)
-    c = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0)
+    client.completions.create(model="tinyloop", prompt=prompt, max_tokens=3, temperature=0)
+    c = client.completions.create(model="tinyloop", prompt=prompt, max_tokens=3, temperature=0)
     assert c.usage.prompt_tokens_details.cached_tokens >= 64
     r = httpx.post(tiny_server.url + "/generate", json={"prompt": prompt, "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and r.json()["stats"]["prompt_tokens_cached"] >= 64

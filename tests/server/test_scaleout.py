@@ -141,9 +141,9 @@ def test_health_auth_metrics(cluster, reference):
 
 
 @pytest.mark.parametrize("path,body,status", [
-    ("/v1/completions", {"model": "m", "prompt": "Hi", "loops": 0}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 600}, 400),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, 422),
+    ("/v1/completions", {"model": "tinyloop", "prompt": "Hi", "loops": 0}, 400),
+    ("/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 600}, 400),
+    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "wizard", "content": "x"}]}, 422),
     ("/generate", {"prompt": "Hi", "bogus": 1}, 422),
 ])
 def test_errors_are_the_single_process_errors(cluster, reference, path, body, status):
@@ -170,21 +170,21 @@ def stream_raw(url: str, path: str, body: dict, on_frame=None) -> bytes:
 
 
 STREAMS = [
-    ("/v1/completions", {"model": "m", "prompt": "The king said", "max_tokens": 40, "loops": 2, "stream": True,
+    ("/v1/completions", {"model": "tinyloop", "prompt": "The king said", "max_tokens": 40, "loops": 2, "stream": True,
                          "stream_options": {"include_usage": True}}),
-    ("/v1/completions", {"model": "m", "prompt": "Once upon", "max_tokens": 30, "loops": 8, "stream": True,
+    ("/v1/completions", {"model": "tinyloop", "prompt": "Once upon", "max_tokens": 30, "loops": 8, "stream": True,
                          "n": 2, "stop": [" the"]}),
-    ("/v1/completions", {"model": "m", "prompt": [464, 1049, 318], "max_tokens": 25, "loops": 4, "stream": True}),
-    ("/v1/completions", {"model": "m", "prompt": "A B C", "max_tokens": 35, "loops": 3, "stream": True,
+    ("/v1/completions", {"model": "tinyloop", "prompt": [464, 1049, 318], "max_tokens": 25, "loops": 4, "stream": True}),
+    ("/v1/completions", {"model": "tinyloop", "prompt": "A B C", "max_tokens": 35, "loops": 3, "stream": True,
                          "presence_penalty": 0.5, "frequency_penalty": 0.3}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 30,
+    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 30,
                               "loops": 6, "stream": True}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "system", "content": "Be brief."},
                                                          {"role": "user", "content": "Why?"}],
                               "max_tokens": 20, "stream": True, "temperature": 0.8, "seed": 7}),
-    ("/api/v0/completions", {"model": "m", "prompt": "Spec", "max_tokens": 30, "mode": "speculative",
+    ("/api/v0/completions", {"model": "tinyloop", "prompt": "Spec", "max_tokens": 30, "mode": "speculative",
                              "draft_loops": 1, "loops": 4, "stream": True}),
-    ("/v1/completions", {"model": "m", "prompt": "Deep", "max_tokens": 30, "loops": 16, "stream": True}),
+    ("/v1/completions", {"model": "tinyloop", "prompt": "Deep", "max_tokens": 30, "loops": 16, "stream": True}),
 ]
 
 
@@ -216,7 +216,7 @@ def test_sigkill_one_replica_mid_stream(cluster, reference):
     """Only the killed replica's streams fail, each with an error event then [DONE]; non-streamed requests
     sent right after the kill are retried on the other; Ray replaces the replica and /health says
     `degraded` meanwhile; then requests succeed again."""
-    body = {"model": "m", "max_tokens": 400, "loops": 24, "stream": True}
+    body = {"model": "tinyloop", "max_tokens": 400, "loops": 24, "stream": True}
     prompts = [f"Story number {i}:" for i in range(8)]
     expected = [normalised(stream_raw(reference, "/v1/completions", {**body, "prompt": p})) for p in prompts[:2]]
     started = threading.Barrier(len(prompts) + 1)
@@ -251,7 +251,7 @@ def test_sigkill_one_replica_mid_stream(cluster, reference):
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    plain = {"model": "m", "prompt": "After the kill", "max_tokens": 12, "loops": 4, "temperature": 0}
+    plain = {"model": "tinyloop", "prompt": "After the kill", "max_tokens": 12, "loops": 4, "temperature": 0}
     retried = [post(cluster.url, "/v1/completions", plain) for _ in range(2)]
     for t in threads:
         t.join(300)

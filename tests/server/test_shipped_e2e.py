@@ -22,7 +22,7 @@ def test_shipped_model_through_openai_client(shipped_server, shipped_model_path)
 
     client = openai.OpenAI(base_url=shipped_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     (model,) = client.models.list().data
-    assert model.id == str(shipped_model_path)
+    assert model.id == shipped_model_path.stem   # the file's stem (issue 27: not its absolute path)
     import httpx
 
     (info,) = httpx.get(f"{shipped_server.url}/api/v0/models", timeout=30).json()["data"]

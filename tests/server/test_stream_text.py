@@ -32,7 +32,7 @@ def test_forced_model_is_what_the_tests_assume(forced_server, forced_chain, toke
 def test_emoji_split_across_tokens_streams_whole_characters(forced_server, forced_chain):
     n = len(forced_chain) - 1
     expect = FORCED_TEXT[len(" Hi"):]
-    body = {"model": "m", "prompt": forced_chain[:1], "max_tokens": n, "temperature": 0}
+    body = {"model": "tinyloop", "prompt": forced_chain[:1], "max_tokens": n, "temperature": 0}
     chunks = stream_frames(forced_server, "/v1/completions", body)
     deltas = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["finish_reason"] is None]
     assert all(deltas) and not any("\ufffd" in d for d in deltas)
@@ -59,7 +59,7 @@ def test_native_tail_event_flushes_incomplete_bytes(forced_server, forced_chain)
 def test_stop_string_across_token_boundary(forced_server, forced_chain):
     stop = "rld ST"  # end of " world" + start of " STOP"
     expect = FORCED_TEXT[len(" Hi"):FORCED_TEXT.index(stop)]
-    body = {"model": "m", "prompt": forced_chain[:1], "max_tokens": 40, "temperature": 0, "stop": stop}
+    body = {"model": "tinyloop", "prompt": forced_chain[:1], "max_tokens": 40, "temperature": 0, "stop": stop}
     r = httpx.post(forced_server.url + "/v1/completions", json=body, timeout=60).json()
     assert r["choices"][0]["text"] == expect and r["choices"][0]["finish_reason"] == "stop"
     chunks = stream_frames(forced_server, "/v1/completions", body)
@@ -107,7 +107,7 @@ def test_disconnect_while_waiting_for_non_stream_result(forced_server, forced_ch
     url = forced_server.url
     aborted0 = metric(url, "tinyloop_aborted_requests_total")
     try:
-        httpx.post(url + "/v1/completions", json={"model": "m", "prompt": forced_chain[:1], "max_tokens": 8000},
+        httpx.post(url + "/v1/completions", json={"model": "tinyloop", "prompt": forced_chain[:1], "max_tokens": 8000},
                    timeout=httpx.Timeout(30, read=1.0))
         raise AssertionError("an 8000-token generation should outlast a 1 s read timeout")
     except httpx.ReadTimeout:

@@ -83,6 +83,8 @@ class Engine:
             limit = min(limit, max_seq_len)
         self.max_seq_len = limit
         self._threads = threading.local()  # `core()`: one engine core per calling thread
+        self._grammars = None               # `grammars`: made on the first constrained request
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -108,7 +110,7 @@ class Engine:
         executor: who runs decode rows with `fast=True`: "native" (the C++ executor, `kernels/`), "torch", or
         None (`TINYLOOP_EXECUTOR`, default: native where its library builds; see docs/decode.md)."""
         from ..kernels.lib import choose
-        with choose(executor):   # quantized layers are built for the executor that will run them
+        with choose(executor if fast else "torch"):   # quantized layers are built for the executor that runs them
             loaded = load_model(path, device=device, dtype=dtype)
         if state_seed is not None:
             if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":
@@ -184,8 +186,23 @@ class Engine:
     def plan(self, prompt_ids: list[int], params: SamplingParams | None = None, *, n: int = 1) -> RequestPlan:
         """Every check, model-dependent ones included, before any work starts; the request's defaults
         resolved from the model (`plan.plan_request`). ValidationError names the field."""
-        return plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n,
+        plan = plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n,
                             exit_gate=self.model.exit_gate is not None)
+        if plan.params.constraint is not None:  # compiled now (cached by content): a bad one is a 400 here
+            self.grammars.check(plan.params.constraint)
+        return plan
+
+    @property
+    def grammars(self):
+        """This engine's grammar compiler (`constraint.Grammars`: llguidance's tokenizer, made on first use,
+        and compiled constraints cached by content)."""
+        if self._grammars is None:
+            from .constraint import Grammars
+
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.tokenizer, self.config.vocab_size)
+        return self._grammars
 
     def open_stream(self, plan: RequestPlan, t0: float, index: int = 0) -> TokenStream:
         """The output stream the core feeds one choice's tokens to: text (detokenizer and stop strings)

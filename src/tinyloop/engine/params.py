@@ -48,6 +48,9 @@ class SamplingParams:
     # loops (no temperature, top-k/top-p or penalties); the first token's entry is None. With it,
     # max_tokens may be 0 (score the prompt, generate nothing)
     prompt_logprobs: int | None = None
+    # constrained decoding (engine/constraint.py): a `Constraint` (JSON schema, JSON object, regex or grammar)
+    # the output must match; each step's row is masked to the tokens it allows. None: free text
+    constraint: Any = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -112,7 +115,19 @@ class SamplingParams:
             hi = 1 if self.exit_criterion == "gate" else 10  # gate: a cumulative probability
             need(isinstance(t, (int, float)) and 0 < t <= hi, "exit_threshold",
                  f"must be in (0, {hi}] for exit_criterion {self.exit_criterion!r}, got {t}")
-        elif self.loops is not None:
+        else:  # the adaptive knobs are checked whenever given: a value the document refuses is never taken
+            if self.max_loops is not None:
+                need(isinstance(self.max_loops, int) and 1 <= self.max_loops <= max_loops, "max_loops",
+                     f"must be in 1..{max_loops}, got {self.max_loops}")
+            need(isinstance(self.min_loops, int) and 1 <= self.min_loops <= max_loops, "min_loops",
+                 f"must be in 1..{max_loops}, got {self.min_loops}")
+            if self.exit_threshold is not None:
+                need(isinstance(self.exit_threshold, (int, float)) and 0 < self.exit_threshold <= 10, "exit_threshold",
+                     f"must be in (0, 10], got {self.exit_threshold}")
+        if self.verify_loops is not None:  # checked whenever given, as the other knobs are (server/schemas.py)
+            need(isinstance(self.verify_loops, int) and 1 <= self.verify_loops <= max_loops, "verify_loops",
+                 f"must be in 1..{max_loops}, got {self.verify_loops}")
+        if not self.adaptive and self.loops is not None:
             need(isinstance(self.loops, int) and not isinstance(self.loops, bool) and 1 <= self.loops <= max_loops,
                  "loops", f'must be an integer in 1..{max_loops} or "auto", got {self.loops!r}')
         need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in 0.0..2.0, got {self.temperature}")

@@ -67,6 +67,11 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     if not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")
     need = len(prompt_ids) + params.max_tokens
+    if len(prompt_ids) + min(params.max_tokens, 1) > max_seq_len:  # the prompt alone leaves no room
+        raise ValidationError(
+            f"prompt: {len(prompt_ids)} tokens; the context length is {max_seq_len}, which leaves no room for "
+            f"{'a generated token' if params.max_tokens else 'the prompt'}; shorten the prompt",
+            param="prompt", code="context_length_exceeded")
     if need > max_seq_len:
         raise ValidationError(
             f"prompt_tokens ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {need} exceeds the "

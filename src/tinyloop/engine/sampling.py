@@ -105,19 +105,27 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 class Sampler:
-    """One request's sampling state: its generator, seen tokens and output counts."""
+    """One request's sampling state: its generator, seen tokens and output counts, and under a constraint
+    (`matcher`, engine/constraint.py) the grammar's state: its mask is applied to the row's logits before
+    anything else (penalties leave -inf alone), so every rule below samples from the masked distribution."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, matcher=None):
         self.params = params
         self.vocab_size = vocab_size
+        self.matcher = matcher
         self.generator = make_generator(params.seed)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         if prompt_ids:
             self.seen[torch.tensor(prompt_ids)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.int64)
 
+    def _row(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row over the vocabulary, with the tokens the constraint forbids at -inf."""
+        row = logits[: self.vocab_size]
+        return row if self.matcher is None else self.matcher.apply(row)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return distribution(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
+        return distribution(self._row(logits), self.params, self.seen.nonzero().flatten(), self.counts)
 
     @property
     def penalized(self) -> bool:
@@ -126,13 +134,14 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalties: the token is the argmax of the raw logits."""
-        return self.params.greedy and not self.penalized
+        """Greedy with no penalties and no constraint: the token is the argmax of the raw logits."""
+        return self.params.greedy and not self.penalized and self.matcher is None
 
     def greedy_token(self, logits: torch.Tensor) -> int:
-        if not self.penalized:  # argmax of the raw row (widening to float64 changes no order)
-            return int(torch.argmax(logits[: self.vocab_size]))
-        x = processed_logits(logits[: self.vocab_size], self.params, self.seen.nonzero().flatten(), self.counts)
+        row = self._row(logits)
+        if not self.penalized:  # argmax of the row (widening to float64 changes no order)
+            return int(torch.argmax(row))
+        x = processed_logits(row, self.params, self.seen.nonzero().flatten(), self.counts)
         return int(torch.argmax(x))
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -147,7 +156,7 @@ class Sampler:
         top-k/top-p have -inf); greedy takes the argmax of the penalized logits, and reports their
         log-softmax (temperature 1). Call before `accept` (penalties read the tokens so far)."""
         p = self.params
-        x = processed_logits(logits[: self.vocab_size], p, self.seen.nonzero().flatten(), self.counts)
+        x = processed_logits(self._row(logits), p, self.seen.nonzero().flatten(), self.counts)
         if not p.greedy:
             x = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
         lp = torch.log_softmax(x, dim=-1)
@@ -160,3 +169,5 @@ class Sampler:
     def accept(self, token: int) -> None:
         self.seen[token] = True
         self.counts[token] += 1
+        if self.matcher is not None:
+            self.matcher.accept(token)

@@ -142,7 +142,9 @@ class BatchEngine:
         outputs = []
         for i in range(n):
             p = params if (i == 0 or params.seed is None) else params.replace(seed=params.seed + i)
-            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size), self.engine.open_stream(plan, t0, i)))
+            # a constrained output's grammar state (its compiled grammar is cached: this is a copy)
+            matcher = None if params.constraint is None else self.engine.grammars.matcher(params.constraint)
+            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i)))
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
         self._next_id += 1

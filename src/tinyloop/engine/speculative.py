@@ -252,7 +252,8 @@ class Speculator:
         self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
         self.head.add(list(plan.prompt_ids))
         self.penalties = _has_penalties(params)
-        plain_greedy = params.greedy and not self.penalties and params.logprobs is None
+        # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
+        plain_greedy = params.greedy and not self.penalties and params.logprobs is None and params.constraint is None
         self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
@@ -341,8 +342,15 @@ class Speculator:
         x = apply_repetition_penalty(x, seen, p.repetition_penalty)
         return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
 
+    def _draft_cols(self) -> torch.Tensor | None:
+        """The token id of each draft-head column (None: the full vocabulary)."""
+        return None if self.head.ids is None else self.head.ids[: self.head.n].cpu()
+
     def _draft_greedy(self, lg: torch.Tensor) -> int:
-        return self.head.token(int(torch.argmax(self._penalised(lg))))
+        x = self._penalised(lg)
+        if self.sampler.matcher is not None:  # under a constraint: only what the grammar allows here
+            x = self.sampler.matcher.mask_after([[]], x[None], self._draft_cols())[0]
+        return self.head.token(int(torch.argmax(x)))
 
     def _chain_round(self, k: int):
         sampler = self.sampler
@@ -350,6 +358,7 @@ class Speculator:
         t0 = time.perf_counter()
         toks, es, hs, qs = [self.pending], [], [], []
         backlog, self.exit_backlog = self.exit_backlog, None
+        matcher, drafted = sampler.matcher, 0
         for j in range(k):
             draft = self._draft([toks[-1]], L + j, self.draft_readout)
             if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
@@ -365,11 +374,16 @@ class Speculator:
             lg = self.head.logits(draft.hidden)[0]
             if self.params.greedy:
                 x = self._draft_greedy(lg)
-            else:
+            else:  # q: the draft's distribution, masked at this draft position under a constraint
                 q = sampler.probs(self.head.full_logits(lg, self.model.cfg.vocab_size))
                 x = draw(q, sampler.generator)
                 qs.append(q)
             toks.append(x)
+            if matcher is not None:  # the grammar follows the drafts (rolled back before verification)
+                if x == matcher.eos or not matcher.allows(x):
+                    break   # an end, or a token the verifier will refuse: nothing to draft past it
+                matcher.accept(x)
+                drafted += 1
             if self.draft_stop > 0 and j + 1 < k:
                 top = float(torch.softmax(lg.float(), dim=-1).max())
                 if top < self.draft_stop:
@@ -381,6 +395,8 @@ class Speculator:
         hs.append(draft.out_state[1])
         t1 = time.perf_counter()
         verify = self._verify(torch.cat(es), torch.cat(hs), L)
+        if matcher is not None:
+            matcher.rollback(drafted)   # verification accepts (and so advances the grammar) token by token
         yield verify
         out = self._accept_chain(toks, verify.hidden, qs)
         self.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
@@ -457,6 +473,9 @@ class Speculator:
                 break
             lg = self.head.logits(draft.hidden)
             logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
+            if sampler.matcher is not None:  # each node's children: what the grammar allows after its path
+                paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in frontier]  # below the root
+                logp = sampler.matcher.mask_after(paths, logp, self._draft_cols())
             rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
             toks = self.head.tokens(cols)
             frontier = [tree.add(tok, frontier[r], s) for r, tok, s in zip(rows_, toks, scores)]

@@ -32,6 +32,8 @@ class StreamEvent:
     # on the final event, with SamplingParams.logprobs, when a stop token id (or end-of-text) ended the
     # output: (its id, its (logprob, alternatives)); the token itself is not part of the output
     stop_logprob: tuple[int, tuple[float, list[tuple[int, float]]]] | None = None
+    # under loops "auto": per token in token_ids, the core loops its row ran (its own exit depth)
+    loops: list[int] | None = None
 
 
 @dataclass
@@ -91,7 +93,8 @@ class TokenStream:
         depth = self.loops_used if loops is None else loops
         self.loops_per_token[depth] = self.loops_per_token.get(depth, 0) + 1
         return self._with_prompt(StreamEvent([tok], self._text(tok), index=self.index,
-                                             logprobs=[logprob] if logprob is not None else None))
+                                             logprobs=[logprob] if logprob is not None else None,
+                                             loops=[depth] if self.params.adaptive else None))
 
     def _with_prompt(self, ev: StreamEvent) -> StreamEvent:
         """The prompt's scores ride on the first event that goes out after they are known."""

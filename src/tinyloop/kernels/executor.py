@@ -2,9 +2,9 @@
 
 `NativeExecutor(model)` describes the model to the library once (pointers to the very weight tensors the
 PyTorch modules hold: no copies, except fp32 copies of the small norm vectors and q/k biases) and
-`run(step)` takes the rows it supports out of a `model.paged.PagedStep`, runs them natively over the same
-paged KV pool, and hands back a step of the rest for `LoopedTransformer._run`. `supports` says which rows it
-takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
+`run(kv, rows)` takes the rows of a serving step it supports (`model.paged.Rows`), runs them natively over
+the same paged KV pool, and hands back the others for `LoopedTransformer._run`. `supports` says which rows
+it takes: decode rows of every kind except tree-masked ones and the kl criterion; prefill chunks stay in
 PyTorch.
 
 The math is model/'s; tests/kernels/test_native.py checks every configuration against it.
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import lib as L
 
-_CALL = threading.Lock()  # the library's thread pool serves one call at a time (engine cores share it)
+_CALL = threading.RLock()  # the library's thread pool serves one call at a time (engine cores share it)
 _FLOAT_KINDS = {torch.float32: L.TL_F32, torch.float16: L.TL_F16, torch.bfloat16: L.TL_BF16}
 _QUANT_KINDS = {8: L.TL_Q8, 4: L.TL_Q4, 2: L.TL_Q2}
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
@@ -126,12 +126,20 @@ class NativeExecutor:
             m.adapter = linear_desc(model.adapter, self.keep)
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
+        # FBGEMM's packed fp16 GEMV streams a 16-bit head ~1.5x faster than these kernels on this class of CPU
+        # (docs/decode.md): a head the fast path packed for it stays there, on the executor's threads
+        self.fbgemm_head = head if type(head).__name__ == "FP16Linear" else None
+        self.head_threads: int | None = None   # torch threads for the FBGEMM head (None: the executor's)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
         self.scratch = torch.empty(0)
         self._kv: tuple | None = None
         self._exit_blocks: dict[int, tuple] = {}
-        self.name = f"native ({self.lib.tl_isa().decode()}, {self.threads} threads)"
+        self.isa = self.lib.tl_isa().decode()
+
+    @property
+    def name(self) -> str:
+        return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
     def _block(self, blk) -> L.TlBlock:
         b, k = L.TlBlock(), self.keep
@@ -233,6 +241,10 @@ class NativeExecutor:
     def decode(self, kv, rows) -> None:
         """Supported `Rows` (rows from tokens first): each gets `hidden` (n, dim) after its read-out, and
         `out_state` when it asks for it."""
+        with _CALL:   # one call at a time: the descriptors and the scratch are shared (engine cores per thread)
+            self._decode(kv, rows)
+
+    def _decode(self, kv, rows) -> None:
         rows = sorted(rows, key=lambda r: r.tokens is None)       # stable: rows from tokens first
         dim = self.model.cfg.dim
         M = sum(r.n for r in rows)
@@ -276,10 +288,9 @@ class NativeExecutor:
         need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
-        with _CALL:
-            self.lib.tl_set_threads(self.threads)
-            rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
-                                    self.scratch.numel())
+        self.lib.tl_set_threads(self.threads)
+        rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
+                                self.scratch.numel())
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc})")
         act = self.model.act_dtype or self.model.embed.weight.dtype
@@ -300,7 +311,16 @@ class NativeExecutor:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""
-        return _forward(self.head, x, self.threads)
+        if self.fbgemm_head is None:
+            return _forward(self.head, x, self.threads)
+        n, prev = self.head_threads or self.threads, torch.get_num_threads()
+        if prev != n:
+            torch.set_num_threads(n)
+        try:
+            return self.fbgemm_head(x)
+        finally:
+            if prev != n:
+                torch.set_num_threads(prev)
 
 
 def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:

@@ -94,7 +94,8 @@ class RemoteWorker(EngineWorker):
         return sum(r.get("waiting", 0) for r in self.replicas())
 
     def health(self) -> dict[str, Any]:
-        """`ok` at full capacity; `degraded` (still 200: it serves) while fewer replicas than the target run."""
+        """`ok` at full capacity; `degraded` (still 200: it serves) while fewer replicas than the target run;
+        `starting` (503) while none is ready."""
         reps = self.replicas()
         ready = sum(r.get("state") == "ready" for r in reps)
         out: dict[str, Any] = {
@@ -102,7 +103,10 @@ class RemoteWorker(EngineWorker):
             "replicas": {"ready": ready, "target": self.target_replicas,
                          "each": [{k: r.get(k) for k in ("id", "pid", "threads", "state", "waiting", "running",
                                                          "kv_pages_free", "kv_pages")} for r in reps]}}
-        if ready < self.target_replicas:
+        if ready == 0:  # not serving yet: /health answers 503 until a replica is (readiness probes)
+            out["status"] = "starting"
+            out["reason"] = f"no engine replica is ready yet (0 of {self.target_replicas})"
+        elif ready < self.target_replicas:
             out["status"] = "degraded"
         return out
 

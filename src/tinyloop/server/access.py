@@ -80,13 +80,28 @@ class AccessMiddleware:
                 await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}",
                                                         code="internal_error"))
         finally:
-            route = scope.get("route")
-            fields = {"method": scope.get("method"), "route": getattr(route, "path", None) or scope.get("path"),
+            fields = {"method": scope.get("method"), "route": route_label(scope, scope.get("path")),
                       "status": started["status"], "duration_ms": round((time.perf_counter() - t0) * 1000, 2),
                       **info}
             if access_log.isEnabledFor(logging.INFO):
                 access_log.info(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
                                 extra={"access": fields})
+
+
+def route_label(scope, unmatched: str | None = "unmatched") -> str | None:
+    """The route a request matched, as its path template (`/v1/models/{model_id:path}`), for metrics and the
+    access log: FastAPI's API routes put themselves in the scope; Starlette's own (`/openapi.json`) do not,
+    so they are matched here. `unmatched` for a path no route serves (metrics: "unmatched", bounded label
+    values; the access log: the path itself)."""
+    route = scope.get("route")
+    if route is None:
+        from starlette.routing import Match
+
+        for candidate in getattr(scope.get("app"), "routes", ()):
+            if candidate.matches(scope)[0] == Match.FULL:
+                route = candidate
+                break
+    return getattr(route, "path", None) or unmatched
 
 
 class RequestIdFilter(logging.Filter):

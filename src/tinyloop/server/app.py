@@ -18,16 +18,16 @@ from fastapi import HTTPException
 
 from .. import __version__
 from ..model.fast import executor_name
-from . import access, errors, lmstudio, native, openai, playground
+from . import access, docs_ui, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi
 from .errors import APIError
-from .generation import ServerState
+from .generation import ServerState, served_names
 from .metrics import Metrics
 from .settings import Settings
 from .worker import EngineWorker
 
 log = logging.getLogger("tinyloop.server")
-OPEN_PATHS = {"/health", *playground.PATHS}  # the playground's page and files hold no model data
+OPEN_PATHS = {"/health", *playground.PATHS, *docs_ui.PATHS}  # the playground's and /docs' files hold no model data
 
 
 async def _send_error(send, err: APIError) -> None:
@@ -57,9 +57,7 @@ class GateMiddleware:
         try:
             await self._gate(scope, receive, send_tracked)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(label, scope.get("method", ""), str(status["code"])).inc()
+            self.metrics.requests.labels(access.route_label(scope), scope.get("method", ""), str(status["code"])).inc()
 
     async def _gate(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -106,7 +104,9 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
         created = int(path.stat().st_mtime)
     except OSError:
         created = int(time.time())
-    state = ServerState(settings, worker, metrics, model_id=str(path), created=created)
+    state = ServerState(settings, worker, metrics, names=served_names(settings.served_model_names, path),
+                        created=created)
+    state.model_path = str(path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,24 +116,29 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
         yield
         worker.stop()
 
-    app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tl = state
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(lmstudio.router)
     app.include_router(native.router)
     app.include_router(playground.router)
+    app.include_router(docs_ui.router)   # /docs with Swagger UI's files served from here (no CDN)
 
     @app.get("/health")
     async def health():
-        base: dict[str, Any] = {"model": state.model_id, "version": __version__, "commit": settings.commit,
+        base: dict[str, Any] = {"model": state.model_path, "model_id": state.model_id, "version": __version__, "commit": settings.commit,
                                 "kv_cache_mode": settings.kv_cache_mode, "warnings": worker.warnings}
         if worker.state == "ready":
             engine = worker.engine
-            return {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
-                    "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
-                    "executor": executor_name(engine.model),
-                    **worker.health()}
+            out = {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
+                   "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
+                   "executor": executor_name(engine.model), **worker.health()}
+            if out["status"] in ("ok", "degraded"):
+                return out
+            # loaded but not serving yet (scale-out: no engine replica ready): 503, so readiness waits
+            err = APIError(503, out.get("reason") or "not serving yet", code="not_ready", headers={"Retry-After": "1"})
+            return JSONResponse({**out, **err.body()}, status_code=503, headers=err.headers)
         try:
             worker.require_engine()
         except APIError as err:

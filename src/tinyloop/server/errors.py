@@ -24,7 +24,7 @@ log = logging.getLogger("tinyloop.server")
 
 # status -> OpenAI error type
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
          429: "rate_limit_error", 500: "server_error", 501: "not_implemented_error", 503: "server_error",
          504: "server_error"}
 
@@ -64,13 +64,20 @@ def from_validation(exc: ValidationError) -> APIError:
     return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
 
 
-def from_engine_failure(exc: BaseException) -> APIError:
-    """Map an exception raised while the engine ran a request."""
-    if isinstance(exc, APIError):
+def from_engine_failure(exc: BaseException, handle: Any = None) -> APIError:
+    """Map an exception raised while the engine ran a request. A request whose own `timeout_s` ran out
+    before it started is answered 408 (the client chose the limit: a 4xx); the server's default limit
+    (TINYLOOP_REQUEST_TIMEOUT_S) running out is the server's 504."""
+    client = getattr(handle, "client_timeout", False)
+    if isinstance(exc, APIError):   # (scale-out: a replica's 504 for a limit the client set is the client's 408)
+        if client and exc.status == 504 and exc.code == "timeout":
+            return APIError(408, f"{exc.message} (the request's own timeout_s)", param="timeout_s", code="timeout")
         return exc
     if isinstance(exc, ValidationError):
         return from_validation(exc)
     if isinstance(exc, RequestTimeout):
+        if client:
+            return APIError(408, f"{exc} (the request's own timeout_s)", param="timeout_s", code="timeout")
         return APIError(504, str(exc), code="timeout")
     if isinstance(exc, NotImplementedError):
         return APIError(501, str(exc) or "not implemented in this build", code="not_implemented")

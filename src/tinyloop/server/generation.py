@@ -18,7 +18,8 @@ from fastapi.responses import StreamingResponse
 from ..version import __version__
 from ..engine import SamplingParams
 from ..errors import ValidationError
-from .access import note
+from .access import add_completion_tokens, note
+from .schemas import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
 from .sse import DONE, KEEPALIVE, Framer, usage
 from .worker import EngineWorker, RequestHandle
@@ -48,12 +49,38 @@ class Result:
     stop_logprob: tuple | None = None     # (stop id, entry) when a stop token ended it, with logprobs
 
 
-class ServerState:
-    """What routes need: the settings, the engine worker, metrics and the model's identity."""
+DEFAULT_NAME = "tinyloop"   # what the README's examples send
 
-    def __init__(self, settings, worker: EngineWorker, metrics, model_id: str, created: int):
+
+def served_names(given: list[str], path) -> list[str]:
+    """The names a request's `model` may use, the id (`/v1/models`) first: `--served-model-name`'s, else the
+    file's stem, "tinyloop", and its path (with and without the leading '/')."""
+    if given:
+        return list(dict.fromkeys(given))
+    path = str(path)
+    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
+    return list(dict.fromkeys([stem, DEFAULT_NAME, path, path.lstrip("/")]))
+
+
+class ServerState:
+    """What routes need: the settings, the engine worker, metrics and the model's identity (`names`: the
+    names requests may use; the first is its id)."""
+
+    def __init__(self, settings, worker: EngineWorker, metrics, names: list[str], created: int):
         self.settings, self.worker, self.metrics = settings, worker, metrics
-        self.model_id, self.created = model_id, created
+        self.names, self.created = names, created
+
+    @property
+    def model_id(self) -> str:
+        return self.names[0]
+
+    def check_model(self, name: str) -> None:
+        """A request's `model` must be one of this server's names (a `@loops=K` suffix aside): else 404
+        `model_not_found`, as vLLM and OpenAI answer."""
+        if LOOPS_SUFFIX.sub("", name) not in self.names:
+            shown = ", ".join(repr(n) for n in self.names[:2])
+            raise APIError(404, f"model {name!r} not found; this server serves {shown} (GET /v1/models)",
+                           param="model", code="model_not_found")
 
     def model_info(self) -> dict[str, Any]:
         info = self.worker.require_engine().model_info()  # quant from the file header; kv mode as served
@@ -85,7 +112,9 @@ class ServerState:
 
         plan = await anyio.to_thread.run_sync(prepare)
         note(mode=plan.mode, loops=plan.loops, n=plan.n, prompt_tokens=plan.n_prompt, max_tokens=plan.max_tokens)
-        return self.worker.submit(plan, timeout_s=timeout_s)
+        handle = self.worker.submit(plan, timeout_s=timeout_s)
+        handle.client_timeout = timeout_s is not None   # its expiry is then the client's 408, not a 504
+        return handle
 
 
 async def collect(handle: RequestHandle, request: Request) -> list[Result]:
@@ -110,7 +139,7 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                 continue
             if isinstance(item, BaseException):
                 done = True
-                raise from_engine_failure(item)
+                raise from_engine_failure(item, handle)
             if item is None:
                 done = True
                 raise APIError(500, "the engine ended a request without a result", code="engine_error")
@@ -126,8 +155,8 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                                              scores.get(item.index), item.stop_logprob)
                 if len(results) == handle.plan.n:
                     done = handle.delivered = True
-                    note(completion_tokens=sum(r.stats.get("completion_tokens", 0) for r in results.values()),
-                         finish_reason=results[0].finish_reason)
+                    add_completion_tokens(sum(r.stats.get("completion_tokens", 0) for r in results.values()))
+                    note(finish_reason=results[0].finish_reason)  # a batch of prompts: its requests' sum
                     return [results[i] for i in range(handle.plan.n)]
     finally:
         if not done:
@@ -155,6 +184,7 @@ class MergedHandle:
     def __init__(self, handles: list[RequestHandle], n: int):
         self.handles, self.n = handles, n
         self.delivered = False
+        self.client_timeout = any(getattr(h, "client_timeout", False) for h in handles)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(handles)
         self._tasks = [asyncio.ensure_future(self._pump(i, h)) for i, h in enumerate(handles)]
@@ -226,14 +256,14 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
         handle.abort()
         raise
     if isinstance(first, BaseException):
-        raise from_engine_failure(first)
+        raise from_engine_failure(first, handle)
 
     def frames_for(item) -> tuple[list[bytes], bool]:
         """SSE frames for one worker item, and whether the stream ends with it."""
         if item is None:  # ended without a final event: should not happen, but never hang
             return [DONE], True
         if isinstance(item, BaseException):
-            return framer.error(from_engine_failure(item).body()), True
+            return framer.error(from_engine_failure(item, handle).body()), True
         if item.finish_reason is not None:
             return framer.close(item), framer.done
         return framer.event(item), False

@@ -12,8 +12,9 @@ from ..tokenizer import HFTokenizer
 from .logprobs import native_logprob
 from .generation import collect, stream
 from .openai import state_of
-from .schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
-                      TreeSpeculativeRequest, render_chat)
+from .native_schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
+                             TreeSpeculativeRequest)
+from .schemas import render_chat
 from .sse import NativeFramer
 
 router = APIRouter()
@@ -64,7 +65,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
             encode = partial(encode, add_special_tokens=body.add_special_tokens)
         ids = await anyio.to_thread.run_sync(encode, text)
     else:  # what a chat request would feed the model: its chat template, special tokens as ids
-        ids = await anyio.to_thread.run_sync(engine.encode_prompt, render_chat(body.messages))
+        chat = render_chat(body.messages, getattr(engine.tokenizer, "chat_template", None))
+        ids = await anyio.to_thread.run_sync(engine.encode_prompt, chat)
     return {"tokens": ids, "count": len(ids), "max_seq_len": engine.max_seq_len}
 
 

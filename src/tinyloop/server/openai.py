@@ -6,12 +6,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..errors import ValidationError
 from .access import note
 from .errors import APIError
 from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
 from .logprobs import chat_content, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from .sse import ChatFramer, CompletionFramer
+from .sse import ChatFramer, CompletionFramer, ToolChatFramer
+from .structured import message_of
 
 router = APIRouter()
 
@@ -26,12 +28,10 @@ def model_card(state: ServerState) -> dict[str, Any]:
 
 
 def find_model(state: ServerState, model_id: str) -> None:
-    """The model's id is its path; also accept it without the leading slash, or the file's stem."""
+    """`/v1/models/{id}`: any of the server's names (its id first: the file's stem by default)."""
     state.worker.require_engine()
-    path = state.model_id
-    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
-    if model_id not in (path, path.lstrip("/"), stem):
-        raise APIError(404, f"model {model_id!r} not found; this server serves {path!r}", param="model",
+    if model_id not in state.names:
+        raise APIError(404, f"model {model_id!r} not found; this server serves {state.model_id!r}", param="model",
                        code="model_not_found")
 
 
@@ -51,18 +51,26 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
     state = state_of(request)
+    state.check_model(body.model)
     params = body.sampling_params()
     n = body.choices()
     engine = state.worker.require_engine()
-    prompts = [body.prompt()] if chat else body.prompt_inputs(engine.config.vocab_size)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    tools = body.tool_plan(template) if chat else None   # tools: their prompt, constraint and parsing
+    if tools is not None:
+        params = params.replace(constraint=tools.constraint())
+    prompts = [body.prompt(template, tools)] if chat else body.prompt_inputs(engine.config.vocab_size)
     handles = []
     try:
         for prompt in prompts:
             handles.append(await state.submit(prompt, params, n=n, timeout_s=body.timeout_s,
                                               max_tokens_given=body.max_tokens_given()))
-    except BaseException:
+    except BaseException as exc:
         for h in handles:
             h.abort()
+        if chat and isinstance(exc, ValidationError) and exc.param == "prompt":  # chat's prompt is its messages
+            raise ValidationError("messages" + exc.message.removeprefix("prompt").replace("the prompt", "the messages"),
+                                  param="messages", code=exc.code) from None
         raise
     if len(handles) > 1:  # the access line counts the whole batch
         note(n=n * len(handles), prompt_tokens=sum(h.plan.n_prompt for h in handles))
@@ -73,8 +81,10 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     extras = state.lmstudio_extras if extended else None
     tokenizer = engine.tokenizer if params.logprobs is not None else None
     if body.wants_stream():
-        framer = ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
-                            extras=extras, n=n, tokenizer=tokenizer) if chat else \
+        framer = ToolChatFramer(plan=tools, id=rid, created=created, model=body.model, extras=extras, n=n,
+                                include_usage=body.include_usage()) if tools is not None else \
+            ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
+                       extras=extras, n=n, tokenizer=tokenizer) if chat else \
             CompletionFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
                              extras=extras, n=n * len(handles), per_prompt=n, tokenizer=tokenizer, echo=echo)
         handle = handles[0] if len(handles) == 1 else MergedHandle(handles, n)
@@ -84,8 +94,9 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     for p, results in enumerate(batches):
         for i, result in enumerate(results):
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                                "finish_reason": result.finish_reason})
+                message, finish = ({"role": "assistant", "content": result.text}, result.finish_reason) \
+                    if tools is None else message_of(tools, result.text, result.finish_reason)
+                choices.append({"index": i, "message": message, "finish_reason": finish})
                 if tokenizer is not None:
                     choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
                 continue

@@ -15,6 +15,7 @@ descriptions and surface as 400s naming the field.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.openapi.utils import get_openapi
@@ -27,16 +28,18 @@ from .access import REQUEST_ID_HEADER
 ERROR_TEXT = {
     400: "invalid value (out of range, over the context length or KV capacity, conflicting fields)",
     401: "API key missing or wrong (when TINYLOOP_API_KEY is set)",
-    404: "no such model",
+    404: "no such model (the `model` of a request is not one the server serves: code model_not_found)",
+    408: "the request's own timeout_s ran out while it was still queued",
     413: "request body over TINYLOOP_MAX_BODY_BYTES",
     422: "malformed body: wrong types, missing or unknown fields, invalid JSON",
     429: "the queue is full (TINYLOOP_MAX_QUEUE); see Retry-After",
     500: "the engine failed on this request",
     501: "not implemented in this build",
     503: "the model is loading or failed to load, or the server is shutting down",
-    504: "timeout_s ran out while the request was still queued",
+    504: "the server's default time limit (TINYLOOP_REQUEST_TIMEOUT_S) ran out while the request was still queued",
 }
-GENERATE_ERRORS = (400, 401, 413, 422, 429, 500, 501, 503, 504)
+GENERATE_ERRORS = (400, 401, 408, 413, 422, 429, 500, 501, 503, 504)
+OPENAI_ERRORS = (*GENERATE_ERRORS, 404)   # and a model name this server does not serve
 TOKEN_ERRORS = (400, 401, 413, 422, 503)
 
 CHAT_SSE = (R.ChatChunk, "chat.completion.chunk events")
@@ -46,10 +49,10 @@ NATIVE_SSE = (R.NativeEvent, "one {token_id, text} event per token, then {token_
 
 # path -> (method, 200 body model, (SSE event model, description) or None, error statuses)
 ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[type[BaseModel], str] | None, tuple[int, ...]]] = {
-    "/v1/chat/completions": ("post", R.ChatCompletion, CHAT_SSE, GENERATE_ERRORS),
-    "/v1/completions": ("post", R.Completion, TEXT_SSE, GENERATE_ERRORS),
-    "/api/v0/chat/completions": ("post", R.LMStudioChatCompletion, (CHAT_SSE[0], CHAT_SSE[1] + V0), GENERATE_ERRORS),
-    "/api/v0/completions": ("post", R.LMStudioCompletion, (TEXT_SSE[0], TEXT_SSE[1] + V0), GENERATE_ERRORS),
+    "/v1/chat/completions": ("post", R.ChatCompletion, CHAT_SSE, OPENAI_ERRORS),
+    "/v1/completions": ("post", R.Completion, TEXT_SSE, OPENAI_ERRORS),
+    "/api/v0/chat/completions": ("post", R.LMStudioChatCompletion, (CHAT_SSE[0], CHAT_SSE[1] + V0), OPENAI_ERRORS),
+    "/api/v0/completions": ("post", R.LMStudioCompletion, (TEXT_SSE[0], TEXT_SSE[1] + V0), OPENAI_ERRORS),
     "/generate": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
     "/generate/speculative": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
     "/generate/tree_speculative": ("post", R.GenerateResponse, NATIVE_SSE, GENERATE_ERRORS),
@@ -88,14 +91,19 @@ def limits_of(state) -> dict[str, Any] | None:
     if worker.state != "ready":
         return None
     cfg = worker.engine.config
-    path = state.model_id
-    stem = path.rsplit("/", 1)[-1].removesuffix(".tinyloop")
     return {"max_tokens": state.settings.max_tokens, "max_loops": cfg.max_loops, "vocab_max": cfg.vocab_size - 1,
-            "model_ids": list(dict.fromkeys([path, path.lstrip("/"), stem]))}
+            "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
+
+
+def model_name_pattern(names: list[str]) -> str:
+    """The `model` a request may name: one of the server's names, with an optional `@loops=K` suffix."""
+    return "^(" + "|".join(re.escape(n) for n in names) + ")(@loops=(auto|-?[0-9]+))?$"
 
 
 def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
     if isinstance(node, dict):
+        if node.pop("x-model-names", None):
+            node["pattern"] = limits["model_names"]
         name = node.pop("x-limit", None)
         if name is not None:
             node["maximum"] = limits[name]
@@ -150,7 +158,8 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
             for param in op.get("parameters", []):
                 if param["name"] == "model_id":
                     param["schema"] = {"type": "string", "enum": limits["model_ids"]}
-                    param["description"] = "the model's path, the path without its leading '/', or its file stem"
+                    param["description"] = "one of the server's model names (--served-model-name; by default the "\
+                                           "file's stem, \"tinyloop\" and its path)"
     for name, example in EXAMPLES.items():
         if name in comps:
             comps[name]["examples"] = [example]
@@ -161,7 +170,7 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
 def install(app, state) -> None:
     """Serve the document built above (cached once the model is loaded: the limits are then final)."""
     defaults = {"max_tokens": state.settings.max_tokens, "max_loops": 64, "vocab_max": 50256,
-                "model_ids": [state.model_id]}
+                "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:

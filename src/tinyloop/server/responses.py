@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]  # tool_calls: chat with tools only
 
 
 class Closed(BaseModel):
@@ -73,9 +73,33 @@ class ModelInfo(Open):
     kv_cache_mode: str
 
 
+class FunctionCall(Closed):
+    name: str
+    arguments: str                       # a JSON string
+
+
+class ToolCallOut(Closed):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Closed):
     role: Literal["assistant"]
-    content: str
+    content: str | None                  # null when the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class FunctionCallDelta(Closed):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Closed):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
 
 
 class TopLogprob(Closed):
@@ -220,7 +244,8 @@ class TokenizerInfo(Closed):
 
 class HealthOK(Closed):
     status: Literal["ok"]
-    model: str
+    model: str                           # the model file's path
+    model_id: str                        # its id in the API (the first served name)
     version: str
     commit: str | None
     kv_cache_mode: str
@@ -235,6 +260,7 @@ class HealthDown(Closed):
     status: Literal["loading", "failed"]
     reason: str | None
     model: str
+    model_id: str
     version: str
     commit: str | None
     kv_cache_mode: str
@@ -245,6 +271,7 @@ class HealthDown(Closed):
 class ChatDelta(Closed):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None   # with tools: the name first, then the arguments
 
 
 class ChatChunkChoice(Closed):
@@ -252,6 +279,7 @@ class ChatChunkChoice(Closed):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
+    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
 class TextChunkChoice(Closed):
@@ -259,6 +287,7 @@ class TextChunkChoice(Closed):
     index: int
     finish_reason: FinishReason | None
     logprobs: TextLogprobs | None = None
+    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
 class _Chunk(Closed):
@@ -289,6 +318,7 @@ class NativeEvent(Closed):
     logprob: float | None = None         # with logprobs: k
     top_logprobs: list[IdLogprob] | None = None
     prompt_logprobs: list[NativeLogprob | None] | None = None  # with prompt_logprobs: on the first event
+    loops: int | None = None             # loops "auto": the core loops this token ran
 
 
 def sse_event_schema(ref: str, what: str) -> dict[str, Any]:

@@ -11,16 +11,18 @@ the settings (`x-limit`) are filled in when the document is served (server/opena
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import WithJsonSchema
 
 from ..engine import SamplingParams, param_default
+from ..engine.constraint import Constraint
 from ..engine.params import MODES
 from ..engine.plan import MAX_N
 from ..chat import Chat
 from ..errors import ValidationError
+from .structured import ResponseFormat, Tool, ToolCall, ToolChoice, ToolPlan, message_for_template
 
 # Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
 # OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.
@@ -30,10 +32,10 @@ OPENAI_TEMPERATURE = 1.0
 # OpenAI request fields TinyLoop does not implement: refused (400) when set to anything but their default,
 # rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "tools": (None, []), "functions": (None, []),   # tools: chat only (a text completion has no tool calls)
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "function_call": (None, "none"),
+    "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),  # echo: /v1/completions takes it
-    "response_format": (None, {"type": "text"}),  # JSON mode / structured output: not implemented
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
 MAX_STOP = 16  # SamplingParams.validate's limit
@@ -52,7 +54,11 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
-Loops = Int | Literal["auto"]          # a depth, or "auto": adaptive depth per token
+# a depth, or "auto": adaptive depth per token. Any JSON value is taken here and checked by the engine
+# (SamplingParams.validate), so `"fast"`, 2.5 or true get the same clean 400 naming `loops` as 0 does,
+# not a union type error
+Loops = Annotated[Any, BeforeValidator(_integral),
+                  WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["auto"]}]})]
 ExitCriterion = Literal["latent", "kl", "gate"]  # model/exits.py CRITERIA
 KVLoops = Int | Literal["all", "last"]  # the loop-shared KV budget
 KV_LOOPS_DOC = ('core KV slots kept per layer: "all" (one per loop, the default), "last" (1: every loop reads earlier '
@@ -96,6 +102,19 @@ def is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(_json_equal(value, d) for d in allowed)
 
 
+def _closed_schema(schema: dict[str, Any]) -> None:
+    """The document of an OpenAI body: the refused fields with the only values accepted, and no others."""
+    schema["properties"].update({k: v for k, v in _unsupported_schema().items() if k not in schema["properties"]})
+    schema["additionalProperties"] = False
+
+
+def _unsupported_schema() -> dict[str, Any]:
+    """The OpenAI fields TinyLoop refuses unless they hold their default: documented with the only values
+    accepted, so a client (or the fuzzer) can see what is refused."""
+    return {name: {"enum": list(allowed), "description": "not supported: only its default is accepted"}
+            for name, allowed in UNSUPPORTED.items()}
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
@@ -109,10 +128,13 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={  # a tool result names its call
+        "if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"]}})
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="role tool: the call this message answers")
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -122,12 +144,25 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-def render_chat(messages: list[ChatMessage]) -> Chat:
+def render_chat(messages: list[ChatMessage], template: str | None = None) -> Chat:
     """The conversation, checked, for the engine to render with the model's chat template (an imported
-    checkpoint's own Jinja template, or "Role: content" lines for TinyLoop's GPT-2 models: `tinyloop.chat`)."""
+    checkpoint's own Jinja template, or "Role: content" lines for TinyLoop's GPT-2 models: `tinyloop.chat`).
+    Earlier tool calls and tool results are written as the model's tool format has them (server/structured.py)."""
     if not messages:
         raise ValidationError("messages: must contain at least one message", param="messages")
-    return Chat(tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)))
+    style = "hermes" if template and "<tool_call>" in template else "generic"
+    out = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise ValidationError(f"messages[{i}].tool_call_id: a tool message answers a call: give its id",
+                                  param=f"messages[{i}].tool_call_id")
+        msg = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(message_for_template(msg, style))
+    return Chat(tuple(out))
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -154,21 +189,62 @@ def model_loops(model: str) -> int | str | None:
     return "auto" if m.group(1) == "auto" else int(m.group(1))
 
 
+MIN_TIMEOUT_S = 0.001  # a limit shorter than this cannot cover one engine step: refused rather than sure to expire
+
+
 def check_timeout(value: float | None) -> None:
-    if value is not None and not 0 < value <= 86400:
-        raise ValidationError(f"timeout_s: must be in (0, 86400] seconds, got {value}", param="timeout_s")
+    if value is not None and not MIN_TIMEOUT_S <= value <= 86400:
+        raise ValidationError(f"timeout_s: must be in {MIN_TIMEOUT_S}..86400 seconds (a shorter limit cannot cover "
+                              f"one engine step), got {value}", param="timeout_s")
 
 
-class OpenAIRequest(BaseModel):
-    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults)."""
+def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
+                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
+    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
+    in the modes that use them; a value the document calls invalid is never accepted silently), and
+    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
+    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
+                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
+                                ("cache_window", cache_window, 0, MAX_WINDOW)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
+                                  param=name)
 
-    # strict OpenAI clients send fields we do not use: unknown fields are ignored
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=lambda s: s["properties"].update(
-        {k: v for k, v in _unsupported_schema().items() if k not in s["properties"]}))
 
-    model: str = Field(description='echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
+class LoopKnobs(BaseModel):
+    """TinyLoop's own knobs, taken on /v1 and /api/v0 alike (as vLLM takes its sampling extras on /v1):
+    the generation mode, the speculative knobs, the cache window and the repetition penalty."""
+
+    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
+    draft_loops: Int | None = rng(lo=1, hi=32)
+    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
+    draft_ahead: Int | None = rng(lo=1, hi=16)
+    K_branches: Int | None = rng(lo=1, hi=16)
+    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
+    repetition_penalty: float | None = rng(lo=0.5, hi=2)
+    ignore_eos: bool | None = Field(None, description="vLLM's: keep generating past end-of-text (benchmarks)")
+
+    def extension_params(self) -> dict[str, Any]:
+        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
+        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
+                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
+                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
+        return {name: _or(value, param_default(name)) for name, value in given.items()}
+
+
+class OpenAIRequest(LoopKnobs):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's names and defaults), plus
+    TinyLoop's knobs (LoopKnobs). A field that is neither is a 400 naming it (`unknown_parameter`), never
+    silently ignored: a typo'd knob would otherwise run as plain generation. Extra fields are let through
+    pydantic (so that this is a 400 naming the field, not a 422) and refused in `check_unsupported`; the
+    document says `additionalProperties: false`."""
+
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_closed_schema)
+
+    model: str = Field(description='one of the server\'s model names (GET /v1/models; else 404 model_not_found), '
+                                   'echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
                                    'asks for that depth when the body names no loops (harnesses that fix the '
-                                   'rest of the body: docs/evaluation.md)')
+                                   'rest of the body: docs/evaluation.md)', json_schema_extra={"x-model-names": True})
     max_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")
     temperature: float | None = rng(lo=0, hi=2)
     top_p: float | None = rng(gt=0, hi=1)
@@ -186,12 +262,21 @@ class OpenAIRequest(BaseModel):
     min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
     kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(gt=0, hi=86400)              # TinyLoop extension: this request's time limit
+    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
+    response_format: ResponseFormat | None = None
     user: str | None = None
+    # OpenAI's bookkeeping fields: accepted, no effect here
+    metadata: dict[str, str] | None = Field(None, description="accepted; no effect")
+    store: bool | None = Field(None, description="accepted; no effect (nothing is stored)")
+    service_tier: str | None = Field(None, description="accepted; no effect")
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and not is_default(value, UNSUPPORTED[name]):
+            if name not in UNSUPPORTED:
+                raise ValidationError(f"{name}: unknown field; this route takes OpenAI's fields and TinyLoop's "
+                                      "knobs (the list: /docs or /openapi.json)", param=name,
+                                      code="unknown_parameter")
+            if not is_default(value, UNSUPPORTED[name]):
                 raise ValidationError(f"{name}: is not supported by TinyLoop", param=name, code="unsupported_parameter")
 
     def stop_list(self) -> list[str]:
@@ -226,7 +311,11 @@ class OpenAIRequest(BaseModel):
             exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
-            logprobs=self.logprobs_param(), **self.extension_params())
+            logprobs=self.logprobs_param(), constraint=self.constraint(), **self.extension_params())
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match (`response_format`; chat's `tools` add theirs: server/tools.py)."""
+        return self.response_format.constraint() if self.response_format is not None else None
 
     def requested_loops(self) -> int | str | None:
         """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
@@ -238,9 +327,6 @@ class OpenAIRequest(BaseModel):
                                   f"{suffix!r}; give one", param="loops")
         return suffix
 
-    def extension_params(self) -> dict[str, Any]:
-        return {}
-
     def logprobs_param(self) -> int | None:
         """Alternatives per token to report (SamplingParams.logprobs), or None."""
         return None
@@ -248,38 +334,6 @@ class OpenAIRequest(BaseModel):
     def choices(self) -> int:
         """`n` as asked (default 1); the request plan checks its range with every other knob."""
         return _or(self.n, 1)
-
-
-def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
-                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
-    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
-    in the modes that use them; a value the document calls invalid is never accepted silently), and
-    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
-    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
-                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
-                                ("cache_window", cache_window, 0, MAX_WINDOW)):
-        if value is not None and not (lo <= value and (hi is None or value <= hi)):
-            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
-                                  param=name)
-
-
-class LMStudioKnobs(BaseModel):
-    """The /api/v0 superset: generation mode and the looped model's knobs."""
-
-    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
-    draft_loops: Int | None = rng(lo=1, hi=32)
-    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    draft_ahead: Int | None = rng(lo=1, hi=16)
-    K_branches: Int | None = rng(lo=1, hi=16)
-    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
-    repetition_penalty: float | None = rng(lo=0.5, hi=2)
-
-    def extension_params(self) -> dict[str, Any]:
-        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
-        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
-                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
-                 "repetition_penalty": self.repetition_penalty}
-        return {name: _or(value, param_default(name)) for name, value in given.items()}
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -294,13 +348,35 @@ class ChatCompletionRequest(OpenAIRequest):
         return _or(self.top_logprobs, 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int:
-        return _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValidationError(f"max_tokens: {self.max_tokens} and max_completion_tokens "
+                                  f"{self.max_completion_tokens} disagree; give one (max_tokens is OpenAI's older name)",
+                                  param="max_tokens")
+        value = _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+        if value < 1:  # chat has no prompt scoring: the engine's "0 only with prompt_logprobs" does not apply
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise ValidationError(f"{name}: must be at least 1, got {value}", param=name)
+        return value
 
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None or self.max_completion_tokens is not None
 
-    def prompt(self) -> Chat:
-        return render_chat(self.messages)
+    tools: list[Tool] | None = Field(None, description="functions the model may call (docs/structured.md)")
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (default with tools), "required", '
+                                           'or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description="allow more than one call per answer (default true)")
+
+    def tool_plan(self, template: str | None) -> ToolPlan | None:
+        plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, template)
+        if plan is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValidationError("response_format: give tools or a response_format, not both (or tool_choice "
+                                  '"none")', param="response_format")
+        return plan
+
+    def prompt(self, template: str | None = None, tools: ToolPlan | None = None) -> Chat:
+        chat = render_chat(self.messages, template)
+        return tools.chat(chat) if tools is not None else chat
 
 
 MAX_PROMPTS = 16  # prompts in one /v1/completions request (each is a request of the batch)
@@ -363,132 +439,9 @@ class CompletionRequest(OpenAIRequest):
         return out
 
 
-class LMStudioChatRequest(LMStudioKnobs, ChatCompletionRequest):
-    pass
+class LMStudioChatRequest(ChatCompletionRequest):
+    """/api/v0/chat/completions: the /v1 body (its own name in the document)."""
 
 
-class LMStudioCompletionRequest(LMStudioKnobs, CompletionRequest):
-    pass
-
-
-# -- native -----------------------------------------------------------------------------------
-class GenerateRequest(BaseModel):
-    """POST /generate: every looped-model knob, no OpenAI wrapping. Unknown fields are refused (422)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    MODE: ClassVar[str] = "generate"
-
-    prompt: NonEmptyStr | PromptIds = Field(description="text or token ids; not empty")
-    max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=0, hi_limit="max_tokens", description="0 only with prompt_logprobs")
-    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # None -> the model's default_loops
-    exit_criterion: ExitCriterion = param_default("exit_criterion")
-    exit_threshold: float | None = rng(gt=0, hi=10)        # None -> the criterion's default
-    min_loops: Int = rng(param_default("min_loops"), lo=1, hi_limit="max_loops")
-    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
-    kv_loops: KVLoops = rng(param_default("kv_loops"), lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    logprobs: Int | None = rng(lo=0, hi=20, description="each token's log-probability and this many alternatives "
-                                                         "(ids), 0..20; every mode")
-    prompt_logprobs: Int | None = rng(lo=0, hi=20, description="each prompt token's log-probability (the first "
-                                      "null) and this many alternatives (ids), 0..20, under the model's raw "
-                                      "distribution at the request's loops; mode generate only")
-    temperature: float = rng(param_default("temperature"), lo=0, hi=2)
-    top_k: Int = rng(param_default("top_k"), lo=0, hi=1000)
-    top_p: float = rng(param_default("top_p"), gt=0, hi=1)
-    repetition_penalty: float = rng(param_default("repetition_penalty"), lo=0.5, hi=2)
-    presence_penalty: float = rng(param_default("presence_penalty"), lo=-2, hi=2)
-    frequency_penalty: float = rng(param_default("frequency_penalty"), lo=-2, hi=2)
-    sample_seed: Int = Field(0, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
-    stream: bool = False
-    stop: NonEmptyStr | StopStrings | TokenIds | None = Field(
-        None, description=f"a string, up to {MAX_STOP} non-empty strings, or stop token ids")
-    cache_window: Int = rng(param_default("cache_window"), lo=0, hi=MAX_WINDOW)
-    timeout_s: float | None = rng(gt=0, hi=86400)  # time limit for this request (default: the server's)
-
-    def sampling_params(self) -> SamplingParams:
-        check_timeout(self.timeout_s)
-        check_knobs(None, None, None, None, self.cache_window)
-        stop: list[str] = []
-        stop_ids: list[int] = []
-        if isinstance(self.stop, str):
-            stop = [self.stop]
-        elif self.stop:
-            if isinstance(self.stop[0], int):
-                stop_ids = list(self.stop)
-            else:
-                stop = list(self.stop)
-        return SamplingParams(
-            max_tokens=self.max_tokens, loops=self.loops, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
-            stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
-            exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
-            max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs, **self.speculative_params())
-
-    def speculative_params(self) -> dict[str, Any]:
-        return {}
-
-    def max_tokens_given(self) -> bool:
-        return "max_tokens" in self.model_fields_set
-
-
-class SpeculativeRequest(GenerateRequest):
-    MODE: ClassVar[str] = "speculative"
-    draft_loops: Int = rng(param_default("draft_loops"), lo=1, hi=32,
-                           description="must be smaller than verify_loops")
-    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # None -> loops, else the model's default_loops
-    draft_ahead: Int = rng(param_default("draft_ahead"), lo=1, hi=16)
-
-    def speculative_params(self) -> dict[str, Any]:
-        return {"draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
-                "draft_ahead": self.draft_ahead}
-
-
-class TreeSpeculativeRequest(SpeculativeRequest):
-    MODE: ClassVar[str] = "tree_speculative"
-    K_branches: Int = rng(param_default("k_branches"), lo=1, hi=16,
-                          description="K_branches x draft_ahead <= 64; above 1: greedy only, cache_window 0")
-
-    def speculative_params(self) -> dict[str, Any]:
-        return {**super().speculative_params(), "k_branches": self.K_branches}
-
-
-class TokenizeRequest(BaseModel):
-    """Exactly one of `text`, `prompt` (vLLM's name), `content` (llama.cpp's) or `messages` (null is not a
-    value of any)."""
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "oneOf": [{"required": ["text"]}, {"required": ["prompt"]}, {"required": ["content"]},
-                  {"required": ["messages"]}]})
-    text: str | SkipJsonSchema[None] = None
-    prompt: str | SkipJsonSchema[None] = None
-    content: str | SkipJsonSchema[None] = None
-    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, json_schema_extra={"minItems": 1})
-    model: str | None = None
-    add_special_tokens: bool = Field(True, description="vLLM's: let the tokenizer add its special tokens (BOS) "
-                                                       "to text; no effect for GPT-2 models and on messages")
-
-    def plain_text(self) -> str | None:
-        """The text to tokenize, under whichever name it came; None for `messages`."""
-        given = [v for v in (self.text, self.prompt, self.content) if v is not None]
-        return given[0] if given else None
-
-    def given(self) -> int:
-        return sum(getattr(self, n) is not None for n in ("text", "prompt", "content", "messages"))
-
-    def model_post_init(self, _: Any) -> None:
-        for name in ("text", "prompt", "content", "messages"):
-            if name in self.model_fields_set and getattr(self, name) is None:
-                raise ValidationError(f"{name}: must not be null", param=name)
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    tokens: TokenIds
-    model: str | None = None
-
-
-def _unsupported_schema() -> dict[str, Any]:
-    """The OpenAI fields TinyLoop refuses unless they hold their default: documented with the only values
-    accepted, so a client (or the fuzzer) can see what is refused."""
-    return {name: {"enum": list(allowed), "description": "not supported: only its default is accepted"}
-            for name, allowed in UNSUPPORTED.items()}
+class LMStudioCompletionRequest(CompletionRequest):
+    """/api/v0/completions: the /v1 body (its own name in the document)."""

@@ -3,6 +3,8 @@
 Environment (see docs/server.md):
 
     TINYLOOP_MODEL_PATH     model file (default: the model shipped in the package)
+    TINYLOOP_SERVED_MODEL_NAME  the model's names in the API, comma-separated (`--served-model-name`); the
+                            first is its id. Default: the file's stem and "tinyloop" (and its path)
     TINYLOOP_MAX_SEQ_LEN    cap on prompt_tokens + max_tokens (default: the model's max_seq_len)
     TINYLOOP_KV_INT8        1 -> KV cache mode "int8"
     TINYLOOP_KV_INT4        1 -> "int4"; with TINYLOOP_KV_H_MODE=1 -> "int4-h"
@@ -116,6 +118,7 @@ def _log_format_env(env: dict[str, str]) -> str:
 @dataclass
 class Settings:
     model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
+    served_model_names: list[str] = field(default_factory=list)  # [] -> the file's stem, "tinyloop", its path
     max_seq_len: int | None = None
     kv_cache_mode: str = "fp16"
     commit: str | None = None
@@ -141,8 +144,15 @@ class Settings:
         return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, *, model_path: str | Path | None = None) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None, *, model_path: str | Path | None = None,
+                 served_model_names: list[str] | None = None) -> "Settings":
         env = dict(os.environ if env is None else env)
+        names = served_model_names or [n.strip() for n in env.get("TINYLOOP_SERVED_MODEL_NAME", "").split(",")
+                                       if n.strip()]
+        for name in names:
+            if "@loops=" in name:
+                raise SystemExit(f"tinyloop serve: a served model name cannot hold '@loops=' (a request's depth "
+                                 f"suffix), got {name!r}")
         mode, warnings = kv_cache_mode_from_env(env)
         max_seq_len = _int_env(env, "TINYLOOP_MAX_SEQ_LEN", None)
         if max_seq_len is not None and max_seq_len < 1:
@@ -151,6 +161,7 @@ class Settings:
         path = model_path if model_path is not None else env.get("TINYLOOP_MODEL_PATH") or None
         return cls(
             model_path=Path(path) if path else None,
+            served_model_names=names,
             max_seq_len=max_seq_len,
             kv_cache_mode=mode,
             commit=env.get("TINYLOOP_COMMIT") or None,

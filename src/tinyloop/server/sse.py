@@ -39,6 +39,7 @@ class Framer:
         self.n = n            # choices; the stream ends after the last one's final event
         self.per_prompt = per_prompt or n  # choices per prompt (a batch of prompts: n = prompts x per_prompt)
         self.closed: dict[int, dict[str, Any]] = {}  # index -> stats of each finished choice
+        self._held: dict[int, list[int]] = {}         # loops "auto": per choice, depths not yet sent
 
     @property
     def done(self) -> bool:
@@ -82,11 +83,24 @@ class ChatFramer(Framer):
         return [frame(self._chunk(self._delta({"role": "assistant"}, index=i))) for i in range(self.n)]
 
     def event(self, ev: StreamEvent) -> list[bytes]:
+        depths = self._depths(ev)
         if self.tokenizer is not None and ev.logprobs:
             choice = self._delta({"content": ev.text}, index=ev.index)
             choice["logprobs"] = self._logprobs(ev)
-            return [frame(self._chunk(choice))]
-        return [frame(self._chunk(self._delta({"content": ev.text}, index=ev.index)))] if ev.text else []
+        elif ev.text:
+            choice = self._delta({"content": ev.text}, index=ev.index)
+        else:
+            return []
+        if depths:
+            choice["loops"] = self._held.pop(ev.index)
+        return [frame(self._chunk(choice))]
+
+    def _depths(self, ev: StreamEvent) -> list[int]:
+        """Loops "auto": the depths of the tokens not yet reported for this choice, this event's included
+        (a token whose text is held back reports its depth with the next chunk that goes out)."""
+        if ev.loops:
+            self._held.setdefault(ev.index, []).extend(ev.loops)
+        return self._held.get(ev.index) or []
 
     def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
         from .logprobs import chat_content
@@ -138,11 +152,14 @@ class CompletionFramer(ChatFramer):
                                    start + len(ev.text))
             lp = tail if lp is None else join(lp, tail)
         self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
+        depths = self._depths(ev)
         if lp is None and not text:
             return []
         choice = self._delta({"content": text}, index=i)
         if lp is not None:
             choice["logprobs"] = lp
+        if depths:
+            choice["loops"] = self._held.pop(i)
         return [frame(self._chunk(choice))]
 
     def open(self) -> list[bytes]:
@@ -164,6 +181,8 @@ class NativeFramer(Framer):
                 e.update(native_logprob(ev.logprobs[i]))
             if i == 0 and ev.prompt_logprobs is not None:
                 e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
+            if ev.loops:
+                e["loops"] = ev.loops[i]
             out.append(frame(e))
         return out
 
@@ -175,3 +194,36 @@ class NativeFramer(Framer):
         if ev.prompt_logprobs is not None:  # nothing was generated (max_tokens 0, or a stop token at once)
             e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
         return [frame(e), DONE]
+
+
+class ToolChatFramer(ChatFramer):
+    """Chat chunks under tools: a choice's output is held until it ends, then parsed and sent as content
+    and tool-call deltas (`structured.stream_deltas`), with finish_reason "tool_calls" when it called."""
+
+    def __init__(self, *, plan, **kw: Any):
+        super().__init__(**kw)
+        self.plan = plan
+        self.text: dict[int, list[str]] = {}
+
+    def event(self, ev: StreamEvent) -> list[bytes]:
+        self.text.setdefault(ev.index, []).append(ev.text)
+        return []
+
+    def close(self, ev: StreamEvent) -> list[bytes]:
+        from .structured import stream_deltas
+
+        stats = ev.stats or {}
+        self.closed[ev.index] = stats
+        text = "".join(self.text.pop(ev.index, [])) + ev.text
+        deltas = stream_deltas(self.plan, text)
+        out = [frame(self._chunk(self._delta(d, index=ev.index))) for d in deltas]
+        finish = "tool_calls" if ev.finish_reason == "stop" and any("tool_calls" in d for d in deltas) \
+            else ev.finish_reason
+        extra = self.extras(stats) if self.extras else {}
+        out.append(frame(self._chunk(self._delta({}, finish, index=ev.index), **extra)))
+        if not self.done:
+            return out
+        if self.include_usage:
+            out.append(frame(self._chunk(None, usage=self.usage())))
+        out.append(DONE)
+        return out

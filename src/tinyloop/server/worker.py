@@ -51,6 +51,7 @@ class RequestHandle:
     _waiter: asyncio.Future | None = None   # the reader's future while it waits for an event
     _abort: threading.Event = field(default_factory=threading.Event)
     timeout_s: float | None = None
+    client_timeout: bool = False  # timeout_s is the request's own (its expiry is a 408), not the server's default
     finished: bool = False       # the HTTP side has read the end of the request's events
     request_id: str | None = field(default_factory=request_id_var.get)  # X-Request-Id, for the engine's logs
     delivered: bool = False      # the HTTP side has handed the final result to its client

@@ -124,18 +124,45 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
         for (int i = 0; i < rep; ++i) tl_fwht(qr + (int64_t)i * D, D);
         qg = qr;
     }
+    const bool f16 = kv->format == TL_KV_F16, f32 = kv->format == TL_KV_F32;
     for (int t = lo; t <= hi; ++t) {
         const int64_t page = row->table[(int64_t)(t / ps) * row->stride + slot];
         const int64_t e = (page * ps + t % ps) * Hkv + g;
-        read_entry(kv, 0, e, D, kbuf);
-        for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + (t - lo)] = dot_f32(qg + (int64_t)i * D, kbuf, D) * scale;
+        const float* kv_f = kbuf;
+        if (f16) {        // the common pool: dot products straight from the fp16 keys
+            const uint16_t* kp = (const uint16_t*)kv->k + e * D;
+            for (int i = 0; i < rep; ++i) {
+                const float* qi = qg + (int64_t)i * D;
+                vf a0 = vzero(), a1 = vzero();
+                int d = 0;
+                for (; d + 2 * TL_W <= D; d += 2 * TL_W) {
+                    a0 = vfma(vload_f16(kp + d), vload(qi + d), a0);
+                    a1 = vfma(vload_f16(kp + d + TL_W), vload(qi + d + TL_W), a1);
+                }
+                for (; d < D; d += TL_W) a0 = vfma(vload_f16(kp + d), vload(qi + d), a0);
+                sc[(int64_t)i * L + (t - lo)] = vsum(vadd(a0, a1)) * scale;
+            }
+            continue;
+        }
+        if (f32) kv_f = (const float*)kv->k + e * D;
+        else read_entry(kv, 0, e, D, kbuf);
+        for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + (t - lo)] = dot_f32(qg + (int64_t)i * D, kv_f, D) * scale;
     }
     for (int i = 0; i < rep; ++i) {
         float* s = sc + (int64_t)i * L;
         float mx = s[0];
         for (int t = 1; t < L; ++t) mx = s[t] > mx ? s[t] : mx;
         float sum = 0.f;
-        for (int t = 0; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        int t = 0;
+        const vf vmx = vset1(mx);
+        vf vs = vzero();
+        for (; t + TL_W <= L; t += TL_W) {
+            const vf e = vexp(vsub(vload(s + t), vmx));
+            vstore(s + t, e);
+            vs = vadd(vs, e);
+        }
+        sum = vsum(vs);
+        for (; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
         const float inv = 1.0f / sum;
         for (int t = 0; t < L; ++t) s[t] *= inv;
     }
@@ -144,8 +171,19 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
     for (int t = lo; t <= hi; ++t) {
         const int64_t page = row->table[(int64_t)(t / ps) * row->stride + slot];
         const int64_t e = (page * ps + t % ps) * Hkv + g;
-        read_entry(kv, 1, e, D, kbuf);
-        for (int i = 0; i < rep; ++i) axpy_f32(sc[(int64_t)i * L + (t - lo)], kbuf, og + (int64_t)i * D, D);
+        if (f16) {        // out += p * V straight from the fp16 values
+            const uint16_t* vp = (const uint16_t*)kv->v + e * D;
+            for (int i = 0; i < rep; ++i) {
+                const vf p = vset1(sc[(int64_t)i * L + (t - lo)]);
+                float* o = og + (int64_t)i * D;
+                for (int d = 0; d < D; d += TL_W) vstore(o + d, vfma(p, vload_f16(vp + d), vload(o + d)));
+            }
+            continue;
+        }
+        const float* v_f = kbuf;
+        if (f32) v_f = (const float*)kv->v + e * D;
+        else read_entry(kv, 1, e, D, kbuf);
+        for (int i = 0; i < rep; ++i) axpy_f32(sc[(int64_t)i * L + (t - lo)], v_f, og + (int64_t)i * D, D);
     }
     if (rot)
         for (int i = 0; i < rep; ++i) tl_fwht(og + (int64_t)i * D, D);

@@ -13,6 +13,7 @@
 
 namespace {
 constexpr int CHUNK = 32;   // output rows per unit of work the threads share
+constexpr int PF = 4;       // float weights: prefetch this many tiles ahead
 static inline vf load_w(int kind, const void* w, int64_t i) {
     if (kind == TL_F32) return vload((const float*)w + i);
     if (kind == TL_F16) return vload_f16((const uint16_t*)w + i);
@@ -39,7 +40,7 @@ void float_tile(const tl_linear* L, const float* x, float* y, int ldy, int n0, i
             for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
         for (int k = 0; k < K; k += TL_W) {
             if (k % 32 == 0)   // the next NR rows, a cache line per row at a time (the streams a head reads)
-                for (int j = 0; j < NR; ++j) tl_prefetch(L->w, KIND, (int64_t)(n + NR + j) * K + k);
+                for (int j = 0; j < NR; ++j) tl_prefetch(L->w, KIND, (int64_t)(n + PF * NR + j) * K + k);
             vf w[NR];
             for (int j = 0; j < NR; ++j) w[j] = load_w(KIND, L->w, (int64_t)(n + j) * K + k);
             for (int r = 0; r < MR; ++r) {

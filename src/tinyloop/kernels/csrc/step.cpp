@@ -112,15 +112,31 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
     rmsnorm(x, b->mlp_norm, B.a, M, dim, m->norm_eps);
     if (m->swiglu) {
         linears(b->up, b->n_up, B.a, M, B.gu, 2 * F, B.lin);
-        for (int r = 0; r < M; ++r) {
+        const vf one = vset1(1.0f), zero = vzero();
+        for (int r = 0; r < M; ++r) {   // silu(gate) * up = gate / (1 + e^-gate) * up
             const float* g = B.gu + (int64_t)r * 2 * F;
             float* o = B.act + (int64_t)r * F;
-            for (int i = 0; i < F; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+            int i = 0;
+            for (; i + TL_W <= F; i += TL_W) {
+                const vf gv = vload(g + i);
+                const vf den = vadd(one, vexp(vsub(zero, gv)));
+                vstore(o + i, vmul(vdiv(gv, den), vload(g + F + i)));
+            }
+            for (; i < F; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
         }
     } else {
         linears(b->up, b->n_up, B.a, M, B.act, F, B.lin);
         const float c = 0.7978845608028654f;   // sqrt(2 / pi)
-        for (int64_t i = 0; i < (int64_t)M * F; ++i) {
+        const int64_t n = (int64_t)M * F;
+        int64_t i = 0;
+        // 0.5 v (1 + tanh(u)) = v - v / (e^2u + 1), u = c (v + 0.044715 v^3)
+        const vf one = vset1(1.0f), vc = vset1(2.0f * c), k3 = vset1(0.044715f);
+        for (; i + TL_W <= n; i += TL_W) {
+            const vf v = vload(B.act + i);
+            const vf u2 = vmul(vc, vfma(vmul(k3, vmul(v, v)), v, v));
+            vstore(B.act + i, vsub(v, vdiv(v, vadd(vexp(u2), one))));
+        }
+        for (; i < n; ++i) {
             const float v = B.act[i];
             B.act[i] = 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
         }

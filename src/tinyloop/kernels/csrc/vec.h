@@ -21,12 +21,31 @@ static inline vf vload_bf16(const uint16_t* p) {
 }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline float vsum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+// e^x, relative error ~2e-7 (Cephes' expf polynomial); x is clamped to +-88 (e^88 is still finite)
+static inline vf vexp(vf x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
+    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    vf p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 // 8 bytes -> 8 int lanes; codes of `bits` at bit offset `shift` of each byte -> floats
 typedef __m256i vi;
@@ -47,8 +66,11 @@ static inline vf vload_f16(const uint16_t* p) { return f16_to_f32(*p); }
 static inline vf vload_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline float vsum(vf a) { return a; }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vexp(vf x) { return expf(x); }
 typedef int32_t vi;
 static inline vi vload_u8(const uint8_t* p) { return *p; }
 static inline vf vcodes(vi b, int shift, int mask) { return (float)((b >> shift) & mask); }

@@ -58,7 +58,7 @@ async function stream(path, body, view, signal) {
         if (ev.stats) final.stats = ev.stats;
         for (const choice of ev.choices || []) {
           const text = choice.delta ? choice.delta.content : choice.text;
-          if (text) view.delta(text);
+          if (text) view.delta(text, choice.loops);
           if (choice.finish_reason) final.finish_reason = choice.finish_reason;
         }
       }
@@ -94,11 +94,25 @@ class RunView {
 
   setState(state) { this.out.dataset.state = state; this.out.dataset.events = String(this.events || 0); }
 
-  delta(text) {
+  // `depths`: under loops "auto", the core loops each token of this chunk ran; the text is shaded by their
+  // mean (light: an early exit, dark: the ceiling), its tooltip says them.
+  delta(text, depths) {
     if (this.tFirst === null) this.tFirst = performance.now();
     this.events += 1;
     this.text += text;
-    this.gen.append(text);
+    if (depths && depths.length) {
+      const span = document.createElement("span");
+      const mean = depths.reduce((a, b) => a + b, 0) / depths.length;
+      const ceiling = this.ceiling || Math.max(...depths);
+      span.className = "depth";
+      span.dataset.loops = depths.join(",");
+      span.title = `loops ${depths.join(", ")}`;
+      span.style.backgroundColor = `rgba(40, 110, 220, ${(0.08 + 0.6 * Math.min(1, mean / ceiling)).toFixed(3)})`;
+      span.textContent = text;
+      this.gen.append(span);
+    } else {
+      this.gen.append(text);
+    }
     this.out.dataset.events = String(this.events);
     this.live();
   }
@@ -172,6 +186,10 @@ function request(loops, mode, text) {
     model: model ? model.id : "tinyloop", stream: true, stream_options: { include_usage: true },
     loops, mode, max_tokens: int("max_tokens"), temperature: num("temperature"), top_p: num("top_p"),
   };
+  if (mode === "generate" && loops !== null && $("auto").checked) {  // adaptive depth: the slider is the ceiling
+    body.loops = "auto";
+    body.max_loops = loops;
+  }
   if (int("top_k") > 0) body.top_k = int("top_k");
   if (num("repetition_penalty") !== 1) body.repetition_penalty = num("repetition_penalty");
   if ($("seed").value.trim() !== "") body.seed = int("seed");
@@ -209,7 +227,8 @@ async function send() {
   $("error").textContent = "";
   running = new AbortController();
   busy(true);
-  single.loops = loops;
+  single.loops = mode === "generate" && $("auto").checked ? `auto (<= ${loops})` : loops;
+  single.ceiling = loops;
   single.mode = mode;
   single.echo = kind() === "chat" ? "" : text;
   try {
@@ -244,7 +263,8 @@ async function compare() {
     col.querySelector("h3").textContent = `loops = ${loops}`;
     cols.append(col);
     const view = new RunView(col.querySelector("pre"), col.querySelector(".figures"));
-    view.loops = loops;
+    view.loops = $("auto").checked ? `auto (<= ${loops})` : loops;
+    view.ceiling = loops;
     view.mode = "generate";
     const { path, body } = request(loops, "generate", text);
     return stream(path, body, view, running.signal).catch((err) => view.fail(err));

@@ -1,0 +1,251 @@
+"""Constrained decoding: a request's output held to a JSON schema, a regex or a grammar, token by token.
+
+The grammar library is llguidance (docs/structured.md says why: compiling a schema takes ~1 ms, so a new
+schema never stalls the batch; unsupported schema keywords are errors that name the keyword; its mask costs
+well under a millisecond per token on the GPT-2 vocabulary, measured). The engine stays on token ids:
+
+- `Constraint` is what a request asks for (kind + source text): plain data on `SamplingParams`, so plans
+  stay picklable (scale-out ships them to replicas).
+- `Grammars` (one per engine) holds llguidance's view of the tokenizer (built once, ~0.5 s) and the
+  compiled grammars, cached by content: each request gets a copy of a compiled matcher, never a recompile.
+- `Matcher` is one output's state: the allowed-token mask for the next position (computed off the engine
+  thread's critical path: llguidance drops the GIL, so the mask for step t+1 is computed in a worker thread
+  while step t+1's forward pass runs), `accept` after each token, `rollback` for speculation's drafts. EOS
+  is in the mask only where the grammar may end.
+
+`Sampler` applies the mask to the row's logits before anything else, so greedy takes the argmax over allowed
+tokens, sampling draws from the masked distribution, and logprobs are those of that distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ValidationError
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+# JSON output without free whitespace: ", " and ": " as Python's json.dumps writes them (a small model given
+# free whitespace can spend its whole budget on spaces and newlines)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_JSON_OBJECT = {"type": "object"}
+CACHE_SIZE = 256          # compiled grammars kept per engine (least recently used dropped first)
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinyloop-mask")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an output must match. `kind`: json_schema (source: the schema as JSON text), json_object (any
+    JSON object), regex, or grammar (llama.cpp's GBNF, or Lark as llguidance reads it). `param`: the request
+    field to name in errors (`response_format`, `json_schema`, ...)."""
+    kind: str
+    source: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "response_format") -> "Constraint":
+        if not isinstance(schema, dict):
+            raise ValidationError(f"{param}: the JSON schema must be an object, got {type(schema).__name__}",
+                                  param=param)
+        # as given (no key sorting: the order of `properties` is the order the output writes them in)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar for this constraint (raises ValidationError naming `param`)."""
+        import llguidance
+
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            if self.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.source)
+            if self.kind == "grammar":
+                from llguidance.gbnf_to_lark import any_to_lark
+
+                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.source))
+        except Exception as exc:  # noqa: BLE001 - whatever the converters raise, the client's text is at fault
+            raise ValidationError(f"{self.param}: {type(exc).__name__}: {exc}" if not isinstance(exc, ValueError)
+                                  else f"{self.param}: {exc}", param=self.param) from None
+        raise ValidationError(f"{self.param}: unknown constraint kind {self.kind!r}", param=self.param)
+
+
+def _lltokenizer(tokenizer, vocab_size: int):
+    """llguidance's tokenizer for ours: GPT-2 BPE through tiktoken, imported checkpoints through their
+    tokenizer.json. `vocab_size`: the model's (a padded vocabulary has ids no text encodes to)."""
+    import llguidance
+    from llguidance.tiktoken import lltokenizer_from_encoding
+
+    from ..tokenizer import HFTokenizer
+
+    if isinstance(tokenizer, HFTokenizer):
+        return llguidance.LLTokenizer(tokenizer.json_text, n_vocab=vocab_size, eos_token=list(tokenizer.eos_ids))
+    return lltokenizer_from_encoding(tokenizer._enc, n_vocab=vocab_size, eos_token=tokenizer.eos_id)
+
+
+class Grammars:
+    """One engine's grammar compiler: llguidance's tokenizer (made on first use) and compiled matchers by
+    content. Thread-safe: requests are planned in worker threads, matchers made on the engine thread."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self.compiles = 0           # grammars compiled (cache misses), for tests and /metrics
+
+    def lltokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                if self.tokenizer is None:
+                    raise ValidationError("response_format: this model has no tokenizer to constrain",
+                                          param="response_format")
+                self._ll = _lltokenizer(self.tokenizer, self.vocab_size)
+            return self._ll
+
+    def compiled(self, constraint: Constraint):
+        """The compiled matcher of `constraint` in its initial state (shared: copy before use)."""
+        import llguidance
+
+        with self._lock:
+            hit = self._compiled.get(constraint)
+            if hit is not None:
+                self._compiled.move_to_end(constraint)
+                return hit
+        text = constraint.grammar_text()
+        matcher = llguidance.LLMatcher(self.lltokenizer(), text)
+        if matcher.is_error():
+            raise ValidationError(f"{constraint.param}: {_reason(matcher.get_error())}", param=constraint.param,
+                                  code="unsupported_schema" if constraint.kind == "json_schema" else None)
+        with self._lock:
+            self.compiles += 1
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile now (at planning, before the request is queued): a bad constraint is a 400 naming it."""
+        self.compiled(constraint)
+
+    def matcher(self, constraint: Constraint) -> "Matcher":
+        return Matcher(self.compiled(constraint).deep_copy(), self.vocab_size, self.lltokenizer().eos_token)
+
+
+def _reason(message: str) -> str:
+    """llguidance's error, made to say what to fix (its messages name the keyword: "Unimplemented keys:
+    [\"format\"]")."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    message = "; ".join(lines[:3]) if lines else "invalid grammar"
+    if "Unimplemented" in message or "unimplemented" in message:
+        return f"a schema feature this server does not support: {message}; remove it from the schema"
+    return message
+
+
+class Matcher:
+    """One output's grammar state. `mask()` is the next position's allowed tokens ((V,) bool), computed
+    once per position (in a worker thread right after the previous token was accepted)."""
+
+    def __init__(self, ll, vocab_size: int, eos: int):
+        self.ll = ll
+        self.vocab_size, self.eos = vocab_size, eos
+        self.error: str | None = None   # set if a token the grammar refuses was forced in: then only EOS
+        self._bits = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)   # (1, V/32) bitmask
+        self._mask: torch.Tensor | None = None
+        self._pending: Future | None = None
+        self.consumed = 0
+        self._prefetch()
+
+    def _fill(self) -> None:
+        v = self._bits[0]
+        self.ll.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
+
+    def _prefetch(self) -> None:
+        self._mask = None
+        self._pending = _POOL.submit(self._fill)
+
+    def mask(self) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar allows next (EOS only where it may end)."""
+        if self._mask is None:
+            if self._pending is not None:
+                self._pending.result()
+                self._pending = None
+            else:
+                self._fill()
+            # (V/32,) int32 words, bit j of word i = token 32 i + j (little-endian) -> (V,) bool
+            bits = np.unpackbits(self._bits[0].numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+            self._mask = torch.from_numpy(bits.astype(np.bool_))
+            if self.error is not None or not bool(self._mask.any()):  # nothing can follow: end the output
+                self._mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+                self._mask[self.eos] = True
+        return self._mask
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (V,) with the disallowed tokens at -inf (a new tensor)."""
+        mask = self.mask()
+        if logits.shape[-1] == mask.shape[0]:
+            return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+        n = min(logits.shape[-1], mask.shape[0])
+        out = torch.full_like(logits, float("-inf"))
+        out[:n] = torch.where(mask[:n].to(logits.device), logits[:n], out[:n])
+        return out
+
+    def allows(self, token: int) -> bool:
+        return bool(self.mask()[token]) if 0 <= token < self.vocab_size else False
+
+    def accept(self, token: int) -> None:
+        """Advance past `token` (sampled under the mask, so allowed); the next mask starts computing now."""
+        self._wait()
+        if self.error is None and not self.ll.consume_token(token):
+            self.error = self.ll.get_error() or f"token {token} refused"
+        self.consumed += 1
+        self._prefetch()
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (speculation's rejected drafts)."""
+        if n <= 0:
+            return
+        self._wait()
+        self.ll.rollback(n)
+        self.consumed -= n
+        self._prefetch()
+
+    def mask_after(self, paths: list[list[int]], scores: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+        """Speculation's drafts under the grammar: `scores` (len(paths), n) over the draft columns `cols`
+        (token ids; None: the whole vocabulary) with -inf where the grammar, after each path of tokens from
+        the current state, refuses the token (a path the grammar refuses itself: its whole row). The state is
+        walked down each path and rolled back. A row with nothing allowed is left as it is (the verifier
+        refuses whatever it proposes)."""
+        out = scores.clone()
+        for r, path in enumerate(paths):
+            walked = 0
+            for tok in path:
+                if tok == self.eos or not self.allows(tok):
+                    break
+                self.accept(tok)
+                walked += 1
+            allowed = self.mask() if cols is None else self.mask()[cols]
+            if walked < len(path):
+                allowed = torch.zeros_like(allowed)
+            self.rollback(walked)
+            if bool(allowed.any()):
+                out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
+        return out
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    @property
+    def accepting(self) -> bool:
+        self._wait()
+        return self.ll.is_accepting()

@@ -1,0 +1,273 @@
+"""Structured output on the OpenAI routes: `response_format` and `tools` (docs/structured.md).
+
+Both become a `Constraint` the engine core enforces token by token (engine/constraint.py), so what comes
+back parses and validates, unless the output was cut short by `max_tokens` (`finish_reason: "length"`).
+
+Tools reach the model in one of two formats:
+
+- **hermes**, for chat templates that know tools (Qwen-derived: the template mentions `<tool_call>`): the
+  template renders the `tools` variable as transformers passes it, and the model answers with
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks. `required` and named choices are
+  held to that grammar; `auto` is free text, parsed afterwards.
+- **generic**, for every other model (TinyLoop's own GPT-2 models, base checkpoints), as llama.cpp does: a
+  system message lists the tools, and the output is one JSON object, constrained by a schema built from
+  the tools: `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or, under `auto`, `{"response": "..."}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..chat import Chat
+from ..engine.constraint import Constraint
+from ..errors import ValidationError
+
+STRICT = ConfigDict(strict=True)
+
+
+# -- request bodies ------------------------------------------------------------------------------------------
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the output is held to `schema` token by token (always, whatever
+    `strict` says: the grammar cannot be broken, only cut short by max_tokens)."""
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: str = Field("response", description="the schema's name (OpenAI requires one; not used)")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON schema (docs/structured.md: what is "
+                                                                  "supported; other keywords are a 400 naming them)")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (default), `json_object` (any JSON object) or `json_schema` (docs/structured.md)."""
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]}})
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object", param="response_format")
+        if self.json_schema is None:
+            raise ValidationError("response_format: type json_schema needs a json_schema object "
+                                  '({"name": ..., "schema": {...}})', param="response_format")
+        return Constraint.json_schema(self.json_schema.schema_, param="response_format")
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern="^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string, as OpenAI writes them")
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# -- the plan: prompt, constraint, parsing --------------------------------------------------------------------
+GENERIC_PROMPT = ("You can call functions. Reply with one JSON object and nothing else: "
+                  '{{"tool_calls": [{{"name": <a function name>, "arguments": <its arguments>}}]}} to call {which}'
+                  "{answer}.\nFunctions:\n{tools}")
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request's tools reach the model and come back. `style`: "generic" or "hermes"."""
+    tools: list[FunctionDef]
+    choice: str                         # auto | required | <a function's name>
+    parallel: bool
+    style: str
+
+    @classmethod
+    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
+           template: str | None) -> "ToolPlan | None":
+        """None when the request uses no tools (none given, or tool_choice "none")."""
+        if choice is not None and not tools and choice != "none":
+            raise ValidationError("tool_choice: needs tools", param="tool_choice")
+        if not tools or choice == "none":
+            return None
+        fns = [t.function for t in tools]
+        names = [f.name for f in fns]
+        if len(set(names)) != len(names):
+            raise ValidationError("tools: function names must be unique", param="tools")
+        for f in fns:
+            if f.parameters is not None and f.parameters.get("type", "object") != "object":
+                raise ValidationError(f"tools: {f.name}'s parameters must be a JSON schema of an object",
+                                      param="tools")
+        picked = choice.function.name if isinstance(choice, NamedToolChoice) else (choice or "auto")
+        if isinstance(choice, NamedToolChoice):
+            if picked not in names:
+                raise ValidationError(f"tool_choice: no tool is named {picked!r} (tools: {', '.join(names)})",
+                                      param="tool_choice")
+            fns = [f for f in fns if f.name == picked]
+        style = "hermes" if template and "<tool_call>" in template else "generic"
+        # parallel calls: OpenAI's default (true) for templates that know tools; one call unless asked in the
+        # generic format, as llama.cpp does (a base model asked for "one or more" rarely stops at one)
+        return cls(fns, picked, (style == "hermes") if parallel is None else parallel, style)
+
+    # -- what the model sees ---------------------------------------------------------------------------------
+    def openai_tools(self) -> list[dict[str, Any]]:
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools]
+
+    def chat(self, chat: Chat) -> Chat:
+        if self.style == "hermes":  # the template renders them (transformers' `tools` variable)
+            return Chat(chat.messages, tools=tuple(self.openai_tools()))
+        which = "one of them" if not self.parallel else "one or more of them"
+        answer = ', or {"response": <your answer>} to answer without calling a function' \
+            if self.choice == "auto" else ""
+        listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.openai_tools())
+        system = {"role": "system", "content": GENERIC_PROMPT.format(which=which, answer=answer, tools=listing)}
+        return Chat((system, *chat.messages))
+
+    def _call_schema(self, f: FunctionDef) -> dict[str, Any]:
+        """One call: the function's name and arguments under its parameters schema, which holds only the
+        declared properties unless it says otherwise (`additionalProperties`), as OpenAI's strict mode has it."""
+        args = dict(f.parameters or {"type": "object", "properties": {}})
+        args.setdefault("additionalProperties", False)
+        return {"type": "object", "properties": {"name": {"const": f.name}, "arguments": args},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    def _calls_schema(self) -> dict[str, Any]:
+        calls = [self._call_schema(f) for f in self.tools]
+        items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return {"type": "array", "items": items, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+
+    def constraint(self) -> Constraint | None:
+        """Generic: the reply's JSON schema. Hermes: `required`/named are one or more <tool_call> blocks
+        (a Lark grammar around each call's schema); `auto` is free text."""
+        if self.style == "hermes":
+            if self.choice == "auto":
+                return None
+            calls = [self._call_schema(f) for f in self.tools]
+            one = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+            repeat = ' ("\\n" call)*' if self.parallel else ""
+            lark = f'start: call{repeat}\ncall: "<tool_call>\\n" %json {one} "\\n</tool_call>"\n'
+            return Constraint("grammar", lark, param="tools")
+        reply = {"type": "object", "properties": {"tool_calls": self._calls_schema()},
+                 "required": ["tool_calls"], "additionalProperties": False}
+        if self.choice == "auto":
+            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                      "additionalProperties": False}
+            reply = {"anyOf": [reply, answer]}
+        return Constraint.json_schema(reply, param="tools")
+
+    # -- what comes back -------------------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of one choice's output. Output that does not parse (cut short by max_tokens)
+        comes back as content, with no calls."""
+        found: list[dict[str, Any]] = []
+        content: str | None = text
+        if self.style == "hermes":
+            for m in _HERMES_CALL.finditer(text):
+                call = _loads(m.group(1))
+                if call is None:
+                    return text, []
+                found.append(call)
+            if found:
+                content = text[:text.find("<tool_call>")].strip() or None
+        else:
+            reply = _loads(text)
+            if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
+                found, content = reply["tool_calls"], None
+            elif isinstance(reply, dict) and isinstance(reply.get("response"), str):
+                content = reply["response"]
+        calls = []
+        for call in found:
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return text, []
+            calls.append({"id": new_call_id(), "type": "function", "function": {
+                "name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+        return content, calls
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def message_for_template(m: dict[str, Any], style: str) -> dict[str, Any]:
+    """A conversation message as the model sees it: an assistant's earlier tool calls and a tool's result,
+    in the generic format's JSON, or as transformers passes them to a template (arguments as objects)."""
+    calls = m.get("tool_calls")
+    if style == "generic":
+        if calls:
+            body = {"tool_calls": [{"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"])
+                                    or {}} for c in calls]}
+            return {"role": "assistant", "content": json.dumps(body, ensure_ascii=False)}
+        return {"role": m["role"], "content": m["content"]}
+    out = {"role": m["role"], "content": m["content"]}
+    if calls:
+        out["tool_calls"] = [{"type": "function", "id": c["id"], "function": {
+            "name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"]) or {}}} for c in calls]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def message_of(plan: ToolPlan, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's `message` and `finish_reason` under tools."""
+    content, calls = plan.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+def stream_deltas(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
+    """The deltas of a streamed answer under tools, sent once the output is complete (it must be parsed
+    first): the content, then per call its id and name, then its arguments, as OpenAI streams them (the
+    deltas concatenate to the non-streamed message)."""
+    content, calls = plan.parse(text)
+    out: list[dict[str, Any]] = [{"content": content}] if content else []
+    for i, call in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+    return out

@@ -1,0 +1,132 @@
+"""Constrained decoding in the engine core (engine/constraint.py): outputs parse and validate, EOS only where
+the grammar may end, compiled once per content, masked logprobs, and the speculative modes and adaptive
+depth equal plain greedy under the same constraint (float64 tiny model: exact arithmetic)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine.constraint import Constraint
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.errors import ValidationError
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                                      "score": {"type": "number", "minimum": 0, "maximum": 1},
+                                      "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                "required": ["ok"], "additionalProperties": False}},
+     "required": ["tags", "score", "inner"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return Engine.load(tiny_model_path, dtype=torch.float64)
+
+
+def run(engine, params, prompt="The king said", n=1):
+    events = run_to_completion(BatchEngine(engine, max_num_seqs=8), [(engine.encode_prompt(prompt), params)], n=n)[0]
+    out: dict[int, list] = {}
+    for e in events:
+        out.setdefault(e.index, []).append(e)
+    return [("".join(e.text for e in evs), evs[-1].finish_reason, [t for e in evs for t in e.token_ids],
+             [lp for e in evs for lp in (e.logprobs or [])]) for _, evs in sorted(out.items())]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_sampled_outputs_validate_unless_cut_short(engine, schema):
+    c = Constraint.json_schema(schema)
+    done = 0
+    for seed in range(6):
+        text, reason, _, _ = run(engine, SamplingParams(max_tokens=64, temperature=0.8, seed=seed, constraint=c))[0]
+        if reason == "length":
+            continue
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), schema)
+        done += 1
+    assert done >= 3
+
+
+def test_speculative_tree_and_auto_equal_plain_greedy(engine):
+    c = Constraint.json_schema(SCHEMAS[0])
+    base = dict(max_tokens=40, temperature=0, constraint=c)
+    plain = run(engine, SamplingParams(loops=3, **base))[0][2]
+    for mode, extra in (("speculative", {}), ("tree_speculative", {"k_branches": 2})):
+        got = run(engine, SamplingParams(mode=mode, draft_loops=1, verify_loops=3, draft_ahead=3, **extra, **base))[0][2]
+        assert got == plain, mode
+    auto = run(engine, SamplingParams(loops="auto", max_loops=3, exit_threshold=1e-9, **base))[0][2]
+    assert auto == plain   # a threshold nothing meets: every token runs the ceiling, as plain does
+
+
+def test_eos_only_where_the_grammar_may_end_and_length_makes_no_claim(engine):
+    c = Constraint("regex", "(ab){2,3}")
+    text, reason, toks, _ = run(engine, SamplingParams(max_tokens=20, temperature=0, constraint=c))[0]
+    assert text in ("abab", "ababab") and reason == "stop"
+    m = engine.grammars.matcher(c)
+    eos = engine.tokenizer.eos_id
+    assert not m.allows(eos)
+    for t in engine.tokenizer.encode("abab"):
+        m.accept(t)
+    assert m.allows(eos) and m.accepting
+    text, reason, _, _ = run(engine, SamplingParams(max_tokens=3, temperature=0,
+                                                     constraint=Constraint.json_schema(SCHEMAS[1])))[0]
+    assert reason == "length" and text.startswith("{")
+
+
+def test_compiled_once_per_content_and_bad_constraints_name_the_field(engine):
+    before = engine.grammars.compiles
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    for _ in range(3):
+        engine.plan(engine.encode_prompt("x"), SamplingParams(constraint=Constraint.json_schema(schema)))
+    assert engine.grammars.compiles == before + 1
+    with pytest.raises(ValidationError, match="dependentSchemas") as err:
+        engine.plan([1], SamplingParams(constraint=Constraint.json_schema({"type": "object", "dependentSchemas": {}})))
+    assert err.value.param == "response_format" and err.value.code == "unsupported_schema"
+    with pytest.raises(ValidationError) as err:
+        engine.plan([1], SamplingParams(constraint=Constraint("regex", "[0-9", param="regex")))
+    assert err.value.param == "regex"
+
+
+def test_logprobs_are_the_masked_distributions(engine):
+    c = Constraint("regex", "(yes|no)")
+    (text, _, toks, lps), = run(engine, SamplingParams(max_tokens=4, temperature=0, logprobs=3, constraint=c))
+    assert text in ("yes", "no")
+    for lp, alts in lps:
+        assert lp > -1e9 and all(a > -1e9 or a == float("-inf") for _, a in alts)
+        total = sum(torch.tensor([a for _, a in alts]).exp().tolist())
+        assert total <= 1 + 1e-9
+    # the first token's distribution covers only the allowed first tokens: their probabilities sum to 1
+    first_alts = lps[0][1]
+    allowed = {t for t, a in first_alts if a > float("-inf")}
+    assert all(engine.tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+
+
+def test_n_choices_keep_their_own_grammar_state(engine):
+    c = Constraint.json_schema(SCHEMAS[0])
+    outs = run(engine, SamplingParams(max_tokens=64, temperature=0.9, seed=5, constraint=c), n=3)
+    for text, reason, _, _ in outs:
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+def test_sampled_speculative_outputs_validate(engine):
+    """Drafts follow the grammar (and are rolled back before verification): sampled chain speculation's
+    outputs still validate."""
+    schema = SCHEMAS[0]
+    c = Constraint.json_schema(schema)
+    done = 0
+    for seed in range(5):
+        text, reason, _, _ = run(engine, SamplingParams(max_tokens=64, temperature=0.8, seed=seed, constraint=c,
+                                                        mode="speculative", draft_loops=1, verify_loops=3))[0]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+            done += 1
+    assert done >= 2
