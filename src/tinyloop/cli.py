@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
                         "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
                         "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants) or Huginn-0125 "
-                        "(model_type 'huginn_raven'). Nothing is downloaded; see docs/models.md.")
+                        "(model_type 'huginn_raven'). It downloads nothing (tinyloop pull does); see docs/models.md.")
     cv.add_argument("src", help="the snapshot directory")
     cv.add_argument("out", help="the .tinyloop file to write")
     cv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
