@@ -153,6 +153,17 @@ def run_tinyloop(engine, ids: list[int], tokens: int, loops: int, threads: int, 
     return {"tok_s": statistics.median(rates[1:]), "tokens": out}
 
 
+def tinyloop_rows(engines: dict, specs: dict, ids: list[int], args, threads: int) -> dict:
+    """Every TinyLoop row at `threads`: the plain engines, then default speculation and loops auto per executor."""
+    tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, threads, args.repeats) for k, e in engines.items()}
+    for ex, e in specs.items():
+        tl[f"fp16 speculative (defaults) {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, threads,
+                                                               args.repeats, mode="speculative")
+        tl[f"fp16 loops auto {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, threads, args.repeats,
+                                                   mode="auto")
+    return tl
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
@@ -184,12 +195,7 @@ def main() -> int:
     rows = []
     if args.tinyloop_only:
         for t in threads:
-            tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats) for k, e in engines.items()}
-            for ex, e in specs.items():
-                tl[f"fp16 speculative (defaults) {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t,
-                                                                       args.repeats, mode="speculative")
-                tl[f"fp16 loops auto {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats,
-                                                           mode="auto")
+            tl = tinyloop_rows(engines, specs, ids, args, t)
             for name in ("fp16", "int4", "fp16 speculative (defaults)", "fp16 loops auto"):
                 a, b = tl[f"{name} native"], tl[f"{name} torch"]
                 same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
@@ -209,12 +215,7 @@ def main() -> int:
                  for q in ("F16", "Q4_0", "Q4_1")}
         sizes = {q: os.path.getsize(p) for q, p in ggufs.items()}
         for t in threads:
-            tl = {k: run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats) for k, e in engines.items()}
-            for ex, e in specs.items():
-                tl[f"fp16 speculative (defaults) {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t,
-                                                                       args.repeats, mode="speculative")
-                tl[f"fp16 loops auto {ex}"] = run_tinyloop(e, ids, args.tokens, args.loops, t, args.repeats,
-                                                           mode="auto")
+            tl = tinyloop_rows(engines, specs, ids, args, t)
             lc = {q: run_llama(p, ids, args.tokens, t, args.repeats) for q, p in ggufs.items()}
             pairs = [(f"{name} {ex}", q) for ex in ("native", "torch")
                      for name, q in (("fp16", "F16"), ("int4", "Q4_0"), ("int4", "Q4_1"),
