@@ -104,7 +104,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
     graph = part_graph()
     # modelfile builds the model inside load_model (a function-level `from .model import ...`)
     assert "model" in graph["modelfile"]
-    assert {"engine", "modelfile"} <= set(graph["server"]) and "engine" in graph["tinyloop"]
+    assert {"engine", "modelfile"} <= set(graph["server"]) and "engine" in graph["cli"]
 
 
 def test_no_import_cycle_between_parts():

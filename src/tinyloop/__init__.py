@@ -29,6 +29,8 @@ __all__ = ["Engine", "GenerationResult", "ModelConfig", "ModelFileError", "Sampl
 
 def __getattr__(name: str):
     if name in _LAZY:
+        if name in ("Engine", "load_model"):
+            import_module(".store", __name__)  # hf: names wherever a model path goes (pulled on first use)
         value = getattr(import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value

@@ -10,7 +10,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
@@ -38,6 +38,16 @@ def packaged_models() -> list[str]:
     return sorted(p.name for p in MODELS_DIR.glob("*.tinyloop"))
 
 
+# `hf:` names are the model store's (`tinyloop.store`, a floor above: it converts and so runs the model's
+# tools); importing it installs the resolver here, which pulls a missing model on first use.
+_hub_resolver: Callable[[str], Path] | None = None
+
+
+def set_hub_resolver(resolver: Callable[[str], Path]) -> None:
+    global _hub_resolver
+    _hub_resolver = resolver
+
+
 def resolve_model_path(model: str | Path | None = None) -> Path:
     """A model argument -> a file path. None -> $TINYLOOP_MODEL_PATH if set, else the package's default
     model; an existing path -> itself; else the name of a packaged model, with or without `.tinyloop`
@@ -47,9 +57,10 @@ def resolve_model_path(model: str | Path | None = None) -> Path:
     if model is None:
         model = os.environ.get(ENV_MODEL) or packaged_model_path()
     if str(model).startswith("hf:"):
-        from .store.pull import resolve_pulled  # (huggingface_hub and torch only when it must pull)
-
-        return resolve_pulled(str(model))
+        if _hub_resolver is None:
+            raise ModelFileError(Path(str(model)), "hf: names are resolved by the model store: import tinyloop.store "
+                                                   "(the engine, the server and the command line do)")
+        return _hub_resolver(str(model))
     path = Path(model)
     if path.exists() or path.parent != Path("."):
         return path

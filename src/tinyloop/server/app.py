@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
-from .. import __version__
+from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
 from . import access, docs_ui, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi

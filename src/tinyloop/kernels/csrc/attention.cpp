@@ -131,17 +131,7 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
         const float* kv_f = kbuf;
         if (f16) {        // the common pool: dot products straight from the fp16 keys
             const uint16_t* kp = (const uint16_t*)kv->k + e * D;
-            for (int i = 0; i < rep; ++i) {
-                const float* qi = qg + (int64_t)i * D;
-                vf a0 = vzero(), a1 = vzero();
-                int d = 0;
-                for (; d + 2 * TL_W <= D; d += 2 * TL_W) {
-                    a0 = vfma(vload_f16(kp + d), vload(qi + d), a0);
-                    a1 = vfma(vload_f16(kp + d + TL_W), vload(qi + d + TL_W), a1);
-                }
-                for (; d < D; d += TL_W) a0 = vfma(vload_f16(kp + d), vload(qi + d), a0);
-                sc[(int64_t)i * L + (t - lo)] = vsum(vadd(a0, a1)) * scale;
-            }
+            for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + (t - lo)] = dot_f16(kp, qg + (int64_t)i * D, D) * scale;
             continue;
         }
         if (f32) kv_f = (const float*)kv->k + e * D;

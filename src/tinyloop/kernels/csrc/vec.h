@@ -102,6 +102,18 @@ static inline float dot_f32(const float* a, const float* b, int n) {
     return vsum(vadd(s0, s1));
 }
 
+// dot of n fp16 values with n floats (n a multiple of TL_W), two accumulators
+static inline float dot_f16(const uint16_t* a, const float* b, int n) {
+    vf s0 = vzero(), s1 = vzero();
+    int i = 0;
+    for (; i + 2 * TL_W <= n; i += 2 * TL_W) {
+        s0 = vfma(vload_f16(a + i), vload(b + i), s0);
+        s1 = vfma(vload_f16(a + i + TL_W), vload(b + i + TL_W), s1);
+    }
+    for (; i < n; i += TL_W) s0 = vfma(vload_f16(a + i), vload(b + i), s0);
+    return vsum(vadd(s0, s1));
+}
+
 // y += a * x over n floats
 static inline void axpy_f32(float a, const float* x, float* y, int n) {
     vf va = vset1(a);
