@@ -215,11 +215,12 @@ def test_health_and_metrics(tiny_server):
 def test_keepalive_while_engine_busy(tiny_server, monkeypatch):
     """A stream that waits (queued behind another request, or prefilling) gets `: keepalive` comments."""
     monkeypatch.setattr(tiny_server.app.state.tl.settings, "keepalive_s", 0.02)  # read per request
-    # one running sequence at a time, so the second request really waits behind the first
+    # one running sequence at a time, so the second request really waits behind the first (a long one: the
+    # native executor decodes the tiny model in well under a millisecond a token)
     monkeypatch.setattr(tiny_server.app.state.tl.worker.batch.sched, "max_num_seqs", 1)
     srv = tiny_server
     long = threading.Thread(target=httpx.post, args=(srv.url + "/generate",),
-                            kwargs={"json": {"prompt": "Hi", "max_tokens": 80, "loops": 12}, "timeout": 300})
+                            kwargs={"json": {"prompt": "Hi", "max_tokens": 200, "loops": 48}, "timeout": 300})
     long.start()
     deadline = time.monotonic() + 30
     while metric(srv.url, "tinyloop_active_generations") < 1:
