@@ -230,12 +230,7 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
     }
 }
 
-int64_t tl_linear_scratch(const tl_linear* L, int m) {
-    if (L->kind <= TL_BF16) return 0;
-    return (int64_t)m * L->k + (int64_t)m * (L->k / 8);
-}
-
-// y[:, 0:n] with row stride ldy; runs on the pool. scratch: tl_linear_scratch floats (quantized kinds).
+// y[:, 0:n] with row stride ldy; runs on the pool. scratch (quantized kinds): m * k + m * k / 8 floats.
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
 #if TL_SIMD
     if (L->kind == TL_Q4 && L->act_q8) {

@@ -1,7 +1,8 @@
-// One decode step of the looped model for a batch of one-token rows: embedding, prelude, the core `loops`
-// times per row (injection, loop norm), coda. The math is model/looped.py's and model/layers.py's; this
-// file only runs it with fewer, fused passes. Rows are sorted by loops, deepest first, so the rows still
-// looping at loop r are a prefix.
+// One decode step of the looped model for a batch of one-token rows: embedding and prelude (rows from
+// tokens) or a draft's states, the core over each row's loop range (injection, loop norm, adaptive exits),
+// then each row's read-out (the coda, a draft exit, or none). The math is model/looped.py's and
+// model/layers.py's; this file only runs it with fewer, fused passes. At each loop the rows taking part
+// are packed first (a stable partition), so every pass is one batched call over contiguous rows.
 #include <algorithm>
 #include <vector>
 #include "tinyloop.h"
@@ -9,7 +10,6 @@
 #include "vec.h"
 
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch);
-int64_t tl_linear_scratch(const tl_linear* L, int m);
 void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin);
 void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
 void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D);
