@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tinyloop.kernels import build, lib
@@ -15,9 +13,15 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYLOOP_KERNEL_CACHE", str(tmp_path))
     first = build.library_path("portable")
     assert first.parent == tmp_path and first.exists()
-    t0 = time.perf_counter()
-    assert build.library_path("portable") == first          # cached: no second compile
-    assert time.perf_counter() - t0 < 1.0
+    stamp = first.stat().st_mtime_ns
+    run = build.subprocess.run
+
+    def no_compile(cmd, *a, **kw):
+        assert "-shared" not in cmd, "a cached library was compiled again"
+        return run(cmd, *a, **kw)
+
+    monkeypatch.setattr(build.subprocess, "run", no_compile)
+    assert build.library_path("portable") == first and first.stat().st_mtime_ns == stamp   # cached
     assert not list(tmp_path.glob("*.tmp"))                  # written atomically
 
 

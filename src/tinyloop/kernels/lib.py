@@ -143,7 +143,8 @@ def describe() -> str:
     if compiler() is None:
         return "torch (no C++ compiler for the native executor)"
     try:
-        path = library_path(os.environ.get("TINYLOOP_NATIVE_ISA", "native"), build=False)
+        library_path(os.environ.get("TINYLOOP_NATIVE_ISA", "native"), build=False)
     except NativeBuildError:
-        return "native (not built yet: built on first load, or by `python -m tinyloop.kernels.build`)"
-    return f"native ({load().tl_isa().decode()})" if path.exists() else f"native (cache {cache_dir()})"
+        return (f"native (not built yet in {cache_dir()}: built on first load, or by "
+                "`python -m tinyloop.kernels.build`)")
+    return f"native ({load().tl_isa().decode()})"

@@ -90,29 +90,20 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// dot of n floats (n a multiple of TL_W), two accumulators
-static inline float dot_f32(const float* a, const float* b, int n) {
+// dot of n values with n floats (n a multiple of TL_W), two accumulators; LOAD reads TL_W values as floats
+template <typename T, vf (*LOAD)(const T*)>
+static inline float dot_as_f32(const T* a, const float* b, int n) {
     vf s0 = vzero(), s1 = vzero();
     int i = 0;
     for (; i + 2 * TL_W <= n; i += 2 * TL_W) {
-        s0 = vfma(vload(a + i), vload(b + i), s0);
-        s1 = vfma(vload(a + i + TL_W), vload(b + i + TL_W), s1);
+        s0 = vfma(LOAD(a + i), vload(b + i), s0);
+        s1 = vfma(LOAD(a + i + TL_W), vload(b + i + TL_W), s1);
     }
-    for (; i < n; i += TL_W) s0 = vfma(vload(a + i), vload(b + i), s0);
+    for (; i < n; i += TL_W) s0 = vfma(LOAD(a + i), vload(b + i), s0);
     return vsum(vadd(s0, s1));
 }
-
-// dot of n fp16 values with n floats (n a multiple of TL_W), two accumulators
-static inline float dot_f16(const uint16_t* a, const float* b, int n) {
-    vf s0 = vzero(), s1 = vzero();
-    int i = 0;
-    for (; i + 2 * TL_W <= n; i += 2 * TL_W) {
-        s0 = vfma(vload_f16(a + i), vload(b + i), s0);
-        s1 = vfma(vload_f16(a + i + TL_W), vload(b + i + TL_W), s1);
-    }
-    for (; i < n; i += TL_W) s0 = vfma(vload_f16(a + i), vload(b + i), s0);
-    return vsum(vadd(s0, s1));
-}
+static inline float dot_f32(const float* a, const float* b, int n) { return dot_as_f32<float, vload>(a, b, n); }
+static inline float dot_f16(const uint16_t* a, const float* b, int n) { return dot_as_f32<uint16_t, vload_f16>(a, b, n); }
 
 // y += a * x over n floats
 static inline void axpy_f32(float a, const float* x, float* y, int n) {
