@@ -4,6 +4,7 @@
 #include "tinyloop.h"
 #include "threads.h"
 #include "vec.h"
+#include <algorithm>
 
 // GPT-NeoX half-split RoPE in place on n_heads vectors of D: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
 void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin) {
@@ -105,78 +106,138 @@ void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x) {
     quantize_vector(x, D, bits, (uint8_t*)base + e * (D * bits / 8), sc + e, of + e);
 }
 
+namespace {
+// the pool entry of each key position lo .. hi of one slot's kv head g, a page at a time
+void entries(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, int lo, int hi, int64_t* ent) {
+    const int ps = kv->page_size;
+    for (int t = lo; t <= hi;) {
+        const int pi = t / ps, off = t - pi * ps, n = std::min(ps - off, hi - t + 1);
+        const int64_t e0 = (row->table[(int64_t)pi * row->stride + slot] * ps + off) * Hkv + g;
+        for (int i = 0; i < n; ++i) ent[t - lo + i] = e0 + (int64_t)i * Hkv;
+        t += n;
+    }
+}
+
+// s[t] = scale * q . key(ent[t]) for float keys read as stored (T: float or 16-bit, LOAD: TL_W as floats)
+template <typename T, vf (*LOAD)(const T*)>
+void scores(const T* keys, const int64_t* ent, int L, const float* q, int D, float scale, float* s) {
+    int t = 0;
+#if TL_SIMD
+    for (; t + 8 <= L; t += 8) {   // eight keys at a time: eight independent sums, finished together
+        vf acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = vzero();
+        for (int d = 0; d < D; d += TL_W) {
+            const vf qv = vload(q + d);
+            for (int j = 0; j < 8; ++j) acc[j] = vfma(LOAD(keys + ent[t + j] * D + d), qv, acc[j]);
+        }
+        vstore(s + t, vmul(vsum8(acc), vset1(scale)));
+    }
+#endif
+    for (; t < L; ++t) s[t] = dot_as_f32<T, LOAD>(keys + ent[t] * D, q, D) * scale;
+}
+
+// out (D) = sum_t p[t] value(ent[t]), 8 vectors of out at a time held in registers
+template <typename T, vf (*LOAD)(const T*)>
+void weighted_sum(const T* vals, const int64_t* ent, int L, const float* p, int D, float* out) {
+    constexpr int CH = 8 * TL_W;
+    int d0 = 0;
+    for (; d0 + CH <= D; d0 += CH) {
+        vf acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = vzero();
+        for (int t = 0; t < L; ++t) {
+            const vf pv = vset1(p[t]);
+            const T* v = vals + ent[t] * D + d0;
+            for (int i = 0; i < 8; ++i) acc[i] = vfma(pv, LOAD(v + i * TL_W), acc[i]);
+        }
+        for (int i = 0; i < 8; ++i) vstore(out + d0 + i * TL_W, acc[i]);
+    }
+    if (d0 == D) return;
+    for (int d = d0; d < D; d += TL_W) vstore(out + d, vzero());
+    for (int t = 0; t < L; ++t) {
+        const vf pv = vset1(p[t]);
+        const T* v = vals + ent[t] * D;
+        for (int d = d0; d < D; d += TL_W) vstore(out + d, vfma(pv, LOAD(v + d), vload(out + d)));
+    }
+}
+
+// softmax of s (n) in place
+void softmax(float* s, int n) {
+    float mx = s[0];
+    for (int t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+    const vf vmx = vset1(mx);
+    vf vs = vzero();
+    int t = 0;
+    for (; t + TL_W <= n; t += TL_W) {
+        const vf e = vexp(vsub(vload(s + t), vmx));
+        vstore(s + t, e);
+        vs = vadd(vs, e);
+    }
+    float sum = vsum(vs);
+    for (; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; ++t) s[t] *= inv;
+}
+}  // namespace
+
 // Attention of one row's H query heads (q: (H, D), already rotated) over keys at storage indices
-// lo .. hi of one slot (pages from `table` column `slot`); out: (H, D). Work split over kv heads.
-// scratch per thread: rep * (hi - lo + 1) + 3 * D floats.
+// lo .. hi of one slot (pages from `table` column `slot`); out: (H, D). Work split over kv heads: this is
+// kv head g and its H / Hkv query heads. scratch: tl_attend_scratch(H / Hkv, hi - lo + 1, D) floats.
 void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
                    float* out, int g, float* scratch) {
-    const int rep = H / Hkv, ps = kv->page_size;
+    const int rep = H / Hkv;
     const int lo = row->window > 0 && row->pos - row->window + 1 > 0 ? row->pos - row->window + 1 : 0;
     const int hi = row->pos, L = hi - lo + 1;
     const float scale = 1.0f / sqrtf((float)D);
-    float* sc = scratch;                     // (rep, L)
-    float* kbuf = scratch + (int64_t)rep * L;
-    float* qr = kbuf + D;                    // rotated queries (int4-h): rep * D
-    const bool rot = kv->format == TL_KV_I4H;
+    float* sc = scratch;                                    // (rep, L) scores, then probabilities
+    int64_t* ent = (int64_t*)(sc + (((int64_t)rep * L + 1) & ~(int64_t)1));   // (L) pool entries, 8-byte aligned
+    float* kbuf = (float*)(ent + L);                        // one entry as floats (quantized pools)
+    float* qr = kbuf + D;                                   // rotated queries (int4-h): rep * D
+    entries(kv, row, slot, Hkv, g, lo, hi, ent);
     const float* qg = q + (int64_t)g * rep * D;
+    float* og = out + (int64_t)g * rep * D;
+    const uint16_t* k16 = (const uint16_t*)kv->k;
+    const uint16_t* v16 = (const uint16_t*)kv->v;
+    switch (kv->format) {   // the float pools are read in place
+        case TL_KV_F32:
+            for (int i = 0; i < rep; ++i) scores<float, vload>((const float*)kv->k, ent, L, qg + i * D, D, scale, sc + (int64_t)i * L);
+            for (int i = 0; i < rep; ++i) softmax(sc + (int64_t)i * L, L);
+            for (int i = 0; i < rep; ++i) weighted_sum<float, vload>((const float*)kv->v, ent, L, sc + (int64_t)i * L, D, og + i * D);
+            return;
+        case TL_KV_F16:
+            for (int i = 0; i < rep; ++i) scores<uint16_t, vload_f16>(k16, ent, L, qg + i * D, D, scale, sc + (int64_t)i * L);
+            for (int i = 0; i < rep; ++i) softmax(sc + (int64_t)i * L, L);
+            for (int i = 0; i < rep; ++i) weighted_sum<uint16_t, vload_f16>(v16, ent, L, sc + (int64_t)i * L, D, og + i * D);
+            return;
+        case TL_KV_BF16:
+            for (int i = 0; i < rep; ++i) scores<uint16_t, vload_bf16>(k16, ent, L, qg + i * D, D, scale, sc + (int64_t)i * L);
+            for (int i = 0; i < rep; ++i) softmax(sc + (int64_t)i * L, L);
+            for (int i = 0; i < rep; ++i) weighted_sum<uint16_t, vload_bf16>(v16, ent, L, sc + (int64_t)i * L, D, og + i * D);
+            return;
+        default: break;
+    }
+    // quantized pools: each entry dequantized once into kbuf (int4-h: queries and outputs rotated instead of keys)
+    const bool rot = kv->format == TL_KV_I4H;
     if (rot) {
         for (int i = 0; i < rep * D; ++i) qr[i] = qg[i];
         for (int i = 0; i < rep; ++i) tl_fwht(qr + (int64_t)i * D, D);
         qg = qr;
     }
-    const bool f16 = kv->format == TL_KV_F16, f32 = kv->format == TL_KV_F32;
-    for (int t = lo; t <= hi; ++t) {
-        const int64_t page = row->table[(int64_t)(t / ps) * row->stride + slot];
-        const int64_t e = (page * ps + t % ps) * Hkv + g;
-        const float* kv_f = kbuf;
-        if (f16) {        // the common pool: dot products straight from the fp16 keys
-            const uint16_t* kp = (const uint16_t*)kv->k + e * D;
-            for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + (t - lo)] = dot_f16(kp, qg + (int64_t)i * D, D) * scale;
-            continue;
-        }
-        if (f32) kv_f = (const float*)kv->k + e * D;
-        else read_entry(kv, 0, e, D, kbuf);
-        for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + (t - lo)] = dot_f32(qg + (int64_t)i * D, kv_f, D) * scale;
+    for (int t = 0; t < L; ++t) {
+        read_entry(kv, 0, ent[t], D, kbuf);
+        for (int i = 0; i < rep; ++i) sc[(int64_t)i * L + t] = dot_f32(qg + (int64_t)i * D, kbuf, D) * scale;
     }
-    for (int i = 0; i < rep; ++i) {
-        float* s = sc + (int64_t)i * L;
-        float mx = s[0];
-        for (int t = 1; t < L; ++t) mx = s[t] > mx ? s[t] : mx;
-        float sum = 0.f;
-        int t = 0;
-        const vf vmx = vset1(mx);
-        vf vs = vzero();
-        for (; t + TL_W <= L; t += TL_W) {
-            const vf e = vexp(vsub(vload(s + t), vmx));
-            vstore(s + t, e);
-            vs = vadd(vs, e);
-        }
-        sum = vsum(vs);
-        for (; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
-        const float inv = 1.0f / sum;
-        for (int t = 0; t < L; ++t) s[t] *= inv;
-    }
-    float* og = out + (int64_t)g * rep * D;
+    for (int i = 0; i < rep; ++i) softmax(sc + (int64_t)i * L, L);
     for (int i = 0; i < rep * D; ++i) og[i] = 0.f;
-    for (int t = lo; t <= hi; ++t) {
-        const int64_t page = row->table[(int64_t)(t / ps) * row->stride + slot];
-        const int64_t e = (page * ps + t % ps) * Hkv + g;
-        if (f16) {        // out += p * V straight from the fp16 values
-            const uint16_t* vp = (const uint16_t*)kv->v + e * D;
-            for (int i = 0; i < rep; ++i) {
-                const vf p = vset1(sc[(int64_t)i * L + (t - lo)]);
-                float* o = og + (int64_t)i * D;
-                for (int d = 0; d < D; d += TL_W) vstore(o + d, vfma(p, vload_f16(vp + d), vload(o + d)));
-            }
-            continue;
-        }
-        const float* v_f = kbuf;
-        if (f32) v_f = (const float*)kv->v + e * D;
-        else read_entry(kv, 1, e, D, kbuf);
-        for (int i = 0; i < rep; ++i) axpy_f32(sc[(int64_t)i * L + (t - lo)], v_f, og + (int64_t)i * D, D);
+    for (int t = 0; t < L; ++t) {
+        read_entry(kv, 1, ent[t], D, kbuf);
+        for (int i = 0; i < rep; ++i) axpy_f32(sc[(int64_t)i * L + t], kbuf, og + (int64_t)i * D, D);
     }
     if (rot)
         for (int i = 0; i < rep; ++i) tl_fwht(og + (int64_t)i * D, D);
+}
+
+int64_t tl_attend_scratch(int rep, int max_ctx, int D) {
+    return (int64_t)rep * max_ctx + 1 + 2 * (int64_t)max_ctx + D + (int64_t)rep * D;
 }
 
 // copy `n` consecutive pool entries (keys and values, codes with their scales) from entry `src` to `dst`

@@ -15,6 +15,7 @@ void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
 void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D);
 void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
                    float* out, int g, float* scratch);
+int64_t tl_attend_scratch(int rep, int max_ctx, int D);
 
 namespace {
 // F.rms_norm over rows of n: y = x / sqrt(mean(x^2) + eps) * w
@@ -48,7 +49,7 @@ Buffers carve(const tl_model* m, int M, int max_ctx, float* s, int64_t* total) {
     b.qkv = take(M * (H + 2 * Hkv) * D); b.att = take(M * H * D); b.y = take(M * dim);
     b.gu = take(M * 2 * F); b.act = take(M * F);
     b.lin = take(M * K + M * (K / 8));
-    b.attn_per_thread = (rep * (int64_t)max_ctx + D + rep * D + 15) / 16 * 16;
+    b.attn_per_thread = (tl_attend_scratch(rep, max_ctx, D) + 15) / 16 * 16;
     b.attn = take(b.attn_per_thread * 64);   // up to 64 threads
     b.tmp = take(D);
     *total = o;

@@ -30,6 +30,13 @@ static inline float vsum(vf a) {
     return _mm_cvtss_f32(s);
 }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+// the sums of a[0] .. a[7], one per lane (eight dot products finished at once, no per-dot horizontal sum)
+static inline vf vsum8(const vf* a) {
+    const vf t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const vf t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const vf u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   // lanes: sums of halves
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 // e^x, relative error ~2e-7 (Cephes' expf polynomial); x is clamped to +-88 (e^88 is still finite)
 static inline vf vexp(vf x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
