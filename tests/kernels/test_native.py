@@ -304,3 +304,45 @@ def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):
     for t in threads:
         t.join()
     assert got == alone
+
+
+def _with_head(model, w: torch.Tensor):
+    """`model` with its LM head's weight (the embedding when tied) replaced by `w`."""
+    target = model.embed if model.cfg.tie_embeddings else model.lm_head
+    target.weight = nn.Parameter(w, requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny", "ouro-like"])
+@torch.inference_mode()
+def test_native_head_and_greedy_tokens(name, dtype):
+    """The final norm and LM head natively (`logits`, and the argmax fused into it: `greedy_tokens`) against
+    PyTorch with the same weights in fp32, several rows at once, the head read in its own dtype."""
+    ref = varied_model(CONFIGS[name], seed=3).eval()
+    w = ref.head_weight.detach().to(dtype)
+    _with_head(ref, w.float().clone())
+    nat = _with_head(copy.deepcopy(ref), w.clone())
+    nat.executor = NativeExecutor(nat, threads=2)
+    x = torch.randn(5, ref.cfg.dim, generator=torch.Generator().manual_seed(2)) * 3
+    lr, ln = ref.logits(x), nat.logits(x)
+    assert ln.shape == lr.shape and (lr - ln).abs().max().item() <= 1e-4
+    assert nat.greedy_tokens(x) == ref.greedy_tokens(x) == lr[:, :ref.cfg.vocab_size].argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def test_native_argmax_ties_and_nan_follow_torch():
+    """Equal maxima: the first index wins; a NaN logit is the argmax (torch.argmax's rules)."""
+    cfg = CONFIGS["tiny"]
+    model = varied_model(cfg, seed=3).eval()
+    x = torch.randn(1, cfg.dim, generator=torch.Generator().manual_seed(4))
+    w = torch.zeros(cfg.vocab_size, cfg.dim)
+    w[300] = w[17] = model.final_norm(x)[0]          # two equal best rows
+    _with_head(model, w)
+    model.executor = NativeExecutor(model, threads=2)
+    assert model.greedy_tokens(x) == [17] == [int(torch.argmax(model.logits(x)[0]))]
+    w2 = w.clone()
+    w2[400] = float("nan")
+    _with_head(model, w2)
+    model.executor = NativeExecutor(model, threads=2)
+    assert model.greedy_tokens(x) == [400] == [int(torch.argmax(model.logits(x)[0]))]

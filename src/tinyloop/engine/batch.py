@@ -29,8 +29,7 @@ class BatchRunner:
         self.model = model
         self.kv = kv
         self.device = next(model.parameters()).device
-        self.last_logits: torch.Tensor | None = None   # (k, V) of the last step, rows in `last_ids` order
-        self.last_ids: list[int] = []
+        self.last_argmax: dict[int, int] = {}          # {seq_id: token} of the last step's greedy sequences
         self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
         self.last_scores: dict[int, tuple[int, list]] = {}  # prompt log-probabilities of the last step (`execute`)
         self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
@@ -43,9 +42,12 @@ class BatchRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
-                extra: list[Rows] = (), score: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
+                extra: list[Rows] = (), score: dict[int, int] | None = None,
+                greedy: frozenset[int] | set[int] = frozenset()) -> dict[int, torch.Tensor]:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
-        for each chunk that needs logits. `score`: {seq_id: alternatives} of sequences whose prompt is
+        for each chunk that needs logits, except the sequences in `greedy`, whose next token is the plain
+        argmax: `last_argmax` gets {seq_id: token} for those (`LoopedTransformer.greedy_tokens`: the native
+        executor keeps their logits to itself). `score`: {seq_id: alternatives} of sequences whose prompt is
         scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
         too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}."""
         self.kv.copy_pages(list(copies))
@@ -64,13 +66,17 @@ class BatchRunner:
         m.run(PagedStep(self.kv, order, m.rotary, m.act_dtype or m.embed.weight.dtype, self.device))
         self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
         want = [r for r in rows if r.tag.needs_logits]
-        out = {}
+        out, self.last_argmax = {}, {}
+        if want and self.before_head is not None:
+            self.before_head()
+        quick = [r for r in want if r.tag.seq.seq_id in greedy]
+        if quick:
+            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick]))   # (k, dim) -> k tokens
+            self.last_argmax = {r.tag.seq.seq_id: t for r, t in zip(quick, toks)}
+        want = [r for r in want if r.tag.seq.seq_id not in greedy]
         if want:
             hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)
-            if self.before_head is not None:
-                self.before_head()
             logits = m.logits(hidden[None])[0]                                     # (k, V)
-            self.last_logits, self.last_ids = logits, [r.tag.seq.seq_id for r in want]
             out = {r.tag.seq.seq_id: logits[i] for i, r in enumerate(want)}
         for r in rows:
             if score and r.tag.seq.seq_id in score:

@@ -234,7 +234,7 @@ class BatchEngine:
             return
         try:
             logits = self.runner.execute(out.chunks, out.copies, [o.pending for _, o in spec],
-                                         score=self._scoring(out.chunks))
+                                         score=self._scoring(out.chunks), greedy=self._greedy(out.chunks))
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             log.exception("batch step failed")
             reqs = [self._outputs[c.seq.seq_id][0] for c in out.chunks if c.seq.seq_id in self._outputs]
@@ -244,12 +244,12 @@ class BatchEngine:
         for sid, (first, entries) in self.runner.last_scores.items():
             if sid in self._outputs:
                 self._outputs[sid][0].scores[first:first + len(entries)] = entries
-        argmax = self._plain_greedy_argmax(logits)
+        argmax = self.runner.last_argmax
         for chunk in out.chunks:
             group = self.sched.complete(chunk)
             if not group:
                 continue
-            row = logits[chunk.seq.seq_id]
+            row = logits.get(chunk.seq.seq_id)   # None for a greedy sequence: its token is in `argmax`
             for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
                 self._bind_sibling(chunk.seq, seq)
             if not chunk.seq.n_generated:  # the prompt's last chunk: its scores are complete
@@ -300,14 +300,16 @@ class BatchEngine:
             for o in entry[0].outputs:
                 o.stream.prompt_logprobs = entry[0].scores
 
-    def _plain_greedy_argmax(self, logits: dict[int, torch.Tensor]) -> dict[int, int]:
-        """One argmax over the step's whole logits matrix for the greedy, unpenalized sequences (the
-        common case) instead of one call per row."""
-        ids = self.runner.last_ids
-        if sum(1 for sid in ids if sid in self._outputs and self._outputs[sid][1].sampler.plain_greedy) < 2:
-            return {}
-        best = self.runner.last_logits[:, :self.model.cfg.vocab_size].argmax(dim=-1).tolist()
-        return dict(zip(ids, best))
+    def _greedy(self, chunks) -> set[int]:
+        """The sequences whose next token is the plain argmax of the head (one choice, greedy, no penalties,
+        constraint or logprobs): the runner returns their tokens, not their logits."""
+        ids = set()
+        for c in chunks:
+            entry = self._outputs.get(c.seq.seq_id)
+            if entry is not None and len(entry[0].outputs) == 1 and entry[1].sampler.plain_greedy \
+                    and entry[0].plan.params.logprobs is None and entry[0].params.max_tokens > 0:
+                ids.add(c.seq.seq_id)
+        return ids
 
     def _bind_sibling(self, parent: Sequence, kid: Sequence) -> None:
         req, _ = self._outputs[parent.seq_id]

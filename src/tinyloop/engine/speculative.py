@@ -254,7 +254,10 @@ class Speculator:
         self.penalties = _has_penalties(params)
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and params.constraint is None
-        self.argmax = ExactArgmax.for_model(model) if plain_greedy and fast_head and ExactArgmax.usable(model) else None
+        self.argmax = None
+        if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
+            self.argmax = model.greedy_tokens if getattr(model, "executor", None) is not None else \
+                ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,

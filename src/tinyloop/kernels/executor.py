@@ -126,10 +126,9 @@ class NativeExecutor:
             m.adapter = linear_desc(model.adapter, self.keep)
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
-        # FBGEMM's packed fp16 GEMV streams a 16-bit head ~1.5x faster than these kernels on this class of CPU
-        # (docs/decode.md): a head the fast path packed for it stays there, on the executor's threads
-        self.fbgemm_head = head if type(head).__name__ == "FP16Linear" else None
-        self.head_threads: int | None = None   # torch threads for the FBGEMM head (None: the executor's)
+        self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
+        self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
+        self._head_buf = torch.empty(0)   # logits of argmax-only calls (under _CALL)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
         self.scratch = torch.empty(0)
@@ -310,17 +309,33 @@ class NativeExecutor:
         self.model.core_loop_tokens += loops
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head (after the final norm) of rows x (..., dim): fp32 logits (..., vocab)."""
-        if self.fbgemm_head is None:
-            return _forward(self.head, x, self.threads)
-        n, prev = self.head_threads or self.threads, torch.get_num_threads()
-        if prev != n:
-            torch.set_num_threads(n)
-        try:
-            return self.fbgemm_head(x)
-        finally:
-            if prev != n:
-                torch.set_num_threads(prev)
+        """The final norm and LM head of rows x (..., dim) (`LoopedTransformer.logits`): fp32 logits (..., n)."""
+        x2 = x.reshape(-1, self.head.k).float().contiguous()
+        y = torch.empty(x2.shape[0], self.head.n, dtype=torch.float32)
+        self._head(x2, y, None)
+        return y.reshape(*x.shape[:-1], self.head.n)
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """`LoopedTransformer.greedy_tokens`: the argmax over the vocabulary of each row of x (T, dim)'s logits,
+        fused into the head call (the logits stay in a scratch buffer)."""
+        x2 = x.reshape(-1, self.head.k).float().contiguous()
+        ids = torch.empty(x2.shape[0], dtype=torch.int32)
+        with _CALL:
+            if self._head_buf.numel() < x2.shape[0] * self.head.n:
+                self._head_buf = torch.empty(x2.shape[0] * self.head.n, dtype=torch.float32)
+            self._head(x2, self._head_buf, ids)
+        return ids.tolist()
+
+    def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> None:
+        M, k = x2.shape
+        scratch = torch.empty(2 * M * k + M * (k // 8) + 16, dtype=torch.float32)
+        with _CALL:
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_head(self.head, x2.data_ptr(), M, self.head_norm, self.head_eps,
+                                  self.model.cfg.vocab_size, y.data_ptr(), None if ids is None else ids.data_ptr(),
+                                  scratch.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native LM head failed (code {rc})")
 
 
 def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:

@@ -5,8 +5,8 @@ of the engine uses (`forward`, `embed_prelude`/`core_loop`/`coda_logits`, `StepC
 
 - fuses wq/wk/wv into one `wqkv` projection and (swiglu) w_gate/w_up into one `w_gate_up`; the fused
   blocks then run one RoPE over q and k together and grouped-query attention without copying K/V;
-- for 16-bit models on CPU, swaps every `nn.Linear` of the blocks (and the LM head) for FBGEMM's fp16-weight
-  kernel (`quant.fp16.FP16Linear`) and runs activations in fp32;
+- for 16-bit models on CPU, swaps every `nn.Linear` of the blocks (and, without the native executor, the LM
+  head) for FBGEMM's fp16-weight kernel (`quant.fp16.FP16Linear`) and runs activations in fp32;
 - runs one-token steps on fewer threads where a second thread does not pay (`threads="auto"`; prefill
   keeps every thread).
 
@@ -174,7 +174,6 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
         swapped = swap_linears(model, lambda name, lin: FP16Linear.from_linear(lin))
         if type(model.adapter) is nn.Linear:
             model.adapter = FP16Linear.from_linear(model.adapter)
-        model.head_linear = FP16Linear(model.head_weight)  # logits() uses it; head_weight stays readable
         model.act_dtype = torch.float32
         for mod in model.modules():
             if isinstance(mod, RMSNorm):
@@ -182,6 +181,8 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
     n_threads = recommended_threads(model) if threads == "auto" else threads
     model.decode_threads = None if n_threads is None else int(n_threads)
     name = attach_executor(model, executor)
+    if weights == "fp16" and model.executor is None:   # the native executor reads the 16-bit head as stored
+        model.head_linear = FP16Linear(model.head_weight)  # logits() uses it; head_weight stays readable
     model.decode_prepared = {"weights": weights, "fused": fused, "swapped": swapped, "threads": n_threads,
                              "executor": name}
     return model

@@ -150,12 +150,21 @@ class LoopedTransformer(nn.Module):
         return self.norm(x) if self.cfg.head_norm else x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.final_norm(x)
+        """The final norm and the LM head: x (..., dim) -> logits (..., vocab, padded as the head is)."""
         if self.executor is not None:
-            return self.executor.logits(x)
+            return self.executor.logits(x)   # the same, natively
+        x = self.final_norm(x)
         if self.head_linear is not None:
             return self.head_linear(x)
-        return F.linear(x, self.head_weight)
+        w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+    def greedy_tokens(self, x: torch.Tensor) -> list[int]:
+        """The greedy token of each row of x (T, dim): the argmax of `logits` over the vocabulary (the first
+        of equal maxima). The native executor fuses it into the head and keeps the logits to itself."""
+        if self.executor is not None:
+            return self.executor.argmax(x)
+        return self.logits(x)[..., :self.cfg.vocab_size].argmax(dim=-1).reshape(-1).tolist()
 
     # -- whole pass -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,

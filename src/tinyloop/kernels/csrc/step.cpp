@@ -315,6 +315,42 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     return 0;
 }
 
+// index of the largest of x[0 .. n-1]: the first of equal maxima, or the first NaN (torch.argmax's rule)
+static int32_t argmax(const float* x, int n) {
+    vf mx = vset1(-INFINITY), bad = vzero();   // bad: sum of x * 0, NaN once a NaN or an infinity is seen
+    int i = 0;
+    for (; i + TL_W <= n; i += TL_W) {
+        const vf v = vload(x + i);
+        mx = vmax(v, mx);
+        bad = vadd(bad, vmul(v, vzero()));
+    }
+    float best = vhmax(mx), tail = 0.f;
+    for (; i < n; ++i) { best = x[i] > best ? x[i] : best; tail += x[i] * 0.f; }
+    const float b = vsum(bad) + tail;
+    if (b != b)
+        for (i = 0; i < n; ++i)
+            if (x[i] != x[i]) return i;
+    for (i = 0; i < n; ++i)
+        if (x[i] == best) return i;
+    return 0;
+}
+
+// The LM head of m rows x (m, k): the final norm (norm_w; null: none), logits (m, n) = x W^T, and with
+// `argmax` non-null each row's argmax over its first `vocab` logits. scratch: m * k * 2 + m * k / 8 floats.
+extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const float* norm_w, float eps,
+                       int32_t vocab, float* logits, int32_t* argmax_out, float* scratch) {
+    if (L->k % TL_W || vocab > L->n) return 1;
+    const float* xin = x;
+    if (norm_w) {
+        rmsnorm(x, norm_w, scratch, m, L->k, eps);
+        xin = scratch;
+    }
+    tl_linear_rows(L, xin, m, logits, L->n, scratch + (int64_t)m * L->k);
+    if (argmax_out)
+        for (int r = 0; r < m; ++r) argmax_out[r] = argmax(logits + (int64_t)r * L->n, vocab);
+    return 0;
+}
+
 extern "C" const char* tl_isa(void) {
 #if defined(__AVX512F__) && TL_SIMD
     return "avx512 host, avx2+fma+f16c kernels";

@@ -90,6 +90,11 @@ int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
 // y (m, n) = x (m, k) W^T, for the PyTorch path's layers of the same formats (multi-row: prefill).
 int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, float* scratch);
 
+// The LM head: the final norm (norm_w; null: none), logits (m, n), and each row's argmax over its first
+// `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats.
+int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
+            float* logits, int32_t* argmax, float* scratch);
+
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
 const char* tl_isa(void);

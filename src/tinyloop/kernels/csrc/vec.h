@@ -21,8 +21,15 @@ static inline vf vload_bf16(const uint16_t* p) {
 }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline float vhmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 static inline float vsum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -73,9 +80,11 @@ static inline vf vload_f16(const uint16_t* p) { return f16_to_f32(*p); }
 static inline vf vload_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline vf vsub(vf a, vf b) { return a - b; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline float vsum(vf a) { return a; }
+static inline float vhmax(vf a) { return a; }
 static inline vf vdiv(vf a, vf b) { return a / b; }
 static inline vf vexp(vf x) { return expf(x); }
 typedef int32_t vi;
