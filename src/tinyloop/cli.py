@@ -254,6 +254,7 @@ def _quantize(args: argparse.Namespace) -> int:
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
                                calib_seq_len=args.calib_seq_len,
                                calib_val_fraction=args.calib_val_fraction,
+                               head_bits=None if args.head_bits == 16 else args.head_bits,
                                progress=not args.quiet and sys.stderr.isatty())  # no bar in a redirected log
     except (ModelFileError, QuantError) as exc:
         return _fail(str(exc))
@@ -425,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calib-loops", type=int, help="loops to calibrate with (default: the model's default)")
     qz.add_argument("--damp", type=float, default=0.01,
                     help="GPTQ dampening, fraction of mean Hessian diagonal; default: %(default)s")
+    qz.add_argument("--head-bits", type=int, choices=(16, 8, 4), default=16,
+                    help="the LM head: 8 (per channel) or 4 (the --group-size) quantizes it by round-to-nearest "
+                         "beside the float embedding; 16 keeps the file's float head; default: %(default)s")
     qz.add_argument("--quiet", action="store_true",
                     help="no progress bar (none is drawn when stderr is not a terminal)")
     qz.set_defaults(func=_quantize)

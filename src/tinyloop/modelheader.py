@@ -181,6 +181,7 @@ def model_info(header: dict[str, Any]) -> dict[str, Any]:
         "default_loops": cfg["default_loops"], "max_loops": cfg["max_loops"], "max_seq_len": cfg["max_seq_len"],
         "mlp": cfg["mlp"], "injection": cfg["injection"], "tie_embeddings": cfg["tie_embeddings"],
         "quant": qname, "quant_method": method, "quant_group_size": quant.get("group_size"),
+        "quant_head": f"int{quant['head']['bits']}" if isinstance(quant.get("head"), dict) else None,
         "params": ModelConfig.from_dict(cfg).param_count(),
     }
 

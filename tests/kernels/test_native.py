@@ -346,3 +346,24 @@ def test_native_argmax_ties_and_nan_follow_torch():
     _with_head(model, w2)
     model.executor = NativeExecutor(model, threads=2)
     assert model.greedy_tokens(x) == [400] == [int(torch.argmax(model.logits(x)[0]))]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@torch.inference_mode()
+def test_native_quantized_head(bits):
+    """A quantized LM head (`tinyloop quantize --head-bits`) runs natively: logits equal the dequantized
+    head's in fp32 (fp32 activations here), and greedy tokens are their argmax."""
+    from tinyloop.quant.formats import quantize_head
+
+    ref = varied_model(CONFIGS["tiny"], seed=3).eval()
+    tensors, entry = quantize_head(ref, bits, 32)
+    parts = [tensors[f"head.{s}"] for s in ("qweight", "scales", "zeros")]
+    nat = copy.deepcopy(ref)
+    ref.head_linear = QuantLinear.from_portable(*parts, bits, kernel="dense")
+    nat.head_linear = QuantLinear.from_portable(*parts, bits, kernel="native")
+    nat.executor = NativeExecutor(nat, threads=2)
+    assert nat.executor.head.kind == {8: kernels.TL_Q8, 4: kernels.TL_Q4}[bits]
+    x = torch.randn(4, ref.cfg.dim, generator=torch.Generator().manual_seed(2)) * 3
+    lr, ln = ref.logits(x), nat.logits(x)
+    assert (lr - ln).abs().max().item() <= 1e-4
+    assert nat.greedy_tokens(x) == lr.argmax(-1).tolist()

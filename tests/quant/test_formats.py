@@ -127,3 +127,39 @@ def test_cli_quantize_gptq_records_calibration(tmp_path, tiny_model_path, capsys
     capsys.readouterr()
     assert main(["quantize", str(tiny_model_path), str(out), "--method", "gptq", "--quiet"]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("head_bits,tol", [(8, 0.01), (4, 0.1)])
+def test_cli_quantize_the_head(tmp_path, tiny_model_path, capsys, head_bits, tol):
+    """--head-bits quantizes the LM head beside the float embedding; the file loads with it as `head_linear`
+    and the logits stay near the float head's; a bad value is refused before any work."""
+    out = tmp_path / f"tiny-h{head_bits}.tinyloop"
+    assert main(["quantize", str(tiny_model_path), str(out), "--bits", "4", "--method", "rtn",
+                 "--head-bits", str(head_bits), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["quant"] == "int4" and info["quant_head"] == f"int{head_bits}"
+    h, _ = read_header(out)
+    assert h["weights"]["quant"]["head"] == {"method": "rtn", "bits": head_bits,
+                                             "group_size": None if head_bits == 8 else 32}
+    model = load_model(out).model
+    assert isinstance(model.head_linear, QuantLinear) and model.head_linear.bits == head_bits
+    x = torch.randn(3, model.cfg.dim, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = model.logits(x)
+        want = torch.nn.functional.linear(model.final_norm(x), model.head_weight.float())
+    assert float((got - want).norm() / want.norm()) < tol
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(tiny_model_path), str(out), "--method", "rtn", "--head-bits", "3"])
+    assert exc.value.code == 2
+    assert "--head-bits" in capsys.readouterr().err
+
+
+def test_a_bad_quantized_head_in_a_header_is_refused(tmp_path, tokenizer):
+    model = build_model(CFG, seed=0)
+    tensors, quant, _ = quantize_model(model, QuantSpec(bits=4, group_size=32, method="rtn"), progress=False)
+    header = make_header(CFG, torch.float32, tokenizer, {}, quant={**quant, "head": {"bits": 3}})
+    path = write_model(tmp_path / "bad-head.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    with pytest.raises(ModelFileError, match="bad quantized head"):
+        load_model(path)

@@ -114,10 +114,30 @@ class Sampler:
         self.vocab_size = vocab_size
         self.matcher = matcher
         self.generator = make_generator(params.seed)
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        self._seen = torch.zeros(vocab_size, dtype=torch.bool)
         if prompt_ids:
-            self.seen[torch.tensor(prompt_ids)] = True
-        self.counts = torch.zeros(vocab_size, dtype=torch.int64)
+            self._seen[torch.tensor(prompt_ids)] = True
+        self._counts = torch.zeros(vocab_size, dtype=torch.int64)
+        self._pending: list[int] = []   # accepted tokens not yet in _seen/_counts (only penalties read them)
+
+    def _flush(self) -> None:
+        if self._pending:
+            idx = torch.tensor(self._pending)
+            self._seen[idx] = True
+            self._counts.index_add_(0, idx, torch.ones_like(idx))
+            self._pending = []
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """(vocab,) bool: the prompt's and the output's tokens so far."""
+        self._flush()
+        return self._seen
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """(vocab,) int64: how often each token was output so far."""
+        self._flush()
+        return self._counts
 
     def _row(self, logits: torch.Tensor) -> torch.Tensor:
         """The row over the vocabulary, with the tokens the constraint forbids at -inf."""
@@ -167,7 +187,6 @@ class Sampler:
         return float(lp[token]), alts
 
     def accept(self, token: int) -> None:
-        self.seen[token] = True
-        self.counts[token] += 1
+        self._pending.append(token)   # two tensor writes a token cost more than the greedy step's bookkeeping
         if self.matcher is not None:
             self.matcher.accept(token)

@@ -181,7 +181,8 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
     n_threads = recommended_threads(model) if threads == "auto" else threads
     model.decode_threads = None if n_threads is None else int(n_threads)
     name = attach_executor(model, executor)
-    if weights == "fp16" and model.executor is None:   # the native executor reads the 16-bit head as stored
+    # the native executor reads a 16-bit head as stored; a quantized file's head is its own QuantLinear
+    if weights == "fp16" and model.executor is None and model.head_linear is None:
         model.head_linear = FP16Linear(model.head_weight)  # logits() uses it; head_weight stays readable
     model.decode_prepared = {"weights": weights, "fused": fused, "swapped": swapped, "threads": n_threads,
                              "executor": name}

@@ -5,7 +5,11 @@ A quantized linear `X.weight` (N, K) is stored as `X.qweight`, `X.scales`, `X.ze
 is listed in `quant["high_precision"]`. The header's quant section:
 
     {"method": "gptq" | "rtn", "bits": 4, "group_size": 32 (null: per channel), "act_order": false,
-     "layout": "tinyloop-packed-v1", "high_precision": ["embed.weight", ...], ...calibration details}
+     "layout": "tinyloop-packed-v1", "high_precision": ["embed.weight", ...], ...calibration details,
+     "head": {"method": "rtn", "bits": 8, "group_size": null}}   # optional: a quantized LM head
+
+A quantized LM head is stored beside the float head (the embedding stays float for lookups when they are
+tied) as `head.qweight`, `head.scales`, `head.zeros`, and loads as the model's `head_linear`.
 
 At load (`load_quantized`) the model built on the meta device gets a `QuantLinear` in place of each
 quantized `nn.Linear`, and the float tensors are assigned without copies.
@@ -50,6 +54,19 @@ def check_quant(quant: dict[str, Any]) -> tuple[int, int | None]:
     return bits, quant.get("group_size")
 
 
+HEAD = "head"   # the quantized LM head's tensors: head.qweight, head.scales, head.zeros
+
+
+def head_quant(quant: dict[str, Any]) -> tuple[int, int | None] | None:
+    """(bits, group size) of a quantized LM head, or None (the head stays float)."""
+    head = quant.get("head")
+    if head is None:
+        return None
+    if not isinstance(head, dict) or head.get("bits") not in (4, 8):
+        raise QuantError(f"bad quantized head {head!r}: bits must be 4 or 8")
+    return head["bits"], head.get("group_size")
+
+
 def portable_shapes(shape: tuple[int, int], bits: int, group_size: int | None, name: str) -> dict[str, tuple]:
     N, K = shape
     G = resolve_group_size(bits, group_size, K, name)
@@ -70,7 +87,22 @@ def expected_quantized_tensors(expected: dict[str, tuple[tuple[int, ...], str]],
         base = name[: -len(".weight")]
         for suffix, spec in portable_shapes(tuple(shape), bits, group_size, name).items():
             out[f"{base}.{suffix}"] = spec
+    head = head_quant(quant)
+    if head is not None:
+        shape = expected["lm_head.weight" if "lm_head.weight" in expected else "embed.weight"][0]
+        for suffix, spec in portable_shapes(tuple(shape), head[0], head[1], "the LM head").items():
+            out[f"{HEAD}.{suffix}"] = spec
     return out
+
+
+def quantize_head(model: nn.Module, bits: int, group_size: int | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Round-to-nearest codes of the model's LM head (the embedding when tied): (the file's tensors, the
+    header's `head` entry). int8 is per channel; int4 takes `group_size`."""
+    from .packing import quantize_rtn
+
+    group = None if bits == 8 else group_size
+    q, scales, zeros = quantize_rtn(model.head_weight.detach().float(), bits, group)
+    return portable_tensors(HEAD, q, scales, zeros, bits), {"method": "rtn", "bits": bits, "group_size": group}
 
 
 def portable_tensors(base: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -109,10 +141,14 @@ def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], weights: 
     """A model built on the meta device + the file's tensors -> a quantized model on `device`."""
     bits, _ = check_quant(weights["quant"])
     tensors = dict(tensors)
+    head = head_quant(weights["quant"])
+    head_parts = [tensors.pop(f"{HEAD}.{s}") for s in _SUFFIXES] if head is not None else None
     install_quantized(model, tensors, bits, device=device)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
+    if head_parts is not None:   # logits() reads it; head_weight (float) stays for lookups and draft heads
+        model.head_linear = QuantLinear.from_portable(*head_parts, head[0], device)
     return model.to(device)
 
 

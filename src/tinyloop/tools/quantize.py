@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..modelfile import load_model, make_header, write_model
-from ..quant.formats import load_quantized
+from ..quant.formats import load_quantized, quantize_head
 from ..quant.packing import QuantError
 from ..train.data import read_calibration  # noqa: F401 - re-exported: calibration windows are training data
 from .gptq import QuantSpec, format_report, quantize_model
@@ -34,7 +34,11 @@ def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any]
 def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *,
                   calib: str | Path | list[str | Path] | None = None, calib_tokens: int = 8192,
                   calib_seq_len: int = 256, calib_val_fraction: float = 0.0,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, head_bits: int | None = None) -> dict[str, Any]:
+    """Quantize `src`'s block linears into `dst` (atomically); head_bits 8 or 4 quantizes the LM head too
+    (round-to-nearest; int4 with the blocks' group size), None keeps it in the file's float dtype."""
+    if head_bits not in (None, 4, 8):
+        raise QuantError(f"head bits must be 4 or 8 (or none: a float head), got {head_bits!r}")
     loaded = load_model(src)
     model, tok = loaded.model, loaded.tokenizer
     if (loaded.header["weights"].get("quant") or {}).get("method", "none") != "none":
@@ -51,6 +55,9 @@ def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *,
     tensors, quant, report = quantize_model(model, spec, calib_ids, progress=progress, fake_quantize=False)
     tensors = {k: v.to(dtype) if v.is_floating_point() and k in quant["high_precision"] else v
                for k, v in tensors.items()}
+    if head_bits is not None:
+        head_tensors, quant["head"] = quantize_head(model, head_bits, spec.group_size or 32)
+        tensors.update(head_tensors)
     if calib is not None and spec.method == "gptq":
         files = [calib] if isinstance(calib, (str, Path)) else list(calib)
         quant["calibration"]["files"] = [os.path.basename(str(f)) for f in files]
