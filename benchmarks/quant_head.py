@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-perplexity", action="store_true", help="decode speed only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,6 +82,9 @@ def main() -> int:
                  "int4 GPTQ g32, int8 head": with_head(shipped, Path(tmp) / "h8.tinyloop", 8),
                  "int4 GPTQ g32, int4 g32 head": with_head(shipped, Path(tmp) / "h4.tinyloop", 4)}
         for name, path in files.items():
+            if args.no_perplexity:
+                rows.append({"file": name, "bytes": None if path is None else path.stat().st_size, "perplexity": None})
+                continue
             model = ref.model if path is None else load_model(path).model
             r = perplexity(model, val, args.loops, seq_len=256, stride=128)
             rows.append({"file": name, "bytes": None if path is None else path.stat().st_size,
@@ -108,7 +112,8 @@ def main() -> int:
         rate = statistics.median(rates[r["file"]]) if r["file"] in rates else None
         r["tok_s"] = None if rate is None else round(rate, 1)
         size = "" if r["bytes"] is None else f"{r['bytes'] / 2**20:.1f} MiB"
-        print(f"| {r['file']} | {size} | {r['perplexity']:.2f} | {100 * (r['perplexity'] / base - 1):+.2f}% | "
+        ppl = "" if base is None else f"{r['perplexity']:.2f} | {100 * (r['perplexity'] / base - 1):+.2f}%"
+        print(f"| {r['file']} | {size} | {ppl or ' | '} | "
               f"{'' if rate is None else f'{rate:.1f}'} | {'' if rate is None else f'{rate / shipped_rate:.2f}x'} |")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "loops": args.loops, "threads": args.threads,
