@@ -43,7 +43,7 @@ corpus: $(CORPUS_FILES)
 
 int4-model: $(STAMP) $(CORPUS_FILES)
 	$(VENV)/bin/tinyloop quantize $(MODELS)/tinyloop-16m.tinyloop $(MODELS)/tinyloop-16m-int4.tinyloop \
-	    --bits 4 --group-size 32 --method gptq --calib-tokens 8192 --calib-val-fraction 0.01 \
+	    --bits 4 --group-size 32 --method gptq --calib-tokens 8192 --calib-val-fraction 0.01 --head-bits 8 \
 	    --calib $(CORPUS_FILES)
 
 draft-exit: $(STAMP) $(CORPUS_FILES)

@@ -117,6 +117,9 @@ class DraftHead:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
         xn = self.norm(x)
+        executor = getattr(self.model, "executor", None)
+        if executor is not None:
+            return executor.project(xn, self.weight[: self.n])
         return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
 
     def token(self, col: int) -> int:
@@ -138,15 +141,16 @@ _DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.
 
 
 def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
-    """The LM head as drafts read it: 16-bit weights in fp32 on CPU (16-bit GEMV is slow there and the
-    draft needs no exactness). Made once per model (a 50k-row conversion costs tens of ms), rebuilt if
+    """The LM head as drafts read it: 16-bit weights in fp32 on CPU without the native executor (torch's
+    16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a 50k-row conversion costs tens of ms), rebuilt if
     the head changes; read only."""
     w = model.head_weight
     key = (w.data_ptr(), w._version)
     cached = _DRAFT_WEIGHTS.get(model)
     if cached is None or cached[0] != key:
         weight = w.detach()
-        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
+        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
+                and getattr(model, "executor", None) is None:   # (the native executor reads 16 bits as stored)
             weight = weight.float()
         cached = _DRAFT_WEIGHTS[model] = (key, weight)
     return cached[1]

@@ -326,6 +326,10 @@ class NativeExecutor:
             self._head(x2, self._head_buf, ids)
         return ids.tolist()
 
+    def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (..., k) @ w (n, k)^T for a float weight read as stored (a draft head's rows): fp32 (..., n)."""
+        return _forward(tensor_desc(w, []), x, self.threads)
+
     def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> None:
         M, k = x2.shape
         scratch = torch.empty(2 * M * k + M * (k // 8) + 16, dtype=torch.float32)
