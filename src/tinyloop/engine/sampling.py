@@ -14,6 +14,8 @@ import torch
 
 from .params import SamplingParams
 
+_NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
+
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL-style: for every seen token, positive logits are divided by `penalty`, negative multiplied."""
@@ -124,8 +126,12 @@ class Sampler:
         row = logits[: self.vocab_size]
         return row if self.matcher is None else self.matcher.apply(row)
 
+    def _seen(self) -> torch.Tensor:
+        """The ids the repetition penalty acts on (none without one: no full-vocabulary scan per token)."""
+        return self.seen.nonzero().flatten() if self.params.repetition_penalty != 1.0 else _NONE
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return distribution(self._row(logits), self.params, self.seen.nonzero().flatten(), self.counts)
+        return distribution(self._row(logits), self.params, self._seen(), self.counts)
 
     @property
     def penalized(self) -> bool:
@@ -138,16 +144,28 @@ class Sampler:
         return self.params.greedy and not self.penalized and self.matcher is None
 
     def greedy_token(self, logits: torch.Tensor) -> int:
-        row = self._row(logits)
         if not self.penalized:  # argmax of the row (widening to float64 changes no order)
-            return int(torch.argmax(row))
-        x = processed_logits(row, self.params, self.seen.nonzero().flatten(), self.counts)
+            if self.matcher is not None:
+                # the raw argmax, when the grammar allows it, is the masked argmax (the first maximum either
+                # way): the mask is applied only when it changes the answer
+                best = int(torch.argmax(logits[: self.vocab_size]))
+                if self.matcher.allows(best):
+                    return best
+            return int(torch.argmax(self._row(logits)))
+        x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
         return int(torch.argmax(x))
 
     def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token from one row of logits (does not record it: call `accept`)."""
         if self.params.greedy:
             return self.greedy_token(logits)
+        if self.matcher is not None and not self.penalized:
+            ids = self.matcher.allowed_ids()
+            if 4 * ids.numel() <= self.vocab_size:
+                # few tokens allowed: the distribution over them only (the masked one without its zeros: the
+                # same cumulative sums, so the same draw up to rounding), no full-vocabulary work
+                sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
+                return int(ids[draw(distribution(sub, self.params, _NONE, _NONE), self.generator)])
         return draw(self.probs(logits), self.generator)
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -156,7 +174,7 @@ class Sampler:
         top-k/top-p have -inf); greedy takes the argmax of the penalized logits, and reports their
         log-softmax (temperature 1). Call before `accept` (penalties read the tokens so far)."""
         p = self.params
-        x = processed_logits(self._row(logits), p, self.seen.nonzero().flatten(), self.counts)
+        x = processed_logits(self._row(logits), p, self._seen(), self.counts)
         if not p.greedy:
             x = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
         lp = torch.log_softmax(x, dim=-1)
