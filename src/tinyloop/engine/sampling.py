@@ -8,6 +8,7 @@ whatever else the engine runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -98,6 +99,23 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[
         return [(v, []) for v in picked]
     vals, ids = torch.topk(lp, top, dim=-1)                                 # (T, top)
     return [(v, list(zip(i, a))) for v, i, a in zip(picked, ids.tolist(), vals.tolist())]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the step's per-row sampling on one torch thread. Its ops over one vocabulary row (50,257 entries
+    for GPT-2) are just above torch's parallel grain, so each would wake a second OpenMP thread; next to
+    the native executor's spinning workers (and on a shared machine) that wake-up cost milliseconds a
+    token in `masked_fill` and `.double()` (profiled: docs/structured.md, "Cost per token")."""
+    prev = torch.get_num_threads()
+    if prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
