@@ -61,7 +61,10 @@ class JsonScanner:
                 elif c == '"':
                     self.scalar = None
                     if kind == "k":
-                        self.stack[-1][1:] = ["colon", json.loads(self.text[start:p + 1])]
+                        try:
+                            self.stack[-1][1:] = ["colon", json.loads(self.text[start:p + 1])]
+                        except ValueError:   # a bad escape in a key (free text)
+                            self.broken = True
                     else:
                         self._ended(p + 1)
                 return
@@ -161,17 +164,18 @@ def _args(index: int, fragment: str) -> Delta:
     return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
 
 
-def _json_string_prefix(raw: str, complete: bool) -> str:
-    """The decoded text of a JSON string's body (`raw`, without its quotes) as far as it can be decoded: an
-    escape cut in the middle, or a high surrogate whose low half has not come yet, waits."""
+def _json_string_prefix(raw: str, complete: bool) -> tuple[str, int]:
+    """(text, n): the decoded text of the first n characters of a JSON string's body (`raw`, without its
+    quotes), as many as can be decoded: an escape cut in the middle, or a high surrogate whose low half has
+    not come yet, waits."""
     for cut in range(len(raw), max(len(raw) - 12, -1), -1):
         try:
             said = json.loads('"' + raw[:cut] + '"')
         except ValueError:
             continue
         if complete or not said or not 0xD800 <= ord(said[-1]) < 0xDC00:
-            return said
-    return ""
+            return said, cut
+    return "", 0
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -194,9 +198,9 @@ class ToolCallParser:
         if style == "generic":
             self.scanner = JsonScanner(self._start, self._end)
             self.response: list[int | None] | None = None   # [start, end] of the response string
-            self.said = ""                 # its decoded text sent so far
+            self.said = 0                  # how much of its body (JSON text) was sent, decoded
         else:
-            self.buf, self.read = "", 0    # all text, and how far it has been read
+            self.buf, self.read = "", 0    # the text not handled yet, and how far it has been read
             self.block: JsonScanner | None = None   # the open <tool_call> block's scanner
             self.content_sent = self.seen_call = False
             self.ws = ""                   # whitespace held back: it may lead up to a call
@@ -231,11 +235,11 @@ class ToolCallParser:
         out: list[Delta] = []
         if self.response is not None:
             start, end = self.response
-            raw = self.scanner.text[start + 1:end - 1] if end is not None else self.scanner.text[start + 1:]
-            said = _json_string_prefix(raw, end is not None)
-            if len(said) > len(self.said):
-                out.append({"content": said[len(self.said):]})
-                self.said = said
+            raw = self.scanner.text[start + 1 + self.said:end - 1 if end is not None else None]
+            text, n = _json_string_prefix(raw, end is not None)
+            self.said += n
+            if text:
+                out.append({"content": text})
         return out + self._calls()
 
     def _calls(self) -> list[Delta]:
@@ -272,6 +276,7 @@ class ToolCallParser:
             else:                       # it closes
                 out += self._calls()
                 self.block = None
+        self.buf, self.read = self.buf[self.read:], 0   # only what is not read yet is kept
         return out + self._calls()
 
     def _content(self, text: str) -> list[Delta]:
