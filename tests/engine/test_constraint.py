@@ -130,3 +130,41 @@ def test_sampled_speculative_outputs_validate(engine):
             jsonschema.validate(json.loads(text), schema)
             done += 1
     assert done >= 2
+
+
+def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
+    """Greedy under a constraint reads one bit when the raw argmax is allowed, else masks; sampling where few
+    tokens are allowed draws over those only. Both pick exactly what the fully masked row gives."""
+    from tinyloop.engine.sampling import Sampler, draw, make_generator
+
+    c = Constraint.json_schema(SCHEMAS[0])
+    V = engine.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    greedy = Sampler(SamplingParams(temperature=0), [], V, engine.grammars.matcher(c))
+    sampled = Sampler(SamplingParams(temperature=0.8, seed=3), [], V, engine.grammars.matcher(c))
+    applied = []
+    for s in (greedy, sampled):
+        s.matcher.apply = (lambda f: lambda row: applied.append(1) or f(row))(s.matcher.apply)
+    subset = 0
+    for step in range(30):
+        logits = torch.randn(V, generator=gen, dtype=torch.float64) * 4
+        m = greedy.matcher
+        masked = logits.masked_fill(~m.mask(), float("-inf"))
+        assert greedy.sample(logits) == int(torch.argmax(masked))
+        logits[int(m.allowed_ids()[-1])] = 100.0          # the raw argmax is now allowed: no mask applied
+        n = len(applied)
+        assert greedy.sample(logits) == int(m.allowed_ids()[-1]) and len(applied) == n
+        greedy.accept(greedy.sample(logits))
+        s = sampled.matcher
+        small = 4 * s.allowed_ids().numel() <= V
+        twin = make_generator(None)
+        twin.set_state(sampled.generator.get_state())
+        want = draw(torch.softmax(logits.masked_fill(~s.mask(), float("-inf")) / 0.8, -1), twin)
+        n = len(applied)
+        tok = sampled.sample(logits)
+        assert tok == want and s.allows(tok) and (len(applied) == n) == small
+        subset += small
+        sampled.accept(tok)
+        if m.accepting and s.accepting:
+            break
+    assert subset and applied   # both ways ran

@@ -49,6 +49,7 @@ def test_hermes_renders_tools_holds_calls_to_the_grammar_and_parses_them(grammar
     assert ok and m.allows(tokenizer.eos_id)
     assert not feed(grammars, c, "Sure! " + one, tokenizer)[1]                    # required: no text first
     assert not feed(grammars, c, one.replace('"b": 2', '"b": "two"'), tokenizer)[1]  # arguments validate
+    assert not feed(grammars, c, one.replace('{"name"', '{\n"name"'), tokenizer)[1]   # no free whitespace
     assert feed(grammars, c, one + "\n" + one.replace("add", "now").replace('{"a": 1, "b": 2}', "{}"), tokenizer)[1]
     content, calls = plan.parse("Let me add.\n" + one)
     assert content == "Let me add." and [c["function"]["name"] for c in calls] == ["add"]
@@ -68,7 +69,8 @@ def test_generic_format(grammars, tokenizer):
     two = '{"tool_calls": [{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]}'
     assert not feed(grammars, c, two, tokenizer)[1]          # parallel_tool_calls false: one call
     assert plan.parse('{"response": "hello"}') == ("hello", [])
-    assert plan.parse('{"tool_calls": [{"name": "now", "arg')[1] == []   # cut short: no calls
+    cut = plan.parse('{"tool_calls": [{"name": "now", "arguments": {"x')   # cut short: the call as far as it got
+    assert cut[0] is None and [(c["function"]["name"], c["function"]["arguments"]) for c in cut[1]] == [("now", '{"x')]
     with pytest.raises(ValidationError):
         ToolPlan.of(None, "required", None, None)
     assert ToolPlan.of(TOOLS, "none", None, None) is None

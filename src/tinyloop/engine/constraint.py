@@ -151,15 +151,18 @@ def _reason(message: str) -> str:
 
 
 class Matcher:
-    """One output's grammar state. `mask()` is the next position's allowed tokens ((V,) bool), computed
-    once per position (in a worker thread right after the previous token was accepted)."""
+    """One output's grammar state. The next position's allowed tokens are computed once per position, as
+    llguidance's bitmask (in a worker thread right after the previous token was accepted); `allows` reads a
+    bit of it, `mask`, `forbidden` and `allowed_ids` unpack it when asked (once per position)."""
 
     def __init__(self, ll, vocab_size: int, eos: int):
         self.ll = ll
         self.vocab_size, self.eos = vocab_size, eos
         self.error: str | None = None   # set if a token the grammar refuses was forced in: then only EOS
         self._bits = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)   # (1, V/32) bitmask
-        self._mask: torch.Tensor | None = None
+        self._words = self._bits[0].numpy()   # the same memory: bit j of word i = token 32 i + j
+        self._ready = False                   # the bitmask holds this position's mask
+        self._unpacked: dict[str, Any] = {}   # this position's mask in other forms, made when asked
         self._pending: Future | None = None
         self.consumed = 0
         self._prefetch()
@@ -169,37 +172,56 @@ class Matcher:
         self.ll.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
 
     def _prefetch(self) -> None:
-        self._mask = None
+        self._ready = False
+        self._unpacked = {}
         self._pending = _POOL.submit(self._fill)
+
+    def _current(self) -> np.ndarray:
+        """This position's bitmask words (waiting for the worker if it is not done yet)."""
+        if not self._ready:
+            self._wait()   # every position's fill was started when the position began (_prefetch)
+            if self.error is not None or not self._words.any():  # nothing can follow: end the output
+                self._words[:] = 0
+                self._words.view(np.uint32)[self.eos >> 5] = 1 << (self.eos & 31)
+            self._ready = True
+        return self._words
+
+    def _bools(self, invert: bool) -> np.ndarray:
+        u8 = self._current().view(np.uint8)
+        return np.unpackbits(~u8 if invert else u8, bitorder="little")[: self.vocab_size].view(np.bool_)
 
     def mask(self) -> torch.Tensor:
         """(V,) bool: the tokens the grammar allows next (EOS only where it may end)."""
-        if self._mask is None:
-            if self._pending is not None:
-                self._pending.result()
-                self._pending = None
-            else:
-                self._fill()
-            # (V/32,) int32 words, bit j of word i = token 32 i + j (little-endian) -> (V,) bool
-            bits = np.unpackbits(self._bits[0].numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
-            self._mask = torch.from_numpy(bits.astype(np.bool_))
-            if self.error is not None or not bool(self._mask.any()):  # nothing can follow: end the output
-                self._mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-                self._mask[self.eos] = True
-        return self._mask
+        if "mask" not in self._unpacked:
+            self._unpacked["mask"] = torch.from_numpy(self._bools(invert=False))
+        return self._unpacked["mask"]
+
+    def forbidden(self) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar refuses next."""
+        if "forbidden" not in self._unpacked:
+            self._unpacked["forbidden"] = torch.from_numpy(self._bools(invert=True))
+        return self._unpacked["forbidden"]
+
+    def allowed_ids(self) -> torch.Tensor:
+        """(n,) int64: the ids of the tokens the grammar allows next, ascending."""
+        if "ids" not in self._unpacked:
+            self._unpacked["ids"] = torch.from_numpy(np.flatnonzero(self._bools(invert=False)))
+        return self._unpacked["ids"]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (V,) with the disallowed tokens at -inf (a new tensor)."""
-        mask = self.mask()
-        if logits.shape[-1] == mask.shape[0]:
-            return logits.masked_fill(~mask.to(logits.device), float("-inf"))
-        n = min(logits.shape[-1], mask.shape[0])
+        forbidden = self.forbidden()
+        if logits.shape[-1] == forbidden.shape[0]:
+            return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
+        n = min(logits.shape[-1], forbidden.shape[0])
         out = torch.full_like(logits, float("-inf"))
-        out[:n] = torch.where(mask[:n].to(logits.device), logits[:n], out[:n])
+        out[:n] = logits[:n].masked_fill(forbidden[:n].to(logits.device), float("-inf"))
         return out
 
     def allows(self, token: int) -> bool:
-        return bool(self.mask()[token]) if 0 <= token < self.vocab_size else False
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool((int(self._current()[token >> 5]) >> (token & 31)) & 1)
 
     def accept(self, token: int) -> None:
         """Advance past `token` (sampled under the mask, so allowed); the next mask starts computing now."""
@@ -241,6 +263,7 @@ class Matcher:
         return out
 
     def _wait(self) -> None:
+        """Wait for this position's mask to be in the bitmask (the worker's fill)."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None

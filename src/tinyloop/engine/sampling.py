@@ -8,11 +8,14 @@ whatever else the engine runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from .params import SamplingParams
+
+_NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -98,6 +101,23 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[
     return [(v, list(zip(i, a))) for v, i, a in zip(picked, ids.tolist(), vals.tolist())]
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the step's per-row sampling on one torch thread. Its ops over one vocabulary row (50,257 entries
+    for GPT-2) are just above torch's parallel grain, so each would wake a second OpenMP thread; next to
+    the native executor's spinning workers (and on a shared machine) that wake-up cost milliseconds a
+    token in `masked_fill` and `.double()` (profiled: docs/structured.md, "Cost per token")."""
+    prev = torch.get_num_threads()
+    if prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
@@ -114,38 +134,42 @@ class Sampler:
         self.vocab_size = vocab_size
         self.matcher = matcher
         self.generator = make_generator(params.seed)
-        self._seen = torch.zeros(vocab_size, dtype=torch.bool)
+        self._seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
         if prompt_ids:
-            self._seen[torch.tensor(prompt_ids)] = True
-        self._counts = torch.zeros(vocab_size, dtype=torch.int64)
-        self._pending: list[int] = []   # accepted tokens not yet in _seen/_counts (only penalties read them)
+            self._seen_mask[torch.tensor(prompt_ids)] = True
+        self._token_counts = torch.zeros(vocab_size, dtype=torch.int64)
+        self._pending: list[int] = []   # accepted tokens not yet in the two tensors (only penalties read them)
 
     def _flush(self) -> None:
         if self._pending:
             idx = torch.tensor(self._pending)
-            self._seen[idx] = True
-            self._counts.index_add_(0, idx, torch.ones_like(idx))
+            self._seen_mask[idx] = True
+            self._token_counts.index_add_(0, idx, torch.ones_like(idx))
             self._pending = []
 
     @property
     def seen(self) -> torch.Tensor:
         """(vocab,) bool: the prompt's and the output's tokens so far."""
         self._flush()
-        return self._seen
+        return self._seen_mask
 
     @property
     def counts(self) -> torch.Tensor:
         """(vocab,) int64: how often each token was output so far."""
         self._flush()
-        return self._counts
+        return self._token_counts
 
     def _row(self, logits: torch.Tensor) -> torch.Tensor:
         """The row over the vocabulary, with the tokens the constraint forbids at -inf."""
         row = logits[: self.vocab_size]
         return row if self.matcher is None else self.matcher.apply(row)
 
+    def _seen(self) -> torch.Tensor:
+        """The ids the repetition penalty acts on (none without one: no full-vocabulary scan per token)."""
+        return self.seen.nonzero().flatten() if self.params.repetition_penalty != 1.0 else _NONE
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return distribution(self._row(logits), self.params, self.seen.nonzero().flatten(), self.counts)
+        return distribution(self._row(logits), self.params, self._seen(), self.counts)
 
     @property
     def penalized(self) -> bool:
@@ -158,16 +182,28 @@ class Sampler:
         return self.params.greedy and not self.penalized and self.matcher is None
 
     def greedy_token(self, logits: torch.Tensor) -> int:
-        row = self._row(logits)
         if not self.penalized:  # argmax of the row (widening to float64 changes no order)
-            return int(torch.argmax(row))
-        x = processed_logits(row, self.params, self.seen.nonzero().flatten(), self.counts)
+            if self.matcher is not None:
+                # the raw argmax, when the grammar allows it, is the masked argmax (the first maximum either
+                # way): the mask is applied only when it changes the answer
+                best = int(torch.argmax(logits[: self.vocab_size]))
+                if self.matcher.allows(best):
+                    return best
+            return int(torch.argmax(self._row(logits)))
+        x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
         return int(torch.argmax(x))
 
     def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token from one row of logits (does not record it: call `accept`)."""
         if self.params.greedy:
             return self.greedy_token(logits)
+        if self.matcher is not None and not self.penalized:
+            ids = self.matcher.allowed_ids()
+            if 4 * ids.numel() <= self.vocab_size:
+                # few tokens allowed: the distribution over them only (the masked one without its zeros: the
+                # same cumulative sums, so the same draw up to rounding), no full-vocabulary work
+                sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
+                return int(ids[draw(distribution(sub, self.params, _NONE, _NONE), self.generator)])
         return draw(self.probs(logits), self.generator)
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -176,7 +212,7 @@ class Sampler:
         top-k/top-p have -inf); greedy takes the argmax of the penalized logits, and reports their
         log-softmax (temperature 1). Call before `accept` (penalties read the tokens so far)."""
         p = self.params
-        x = processed_logits(self._row(logits), p, self.seen.nonzero().flatten(), self.counts)
+        x = processed_logits(self._row(logits), p, self._seen(), self.counts)
         if not p.greedy:
             x = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
         lp = torch.log_softmax(x, dim=-1)

@@ -34,7 +34,7 @@ from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .batch import BatchRunner, cache_dtype
 from .plan import RequestPlan
-from .sampling import Sampler
+from .sampling import Sampler, one_thread
 from .scheduler import Scheduler, SchedulerError, Sequence
 from .speculative import Speculator, speculative_layout
 from .text import StreamEvent
@@ -245,40 +245,46 @@ class BatchEngine:
             if sid in self._outputs:
                 self._outputs[sid][0].scores[first:first + len(entries)] = entries
         argmax = self.runner.last_argmax
-        for chunk in out.chunks:
-            group = self.sched.complete(chunk)
-            if not group:
-                continue
-            row = logits.get(chunk.seq.seq_id)   # None for a greedy sequence: its token is in `argmax`
-            for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
-                self._bind_sibling(chunk.seq, seq)
-            if not chunk.seq.n_generated:  # the prompt's last chunk: its scores are complete
-                self._deliver_scores(chunk.seq)
-            for seq in group:
-                entry = self._outputs.get(seq.seq_id)
-                if entry is None:  # its request failed on a sibling choice just now
-                    continue
-                req, o = entry
-                if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
-                    self._finish(req, o, "length")
-                    continue
-                try:
-                    quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
-                    tok = quick if quick is not None else o.sampler.sample(row)
-                    lp = None
-                    if req.plan.params.logprobs is not None:
-                        lp = o.sampler.logprobs(row, tok, req.plan.params.logprobs)
-                    o.sampler.accept(tok)
-                    self.sched.append_token(seq, tok)
-                    self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id), lp)
-                except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
-                    log.exception("request %d failed", req.req_id)
-                    self.fail(req, exc)
+        with one_thread():   # one row at a time: no OpenMP wake-ups (sampling.one_thread)
+            for chunk in out.chunks:
+                self._complete(chunk, logits, argmax)
         for req, o in spec:
             if not o.done:
                 self._advance_speculative(req, o)
 
     # -- internals --------------------------------------------------------------------------
+    def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int]) -> None:
+        """A chunk's forward pass is done: each of its sequences (a prompt's last chunk: all n choices)
+        samples its next token from the chunk's logits."""
+        group = self.sched.complete(chunk)
+        if not group:
+            return
+        row = logits.get(chunk.seq.seq_id)   # None for a greedy sequence: its token is in `argmax`
+        for seq in group[1:]:  # new siblings (n > 1) take the request's unbound outputs
+            self._bind_sibling(chunk.seq, seq)
+        if not chunk.seq.n_generated:  # the prompt's last chunk: its scores are complete
+            self._deliver_scores(chunk.seq)
+        for seq in group:
+            entry = self._outputs.get(seq.seq_id)
+            if entry is None:  # its request failed on a sibling choice just now
+                continue
+            req, o = entry
+            if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
+                self._finish(req, o, "length")
+                continue
+            try:
+                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
+                tok = quick if quick is not None else o.sampler.sample(row)
+                lp = None
+                if req.plan.params.logprobs is not None:
+                    lp = o.sampler.logprobs(row, tok, req.plan.params.logprobs)
+                o.sampler.accept(tok)
+                self.sched.append_token(seq, tok)
+                self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id), lp)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
+                log.exception("request %d failed", req.req_id)
+                self.fail(req, exc)
+
     def _scoring(self, chunks) -> dict[int, int]:
         """{seq_id: alternatives} of this step's chunks whose prompt positions are scored (prompt_logprobs):
         a prompt's first pass only (a sequence recomputed after preemption has its scores already)."""

@@ -82,7 +82,7 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     tokenizer = engine.tokenizer if params.logprobs is not None else None
     if body.wants_stream():
         framer = ToolChatFramer(plan=tools, id=rid, created=created, model=body.model, extras=extras, n=n,
-                                include_usage=body.include_usage()) if tools is not None else \
+                                include_usage=body.include_usage(), tokenizer=tokenizer) if tools is not None else \
             ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
                        extras=extras, n=n, tokenizer=tokenizer) if chat else \
             CompletionFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),

@@ -271,7 +271,7 @@ class HealthDown(Closed):
 class ChatDelta(Closed):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None   # with tools: the name first, then the arguments
+    tool_calls: list[ToolCallDelta] | None = None   # with tools: id and name first, then the arguments in fragments
 
 
 class ChatChunkChoice(Closed):

@@ -10,6 +10,7 @@ import json
 from typing import Any, Callable
 
 from ..engine import StreamEvent
+from .logprobs import chat_content
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -103,17 +104,19 @@ class ChatFramer(Framer):
         return self._held.get(ev.index) or []
 
     def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
-        from .logprobs import chat_content
-
         return {"content": chat_content(self.tokenizer, ev.token_ids, ev.logprobs)}
 
     def close(self, ev: StreamEvent) -> list[bytes]:
         """The final chunk of one choice; after the last choice, the usage chunk (if asked) and [DONE]."""
-        stats = ev.stats or {}
-        self.closed[ev.index] = stats
+        self.closed[ev.index] = ev.stats or {}
         out = self.event(ev)  # the flushed tail, if any
-        extra = self.extras(stats) if self.extras else {}
-        out.append(frame(self._chunk(self._delta({}, ev.finish_reason, index=ev.index), **extra)))
+        return self._last(ev, out, self._delta({}, ev.finish_reason, index=ev.index))
+
+    def _last(self, ev: StreamEvent, out: list[bytes], choice: dict[str, Any]) -> list[bytes]:
+        """`out`, then the chunk with the choice's finish_reason (`choice`); after the last choice, the usage
+        chunk (if asked) and [DONE]."""
+        extra = self.extras(ev.stats or {}) if self.extras else {}
+        out.append(frame(self._chunk(choice, **extra)))
         if not self.done:
             return out
         if self.include_usage:
@@ -197,33 +200,51 @@ class NativeFramer(Framer):
 
 
 class ToolChatFramer(ChatFramer):
-    """Chat chunks under tools: a choice's output is held until it ends, then parsed and sent as content
-    and tool-call deltas (`structured.stream_deltas`), with finish_reason "tool_calls" when it called."""
+    """Chat chunks under tools: each choice's text goes through its own `ToolCallParser` as it comes
+    (server/tool_stream.py), and what that makes (content, a call's id and name, its arguments' fragments)
+    goes out at once; finish_reason "tool_calls" when a choice called. With logprobs a chunk carries the
+    logprobs of the tokens it accounts for: those whose text is still held back (a name not yet complete,
+    a possible `<tool_call>` tag) go with the next chunk that goes out, at the latest the finish chunk."""
 
     def __init__(self, *, plan, **kw: Any):
         super().__init__(**kw)
         self.plan = plan
-        self.text: dict[int, list[str]] = {}
+        self.parsers: dict[int, Any] = {}
+        self.called: set[int] = set()
+        self._unsent: dict[int, tuple[list[int], list]] = {}   # per choice: (ids, logprobs) not yet sent
+
+    def _choices(self, ev: StreamEvent, final: bool) -> list[dict[str, Any]]:
+        i = ev.index
+        if i not in self.parsers:
+            self.parsers[i] = self.plan.parser()
+        deltas = self.parsers[i].feed(ev.text) + (self.parsers[i].finish() if final else [])
+        if self.tokenizer is not None and ev.logprobs:
+            ids, lps = self._unsent.setdefault(i, ([], []))
+            ids += ev.token_ids
+            lps += ev.logprobs
+        self._depths(ev)
+        out = []
+        for d in deltas:
+            if "tool_calls" in d:
+                self.called.add(i)
+            out.append(self._with_held(self._delta(d, index=i), i))
+        return out
+
+    def _with_held(self, choice: dict[str, Any], i: int) -> dict[str, Any]:
+        """`choice` with the logprobs and depths of the tokens not yet accounted for."""
+        unsent = self._unsent.pop(i, None)
+        if unsent:
+            choice["logprobs"] = {"content": chat_content(self.tokenizer, *unsent)}
+        if self._held.get(i):
+            choice["loops"] = self._held.pop(i)
+        return choice
 
     def event(self, ev: StreamEvent) -> list[bytes]:
-        self.text.setdefault(ev.index, []).append(ev.text)
-        return []
+        return [frame(self._chunk(c)) for c in self._choices(ev, final=False)]
 
     def close(self, ev: StreamEvent) -> list[bytes]:
-        from .structured import stream_deltas
-
-        stats = ev.stats or {}
-        self.closed[ev.index] = stats
-        text = "".join(self.text.pop(ev.index, [])) + ev.text
-        deltas = stream_deltas(self.plan, text)
-        out = [frame(self._chunk(self._delta(d, index=ev.index))) for d in deltas]
-        finish = "tool_calls" if ev.finish_reason == "stop" and any("tool_calls" in d for d in deltas) \
-            else ev.finish_reason
-        extra = self.extras(stats) if self.extras else {}
-        out.append(frame(self._chunk(self._delta({}, finish, index=ev.index), **extra)))
-        if not self.done:
-            return out
-        if self.include_usage:
-            out.append(frame(self._chunk(None, usage=self.usage())))
-        out.append(DONE)
-        return out
+        self.closed[ev.index] = ev.stats or {}
+        out = [frame(self._chunk(c)) for c in self._choices(ev, final=True)]
+        finish = "tool_calls" if ev.finish_reason == "stop" and ev.index in self.called else ev.finish_reason
+        self.parsers.pop(ev.index, None)
+        return self._last(ev, out, self._with_held(self._delta({}, finish, index=ev.index), ev.index))

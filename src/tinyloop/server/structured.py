@@ -17,16 +17,15 @@ Tools reach the model in one of two formats:
 from __future__ import annotations
 
 import json
-import re
-import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import Chat
-from ..engine.constraint import Constraint
+from ..engine.constraint import JSON_OPTIONS, Constraint
 from ..errors import ValidationError
+from .tool_stream import ToolCallParser, parse
 
 STRICT = ConfigDict(strict=True)
 
@@ -106,12 +105,6 @@ class ToolCall(BaseModel):
 GENERIC_PROMPT = ("You can call functions. Reply with one JSON object and nothing else: "
                   '{{"tool_calls": [{{"name": <a function name>, "arguments": <its arguments>}}]}} to call {which}'
                   "{answer}.\nFunctions:\n{tools}")
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
 
 @dataclass
 class ToolPlan:
@@ -182,7 +175,8 @@ class ToolPlan:
             if self.choice == "auto":
                 return None
             calls = [self._call_schema(f) for f in self.tools]
-            one = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+            # the JSON written as response_format's is (no free whitespace): llguidance's options in the schema
+            one = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS})
             repeat = ' ("\\n" call)*' if self.parallel else ""
             lark = f'start: call{repeat}\ncall: "<tool_call>\\n" %json {one} "\\n</tool_call>"\n'
             return Constraint("grammar", lark, param="tools")
@@ -195,32 +189,14 @@ class ToolPlan:
         return Constraint.json_schema(reply, param="tools")
 
     # -- what comes back -------------------------------------------------------------------------------------
+    def parser(self) -> ToolCallParser:
+        """Reads one choice's output as it is generated (server/tool_stream.py): streamed deltas and the
+        non-streamed message both come from it."""
+        return ToolCallParser(self.style)
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of one choice's output. Output that does not parse (cut short by max_tokens)
-        comes back as content, with no calls."""
-        found: list[dict[str, Any]] = []
-        content: str | None = text
-        if self.style == "hermes":
-            for m in _HERMES_CALL.finditer(text):
-                call = _loads(m.group(1))
-                if call is None:
-                    return text, []
-                found.append(call)
-            if found:
-                content = text[:text.find("<tool_call>")].strip() or None
-        else:
-            reply = _loads(text)
-            if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
-                found, content = reply["tool_calls"], None
-            elif isinstance(reply, dict) and isinstance(reply.get("response"), str):
-                content = reply["response"]
-        calls = []
-        for call in found:
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-                return text, []
-            calls.append({"id": new_call_id(), "type": "function", "function": {
-                "name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
-        return content, calls
+        """(content, tool_calls) of one choice's whole output."""
+        return parse(self.style, text)
 
 
 def _loads(text: str) -> Any:
@@ -258,16 +234,3 @@ def message_of(plan: ToolPlan, text: str, finish_reason: str) -> tuple[dict[str,
         if finish_reason == "stop":
             finish_reason = "tool_calls"
     return message, finish_reason
-
-
-def stream_deltas(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
-    """The deltas of a streamed answer under tools, sent once the output is complete (it must be parsed
-    first): the content, then per call its id and name, then its arguments, as OpenAI streams them (the
-    deltas concatenate to the non-streamed message)."""
-    content, calls = plan.parse(text)
-    out: list[dict[str, Any]] = [{"content": content}] if content else []
-    for i, call in enumerate(calls):
-        out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
-    return out
