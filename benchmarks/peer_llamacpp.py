@@ -9,8 +9,8 @@ TinyLoop on the `.tinyloop` file, same prompt ids, greedy, at 1 and 2 threads. I
 (after the first token) for each and whether the greedy tokens agree (a cross-check of both engines: they
 should, up to fp16 rounding in near-ties).
 
-Pairs: the fp16 file against GGUF F16; the int4 file against GGUF Q4_0 and Q4_1 (embedding and head kept
-in F16); TinyLoop's default self-speculation (fp16 file, draft exits, `mode="speculative"` with its default
+Pairs: the fp16 file against GGUF F16; the int4 file (GPTQ g32 blocks, int8 head, fp16 embedding) against
+GGUF Q4_0 and Q4_1 (the head in Q8_0, the embedding F16); TinyLoop's default self-speculation (fp16 file, draft exits, `mode="speculative"` with its default
 knobs) and adaptive depth (`loops: "auto"`, default threshold) against llama.cpp's plain F16 decode. Each
 TinyLoop row runs with the native executor and, as the baseline of the same run, with the PyTorch path
 (`executor="torch"`). Neither peer package is in the default install or CI:
@@ -107,6 +107,10 @@ def write_unrolled_gguf(model, path: Path, loops: int, qtype: str) -> Path:
         matrix(f"blk.{i}.ffn_up.weight", m.w_up.weight)
         matrix(f"blk.{i}.ffn_down.weight", m.w_down.weight)
     vector("output_norm.weight", model.norm.weight)
+    if quant is not None:   # as the int4 file's int8 head (make int4-model): the head in Q8_0, the embedding F16
+        head = model.head_weight.detach().float().numpy()
+        w.add_tensor("output.weight", gguf.quants.quantize(head, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
