@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import ModelFileError, load_model, write_model
+from tinyloop.modelfile import FORMAT_VERSION, ModelFileError, load_model, write_model
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_roundtrip(model_file):
     torch.testing.assert_close(lm.model(x, loops=2), model(x, loops=2), rtol=0, atol=0)
     assert lm.config == model.cfg
     h = lm.header
-    assert h["format_version"] == 1 and h["weights"]["dtype"] == "float32"
+    assert h["format_version"] == FORMAT_VERSION and h["weights"]["dtype"] == "float32"
     assert h["provenance"]["tool"] == "test" and "created" in h["provenance"]
     assert lm.tokenizer.encode("Hello world") == [15496, 995]
 

@@ -254,7 +254,7 @@ def _quantize(args: argparse.Namespace) -> int:
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
                                calib_seq_len=args.calib_seq_len,
                                calib_val_fraction=args.calib_val_fraction,
-                               progress=not args.quiet and sys.stderr.isatty())  # no bar in a redirected log
+                               progress=not args.quiet)  # a bar on a terminal, a line per block in a log
     except (ModelFileError, QuantError) as exc:
         return _fail(str(exc))
     print(report["text"])
@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--damp", type=float, default=0.01,
                     help="GPTQ dampening, fraction of mean Hessian diagonal; default: %(default)s")
     qz.add_argument("--quiet", action="store_true",
-                    help="no progress bar (none is drawn when stderr is not a terminal)")
+                    help="no progress (a bar on a terminal; one line per block when stderr is redirected)")
     qz.set_defaults(func=_quantize)
 
     td = sub.add_parser("train-draft", help="distil draft exits for self-speculation (docs/speculative.md)")
