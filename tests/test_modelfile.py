@@ -78,7 +78,7 @@ def test_unknown_version(model_file):
 def test_wrong_shape(model_file):
     path, _ = model_file
     _header_edit(path, lambda h: h["config"].update(ffn_dim=96))
-    with pytest.raises(ModelFileError, match=r"tensor '.*mlp.w_.*' has shape \[128, 64\], config needs \[96, 64\]"):
+    with pytest.raises(ModelFileError, match=r"tensor '.*mlp.w_.*' has shape \[\d+, \d+\], config needs \[\d+, \d+\]"):
         load_model(path)
 
 
@@ -131,8 +131,8 @@ def test_truncated_or_corrupt_files_name_the_tensor(model_file):
     path.write_bytes(raw)
 
     def shrink(index):
-        name = next(k for k in index if k.endswith("wq.weight"))
+        name = next(k for k in index if k.endswith("wqkv.weight"))
         index[name]["data_offsets"][1] -= 4
     _rewrite_header(path, shrink)
-    with pytest.raises(ModelFileError, match=r"tensor '.*wq.weight' holds \d+ bytes but its shape"):
+    with pytest.raises(ModelFileError, match=r"tensor '.*wqkv.weight' holds \d+ bytes but its shape"):
         load_model(path)

@@ -429,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no progress (a bar on a terminal; one line per block when stderr is redirected)")
     qz.set_defaults(func=_quantize)
 
+    from .tools.upgrade import add_command as add_upgrade  # torch is imported only to rewrite a file
+    add_upgrade(sub)
+
     td = sub.add_parser("train-draft", help="distil draft exits for self-speculation (docs/speculative.md)")
     td.add_argument("model", help="a float .tinyloop file (or packaged name) to distil from")
     td.add_argument("files", nargs="+", help="text files (.txt or .txt.gz) to draw training windows from")

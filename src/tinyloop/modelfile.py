@@ -67,14 +67,10 @@ def expected_tensors(cfg: ModelConfig, weights: dict[str, Any], version: int = F
                      ) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype) of every model tensor the header's config, weight format and format version
     imply (version 2 and later: projections fused, `modellayout`)."""
-    from .model import LoopedTransformer
-    from .model.fused import fuse_structure
+    from .model.fused import meta_model
 
     dtype = weights.get("dtype")
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
-    if version >= FUSED_VERSION:
-        fuse_structure(model)
+    model = meta_model(cfg, fused=version >= FUSED_VERSION)
     out = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()}
     quant = weights.get("quant") or {}
     if quant.get("method", "none") != "none":
@@ -219,8 +215,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
                dtype: torch.dtype | None = None) -> LoadedModel:
     """Load and check a model file (a path or packaged name, see `resolve_model_path`; default: the default
     model), optionally casting floats to `dtype`."""
-    from .model import LoopedTransformer
-    from .model.fused import fuse_structure
+    from .model.fused import meta_model
 
     path = resolve_model_path(path)
     if not path.exists() and path == packaged_model_path():
@@ -236,9 +231,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
               f"its projections are fused in memory at every load; `tinyloop upgrade {path}` rewrites it once",
               file=sys.stderr)
         tensors = fuse_tensors(tensors, cfg)
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
-    fuse_structure(model)  # the file's names: the model is bound to its tensors where they lie
+    model = meta_model(cfg)  # the file's names: the model is bound to its tensors where they lie
     if quant.get("method", "none") != "none":
         from .quant.formats import load_quantized  # swaps in quantized linear modules
         model = load_quantized(model, tensors, header["weights"], device=device, dtype=dtype)
@@ -303,9 +296,11 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
         dtype = next(iter(tensors.values())).dtype
         header = make_header(model.cfg, dtype, tokenizer, provenance or {})
-    cfg = ModelConfig.from_dict(header["config"])
-    specs = {k: (shape, TORCH_DTYPES_BY_NAME[dt])
-             for k, (shape, dt) in expected_tensors(cfg, header["weights"], header["format_version"]).items()}
+    try:
+        layout = expected_tensors(ModelConfig.from_dict(header["config"]), header["weights"], header["format_version"])
+    except ValueError as exc:  # quant.packing.QuantError, ConfigError: a header this version could not read
+        raise ModelFileError(path, f"bad header: {exc}") from None
+    specs = {k: (shape, TORCH_DTYPES_BY_NAME[dt]) for k, (shape, dt) in layout.items()}
     with ModelFileWriter(path, specs, header, tokenizer_blob(tokenizer)) as writer:
         for name, t in tensors.items():
             writer.add(name, t)

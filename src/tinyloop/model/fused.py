@@ -12,13 +12,45 @@ version 1 file at load): that one concatenates, a copy.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from .layers import MLP, Attention
 
+# What modules' constructors run to initialise their weights: on the meta device they compute nothing,
+# but the first of them imports torch._dynamo (~1.5 s on an idle machine, several on a loaded one)
+_INIT_OPS = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+             "xavier_normal_", "zero_", "zeros_", "ones_", "fill_", "constant_"}
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Skip in-place initialisation of meta tensors (thread-local, like every torch function mode)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_OPS:
+            t = args[0] if args else kwargs.get("tensor")  # (torch.nn.init passes it by keyword)
+            if getattr(t, "is_meta", False):
+                return t
+        return func(*args, **kwargs)
+
+
+def meta_model(cfg, *, fused: bool = True) -> nn.Module:
+    """A `LoopedTransformer` of `cfg` on the meta device, no weight initialised; `fused`: with a file's
+    fused projections (`fuse_structure`). What the loader binds a file's tensors to."""
+    from .looped import LoopedTransformer
+
+    with torch.device("meta"), _SkipMetaInit():
+        model = LoopedTransformer(cfg)
+    if fused:
+        fuse_structure(model)
+    return model
+
 
 def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, device="meta")
+    with _SkipMetaInit():
+        return nn.Linear(in_features, out_features, bias=False, device="meta")
 
 
 def fuse_structure(model: nn.Module) -> int:

@@ -34,10 +34,9 @@ from .gptq import QuantSpec, format_report, quant_section, quantizable_linears, 
 def quantized_model(cfg, tensors: dict[str, torch.Tensor], quant: dict[str, Any], dtype: torch.dtype,
                     device: str | torch.device = "cpu") -> torch.nn.Module:
     """Build a quantized LoopedTransformer in memory from `quantize_model`'s tensors (what loading the file gives)."""
-    from ..model import LoopedTransformer
+    from ..model.fused import meta_model
 
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
+    model = meta_model(cfg, fused=False)  # the PyTorch definition's names, as `quantize_model` gives them
     name = {v: k for k, v in DTYPES.items()}[dtype]
     return load_quantized(model, dict(tensors), {"dtype": name, "quant": quant}, device=device).eval()
 
@@ -75,10 +74,9 @@ def streamed_model(path: Path, header: dict[str, Any], index: dict[str, Any], cf
     over `reader`, every other tensor a view of the mapped file. `calibrate`: ready for fp32 calibration
     passes (activations in fp32; norms and biases, a few vectors, in fp32; the embedding and head stay
     where they lie)."""
-    from ..model import LoopedTransformer
+    from ..model.fused import meta_model
 
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
+    model = meta_model(cfg, fused=False)
     for name, lin in quantizable_linears(model):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
