@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..model.fused import split_projections
 from ..quant.formats import is_quantizable, portable_tensors, quant_header
 from ..quant.gptq import gptq_quantize
 from ..quant.packing import QuantError, SUPPORTED_BITS, dequantize, quantize_rtn, resolve_group_size
@@ -204,7 +205,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     `StreamedLinear` switched to its codes (`use_quantized`). Each layer's file tensors go to `emit` as they
     are made (`emit` returns a reader of them: `tinyloop quantize` writes them to the output file at once
     and reads them back), by default into the returned dict. Returns (file tensors, header quant section,
-    report)."""
+    report). A loaded model's fused projections are split first, into row views (`split_projections`)."""
+    split_projections(model)
     spec.validate(model)
     if spec.method == "gptq" and calib is None:
         raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
