@@ -106,8 +106,8 @@ def relative_output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor)
 class _HessianCollector:
     """Forward pre-hooks summing x x^T of each watched linear's input: all loops, and loop 1 alone."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
-        self.model = model
+    def __init__(self, model: nn.Module, names: list[str], loop1: bool = True):
+        self.model, self.loop1 = model, loop1  # loop1: also sum loop 1's inputs alone (pointless with 1 loop)
         self.loop_idx: int | None = None
         self.H: dict[str, torch.Tensor] = {}
         self.H1: dict[str, torch.Tensor] = {}
@@ -124,7 +124,7 @@ class _HessianCollector:
                 self.n[name] = 0
             self.H[name] += xx
             self.n[name] += x.shape[0]
-            if self.loop_idx == 0:
+            if self.loop_idx == 0 and self.loop1:
                 self.H1[name] = self.H1.get(name, torch.zeros_like(xx)) + xx
                 self.n1[name] = self.n1.get(name, 0) + x.shape[0]
         return hook
@@ -132,7 +132,12 @@ class _HessianCollector:
     def hessian(self, name: str, loop1: bool = False) -> torch.Tensor:
         if loop1 and name in self.H1:
             return self.H1[name] / self.n1[name]
-        return self.H[name] / self.n[name]
+        return self.H[name] / self.n[name]  # (with one loop, loop 1's Hessian is this one)
+
+    def release(self, name: str) -> None:
+        """Drop a quantized layer's sums (a K x K double each: 0.25 GiB for a 5632-wide down projection)."""
+        for d in (self.H, self.H1):
+            d.pop(name, None)
 
     def close(self) -> None:
         for h in self.handles:
@@ -228,7 +233,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
         step_names = [n for u in step for n in u]
         collector = None
         if spec.method == "gptq":
-            collector = _HessianCollector(model, step_names)
+            collector = _HessianCollector(model, step_names, loop1=loops > 1)
             stage = "core" if step_names[0] == "adapter" else step_names[0].split(".")[0]
             try:
                 _calibration_pass(model, calib.to(device), loops, collector, stop_after=stage)
@@ -258,6 +263,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
                     row["err_all_loops_hessian"] = row["err_gptq"] if not use_loop1 else err_other
                     row["err_loop1_hessian"] = err_other if not use_loop1 else row["err_gptq"]
             del W
+            if collector is not None:
+                collector.release(name)
             read = emit(name, portable_tensors(name, q, s, z, bits))
             if fake_quantize or spec.method == "gptq":  # later units calibrate on the quantized weights
                 if isinstance(lin, StreamedLinear):
