@@ -37,7 +37,7 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
-from .modellayout import FUSED_VERSION, fused_modules, part_rows
+from .modellayout import FUSED_VERSION, fused_modules
 from .modelheader import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
                           MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
                           packaged_models, read_header, resolve_model_path, check_writable)

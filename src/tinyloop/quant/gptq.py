@@ -20,7 +20,6 @@ from .packing import minmax_params, quantize_with, resolve_group_size
 def inverse_hessian_factor(H: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor U of (H + damp I)^-1 (U^T U = H^-1): row i of U drives the update after column i."""
     H = H.double().clone()
-    K = H.shape[0]
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     damp = percdamp * torch.mean(torch.diag(H))
