@@ -186,9 +186,11 @@ def main() -> int:
             print(f"needs the peer packages: .venv/bin/pip install gguf llama-cpp-python ({exc})", file=sys.stderr)
             return 2
     from tinyloop.engine import Engine
+    from tinyloop.model.fused import split_projections
     from tinyloop.modelfile import load_model, resolve_model_path
 
     source = load_model(resolve_model_path("tinyloop-16m"), dtype=torch.float32).model
+    split_projections(source)  # GGUF names q, k, v, gate and up apart (row views of the fused weights)
     engines, specs = {}, {}
     for ex in ("native", "torch"):
         engines[f"fp16 {ex}"] = Engine.load("tinyloop-16m", draft_exit=False, executor=ex)

@@ -154,3 +154,33 @@ def shipped_float_model_path():
     if not path.exists():
         pytest.fail(f"the shipped fp16 model is missing at {path}")
     return path
+
+
+def edit_header(path, fn) -> None:
+    """Rewrite a model file with `fn` applied to its TinyLoop header (the tensors' bytes unchanged)."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    index = json.loads(raw[8:8 + n])
+    h = json.loads(index["__metadata__"]["tinyloop"])
+    fn(h)
+    index["__metadata__"]["tinyloop"] = json.dumps(h)
+    new = json.dumps(index).encode()
+    new += b" " * ((8 - len(new) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def write_legacy(path, tensors: dict, header: dict, tokenizer) -> None:
+    """A model file as TinyLoop wrote it before format version 2: every projection under the PyTorch
+    definition's names (`tensors` as a model's state dict or `quantize_model` gives them)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tinyloop.modelfile import TOKENIZER_TENSOR, tokenizer_blob
+
+    out = {k: v.detach().contiguous() for k, v in tensors.items()}
+    out[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer_blob(tokenizer)), dtype=torch.uint8)
+    save_file(out, str(path), metadata={"tinyloop": json.dumps({**header, "format_version": 1})})

@@ -255,7 +255,7 @@ def _quantize(args: argparse.Namespace) -> int:
                                calib_seq_len=args.calib_seq_len,
                                calib_val_fraction=args.calib_val_fraction,
                                head_bits=None if args.head_bits == 16 else args.head_bits,
-                               progress=not args.quiet and sys.stderr.isatty())  # no bar in a redirected log
+                               progress=not args.quiet)  # a bar on a terminal, a line per block in a log
     except (ModelFileError, QuantError) as exc:
         return _fail(str(exc))
     print(report["text"])
@@ -430,8 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the LM head: 8 (per channel) or 4 (the --group-size) quantizes it by round-to-nearest "
                          "beside the float embedding; 16 keeps the file's float head; default: %(default)s")
     qz.add_argument("--quiet", action="store_true",
-                    help="no progress bar (none is drawn when stderr is not a terminal)")
+                    help="no progress (a bar on a terminal; one line per block when stderr is redirected)")
     qz.set_defaults(func=_quantize)
+
+    from .tools.upgrade import add_command as add_upgrade  # torch is imported only to rewrite a file
+    add_upgrade(sub)
 
     td = sub.add_parser("train-draft", help="distil draft exits for self-speculation (docs/speculative.md)")
     td.add_argument("model", help="a float .tinyloop file (or packaged name) to distil from")

@@ -4,7 +4,7 @@ Layout: safetensors' own framing (8-byte header length, JSON tensor index, raw d
 `__metadata__["tinyloop"]` holding the header below, the model's tensors under their state-dict names,
 and the tokenizer's BPE ranks as the uint8 tensor `tokenizer.bpe_ranks`:
 
-    {"format": "tinyloop", "format_version": 1,
+    {"format": "tinyloop", "format_version": 2,
      "config": ModelConfig.to_dict(),
      "weights": {"dtype": "float16", "quant": {"method": "none", "bits": 16, "group_size": null,
                                                 "high_precision": []}},
@@ -13,6 +13,10 @@ and the tokenizer's BPE ranks as the uint8 tensor `tokenizer.bpe_ranks`:
         (or, for imported checkpoints: {"type": "hf-tokenizers", "tensor": ..., "eos_ids": [...], "eos_token":
          ..., "bos_token": ..., "chat_template": ..., "sha256": ...}: the tensor holds tokenizer.json)
      "provenance": {...}}
+
+Format version 2 stores q/k/v and gate/up fused, as the engine computes them (`modellayout`), and
+`load_model` binds the model to views of the mapped file: no weight is read or copied at load. A version 1
+file is fused in memory at each load, with a one-line notice; `tinyloop upgrade` rewrites it once.
 
 `load_model` checks the framing, the header and every tensor's name, shape and dtype before it builds
 anything, and raises `ModelFileError` naming the file and the exact problem.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +37,7 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .errors import ModelFileError
+from .modellayout import FUSED_VERSION, fused_modules
 from .modelheader import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
                           MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
                           packaged_models, read_header, resolve_model_path, check_writable)
@@ -40,6 +46,8 @@ from .version import __version__
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
+TORCH_DTYPES_BY_NAME = {**DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32,
+                        "int64": torch.int64, "int16": torch.int16}
 
 
 @dataclass
@@ -55,13 +63,14 @@ class LoadedModel:
         return self.model.cfg
 
 
-def expected_tensors(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) of every model tensor the header's config and weight format imply."""
-    from .model import LoopedTransformer
+def expected_tensors(cfg: ModelConfig, weights: dict[str, Any], version: int = FORMAT_VERSION
+                     ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of every model tensor the header's config, weight format and format version
+    imply (version 2 and later: projections fused, `modellayout`)."""
+    from .model.fused import meta_model
 
     dtype = weights.get("dtype")
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
+    model = meta_model(cfg, fused=version >= FUSED_VERSION)
     out = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()}
     quant = weights.get("quant") or {}
     if quant.get("method", "none") != "none":
@@ -109,7 +118,7 @@ def _check_header(path: Path, header: dict[str, Any], index: dict[str, Any]) -> 
     if weights.get("dtype") not in DTYPES:
         raise ModelFileError(path, f"unknown weight dtype {weights.get('dtype')!r}")
     try:
-        expected = expected_tensors(cfg, weights)
+        expected = expected_tensors(cfg, weights, header["format_version"])
     except ValueError as exc:  # quant.packing.QuantError: a quant section this version cannot read
         raise ModelFileError(path, f"bad quant section in header: {exc}") from None
     present = {k: v for k, v in index.items() if k != header["tokenizer"].get("tensor")}
@@ -167,22 +176,20 @@ def map_tensors(path: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-# -- public API ------------------------------------------------------------------------------
-def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load and check a model file (a path or packaged name, see `resolve_model_path`; default: the default
-    model), optionally casting floats to `dtype`."""
-    from .model import LoopedTransformer
+def fuse_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A version 1 file's tensors -> the version 2 names: each fused projection's parts concatenated by
+    rows (a copy); every other tensor as it is."""
+    out = dict(tensors)
+    for fused, parts in fused_modules(cfg).items():
+        for suffix in ("weight", "qweight", "scales", "zeros"):
+            names = [f"{part}.{suffix}" for part, _ in parts]
+            if all(n in out for n in names):
+                out[f"{fused}.{suffix}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
 
-    path = resolve_model_path(path)
-    if not path.exists() and path == packaged_model_path():
-        raise ModelFileError(path, "the default model is not installed with this package; pass --model PATH "
-                                   "or set TINYLOOP_MODEL_PATH (tinyloop init writes a random one for tests)")
-    header, index = read_header(path)
-    cfg = check_header(path, header, index)
-    tensors = map_tensors(path, index)
-    quant = header["weights"].get("quant") or {}
-    blob = tensors.pop(header["tokenizer"]["tensor"]).numpy().tobytes()
+
+def read_tokenizer(path: Path, header: dict[str, Any], blob: bytes, cfg: ModelConfig) -> Tokenizer | HFTokenizer:
+    """The tokenizer a checked file embeds (`blob`: its tokenizer tensor's bytes)."""
     tok_h = header["tokenizer"]
     if tok_h.get("sha256") and hashlib.sha256(blob).hexdigest() != tok_h["sha256"]:
         raise ModelFileError(path, "embedded tokenizer does not match its checksum (corrupt file)")
@@ -200,8 +207,31 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
             raise ModelFileError(path, f"embedded tokenizer has {tokenizer.vocab_size} tokens, the model only "
                                        f"{cfg.vocab_size}")
         tokenizer.pad_vocab(cfg.vocab_size)
-    with torch.device("meta"):
-        model = LoopedTransformer(cfg)
+    return tokenizer
+
+
+# -- public API ------------------------------------------------------------------------------
+def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load and check a model file (a path or packaged name, see `resolve_model_path`; default: the default
+    model), optionally casting floats to `dtype`."""
+    from .model.fused import meta_model
+
+    path = resolve_model_path(path)
+    if not path.exists() and path == packaged_model_path():
+        raise ModelFileError(path, "the default model is not installed with this package; pass --model PATH "
+                                   "or set TINYLOOP_MODEL_PATH (tinyloop init writes a random one for tests)")
+    header, index = read_header(path)
+    cfg = check_header(path, header, index)
+    tensors = map_tensors(path, index)
+    quant = header["weights"].get("quant") or {}
+    tokenizer = read_tokenizer(path, header, tensors.pop(header["tokenizer"]["tensor"]).numpy().tobytes(), cfg)
+    if header["format_version"] < FUSED_VERSION:
+        print(f"tinyloop: {path.name} has the format of an older TinyLoop (version {header['format_version']}): "
+              f"its projections are fused in memory at every load; `tinyloop upgrade {path}` rewrites it once",
+              file=sys.stderr)
+        tensors = fuse_tensors(tensors, cfg)
+    model = meta_model(cfg)  # the file's names: the model is bound to its tensors where they lie
     if quant.get("method", "none") != "none":
         from .quant.formats import load_quantized  # swaps in quantized linear modules
         model = load_quantized(model, tensors, header["weights"], device=device, dtype=dtype)
@@ -252,8 +282,9 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
     """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically: to a temporary
     file beside `path`, flushed to disk, then renamed over it. A failure (full disk, unwritable folder)
     raises ModelFileError naming the path and leaves neither a partial file nor the temporary one.
-    Each tensor is written from where it lies (`ModelFileWriter`): no serialised copy of the model is
-    built in memory."""
+    The file has the run-time layout (`modellayout`): tensors may come under the PyTorch definition's
+    names (a model trained or built in memory) or the fused ones (a loaded model); each part is written
+    at its rows (`ModelFileWriter`), from where it lies: no serialised copy of the model is built."""
     from .modelfile_writer import ModelFileWriter
 
     path = Path(path)
@@ -265,7 +296,11 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
         dtype = next(iter(tensors.values())).dtype
         header = make_header(model.cfg, dtype, tokenizer, provenance or {})
-    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    try:
+        layout = expected_tensors(ModelConfig.from_dict(header["config"]), header["weights"], header["format_version"])
+    except ValueError as exc:  # quant.packing.QuantError, ConfigError: a header this version could not read
+        raise ModelFileError(path, f"bad header: {exc}") from None
+    specs = {k: (shape, TORCH_DTYPES_BY_NAME[dt]) for k, (shape, dt) in layout.items()}
     with ModelFileWriter(path, specs, header, tokenizer_blob(tokenizer)) as writer:
         for name, t in tensors.items():
             writer.add(name, t)

@@ -7,6 +7,10 @@ conversion holds one tensor at a time, not the model. The result is the same saf
 (tensors contiguous, sorted by alignment then name; header padded to 8 bytes), written atomically: a
 temporary file beside the target, fsync, rename; on any failure (a full disk, a missing tensor) neither
 a partial file nor the temporary one is left.
+
+A file of the run-time layout (format version 2, `modellayout`) stores q/k/v and gate/up fused: `add`
+takes either the fused tensor or each of its parts under the PyTorch definition's name (`attn.wk.weight`,
+`attn.wk.qweight`, ...), written at its rows, so converting and quantizing never concatenate.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any
 
 import torch
 
+from .config import ModelConfig
 from .errors import ModelFileError
 from .modelheader import ITEM_BYTES, TOKENIZER_TENSOR
+from .modellayout import FUSED_VERSION, part_rows
 
 ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
             torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.int16: "I16"}
@@ -53,6 +59,12 @@ class ModelFileWriter:
         head += b" " * (-len(head) % 8)
         self.prefix = struct.pack("<Q", len(head)) + head
         self.total = len(self.prefix) + offset
+        fused = header.get("format_version", FUSED_VERSION) >= FUSED_VERSION and "config" in header
+        # part name -> (fused tensor, first row, rows); fused tensor -> its parts
+        self.parts = part_rows(ModelConfig.from_dict(header["config"]), specs) if fused else {}
+        self.parts_of: dict[str, list[str]] = {}
+        for part, (target, _, _) in self.parts.items():
+            self.parts_of.setdefault(target, []).append(part)
         self.written: set[str] = set()
         self._blob = tokenizer_blob
         self._f = None
@@ -60,7 +72,7 @@ class ModelFileWriter:
     def __enter__(self) -> "ModelFileWriter":
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.tmp, "wb")
+            self._f = open(self.tmp, "w+b")  # (read back: `read`)
             self._f.write(self.prefix)
             self._f.truncate(self.total)
         except OSError as exc:
@@ -69,11 +81,21 @@ class ModelFileWriter:
         self.add(TOKENIZER_TENSOR, torch.frombuffer(bytearray(self._blob), dtype=torch.uint8))
         return self
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        """Write one tensor (cast to its declared dtype) at its place in the file."""
-        if name not in self.spans:
+    def _span(self, name: str) -> tuple[int, int, tuple[int, ...], torch.dtype]:
+        """(start, end, shape, dtype) of a tensor of the file, or of a part of a fused one (its rows)."""
+        if name in self.spans:
+            return self.spans[name]
+        if name not in self.parts:
             raise ModelFileError(self.path, f"tensor {name!r} is not part of this file's layout")
-        start, end, shape, dtype = self.spans[name]
+        target, row, rows = self.parts[name]
+        start, end, shape, dtype = self.spans[target]
+        row_bytes = (end - start) // shape[0]
+        return start + row * row_bytes, start + (row + rows) * row_bytes, (rows, *shape[1:]), dtype
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Write one tensor (cast to its declared dtype) at its place in the file: a tensor of the layout,
+        or a part of a fused one."""
+        start, end, shape, dtype = self._span(name)
         if tuple(t.shape) != shape:
             raise ModelFileError(self.path, f"tensor {name!r} has shape {list(t.shape)}, the layout says "
                                             f"{list(shape)}")
@@ -86,11 +108,28 @@ class ModelFileWriter:
             raise ModelFileError(self.path, f"cannot write the model file: {exc.strerror or exc}") from None
         self.written.add(name)
 
+    def read(self, name: str) -> torch.Tensor:
+        """A tensor (or part) already written, read back from the file (a fresh tensor: the file's page
+        cache holds it, not this process)."""
+        start, end, shape, dtype = self._span(name)
+        try:
+            self._f.flush()
+            data = os.pread(self._f.fileno(), end - start, len(self.prefix) + start)
+        except OSError as exc:
+            self._abort()
+            raise ModelFileError(self.path, f"cannot read back the model file: {exc.strerror or exc}") from None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def complete(self) -> set[str]:
+        """The file's tensors written so far (a fused one once all its parts are)."""
+        done = self.written & set(self.spans)
+        return done | {t for t, parts in self.parts_of.items() if all(p in self.written for p in parts)}
+
     def __exit__(self, exc_type, exc_value, tb) -> None:
         if exc_type is not None:
             self._abort()
             return
-        missing = sorted(set(self.spans) - self.written)
+        missing = sorted(set(self.spans) - self.complete())
         if missing:
             self._abort()
             raise ModelFileError(self.path, f"tensor {missing[0]!r} was never written"

@@ -17,7 +17,8 @@ from .errors import ModelFileError
 from .version import __version__
 
 FORMAT = "tinyloop"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2           # what writers write: the run-time layout (`modellayout`)
+READ_VERSIONS = (1, 2)       # what loaders read: version 1 files are fused at load (`tinyloop upgrade`)
 TOKENIZER_TENSOR = "tokenizer.bpe_ranks"   # GPT-2 ranks or a tokenizer.json, by the header's tokenizer type
 TOKENIZER_TYPES = ("gpt2-bpe", "hf-tokenizers")
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
@@ -118,9 +119,10 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if header.get("format") != FORMAT:
         raise ModelFileError(path, f"not a .tinyloop file (format is {header.get('format')!r})")
     version = header.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise ModelFileError(path, f"unknown format version {version!r} (this TinyLoop {__version__} "
-                                   f"reads version {FORMAT_VERSION})")
+                                   f"reads versions {', '.join(map(str, READ_VERSIONS))}; a newer TinyLoop "
+                                   "wrote it?)")
     return header, index
 
 

@@ -146,7 +146,7 @@ def test_prepare_keeps_file_names_and_rejects_bad_mode(tiny_model_path):
 
     loaded = load_model(tiny_model_path)
     names = set(loaded.model.state_dict())
-    assert "core.0.attn.wq.weight" in names  # the file and the unprepared model keep their names
+    assert "core.0.attn.wqkv.weight" in names  # the loaded model has the file's (fused) names
     with pytest.raises(ValueError, match="weights must be one of"):
         prepare_for_decode(loaded.model, weights="int3")
 

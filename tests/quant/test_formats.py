@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from conftest import edit_header
 
 from tinyloop.cli import main
 from tinyloop.config import preset
@@ -42,7 +43,7 @@ def test_quantized_file_round_trips(tmp_path, tokenizer, method, bits):
     assert info["quant"] == f"int{bits}" and info["quant_method"] == method
 
     loaded = load_model(path)
-    lin = loaded.model.core[0].attn.wq
+    lin = loaded.model.core[0].attn.wqkv  # the file stores q/k/v fused, as the engine computes them
     assert isinstance(lin, QuantLinear) and lin.bits == bits
     assert loaded.model.embed.weight.dtype == torch.float32
     # the file's model computes what the in-memory fake-quantized model computes (bf16 activations aside)
@@ -75,7 +76,12 @@ def test_bad_requests_fail_clearly(tmp_path, tokenizer):
     # a header claiming 3 bits is a model-file error naming the problem
     tensors, quant, _ = quantize_model(model, QuantSpec(bits=4, group_size=32, method="rtn"), progress=False)
     header = make_header(CFG, torch.float32, tokenizer, {}, quant={**quant, "bits": 3})
-    path = write_model(tmp_path / "bad.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    with pytest.raises(ModelFileError, match="bits must be one of"):  # refused before writing anything
+        write_model(tmp_path / "bad.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    assert list(tmp_path.iterdir()) == []
+    path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors,
+                       header=make_header(CFG, torch.float32, tokenizer, {}, quant=quant))
+    edit_header(path, lambda h: h["weights"]["quant"].update(bits=3))
     with pytest.raises(ModelFileError, match="bits must be one of"):
         load_model(path)
 
@@ -160,6 +166,6 @@ def test_a_bad_quantized_head_in_a_header_is_refused(tmp_path, tokenizer):
     model = build_model(CFG, seed=0)
     tensors, quant, _ = quantize_model(model, QuantSpec(bits=4, group_size=32, method="rtn"), progress=False)
     header = make_header(CFG, torch.float32, tokenizer, {}, quant={**quant, "head": {"bits": 3}})
-    path = write_model(tmp_path / "bad-head.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
-    with pytest.raises(ModelFileError, match="bad quantized head"):
-        load_model(path)
+    with pytest.raises(ModelFileError, match="bad quantized head"):   # the writer checks the header it writes
+        write_model(tmp_path / "bad-head.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
+    assert not (tmp_path / "bad-head.tinyloop").exists()

@@ -84,21 +84,31 @@ def test_concat_fuses_exactly(bits, group, kernel):
     assert QuantLinear.concat([parts[0], other]) is None
 
 
-def test_quantized_model_fuses_projections_and_keeps_its_logits(tokenizer, tmp_path):
+def test_quantized_file_is_fused_and_keeps_its_logits(tokenizer, tmp_path, capfd):
+    """A quantized file stores q/k/v and gate/up fused (format 2) and loads them as they lie; a file of
+    format 1 is fused at load: both compute exactly what the separate quantized layers compute."""
+    from conftest import write_legacy
+
     from tinyloop.config import preset
     from tinyloop.model import build_model
     from tinyloop.model.fast import prepare_for_decode
     from tinyloop.modelfile import load_model, make_header, write_model
     from tinyloop.tools.gptq import QuantSpec, quantize_model
+    from tinyloop.tools.quantize import quantized_model
 
     cfg = preset("tiny").replace(vocab_size=512, eos_token_id=511, n_kv_heads=4)  # k, v: 64 rows each
     tensors, quant, _ = quantize_model(build_model(cfg, seed=0), QuantSpec(bits=4, group_size=32, method="rtn"),
                                        progress=False)
     header = make_header(cfg, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
     path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
-    plain, fast = load_model(path).model, prepare_for_decode(load_model(path).model, executor="torch")
-    assert fast.decode_prepared["fused"] == 2 * (cfg.n_prelude + cfg.n_core + cfg.n_coda)
-    assert isinstance(fast.core[0].attn.wqkv, QuantLinear) and isinstance(fast.core[0].mlp.w_gate_up, QuantLinear)
+    write_legacy(tmp_path / "old.tinyloop", tensors, header, tokenizer)
+    separate = quantized_model(cfg, tensors, quant, torch.float32)     # wq, wk, wv ... as quantized
+    fused = prepare_for_decode(load_model(path).model, executor="torch")
+    assert fused.decode_prepared["fused"] == 0  # nothing left to fuse: the file holds the fused layers
+    legacy = load_model(tmp_path / "old.tinyloop").model
+    assert "older TinyLoop (version 1)" in capfd.readouterr().err
     x = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        assert torch.equal(fast(x, 3), plain(x, 3))
+    for model in (fused, legacy):
+        assert isinstance(model.core[0].attn.wqkv, QuantLinear) and isinstance(model.core[0].mlp.w_gate_up, QuantLinear)
+        with torch.inference_mode():
+            assert torch.equal(model(x, 3), separate(x, 3))

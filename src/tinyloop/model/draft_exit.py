@@ -25,6 +25,7 @@ and tensors `d{d}.coda.{i}.<Block parameter>` and `d{d}.norm.weight`, one set pe
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -61,8 +62,12 @@ class DraftExit(nn.Module):
     @classmethod
     def from_model(cls, model: nn.Module) -> "DraftExit":
         """A fresh exit initialised as a copy of `model`'s coda and final norm (training starts here)."""
+        from .fused import split_projections
+
         ex = cls(model.cfg)
-        ex.coda.load_state_dict(model.coda.state_dict())
+        coda = copy.deepcopy(model.coda)  # a loaded model's projections are fused, as its file stores them
+        split_projections(coda)
+        ex.coda.load_state_dict(coda.state_dict())
         ex.norm.load_state_dict(model.norm.state_dict())
         return ex.to(next(model.parameters()).dtype)
 
@@ -154,7 +159,7 @@ def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
         ex.to(device=device, dtype=float_dtype).eval()
         for p in ex.parameters():
             p.requires_grad_(False)
-        if prepared.get("fused"):
+        if prepared and any(getattr(b.attn, "wqkv", None) is not None for b in model.coda):  # as the model's
             fuse_projections(ex)
         if weights == "fp16":
             swap_linears(ex, lambda name, lin: FP16Linear.from_linear(lin))

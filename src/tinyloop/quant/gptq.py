@@ -20,13 +20,14 @@ from .packing import minmax_params, quantize_with, resolve_group_size
 def inverse_hessian_factor(H: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor U of (H + damp I)^-1 (U^T U = H^-1): row i of U drives the update after column i."""
     H = H.double().clone()
-    K = H.shape[0]
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(K, dtype=H.dtype, device=H.device)
+    H.diagonal().add_(damp)
     L = torch.linalg.cholesky(H)
+    del H  # (K, K) doubles each: at most two alive (0.25 GiB each for an MLP's down projection at dim 5632)
     Hinv = torch.cholesky_inverse(L)
+    del L
     return torch.linalg.cholesky(Hinv, upper=True)
 
 
@@ -70,8 +71,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int |
         perm = torch.argsort(torch.diag(H), descending=True)
     else:
         perm = torch.arange(K, device=W.device)
-    W = W[:, perm]
-    U = inverse_hessian_factor(H[perm][:, perm], percdamp)
+    if act_order:  # (without it the order is the natural one: no permuted copies of W and H)
+        W, H = W[:, perm], H[perm][:, perm]
+    U = inverse_hessian_factor(H, percdamp)
+    del H
     Q = torch.zeros_like(W)
     for b0 in range(0, K, blocksize):
         b1 = min(b0 + blocksize, K)
@@ -93,6 +96,6 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int |
             W1[:, i + 1:] = column_update(W1[:, i + 1:], err, U[b0 + i, b0 + i + 1:b1])
             E1[:, i] = err
         W[:, b1:] = block_update(W[:, b1:], E1, U[b0:b1, b1:])
-    inv = torch.argsort(perm)
-    Q = Q[:, inv]
+    if act_order:
+        Q = Q[:, torch.argsort(perm)]
     return Q.to(torch.uint8), scales.half(), zeros.to(torch.uint8)

@@ -31,6 +31,7 @@ from .packing import dequantize, unpack
 
 KERNEL_DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 2e-2  # relative max error of a kernel against the dequantized reference (bf16 inputs)
+NATIVE_CHECK_ROWS = 64  # output rows of each layer the native kernels are checked on at load (see to_kernel_layout)
 
 
 def _int4_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -85,8 +86,7 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     "torch" (the device's torch kernel), "native", or "dense" (dequantized float32 weight: a reference path).
     """
     device = torch.device(device)
-    q = unpack(qweight, bits)                                  # (N, K) codes
-    N, K = q.shape
+    N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
     group_size = K // scales.shape[1]
     kind, bufs = "dense", {}
     if kernel == "auto" and device.type == "cpu" and _native_executor():
@@ -94,9 +94,20 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     if kernel == "native":
         if device.type != "cpu":
             raise ValueError("the native kernels run on the CPU")
+        # the portable tensors as they lie (views of a mapped file: nothing is copied), checked on their
+        # first rows: every output row is computed from its own codes alone, so a slice catches a wrong
+        # layout or instruction path without unpacking the whole layer at every load
         kind, bufs = "native", {"qweight": qweight.contiguous(), "scales": scales.contiguous(),
                                 "zeros": zeros.contiguous()}
-    elif kernel in ("auto", "torch"):
+        if check:
+            rows = min(N, NATIVE_CHECK_ROWS)
+            ok = _check_kernel(kind, {k: v[:rows] for k, v in bufs.items()}, group_size,
+                               dequantize(unpack(qweight[:rows], bits), scales[:rows], zeros[:rows]), device)
+            if not ok:
+                kind, bufs = "dense", {}
+        check = False
+    q = unpack(qweight, bits) if kind != "native" else None    # (N, K) codes
+    if kernel in ("auto", "torch"):
         try:
             if bits in (2, 4) and device.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_int4_codes(q, bits), 1)
@@ -115,24 +126,32 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         except (RuntimeError, NotImplementedError) as exc:
             warnings.warn(f"no {bits}-bit kernel for {N}x{K} on {device.type} ({exc}); using a dense weight")
             kind, bufs = "dense", {}
-    if kind != "dense" and check:
-        w_ref = dequantize(q, scales, zeros).to(device)
-        probe = torch.randn(2, K, generator=torch.Generator().manual_seed(0)).to(device, KERNEL_DTYPE)
-        try:
-            got = _kernel_call(kind, probe, bufs, group_size).float()
-            ref = probe.float() @ w_ref.t()
-            bad = not torch.isfinite(got).all() or \
-                (got - ref).abs().max() > CHECK_TOLERANCE * ref.abs().max().clamp_min(1e-6)
-        except (RuntimeError, NotImplementedError) as exc:
-            bad = True
-            warnings.warn(f"{kind} kernel failed on {device.type}: {exc}")
-        if bad:
-            warnings.warn(f"{kind} kernel disagrees with the dequantized weights on {device.type}; "
-                          f"using a dense weight for this {N}x{K} layer")
-            kind, bufs = "dense", {}
+    if kind != "dense" and check and not _check_kernel(kind, bufs, group_size, dequantize(q, scales, zeros), device):
+        kind, bufs = "dense", {}
     if kind == "dense":
+        q = unpack(qweight, bits) if q is None else q
         bufs = {"w": dequantize(q, scales, zeros, torch.float32).to(device)}
     return kind, bufs
+
+
+def _check_kernel(kind: str, bufs: dict[str, torch.Tensor], group_size: int, w_ref: torch.Tensor,
+                  device: torch.device) -> bool:
+    """Whether the kernel `kind` over `bufs` computes x w_ref^T (within CHECK_TOLERANCE) on a random probe;
+    warns (a dense weight is used instead) when it does not."""
+    N, K = w_ref.shape
+    probe = torch.randn(2, K, generator=torch.Generator().manual_seed(0)).to(device, KERNEL_DTYPE)
+    try:
+        got = _kernel_call(kind, probe, bufs, group_size).float()
+        ref = probe.float() @ w_ref.to(device).t()
+        bad = not torch.isfinite(got).all() or \
+            (got - ref).abs().max() > CHECK_TOLERANCE * ref.abs().max().clamp_min(1e-6)
+    except (RuntimeError, NotImplementedError) as exc:
+        bad = True
+        warnings.warn(f"{kind} kernel failed on {device.type}: {exc}")
+    if bad:
+        warnings.warn(f"{kind} kernel disagrees with the dequantized weights on {device.type}; "
+                      f"using a dense weight for this {N}x{K} layer")
+    return not bad
 
 
 class QuantLinear(nn.Module):

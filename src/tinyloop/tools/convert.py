@@ -29,6 +29,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..modelfile import DTYPES, expected_tensors, make_header, tokenizer_blob
 from ..modelfile_writer import ModelFileWriter
+from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 
@@ -289,14 +290,16 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
         raise ConvertError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                            f"{cfg.vocab_size}")
     torch_dtype = DTYPES[dtype]
-    expected = expected_tensors(cfg, {"dtype": dtype})
+    expected = expected_tensors(cfg, {"dtype": dtype}, SEPARATE_VERSION)  # what the checkpoint's names map to
     header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
                                                        "source_dtype": hf.get("torch_dtype"),
                                                        "converter_version": __version__, **(provenance or {})})
     files = shard_files(src)
     # Streamed: the file's layout is known from the config, so each tensor is cast and written at its place
     # as it is read (one tensor in memory at a time, one shard mapped), then the file is moved into place.
-    with ModelFileWriter(out, {k: (shape, torch_dtype) for k, (shape, _) in expected.items()}, header,
+    # The file has the run-time layout (q/k/v and gate/up fused): the writer puts each projection at its rows.
+    layout = expected_tensors(cfg, {"dtype": dtype})
+    with ModelFileWriter(out, {k: (shape, torch_dtype) for k, (shape, _) in layout.items()}, header,
                          tokenizer_blob(tokenizer)) as writer:
         def emit(name: str, t: torch.Tensor) -> None:
             if name not in expected:

@@ -15,14 +15,18 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from ..model.fused import split_projections
 from ..quant.formats import is_quantizable, portable_tensors, quant_header
 from ..quant.gptq import gptq_quantize
 from ..quant.packing import QuantError, SUPPORTED_BITS, dequantize, quantize_rtn, resolve_group_size
+from ..quant.streamed import Reader, StreamedLinear
+
+Emit = Callable[[str, dict[str, torch.Tensor]], Reader]  # (layer, its file tensors) -> reads them back
 
 
 @dataclass
@@ -53,9 +57,14 @@ class QuantSpec:
             resolve_group_size(self.bits, self.group_size, mod.in_features, name)
 
 
-def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each linear to quantize: a plain `nn.Linear`, or a `StreamedLinear` (read from a file)."""
     return [(n, m) for n, m in model.named_modules()
-            if type(m) is nn.Linear and is_quantizable(f"{n}.weight", tuple(m.weight.shape))]
+            if type(m) in (nn.Linear, StreamedLinear) and is_quantizable(f"{n}.weight", (m.out_features, m.in_features))]
+
+
+def _float_weight(lin: nn.Module) -> torch.Tensor:
+    return lin.float_weight() if isinstance(lin, StreamedLinear) else lin.weight.detach().float()
 
 
 def blocks(model: nn.Module) -> list[list[list[str]]]:
@@ -97,8 +106,8 @@ def relative_output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor)
 class _HessianCollector:
     """Forward pre-hooks summing x x^T of each watched linear's input: all loops, and loop 1 alone."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
-        self.model = model
+    def __init__(self, model: nn.Module, names: list[str], loop1: bool = True):
+        self.model, self.loop1 = model, loop1  # loop1: also sum loop 1's inputs alone (pointless with 1 loop)
         self.loop_idx: int | None = None
         self.H: dict[str, torch.Tensor] = {}
         self.H1: dict[str, torch.Tensor] = {}
@@ -115,7 +124,7 @@ class _HessianCollector:
                 self.n[name] = 0
             self.H[name] += xx
             self.n[name] += x.shape[0]
-            if self.loop_idx == 0:
+            if self.loop_idx == 0 and self.loop1:
                 self.H1[name] = self.H1.get(name, torch.zeros_like(xx)) + xx
                 self.n1[name] = self.n1.get(name, 0) + x.shape[0]
         return hook
@@ -123,7 +132,12 @@ class _HessianCollector:
     def hessian(self, name: str, loop1: bool = False) -> torch.Tensor:
         if loop1 and name in self.H1:
             return self.H1[name] / self.n1[name]
-        return self.H[name] / self.n[name]
+        return self.H[name] / self.n[name]  # (with one loop, loop 1's Hessian is this one)
+
+    def release(self, name: str) -> None:
+        """Drop a quantized layer's sums (a K x K double each: 0.25 GiB for a 5632-wide down projection)."""
+        for d in (self.H, self.H1):
+            d.pop(name, None)
 
     def close(self) -> None:
         for h in self.handles:
@@ -154,7 +168,8 @@ def _calibration_pass(model: nn.Module, calib: torch.Tensor, loops: int, collect
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
+    """A bar on a terminal; None elsewhere (a redirected log gets one line per block, `_log_block`)."""
+    if not enabled or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -163,13 +178,40 @@ def _progress(total: int, desc: str, enabled: bool):
         return None
 
 
+def _log_block(enabled: bool, desc: str, i: int, n: int, names: list[str], t0: float) -> None:
+    if enabled and not sys.stderr.isatty():
+        block = names[0].rsplit(".", 2)[0] if "." in names[0] else names[0]
+        print(f"{desc}: step {i}/{n} ({block}) done at {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
+
+
+def quant_section(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None) -> dict[str, Any]:
+    """The header's quant section `quantize_model` will produce, known before any layer is quantized (a
+    streamed output file lays out its header first)."""
+    quantized = {n for n, _ in quantizable_linears(model)}
+    high_precision = [k for k in model.state_dict() if k[: -len(".weight")] not in quantized]
+    extra: dict[str, Any] = {}
+    if spec.method == "gptq":
+        extra = {"calibration": {"tokens": int(calib.numel()), "seq_len": int(calib.shape[1]),
+                                 "loops": spec.loops or model.cfg.default_loops,
+                                 "hessian": "sum over all loops" if spec.hessian == "all" else "loop 1 only",
+                                 "percdamp": spec.percdamp, "blocksize": spec.blocksize,
+                                 "sequential": spec.sequential}}
+    return quant_header(spec.method, spec.bits, spec.group_size, act_order=spec.act_order,
+                        high_precision=high_precision, **extra)
+
+
 def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None = None, *,
-                   progress: bool = True, fake_quantize: bool = True
+                   progress: bool = True, fake_quantize: bool = True, emit: Emit | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Quantize every block linear of `model` (a float LoopedTransformer; its linears are overwritten with
-    their dequantized weights: always with GPTQ, with RTN unless `fake_quantize=False`, which only reads
-    them, one layer at a time, so a model mapped from its file is never copied). Returns (file tensors,
-    header quant section, report)."""
+    """Quantize every block linear of `model` (a float LoopedTransformer, with the PyTorch definition's
+    separate projections). Later blocks see the quantized weights: an `nn.Linear` is overwritten with its
+    dequantized weights (always with GPTQ, with RTN unless `fake_quantize=False`, which only reads them), a
+    `StreamedLinear` switched to its codes (`use_quantized`). Each layer's file tensors go to `emit` as they
+    are made (`emit` returns a reader of them: `tinyloop quantize` writes them to the output file at once
+    and reads them back), by default into the returned dict. Returns (file tensors, header quant section,
+    report). A loaded model's fused projections are split first, into row views (`split_projections`)."""
+    split_projections(model)
     spec.validate(model)
     if spec.method == "gptq" and calib is None:
         raise QuantError("GPTQ needs calibration text: pass --calib FILE (RTN needs none)")
@@ -178,24 +220,28 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     names = [n for u in units(model) for n in u]
     core_names = {n for n in names if n.startswith("core.") or n == "adapter"}
     out: dict[str, torch.Tensor] = {}
+    if emit is None:
+        def emit(name: str, tensors: dict[str, torch.Tensor]) -> Reader:
+            out.update(tensors)
+            return out.__getitem__
     report: dict[str, Any] = {"method": spec.method, "bits": bits, "group_size": G, "layers": []}
     t0 = time.perf_counter()
     bar = _progress(len(names), f"{spec.method} int{bits}", progress)
     device = next(model.parameters()).device
     steps = blocks(model) if spec.sequential == "block" else [[u] for u in units(model)]
-    for step in steps:
+    for i_step, step in enumerate(steps):
         step_names = [n for u in step for n in u]
         collector = None
         if spec.method == "gptq":
-            collector = _HessianCollector(model, step_names)
+            collector = _HessianCollector(model, step_names, loop1=loops > 1)
             stage = "core" if step_names[0] == "adapter" else step_names[0].split(".")[0]
             try:
                 _calibration_pass(model, calib.to(device), loops, collector, stop_after=stage)
             finally:
                 collector.close()
         for name in step_names:
-            lin: nn.Linear = model.get_submodule(name)
-            W = lin.weight.detach().float()
+            lin = model.get_submodule(name)
+            W = _float_weight(lin)
             row: dict[str, Any] = {"name": name, "shape": list(W.shape)}
             if spec.method == "rtn":
                 q, s, z = quantize_rtn(W, bits, G)
@@ -216,28 +262,26 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
                     err_other = relative_output_error(W, dequantize(q2, s2, z2), H_all)
                     row["err_all_loops_hessian"] = row["err_gptq"] if not use_loop1 else err_other
                     row["err_loop1_hessian"] = err_other if not use_loop1 else row["err_gptq"]
-            out.update(portable_tensors(name, q, s, z, bits))
-            if fake_quantize or spec.method == "gptq":
-                with torch.no_grad():  # later units calibrate on the quantized weights
-                    lin.weight.copy_(dequantize(q, s, z, lin.weight.dtype))
+            del W
+            if collector is not None:
+                collector.release(name)
+            read = emit(name, portable_tensors(name, q, s, z, bits))
+            if fake_quantize or spec.method == "gptq":  # later units calibrate on the quantized weights
+                if isinstance(lin, StreamedLinear):
+                    lin.use_quantized(bits, read)
+                else:
+                    with torch.no_grad():
+                        lin.weight.copy_(dequantize(q, s, z, lin.weight.dtype))
             report["layers"].append(row)
             if bar is not None:
                 bar.update(1)
+        _log_block(progress, f"{spec.method} int{bits}", i_step + 1, len(steps), step_names, t0)
     if bar is not None:
         bar.close()
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    quantized = set(names)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-             if k[: -len(".weight")] not in quantized}
-    high_precision = sorted(state)
-    out.update(state)
-    extra: dict[str, Any] = {}
-    if spec.method == "gptq":
-        extra = {"calibration": {"tokens": int(calib.numel()), "seq_len": int(calib.shape[1]), "loops": loops,
-                                 "hessian": "sum over all loops" if spec.hessian == "all" else "loop 1 only",
-                                 "percdamp": spec.percdamp, "blocksize": spec.blocksize,
-                                 "sequential": spec.sequential}}
-    quant = quant_header(spec.method, bits, G, act_order=spec.act_order, high_precision=high_precision, **extra)
+    quant = quant_section(model, spec, calib)
+    out.update({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+                if k in quant["high_precision"]})
     core_rows = [r for r in report["layers"] if "err_loop1_hessian" in r]
     if core_rows:
         report["core_hessian"] = {
