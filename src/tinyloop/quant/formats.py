@@ -148,7 +148,12 @@ def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], weights: 
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
     if head_parts is not None:   # logits() reads it; head_weight (float) stays for lookups and draft heads
-        model.head_linear = QuantLinear.from_portable(*head_parts, head[0], device)
+        # the torch kernels take bf16 activations, whose rounding depends on the rows of a call: a head must
+        # score one row and a verification batch alike (speculation equals plain greedy), so without the
+        # native kernels the head runs on its dequantized weight
+        from .linear import _native_executor
+        kernel = "auto" if torch.device(device).type == "cpu" and _native_executor() else "dense"
+        model.head_linear = QuantLinear.from_portable(*head_parts, head[0], device, kernel=kernel)
     return model.to(device)
 
 
