@@ -132,12 +132,18 @@ def test_timeouts(tiny_model_path):
         for route, base in (("/v1/completions", TEXT), ("/generate", {"prompt": "x"})):
             err = assert_error(post(srv, route, {**base, "timeout_s": 5e-324}), 400, "timeout_s")
             assert "0.001" in err["message"]
-        busy = threading.Thread(target=post, args=(srv, "/generate", {"prompt": "x", "max_tokens": 200}))
+        batch = srv.app.state.tl.worker.batch
+        step = batch.step
+        batch.step = lambda: (time.sleep(0.01), step())   # 200 steps outlast the wait below on any host
+        done = []
+        busy = threading.Thread(target=lambda: done.append(post(srv, "/v1/completions",
+                                                                {**TEXT, "max_tokens": 200, "ignore_eos": True})))
         busy.start()   # holds the only place in the batch
         time.sleep(0.3)
         err = assert_error(post(srv, "/v1/completions", {**TEXT, "timeout_s": 0.05}), 408, "timeout_s")
         assert err["code"] == "timeout" and err["type"] == "invalid_request_error"
         busy.join()
+        assert done[0].status_code == 200 and done[0].json()["usage"]["completion_tokens"] == 200
 
 
 class _NoReplicaYet(EngineWorker):
