@@ -99,6 +99,7 @@ def test_engine_thread_failure_is_503_on_health_and_ends_requests(tiny_model_pat
             if broken.is_set():
                 raise MemoryError("injected engine thread failure")
             started.set()
+            time.sleep(0.005)  # 200 steps outlast the wait below however fast the executor is
             return real(self)
 
         monkeypatch.setattr(BatchEngine, "step", step)
