@@ -144,9 +144,19 @@ def exact_activations(monkeypatch):
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")
 
 
+@pytest.fixture(params=["dot", "panel"])
+def matmul_path(request):
+    """Both multi-row matmul paths: the dot-product tiles, and the outer-product panels (which take 8 rows
+    and more by default; here every call, so that a step's few rows and the head exercise them)."""
+    lib = kernels.load()
+    old = lib.tl_set_panel_min_rows(1 if request.param == "panel" else 1 << 30)
+    yield request.param
+    lib.tl_set_panel_min_rows(old)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "int4", "int2"])
-def test_native_step_equals_pytorch(name, weights):
+def test_native_step_equals_pytorch(name, weights, matmul_path):
     ref, nat = make_pair(CONFIGS[name], weights)
     check(*one_step(ref, nat))
 
@@ -316,7 +326,7 @@ def _with_head(model, w: torch.Tensor):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny", "ouro-like"])
 @torch.inference_mode()
-def test_native_head_and_greedy_tokens(name, dtype):
+def test_native_head_and_greedy_tokens(name, dtype, matmul_path):
     """The final norm and LM head natively (`logits`, and the argmax fused into it: `greedy_tokens`) against
     PyTorch with the same weights in fp32, several rows at once, the head read in its own dtype."""
     ref = varied_model(CONFIGS[name], seed=3).eval()
@@ -350,7 +360,7 @@ def test_native_argmax_ties_and_nan_follow_torch():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @torch.inference_mode()
-def test_native_quantized_head(bits):
+def test_native_quantized_head(bits, matmul_path):
     """A quantized LM head (`tinyloop quantize --head-bits`) runs natively: logits equal the dequantized
     head's in fp32 (fp32 activations here), and greedy tokens are their argmax."""
     from tinyloop.quant.formats import quantize_head
@@ -367,3 +377,33 @@ def test_native_quantized_head(bits):
     lr, ln = ref.logits(x), nat.logits(x)
     assert (lr - ln).abs().max().item() <= 1e-4
     assert nat.greedy_tokens(x) == lr.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "int4", "int2"])
+@torch.inference_mode()
+def test_native_linear_every_row_count(weights):
+    """One linear layer over 1 .. 40 input rows (a decode batch, a head over it, a prefill chunk), on 1 and 2
+    threads: the dot-product tiles below 8 rows and the outer-product panels from 8 (a remainder of rows
+    and of weight rows included) agree with the layer in fp32."""
+    from tinyloop.kernels.executor import _forward, linear_desc
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(101, 96, generator=g) * 0.1     # 101 outputs: not a multiple of the 6-row micro-tiles
+    if weights.startswith("int"):
+        bits = int(weights[3:])
+        q, sc, z = quantize_rtn(w, bits, None if bits == 8 else 32)
+        ref_w = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float()
+        lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    else:
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[weights]
+        ref_w = w.to(dt).float()
+        lin = nn.Linear(96, 101, bias=False)
+        lin.weight.data = w.to(dt)
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    for m in (1, 3, 7, 8, 13, 16, 17, 40):
+        x = torch.randn(m, 96, generator=g)
+        ref = x @ ref_w.t()
+        for threads in (1, 2):
+            got = _forward(desc, x, threads)
+            assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
