@@ -223,14 +223,29 @@ void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const floa
     }
 }
 
+// the int8 scale of 32 activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
+static inline float q8_scale(const float* v, float* id) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    const float d = amax / 127.f;
+    *id = d > 0 ? 1.f / d : 0.f;
+    return d;
+}
+
+// 32 activations -> round(v / d) * d, what the integer dot products compute with
+static inline void q8_roundtrip(const float* v, float* out) {
+    float id;
+    const float d = q8_scale(v, &id);
+    for (int i = 0; i < 32; ++i) out[i] = nearbyintf(v[i] * id) * d;
+}
+
 // x (m, k) -> int8 codes (m, k) in the nibble order, scales d and code sums per 32 columns (m, k / 32)
 void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs) {
     for (int r = 0; r < m; ++r)
         for (int b = 0; b < K / 32; ++b) {
             const float* v = x + (int64_t)r * K + b * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-            const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            float id;
+            const float d = q8_scale(v, &id);
             int8_t* q = xq + (int64_t)r * K + b * 32;
             int sum = 0;
             for (int j = 0; j < 16; ++j) {
@@ -368,10 +383,19 @@ void panel_rows_all(const tl_linear* L, const float* x, int m, float* y, int ldy
             for (int k = 0; k < K; ++k) xt[(size_t)k * MP + r] = x[(int64_t)r * K + k];
     } else {   // the permuted column order the dequantized weights come in
         const int per = 8 / bits_of(L->kind), chunk = TL_W * per;
-        for (int r = 0; r < m; ++r)
+        thread_local std::vector<float> xr;
+        xr.resize(K);
+        for (int r = 0; r < m; ++r) {
+            const float* src = x + (int64_t)r * K;
+            if (L->act_q8) {   // the int8 activations the integer kernels use, as floats: a row's result
+                for (int b = 0; b < K / 32; ++b)   // does not depend on how many rows share the call
+                    q8_roundtrip(src + b * 32, xr.data() + b * 32);
+                src = xr.data();
+            }
             for (int c0 = 0; c0 < K; c0 += chunk)
                 for (int i = 0; i < per; ++i)
-                    for (int j = 0; j < TL_W; ++j) xt[(size_t)(c0 + i * TL_W + j) * MP + r] = x[(int64_t)r * K + c0 + per * j + i];
+                    for (int j = 0; j < TL_W; ++j) xt[(size_t)(c0 + i * TL_W + j) * MP + r] = src[c0 + per * j + i];
+        }
     }
     constexpr int PCHUNK = 8 * PNR;
     const float* xtp = xt.data();   // (a thread_local is not captured: each thread would see its own)
