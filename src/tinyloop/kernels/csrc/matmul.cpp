@@ -15,6 +15,9 @@
 namespace {
 constexpr int CHUNK = 32;   // output rows per unit of work the threads share
 constexpr int PF = 4;       // float weights: prefetch this many tiles ahead
+#ifndef Q4_NR1
+#define Q4_NR1 4            // int4 x int8, one input row: weight rows at a time
+#endif
 static inline vf load_w(int kind, const void* w, int64_t i) {
     if (kind == TL_F32) return vload((const float*)w + i);
     if (kind == TL_F16) return vload_f16((const uint16_t*)w + i);
@@ -191,36 +194,66 @@ void quant_rows(const tl_linear* L, const float* xp, const float* xs, int m, flo
 #if TL_SIMD
 // int4 weights against int8 activations (llama.cpp's q4 x q8 idea on the portable layout): per 32 columns,
 // x is quantized to q = round(x / d) with d = max|x| / 127 and stored evens first, then odds, to meet
-// the low and high nibbles of the 16 code bytes; sum_k (c - z) s x ~= s d (sum_k c q - z sum_k q).
-template <int MR>
-void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, float* y, int ldy,
+// the low and high nibbles of the 16 code bytes; then
+//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} c q) - sum_g s_g z_g X_g,
+// X_g = sum_{b in g} d_b sum_{k in b} q (per input row, shared by every weight row). MR input rows against NR
+// weight rows at a time: a block of codes is unpacked once for MR rows, a block of x loaded once for NR.
+template <int MR, int NR>
+void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
                int n0, int n1) {
     const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
     const uint8_t* codes = (const uint8_t*)L->w;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int n = n0; n < n1; ++n) {
-        __m256 acc[MR];
-        float corr[MR];
-        for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
-        const uint8_t* qrow = codes + (int64_t)n * (K / 2);
-        _mm_prefetch((const char*)(qrow + 2 * (K / 2)), _MM_HINT_T0);
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        __m256 tot[MR][NR];
+        float corr[MR][NR];
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) { tot[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
         for (int g = 0; g < NG; ++g) {
-            const float s = f16_to_f32(L->scales[(int64_t)n * NG + g]);
-            const float z = (float)L->zeros[(int64_t)n * NG + g];
+            __m256 ga[MR][NR];
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
             for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
-                const __m128i raw = _mm_loadu_si128((const __m128i*)(qrow + b * 16));
-                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+                __m256i w[NR];
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(codes + (int64_t)(n + j) * (K / 2) + b * 16));
+                    w[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+                }
+#pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) {
                     const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-                    const float sd = s * xd[(int64_t)r * NB + b];
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[r]);
-                    corr[r] += sd * z * xs[(int64_t)r * NB + b];
+                    const __m256 d = _mm256_broadcast_ss(xd + (int64_t)r * NB + b);
+#pragma GCC unroll 4
+                    for (int j = 0; j < NR; ++j) {
+                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), ones);
+                        ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, ga[r][j]);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) {
+                const float sc = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
+                const float sz = sc * (float)L->zeros[(int64_t)(n + j) * NG + g];
+                const __m256 vs = _mm256_set1_ps(sc);
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    tot[r][j] = _mm256_fmadd_ps(ga[r][j], vs, tot[r][j]);
+                    corr[r][j] += sz * X[(int64_t)r * NG + g];
                 }
             }
         }
-        for (int r = 0; r < MR; ++r) y[(int64_t)r * ldy + n] = vsum(acc[r]) - corr[r];
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
     }
+    if (NR > 1 && n < n1) q4q8_tile<MR, 1>(L, xq, xd, X, y, ldy, n, n1);
 }
 
 // the int8 scale of 32 activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
@@ -259,22 +292,16 @@ void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs)
         }
 }
 
-void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* xs, int m, float* y, int ldy,
+void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
                int n0, int n1) {
-    const int K = L->k, NB = K / 32;
+    const int K = L->k, NB = K / 32, NG = K / L->group;
     int mt = 0;
-    for (; mt + 4 <= m; mt += 4)
-        q4q8_tile<4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, xs + (int64_t)mt * NB, y + (int64_t)mt * ldy, ldy, n0, n1);
-    const int8_t* q = xq + (int64_t)mt * K;
-    const float* d = xd + (int64_t)mt * NB;
-    const float* s = xs + (int64_t)mt * NB;
-    float* yt = y + (int64_t)mt * ldy;
-    switch (m - mt) {
-        case 1: q4q8_tile<1>(L, q, d, s, yt, ldy, n0, n1); break;
-        case 2: q4q8_tile<2>(L, q, d, s, yt, ldy, n0, n1); break;
-        case 3: q4q8_tile<3>(L, q, d, s, yt, ldy, n0, n1); break;
-        default: break;
-    }
+    for (; mt + 2 <= m; mt += 2)
+        q4q8_tile<2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
+                        ldy, n0, n1);
+    if (mt < m)
+        q4q8_tile<1, Q4_NR1>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
+                             y + (int64_t)mt * ldy, ldy, n0, n1);
 }
 #endif
 
@@ -439,9 +466,17 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
         int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
         float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
         float* xs = xd + (int64_t)m * (L->k / 32);
+        float* X = xs + (int64_t)m * (L->k / 32);           // then m * k / group (<= m * k / 32) floats
         quantize_q8(x, m, L->k, xq, xd, xs);
+        const int NB = L->k / 32, NG = L->k / L->group, BPG = L->group / 32;
+        for (int r = 0; r < m; ++r)
+            for (int g = 0; g < NG; ++g) {
+                float t = 0.f;
+                for (int b = g * BPG; b < (g + 1) * BPG; ++b) t += xd[(int64_t)r * NB + b] * xs[(int64_t)r * NB + b];
+                X[(int64_t)r * NG + g] = t;
+            }
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
-            q4q8_rows(L, xq, xd, xs, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            q4q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
         });
         return;
     }
