@@ -409,8 +409,9 @@ def test_native_linear_every_row_count(weights):
             assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, None)])
 @torch.inference_mode()
-def test_int8_activations_do_not_depend_on_the_batch(monkeypatch):
+def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     """With int8 activations, a row's result is the same (to fp32 rounding) alone and in a batch of 16 that
     takes the outer-product path: the panel computes with the same rounded activations. Otherwise a batched
     or verified row would differ from a lone one by the quantization error, and greedy speculation or
@@ -419,15 +420,16 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch):
 
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
     w = torch.randn(70, 256, generator=torch.Generator().manual_seed(0)) * 0.05
-    q, sc, z = quantize_rtn(w, 4, 32)
-    lin = QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="native")
+    q, sc, z = quantize_rtn(w, bits, group)
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
     keep: list = []
     desc = linear_desc(lin, keep)
     assert desc.act_q8
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
     batch = _forward(desc, x, 2)
     alone = torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(16)])
-    exact = x @ QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.float().t()
+    exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
     scale = exact.abs().max().item()
+    assert (batch - exact).abs().max().item() < 2e-2 * scale
     assert (batch - alone).abs().max().item() <= 1e-5 * scale
     assert (batch - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded

@@ -34,8 +34,8 @@ class Unsupported(ValueError):
 
 
 def q8_activations() -> bool:
-    """Whether int4 layers quantize their activations to int8 for integer dot products (llama.cpp's q4 x q8;
-    `TINYLOOP_NATIVE_Q8=0` keeps fp32 activations, exact to the dequantized weights)."""
+    """Whether int8 and int4 layers quantize their activations to int8 for integer dot products (llama.cpp's
+    q4 x q8 and q8 x q8; `TINYLOOP_NATIVE_Q8=0` keeps fp32 activations, exact to the dequantized weights)."""
     v = os.environ.get("TINYLOOP_NATIVE_Q8", "1").strip().lower()
     if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"TINYLOOP_NATIVE_Q8 must be 1 or 0, got {v!r}")
@@ -82,7 +82,9 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
     d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
     d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
-    d.act_q8 = int(d.kind == L.TL_Q4 and q8_activations())
+    # int8 and int4 weights take int8 activations per 32 columns (integer dot products), where the groups
+    # are whole 32s
+    d.act_q8 = int(d.kind in (L.TL_Q8, L.TL_Q4) and d.group % 32 == 0 and d.k % 32 == 0 and q8_activations())
     keep.append(w)
     if d.k % 8:
         raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")

@@ -272,8 +272,9 @@ static inline void q8_roundtrip(const float* v, float* out) {
     for (int i = 0; i < 32; ++i) out[i] = nearbyintf(v[i] * id) * d;
 }
 
-// x (m, k) -> int8 codes (m, k) in the nibble order, scales d and code sums per 32 columns (m, k / 32)
-void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs) {
+// x (m, k) -> int8 codes (m, k), scales d and code sums per 32 columns (m, k / 32); `nibbles`: each 32 in the
+// nibble order above (int4 weights), else in column order (int8 weights)
+void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs, bool nibbles) {
     for (int r = 0; r < m; ++r)
         for (int b = 0; b < K / 32; ++b) {
             const float* v = x + (int64_t)r * K + b * 32;
@@ -283,13 +284,87 @@ void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs)
             int sum = 0;
             for (int j = 0; j < 16; ++j) {
                 const int e = (int)nearbyintf(v[2 * j] * id), o = (int)nearbyintf(v[2 * j + 1] * id);
-                q[j] = (int8_t)e;
-                q[16 + j] = (int8_t)o;
+                q[nibbles ? j : 2 * j] = (int8_t)e;
+                q[nibbles ? 16 + j : 2 * j + 1] = (int8_t)o;
                 sum += e + o;
             }
             xd[(int64_t)r * (K / 32) + b] = d;
             xs[(int64_t)r * (K / 32) + b] = (float)sum;
         }
+}
+
+// int8 weights (codes c, zero z) against int8 activations: c - 128 fits a signed byte, and maddubs takes
+// |c - 128| (unsigned) against q with the sign of c - 128 moved onto it (llama.cpp's q8 x q8 trick; a pair of
+// products stays within int16: 128 * 127 * 2 < 32768). Then
+//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} (c - 128) q) + sum_g s_g (128 - z_g) X_g.
+template <int MR, int NR>
+void q8q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        __m256 tot[MR][NR];
+        float corr[MR][NR];
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) { tot[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
+        for (int g = 0; g < NG; ++g) {
+            __m256 ga[MR][NR];
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
+            for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
+                __m256i w[NR], aw[NR];
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + (int64_t)(n + j) * K + b * 32)), flip);
+                    aw[j] = _mm256_sign_epi8(w[j], w[j]);
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
+                    const __m256 d = _mm256_broadcast_ss(xd + (int64_t)r * NB + b);
+#pragma GCC unroll 4
+                    for (int j = 0; j < NR; ++j) {
+                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, w[j])), ones);
+                        ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, ga[r][j]);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) {
+                const float sc = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
+                const float sz = sc * (128.f - (float)L->zeros[(int64_t)(n + j) * NG + g]);
+                const __m256 vs = _mm256_set1_ps(sc);
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    tot[r][j] = _mm256_fmadd_ps(ga[r][j], vs, tot[r][j]);
+                    corr[r][j] += sz * X[(int64_t)r * NG + g];
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) + corr[r][j];
+    }
+    if (NR > 1 && n < n1) q8q8_tile<MR, 1>(L, xq, xd, X, y, ldy, n, n1);
+}
+
+void q8q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
+               int n0, int n1) {
+    const int K = L->k, NB = K / 32, NG = K / L->group;
+    int mt = 0;
+    for (; mt + 2 <= m; mt += 2)
+        q8q8_tile<2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
+                        ldy, n0, n1);
+    if (mt < m)
+        q8q8_tile<1, 4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
+                        ldy, n0, n1);
 }
 
 void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
@@ -462,12 +537,12 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
 #if TL_SIMD
     if (m >= panel_min_rows) return panel_rows_all(L, x, m, y, ldy);
-    if (L->kind == TL_Q4 && L->act_q8) {
+    if ((L->kind == TL_Q4 || L->kind == TL_Q8) && L->act_q8) {
         int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
         float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
         float* xs = xd + (int64_t)m * (L->k / 32);
         float* X = xs + (int64_t)m * (L->k / 32);           // then m * k / group (<= m * k / 32) floats
-        quantize_q8(x, m, L->k, xq, xd, xs);
+        quantize_q8(x, m, L->k, xq, xd, xs, L->kind == TL_Q4);
         const int NB = L->k / 32, NG = L->k / L->group, BPG = L->group / 32;
         for (int r = 0; r < m; ++r)
             for (int g = 0; g < NG; ++g) {
@@ -476,7 +551,8 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 X[(int64_t)r * NG + g] = t;
             }
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
-            q4q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            if (L->kind == TL_Q4) q4q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            else q8q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
         });
         return;
     }
