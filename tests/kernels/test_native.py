@@ -401,7 +401,7 @@ def test_native_linear_every_row_count(weights):
         lin.weight.data = w.to(dt)
     keep: list = []
     desc = linear_desc(lin, keep)
-    for m in (1, 3, 7, 8, 13, 16, 17, 40):
+    for m in (1, 3, 7, 8, 13, 16, 17, 40, 100):   # 100: two slabs of rows
         x = torch.randn(m, 96, generator=g)
         ref = x @ ref_w.t()
         for threads in (1, 2):

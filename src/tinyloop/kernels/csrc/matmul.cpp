@@ -454,35 +454,52 @@ void panel_rows(const float* wb, int K, const float* xt, int MP, float* tb) {
     if (r0 < MP) panel_tile<NR, 1>(wb, K, xt, MP, r0, tb);
 }
 
+// xt is kept in slabs of `slab` input rows (the last one shorter), each (K, rows in it): a slab and a
+// six-row weight block stay in cache while the micro-tiles run, however many rows the call has
+static inline int panel_slab(int K) {
+    const int rows = (32768 / K) / (2 * TL_W) * (2 * TL_W);   // ~128 KB of fp32 per slab
+    return rows < 2 * TL_W ? 2 * TL_W : rows > 64 ? 64 : rows;
+}
+
 template <int KIND>
 void panel_chunk(const tl_linear* L, const float* xt, int m, int MP, float* y, int ldy, int n0, int n1) {
-    const int K = L->k;
+    const int K = L->k, slab = panel_slab(K);
     thread_local std::vector<float> wb, tb;   // per pool thread, kept between calls
     if (wb.size() < (size_t)PNR * K) wb.resize((size_t)PNR * K);
-    if (tb.size() < (size_t)PNR * MP) tb.resize((size_t)PNR * MP);
-    for (int n = n0; n < n1; n += PNR) {
-        const int nr = std::min(PNR, n1 - n);
-        weights_fp32<KIND>(L, n, nr, wb.data());
-        switch (nr) {
-            case 6: panel_rows<6>(wb.data(), K, xt, MP, tb.data()); break;
-            case 5: panel_rows<5>(wb.data(), K, xt, MP, tb.data()); break;
-            case 4: panel_rows<4>(wb.data(), K, xt, MP, tb.data()); break;
-            case 3: panel_rows<3>(wb.data(), K, xt, MP, tb.data()); break;
-            case 2: panel_rows<2>(wb.data(), K, xt, MP, tb.data()); break;
-            default: panel_rows<1>(wb.data(), K, xt, MP, tb.data()); break;
+    if (tb.size() < (size_t)PNR * slab) tb.resize((size_t)PNR * slab);
+    for (int s0 = 0; s0 < MP; s0 += slab) {
+        const int ms = std::min(slab, MP - s0);          // rows of this slab (a multiple of 8)
+        const float* xs = xt + (int64_t)K * s0;
+        for (int n = n0; n < n1; n += PNR) {
+            const int nr = std::min(PNR, n1 - n);
+            weights_fp32<KIND>(L, n, nr, wb.data());
+            switch (nr) {
+                case 6: panel_rows<6>(wb.data(), K, xs, ms, tb.data()); break;
+                case 5: panel_rows<5>(wb.data(), K, xs, ms, tb.data()); break;
+                case 4: panel_rows<4>(wb.data(), K, xs, ms, tb.data()); break;
+                case 3: panel_rows<3>(wb.data(), K, xs, ms, tb.data()); break;
+                case 2: panel_rows<2>(wb.data(), K, xs, ms, tb.data()); break;
+                default: panel_rows<1>(wb.data(), K, xs, ms, tb.data()); break;
+            }
+            const int rows = std::min(ms, m - s0);
+            for (int j = 0; j < nr; ++j)
+                for (int r = 0; r < rows; ++r) y[(int64_t)(s0 + r) * ldy + n + j] = tb[(int64_t)j * ms + r];
         }
-        for (int j = 0; j < nr; ++j)
-            for (int r = 0; r < m; ++r) y[(int64_t)r * ldy + n + j] = tb[(int64_t)j * MP + r];
     }
 }
 
 void panel_rows_all(const tl_linear* L, const float* x, int m, float* y, int ldy) {
-    const int K = L->k, MP = (m + TL_W - 1) / TL_W * TL_W;
+    const int K = L->k, MP = (m + TL_W - 1) / TL_W * TL_W, slab = panel_slab(K);
     thread_local std::vector<float> xt;    // the calling thread's
     xt.assign((size_t)K * MP, 0.f);
+    // input row r, column k -> its slab's (K, ms) block
+    auto at = [&](int r, int k) -> float& {
+        const int s0 = r / slab * slab, ms = std::min(slab, MP - s0);
+        return xt[(size_t)K * s0 + (size_t)k * ms + (r - s0)];
+    };
     if (L->kind <= TL_BF16) {
         for (int r = 0; r < m; ++r)
-            for (int k = 0; k < K; ++k) xt[(size_t)k * MP + r] = x[(int64_t)r * K + k];
+            for (int k = 0; k < K; ++k) at(r, k) = x[(int64_t)r * K + k];
     } else {   // the permuted column order the dequantized weights come in
         const int per = 8 / bits_of(L->kind), chunk = TL_W * per;
         thread_local std::vector<float> xr;
@@ -496,7 +513,7 @@ void panel_rows_all(const tl_linear* L, const float* x, int m, float* y, int ldy
             }
             for (int c0 = 0; c0 < K; c0 += chunk)
                 for (int i = 0; i < per; ++i)
-                    for (int j = 0; j < TL_W; ++j) xt[(size_t)(c0 + i * TL_W + j) * MP + r] = src[c0 + per * j + i];
+                    for (int j = 0; j < TL_W; ++j) at(r, c0 + i * TL_W + j) = src[c0 + per * j + i];
         }
     }
     constexpr int PCHUNK = 8 * PNR;
