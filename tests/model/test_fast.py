@@ -174,6 +174,15 @@ def test_fp16_linear_matches_fp16_rounded_weights():
     torch.testing.assert_close(lin(x.bfloat16()), F.linear(x.bfloat16().double(), w.half().double(), b.double()).float(),
                                rtol=1e-5, atol=1e-5)
     assert lin(x).dtype == torch.float32 and lin.weight_nbytes == 2 * 48 * 40
+    try:   # unpacked (the native executor runs the model): the native kernels on the 16-bit weight
+        from tinyloop.kernels.lib import load
+        load()
+    except Exception:
+        pass
+    else:
+        raw = FP16Linear(w, b, pack=False)
+        assert not raw.packed
+        torch.testing.assert_close(raw(x), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="fp16 cannot hold"):
         FP16Linear(torch.full((4, 4), 1e5))
 
@@ -186,8 +195,13 @@ def test_fp16_path_close_to_fp32_of_same_weights(injection, tie):
     ref32 = copy.deepcopy(eager16).float()  # the same bf16 weights, evaluated in fp32
     fast = prepare_for_decode(copy.deepcopy(eager16), threads=None)
     assert fast.decode_prepared["weights"] == "fp16"
-    # the head: FBGEMM's pack, or (the native executor) the 16-bit weight read as stored, no pack beside it
+    # the head: FBGEMM's pack, or (the native executor) the 16-bit weight read as stored, no pack beside it;
+    # the layers likewise: with the executor, prefill runs on the native panels over the stored weights
     assert isinstance(fast.head_linear, FP16Linear) if fast.executor is None else fast.head_linear is None
+    layers = [mod for mod in fast.modules() if isinstance(mod, FP16Linear)]
+    assert layers and all(mod.packed == (fast.executor is None) for mod in layers)
+    if fast.executor is not None:   # no copy: the layer reads the model's own 16-bit tensor
+        assert fast.core[0].attn.wqkv.source.dtype == torch.bfloat16
     x = toks(1, 16)
     with torch.inference_mode():
         ref = ref32(x, loops=4).float()

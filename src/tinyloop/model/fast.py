@@ -137,6 +137,16 @@ def attach_executor(model: nn.Module, executor: str | None = None) -> str:
     return model.executor.name
 
 
+def _native_expected(executor: str | None) -> bool:
+    """Whether `attach_executor(model, executor)` will try the native executor (its library loads here)."""
+    from ..kernels.lib import EXECUTORS, executor_setting, native_wanted
+
+    setting = executor_setting() if executor in (None, "auto") else executor
+    if setting not in EXECUTORS or setting == "torch":
+        return False
+    return setting == "native" or native_wanted()
+
+
 def executor_name(model: nn.Module) -> str:
     ex = getattr(model, "executor", None)
     return "torch" if ex is None else ex.name
@@ -170,10 +180,13 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
         raise RuntimeError("fp16 weights need FBGEMM on CPU, which this torch build or device lacks")
     fused = fuse_projections(model) if fuse else 0
     swapped = 0
+    # with the native executor, 16-bit layers stay as stored and multi-row calls (prefill) run on its
+    # panels: FBGEMM's pack would be a second, private copy of every weight (the file's size, per process)
+    pack = not _native_expected(executor)
     if weights == "fp16":
-        swapped = swap_linears(model, lambda name, lin: FP16Linear.from_linear(lin))
+        swapped = swap_linears(model, lambda name, lin: FP16Linear.from_linear(lin, pack=pack))
         if type(model.adapter) is nn.Linear:
-            model.adapter = FP16Linear.from_linear(model.adapter)
+            model.adapter = FP16Linear.from_linear(model.adapter, pack=pack)
         model.act_dtype = torch.float32
         for mod in model.modules():
             if isinstance(mod, RMSNorm):
@@ -181,6 +194,10 @@ def prepare_for_decode(model: nn.Module, *, weights: str = "auto", fuse: bool = 
     n_threads = recommended_threads(model) if threads == "auto" else threads
     model.decode_threads = None if n_threads is None else int(n_threads)
     name = attach_executor(model, executor)
+    if model.executor is None and not pack:   # it does not run this model after all: FBGEMM serves
+        for mod in model.modules():
+            if isinstance(mod, FP16Linear):
+                mod.pack()
     # the native executor reads a 16-bit head as stored; a quantized file's head is its own QuantLinear
     if weights == "fp16" and model.executor is None and model.head_linear is None:
         model.head_linear = FP16Linear(model.head_weight)  # logits() uses it; head_weight stays readable

@@ -41,9 +41,14 @@ class FP16Linear(nn.Module):
 
     The packed weight is an opaque tensor, not a parameter: this module contributes nothing to a
     state dict (it is built at load time from the file's weights, which keep their names).
+
+    `pack=False` (the native executor runs the model): no FBGEMM copy is made; the layer computes on its
+    16-bit weight as stored through the native kernels (`kernels.executor.linear_forward`), so the weights
+    stay the file's mapped tensors. `pack()` makes the FBGEMM copy later (the executor turned out not to run
+    the model).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
         super().__init__()
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D (out, in), got {tuple(weight.shape)}")
@@ -54,18 +59,29 @@ class FP16Linear(nn.Module):
         if big > FP16_MAX:
             raise ValueError(f"weight has |w| = {big:g} > {FP16_MAX:g}, which fp16 cannot hold")
         self.out_features, self.in_features = w.shape
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "deprecated" in recent torch; no replacement kernel exists
-            self._packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())
         self.bias = None if bias is None else bias.detach().float().clone()
         # the weights as the native executor reads them: the caller's 16-bit tensor itself (no copy), or
         # fp32 weights rounded to fp16 as FBGEMM holds them (the opt-in lossy mode)
         src = weight.detach()
         self.source = src.contiguous() if src.dtype in (torch.float16, torch.bfloat16) else src.half()
+        self._packed = None
+        if pack:
+            self.pack()
+
+    def pack(self) -> None:
+        """Build FBGEMM's packed fp16 copy (what `forward` uses when it exists)."""
+        if self._packed is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "deprecated" in recent torch; no replacement kernel exists
+                self._packed = torch.fbgemm_pack_gemm_matrix_fp16(self.source.float().contiguous())
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "FP16Linear":
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, *, pack: bool = True) -> "FP16Linear":
+        return cls(linear.weight, linear.bias, pack=pack)
 
     def native_weights(self) -> torch.Tensor:
         """What the native executor (`kernels/`) reads for this layer: the 16-bit weight (out, in)."""
@@ -81,8 +97,16 @@ class FP16Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = torch.fbgemm_linear_fp16_weight_fp32_activation(x2, self._packed, self.bias)
+        if self._packed is None:
+            from ..kernels.executor import linear_forward
+
+            y = linear_forward(self, x2)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = torch.fbgemm_linear_fp16_weight_fp32_activation(x2, self._packed, self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 (fbgemm)"
+        how = "fp16 (fbgemm)" if self.packed else f"{self.source.dtype} as stored (native kernels)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={how}"
