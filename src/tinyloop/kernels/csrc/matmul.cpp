@@ -466,24 +466,29 @@ void panel_chunk(const tl_linear* L, const float* xt, int m, int MP, float* y, i
     const int K = L->k, slab = panel_slab(K);
     thread_local std::vector<float> wb, tb;   // per pool thread, kept between calls
     if (wb.size() < (size_t)PNR * K) wb.resize((size_t)PNR * K);
-    if (tb.size() < (size_t)PNR * slab) tb.resize((size_t)PNR * slab);
+    if (tb.size() < (size_t)(n1 - n0) * slab) tb.resize((size_t)(n1 - n0) * slab);
     for (int s0 = 0; s0 < MP; s0 += slab) {
         const int ms = std::min(slab, MP - s0);          // rows of this slab (a multiple of 8)
         const float* xs = xt + (int64_t)K * s0;
         for (int n = n0; n < n1; n += PNR) {
             const int nr = std::min(PNR, n1 - n);
+            float* t = tb.data() + (int64_t)(n - n0) * ms;
             weights_fp32<KIND>(L, n, nr, wb.data());
             switch (nr) {
-                case 6: panel_rows<6>(wb.data(), K, xs, ms, tb.data()); break;
-                case 5: panel_rows<5>(wb.data(), K, xs, ms, tb.data()); break;
-                case 4: panel_rows<4>(wb.data(), K, xs, ms, tb.data()); break;
-                case 3: panel_rows<3>(wb.data(), K, xs, ms, tb.data()); break;
-                case 2: panel_rows<2>(wb.data(), K, xs, ms, tb.data()); break;
-                default: panel_rows<1>(wb.data(), K, xs, ms, tb.data()); break;
+                case 6: panel_rows<6>(wb.data(), K, xs, ms, t); break;
+                case 5: panel_rows<5>(wb.data(), K, xs, ms, t); break;
+                case 4: panel_rows<4>(wb.data(), K, xs, ms, t); break;
+                case 3: panel_rows<3>(wb.data(), K, xs, ms, t); break;
+                case 2: panel_rows<2>(wb.data(), K, xs, ms, t); break;
+                default: panel_rows<1>(wb.data(), K, xs, ms, t); break;
             }
-            const int rows = std::min(ms, m - s0);
-            for (int j = 0; j < nr; ++j)
-                for (int r = 0; r < rows; ++r) y[(int64_t)(s0 + r) * ldy + n + j] = tb[(int64_t)j * ms + r];
+        }
+        // the chunk's outputs, a row at a time (one run of n1 - n0 floats each; column by column would
+        // touch a cache line, and for a head a page, per value)
+        const int rows = std::min(ms, m - s0);
+        for (int r = 0; r < rows; ++r) {
+            float* yr = y + (int64_t)(s0 + r) * ldy + n0;
+            for (int j = 0; j < n1 - n0; ++j) yr[j] = tb[(int64_t)j * ms + r];
         }
     }
 }
