@@ -36,9 +36,19 @@ class BatchRunner:
 
     def _table(self, seq) -> torch.Tensor:
         """The sequence's pages as (blocks, slots) in the one-slot-per-loop order the model addresses; a
-        loop-shared budget (`slot_cols`) maps several loops to one column."""
-        table = torch.tensor(seq.block_table, device=self.device)
-        return table if seq.slot_cols is None else table[:, seq.slot_cols]
+        loop-shared budget (`slot_cols`) maps several loops to one column. Kept on the sequence until its
+        block table changes (the scheduler appends blocks, or replaces the last one or the whole table: the
+        key holds the lists themselves, so that a changed table is never mistaken for the cached one)."""
+        bt = seq.block_table
+        key = (bt, len(bt), bt[-1] if bt else None, seq.slot_cols)
+        hit = getattr(seq, "_table_cache", None)
+        if hit is not None and all(a is b for a, b in zip(hit[0][:1] + hit[0][2:], key[:1] + key[2:])) \
+                and hit[0][1] == key[1]:
+            return hit[1]
+        table = torch.tensor(bt, device=self.device)
+        table = table if seq.slot_cols is None else table[:, seq.slot_cols]
+        seq._table_cache = (key, table)
+        return table
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),

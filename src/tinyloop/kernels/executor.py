@@ -91,6 +91,10 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     return d
 
 
+STREAMED_BYTES = 64 << 20
+_BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL_Q2: 2}
+
+
 def _vec(t: torch.Tensor | None, keep: list) -> int | None:
     if t is None:
         return None
@@ -128,6 +132,7 @@ class NativeExecutor:
             m.adapter = linear_desc(model.adapter, self.keep)
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
+        self._mark_streamed(m)
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
         self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
         self._head_buf = torch.empty(0)   # logits of argmax-only calls (under _CALL)
@@ -137,6 +142,21 @@ class NativeExecutor:
         self._kv: tuple | None = None
         self._exit_blocks: dict[int, tuple] = {}
         self.isa = self.lib.tl_isa().decode()
+
+    def _mark_streamed(self, m) -> None:
+        """Weights a token reads beyond STREAMED_BYTES come from memory every step: the integer kernels then
+        read one row after the other (the order the prefetcher follows), else several rows side by side
+        (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
+        the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the Ouro-1.4B
+        shape (0.85 GB a token) does not."""
+        descs = [self.head] + ([m.adapter] if m.adapter.n else [])
+        for b in self.blocks:
+            descs += [*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down]
+        total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
+        streamed = int(total > STREAMED_BYTES)
+        for d in descs:
+            d.streamed = streamed
+        self.streamed = bool(streamed)
 
     @property
     def name(self) -> str:
@@ -192,8 +212,8 @@ class NativeExecutor:
         states (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
         Prefill chunks, tree-masked rows and the kl criterion run in PyTorch."""
         rule, ro = r.exit_rule, r.readout
-        if r.tree_mask is not None or int(r.positions[0]) != r.start or \
-                (r.n > 1 and int(r.positions[-1]) != r.start + r.n - 1):
+        if r.tree_mask is not None or not (getattr(r, "default_positions", False) or (
+                int(r.positions[0]) == r.start and (r.n == 1 or int(r.positions[-1]) == r.start + r.n - 1))):
             return False
         if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
                                                                                     nn.ModuleList))):

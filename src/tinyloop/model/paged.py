@@ -65,6 +65,17 @@ class PagedKV:
         self.v.copy(src_idx, dst_idx)
 
 
+_ARANGE = torch.arange(4096)
+
+
+def _arange(start: int, end: int) -> torch.Tensor:
+    """torch.arange(start, end) as a read-only view of one shared range (a step builds one per row)."""
+    global _ARANGE
+    if end > _ARANGE.numel():
+        _ARANGE = torch.arange(max(end, 2 * _ARANGE.numel()))
+    return _ARANGE[start:end]
+
+
 @dataclass(eq=False)
 class Rows:
     """One sequence's rows in a step, and what the model does with them.
@@ -106,8 +117,9 @@ class Rows:
     out_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self):
+        self.default_positions = self.positions is None   # start .. start+n-1 (no tensor read needed)
         if self.positions is None:
-            self.positions = torch.arange(self.start, self.start + self.n)
+            self.positions = _arange(self.start, self.start + self.n)
         if (self.tokens is None) == (self.state is None):
             raise ValueError("a Rows starts from tokens or from a state, not both or neither")
 

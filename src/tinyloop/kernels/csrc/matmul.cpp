@@ -220,6 +220,9 @@ void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const floa
                 for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
             for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
                 __m256i w[NR];
+                if (L->streamed && b % 4 == 0)   // from memory: the next NR rows' line, in order
+#pragma GCC unroll 4
+                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(codes + (int64_t)(n + NR + j) * (K / 2) + b * 16), _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {
                     const __m128i raw = _mm_loadu_si128((const __m128i*)(codes + (int64_t)(n + j) * (K / 2) + b * 16));
@@ -319,6 +322,9 @@ void q8q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const floa
                 for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
             for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
                 __m256i w[NR], aw[NR];
+                if (L->streamed && b % 2 == 0)   // from memory: the next NR rows' line, in order
+#pragma GCC unroll 4
+                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(codes + (int64_t)(n + NR + j) * K + b * 32), _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {
                     w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + (int64_t)(n + j) * K + b * 32)), flip);
