@@ -36,6 +36,12 @@ def fbgemm_fp16_available() -> bool:
         return False
 
 
+def _check_fp16_range(w: torch.Tensor) -> None:
+    big = w.detach().abs().max().item() if w.numel() else 0.0
+    if big > FP16_MAX:
+        raise ValueError(f"weight has |w| = {big:g} > {FP16_MAX:g}, which fp16 cannot hold")
+
+
 class FP16Linear(nn.Module):
     """y = x @ W^T (+ b) with W held as fp16 in FBGEMM's packed layout; x is cast to fp32, y is fp32.
 
@@ -54,16 +60,16 @@ class FP16Linear(nn.Module):
             raise ValueError(f"weight must be 2-D (out, in), got {tuple(weight.shape)}")
         if weight.device.type != "cpu":
             raise ValueError("FP16Linear is a CPU kernel (FBGEMM)")
-        w = weight.detach().float()
-        big = w.abs().max().item() if w.numel() else 0.0
-        if big > FP16_MAX:
-            raise ValueError(f"weight has |w| = {big:g} > {FP16_MAX:g}, which fp16 cannot hold")
-        self.out_features, self.in_features = w.shape
+        src = weight.detach()
+        self.out_features, self.in_features = src.shape
         self.bias = None if bias is None else bias.detach().float().clone()
         # the weights as the native executor reads them: the caller's 16-bit tensor itself (no copy), or
         # fp32 weights rounded to fp16 as FBGEMM holds them (the opt-in lossy mode)
-        src = weight.detach()
-        self.source = src.contiguous() if src.dtype in (torch.float16, torch.bfloat16) else src.half()
+        if src.dtype in (torch.float16, torch.bfloat16):
+            self.source = src.contiguous()
+        else:
+            _check_fp16_range(src)
+            self.source = src.half()
         self._packed = None
         if pack:
             self.pack()
@@ -71,6 +77,8 @@ class FP16Linear(nn.Module):
     def pack(self) -> None:
         """Build FBGEMM's packed fp16 copy (what `forward` uses when it exists)."""
         if self._packed is None:
+            if self.source.dtype == torch.bfloat16:   # bf16 reaches past fp16's range; as stored it need not
+                _check_fp16_range(self.source)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "deprecated" in recent torch; no replacement kernel exists
                 self._packed = torch.fbgemm_pack_gemm_matrix_fp16(self.source.float().contiguous())
