@@ -84,7 +84,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int |
             col = int(perm[b0 + i])
             g = col // G
             if not have[g]:  # first column of a group (natural order): params from the updated weights
-                upcoming = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :G]  # this group's columns, as updated
+                # this group's columns, as updated (only those: not a copy of every column still to come)
+                here = W1[:, i:i + G]
+                upcoming = here if here.shape[1] == G else torch.cat([here, W[:, b1:b1 + G - here.shape[1]]], dim=1)
                 s, z = minmax_params(upcoming, bits)
                 scales[:, g], zeros[:, g] = s[:, 0].double(), z[:, 0].double()
                 have[g] = True
