@@ -8,13 +8,10 @@ well under a millisecond per token on the GPT-2 vocabulary, measured). The engin
   stay picklable (scale-out ships them to replicas).
 - `Grammars` (one per engine) holds llguidance's view of the tokenizer (built once, ~0.5 s) and the
   compiled grammars, cached by content: each request gets a copy of a compiled matcher, never a recompile.
-- `Matcher` is one output's state: the allowed-token mask for the next position, `accept` after each token,
-  `rollback` for speculation's drafts. EOS is in the mask only where the grammar may end. The mask is
-  computed where it costs least (docs/structured.md, "Cost per token"): in a worker thread when the engine
-  thread has other rows to sample meanwhile (`accept(token, background=True)`: llguidance drops the GIL, and
-  sampling runs on one core), else on the engine thread when the mask is first read. A worker fill that
-  runs into the next forward pass takes a core from the native executor's two spinning threads, and its
-  hand-offs (the GIL, a future per token) cost the engine thread more than the fill itself.
+- `Matcher` is one output's state: the allowed-token mask for the next position (computed off the engine
+  thread's critical path: llguidance drops the GIL, so the mask for step t+1 is computed in a worker thread
+  while step t+1's forward pass runs), `accept` after each token, `rollback` for speculation's drafts. EOS
+  is in the mask only where the grammar may end.
 
 `Sampler` applies the mask to the row's logits before anything else, so greedy takes the argmax over allowed
 tokens, sampling draws from the masked distribution, and logprobs are those of that distribution.
@@ -155,9 +152,8 @@ def _reason(message: str) -> str:
 
 class Matcher:
     """One output's grammar state. The next position's allowed tokens are computed once per position, as
-    llguidance's bitmask (on the engine thread when first read, or in a worker thread started by
-    `accept(..., background=True)`); `allows` reads a bit of it, `mask`, `forbidden` and `allowed_ids` unpack
-    it when asked (once per position)."""
+    llguidance's bitmask (in a worker thread right after the previous token was accepted); `allows` reads a
+    bit of it, `mask`, `forbidden` and `allowed_ids` unpack it when asked (once per position)."""
 
     def __init__(self, ll, vocab_size: int, eos: int):
         self.ll = ll
@@ -167,28 +163,23 @@ class Matcher:
         self._words = self._bits[0].numpy()   # the same memory: bit j of word i = token 32 i + j
         self._ready = False                   # the bitmask holds this position's mask
         self._unpacked: dict[str, Any] = {}   # this position's mask in other forms, made when asked
-        self._pending: Future | None = None   # a worker's fill of this position's mask
-        self._lazy = False                    # this position's mask is not computed yet (no worker on it)
+        self._pending: Future | None = None
         self.consumed = 0
-        self._prefetch(background=True)       # the first mask: while the prompt's forward pass runs
+        self._prefetch()
 
     def _fill(self) -> None:
         v = self._bits[0]
         self.ll.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
 
-    def _prefetch(self, background: bool = False) -> None:
-        """A new position: its mask is computed by a worker now (`background`), or when first read."""
+    def _prefetch(self) -> None:
         self._ready = False
         self._unpacked = {}
-        if background:
-            self._pending, self._lazy = _POOL.submit(self._fill), False
-        else:
-            self._lazy = True
+        self._pending = _POOL.submit(self._fill)
 
     def _current(self) -> np.ndarray:
         """This position's bitmask words (waiting for the worker if it is not done yet)."""
         if not self._ready:
-            self._wait()   # the worker's fill, or this position's fill now
+            self._wait()   # every position's fill was started when the position began (_prefetch)
             if self.error is not None or not self._words.any():  # nothing can follow: end the output
                 self._words[:] = 0
                 self._words.view(np.uint32)[self.eos >> 5] = 1 << (self.eos & 31)
@@ -232,21 +223,19 @@ class Matcher:
             return False
         return bool((int(self._current()[token >> 5]) >> (token & 31)) & 1)
 
-    def accept(self, token: int, background: bool = False) -> None:
-        """Advance past `token` (sampled under the mask, so allowed). `background`: the next mask starts
-        computing now in a worker thread (worth it when the engine thread has other rows to sample before its
-        next forward pass); otherwise it is computed on the calling thread when first read."""
-        self._join()
+    def accept(self, token: int) -> None:
+        """Advance past `token` (sampled under the mask, so allowed); the next mask starts computing now."""
+        self._wait()
         if self.error is None and not self.ll.consume_token(token):
             self.error = self.ll.get_error() or f"token {token} refused"
         self.consumed += 1
-        self._prefetch(background)
+        self._prefetch()
 
     def rollback(self, n: int) -> None:
         """Undo the last `n` accepted tokens (speculation's rejected drafts)."""
         if n <= 0:
             return
-        self._join()
+        self._wait()
         self.ll.rollback(n)
         self.consumed -= n
         self._prefetch()
@@ -273,20 +262,13 @@ class Matcher:
                 out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
         return out
 
-    def _join(self) -> None:
-        """Wait for a worker's fill, if one runs (before the grammar state is read or changed here)."""
+    def _wait(self) -> None:
+        """Wait for this position's mask to be in the bitmask (the worker's fill)."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
 
-    def _wait(self) -> None:
-        """Make sure this position's mask is in the bitmask: wait for the worker's fill, or fill it here."""
-        self._join()
-        if self._lazy:
-            self._lazy = False
-            self._fill()
-
     @property
     def accepting(self) -> bool:
-        self._join()
+        self._wait()
         return self.ll.is_accepting()

@@ -222,9 +222,7 @@ class Sampler:
             alts = list(zip(ids.tolist(), vals.tolist()))
         return float(lp[token]), alts
 
-    def accept(self, token: int, background: bool = False) -> None:
-        """Record `token`. Under a constraint, `background`: compute the next position's mask in a worker
-        thread from now (the caller has other rows to sample first: `Matcher.accept`)."""
+    def accept(self, token: int) -> None:
         self._pending.append(token)   # two tensor writes a token cost more than the greedy step's bookkeeping
         if self.matcher is not None:
-            self.matcher.accept(token, background)
+            self.matcher.accept(token)

@@ -245,29 +245,17 @@ class BatchEngine:
             if sid in self._outputs:
                 self._outputs[sid][0].scores[first:first + len(entries)] = entries
         argmax = self.runner.last_argmax
-        # rows sampled from full logits, counted from the end: while a row is sampled, the grammar masks of the
-        # rows sampled before it are computed in a worker thread (sampling runs on one core, the mask needs
-        # the other); the last row's next mask is computed on this thread when read, never in a worker that
-        # would run into the next forward pass (docs/structured.md, "Cost per token")
-        left = sum(1 for c in out.chunks if self._samples(c))
         with one_thread():   # one row at a time: no OpenMP wake-ups (sampling.one_thread)
             for chunk in out.chunks:
-                left -= self._samples(chunk)
-                self._complete(chunk, logits, argmax, more=left > 0)
+                self._complete(chunk, logits, argmax)
         for req, o in spec:
             if not o.done:
                 self._advance_speculative(req, o)
 
     # -- internals --------------------------------------------------------------------------
-    def _samples(self, chunk) -> bool:
-        """Whether `chunk`'s sequence samples from full logits this step (not a greedy row's argmax)."""
-        entry = self._outputs.get(chunk.seq.seq_id)
-        return chunk.needs_logits and entry is not None and not entry[1].sampler.plain_greedy
-
-    def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int], more: bool = False) -> None:
+    def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int]) -> None:
         """A chunk's forward pass is done: each of its sequences (a prompt's last chunk: all n choices)
-        samples its next token from the chunk's logits. `more`: other rows sample after these in this step
-        (a grammar's next mask may then be computed in a worker meanwhile: `Sampler.accept`)."""
+        samples its next token from the chunk's logits."""
         group = self.sched.complete(chunk)
         if not group:
             return
@@ -276,7 +264,7 @@ class BatchEngine:
             self._bind_sibling(chunk.seq, seq)
         if not chunk.seq.n_generated:  # the prompt's last chunk: its scores are complete
             self._deliver_scores(chunk.seq)
-        for k, seq in enumerate(group):
+        for seq in group:
             entry = self._outputs.get(seq.seq_id)
             if entry is None:  # its request failed on a sibling choice just now
                 continue
@@ -290,7 +278,7 @@ class BatchEngine:
                 lp = None
                 if req.plan.params.logprobs is not None:
                     lp = o.sampler.logprobs(row, tok, req.plan.params.logprobs)
-                o.sampler.accept(tok, background=more or k + 1 < len(group))
+                o.sampler.accept(tok)
                 self.sched.append_token(seq, tok)
                 self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id), lp)
             except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
