@@ -198,12 +198,12 @@ class Sampler:
         if self.params.greedy:
             return self.greedy_token(logits)
         if self.matcher is not None and not self.penalized:
+            # the distribution over the allowed tokens only (the masked one without its zeros: the same
+            # cumulative sums, so the same draw up to rounding); cheaper than masking the full row even where
+            # most tokens are allowed (inside a JSON string: ~0.25 against ~0.6 ms, docs/structured.md)
             ids = self.matcher.allowed_ids()
-            if 4 * ids.numel() <= self.vocab_size:
-                # few tokens allowed: the distribution over them only (the masked one without its zeros: the
-                # same cumulative sums, so the same draw up to rounding), no full-vocabulary work
-                sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
-                return int(ids[draw(distribution(sub, self.params, _NONE, _NONE), self.generator)])
+            sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
+            return int(ids[draw(distribution(sub, self.params, _NONE, _NONE), self.generator)])
         return draw(self.probs(logits), self.generator)
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
