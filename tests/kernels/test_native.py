@@ -146,7 +146,7 @@ def exact_activations(monkeypatch):
 
 @pytest.fixture(params=["dot", "panel"])
 def matmul_path(request):
-    """Both multi-row matmul paths: the dot-product tiles, and the outer-product panels (which take 8 rows
+    """Both multi-row matmul paths: the dot-product tiles, and the outer-product panels (which take 6 or 12 rows
     and more by default; here every call, so that a step's few rows and the head exercise them)."""
     lib = kernels.load()
     old = lib.tl_set_panel_min_rows(1 if request.param == "panel" else 1 << 30)
@@ -383,8 +383,8 @@ def test_native_quantized_head(bits, matmul_path):
 @torch.inference_mode()
 def test_native_linear_every_row_count(weights):
     """One linear layer over 1 .. 40 input rows (a decode batch, a head over it, a prefill chunk), on 1 and 2
-    threads: the dot-product tiles below 8 rows and the outer-product panels from 8 (a remainder of rows
-    and of weight rows included) agree with the layer in fp32."""
+    threads: the dot-product tiles below 6 rows (12 for float weights) and the outer-product panels from
+    there (a remainder of rows and of weight rows included) agree with the layer in fp32."""
     from tinyloop.kernels.executor import _forward, linear_desc
 
     g = torch.Generator().manual_seed(11)
