@@ -15,9 +15,6 @@
 namespace {
 constexpr int CHUNK = 32;   // output rows per unit of work the threads share
 constexpr int PF = 4;       // float weights: prefetch this many tiles ahead
-#ifndef Q4_NR1
-#define Q4_NR1 4            // int4 x int8, one input row: weight rows at a time
-#endif
 static inline vf load_w(int kind, const void* w, int64_t i) {
     if (kind == TL_F32) return vload((const float*)w + i);
     if (kind == TL_F16) return vload_f16((const uint16_t*)w + i);
@@ -192,18 +189,44 @@ void quant_rows(const tl_linear* L, const float* xp, const float* xs, int m, flo
 }
 
 #if TL_SIMD
-// int4 weights against int8 activations (llama.cpp's q4 x q8 idea on the portable layout): per 32 columns,
-// x is quantized to q = round(x / d) with d = max|x| / 127 and stored evens first, then odds, to meet
-// the low and high nibbles of the 16 code bytes; then
-//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} c q) - sum_g s_g z_g X_g,
+// Integer dot products against int8 activations, per 32 columns: x is quantized to q = round(x / d) with
+// d = max|x| / 127 (`quantize_q8`).
+// - int4 (llama.cpp's q4 x q8 idea on the portable layout): q is stored evens first, then odds, to meet the
+//   low and high nibbles of the 16 code bytes; maddubs takes the codes c (unsigned) against q.
+// - int8 (q8 x q8): c - 128 fits a signed byte; maddubs takes |c - 128| (unsigned) against q with the sign
+//   of c - 128 moved onto it (a pair of products stays within int16: 128 * 127 * 2 < 32768).
+// Then, with c' = c (int4) or c - 128 (int8) and z' = z (int4) or z - 128 (int8):
+//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} c' q) - sum_g s_g z'_g X_g,
 // X_g = sum_{b in g} d_b sum_{k in b} q (per input row, shared by every weight row). MR input rows against NR
-// weight rows at a time: a block of codes is unpacked once for MR rows, a block of x loaded once for NR.
-template <int MR, int NR>
-void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
-               int n0, int n1) {
+// weight rows at a time: a block of codes is unpacked once for MR rows, a block of x loaded once for NR;
+// the group's scale is applied once per group.
+template <int BITS>
+struct QBlock {   // one weight row's 32 codes, ready for maddubs against a block of q
+    __m256i u, sign;
+    static inline QBlock load(const uint8_t* p) {
+        QBlock r;
+        if (BITS == 4) {
+            const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+            r.u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+        } else {
+            r.sign = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8((char)0x80));
+            r.u = _mm256_sign_epi8(r.sign, r.sign);
+        }
+        return r;
+    }
+    inline __m256i dot(__m256i xv) const {   // 8 int32 lanes of sum c' q
+        const __m256i q = BITS == 4 ? xv : _mm256_sign_epi8(xv, sign);
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+    }
+};
+
+template <int BITS, int MR, int NR>
+void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
+             int n0, int n1) {
     const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
+    constexpr int BB = 32 * BITS / 8;            // bytes of codes per 32 columns
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     int n = n0;
     for (; n + NR <= n1; n += NR) {
         __m256 tot[MR][NR];
@@ -219,30 +242,24 @@ void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const floa
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
             for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
-                __m256i w[NR];
-                if (L->streamed && b % 4 == 0)   // from memory: the next NR rows' line, in order
+                if (L->streamed && (b * BB) % 64 == 0)   // from memory: the next NR rows' line, in order
 #pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(codes + (int64_t)(n + NR + j) * (K / 2) + b * 16), _MM_HINT_T0);
+                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(codes + (int64_t)(n + NR + j) * row_bytes + b * BB), _MM_HINT_T0);
+                QBlock<BITS> w[NR];
 #pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) {
-                    const __m128i raw = _mm_loadu_si128((const __m128i*)(codes + (int64_t)(n + j) * (K / 2) + b * 16));
-                    w[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-                }
+                for (int j = 0; j < NR; ++j) w[j] = QBlock<BITS>::load(codes + (int64_t)(n + j) * row_bytes + b * BB);
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) {
                     const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
                     const __m256 d = _mm256_broadcast_ss(xd + (int64_t)r * NB + b);
 #pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j) {
-                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), ones);
-                        ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, ga[r][j]);
-                    }
+                    for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w[j].dot(xv)), d, ga[r][j]);
                 }
             }
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) {
                 const float sc = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                const float sz = sc * (float)L->zeros[(int64_t)(n + j) * NG + g];
+                const float sz = sc * ((float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 4 ? 0.f : 128.f));
                 const __m256 vs = _mm256_set1_ps(sc);
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) {
@@ -256,7 +273,7 @@ void q4q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const floa
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
     }
-    if (NR > 1 && n < n1) q4q8_tile<MR, 1>(L, xq, xd, X, y, ldy, n, n1);
+    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1>(L, xq, xd, X, y, ldy, n, n1);
 }
 
 // the int8 scale of 32 activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
@@ -296,93 +313,18 @@ void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs,
         }
 }
 
-// int8 weights (codes c, zero z) against int8 activations: c - 128 fits a signed byte, and maddubs takes
-// |c - 128| (unsigned) against q with the sign of c - 128 moved onto it (llama.cpp's q8 x q8 trick; a pair of
-// products stays within int16: 128 * 127 * 2 < 32768). Then
-//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} (c - 128) q) + sum_g s_g (128 - z_g) X_g.
-template <int MR, int NR>
-void q8q8_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
-               int n0, int n1) {
-    const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
-    const uint8_t* codes = (const uint8_t*)L->w;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    int n = n0;
-    for (; n + NR <= n1; n += NR) {
-        __m256 tot[MR][NR];
-        float corr[MR][NR];
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) { tot[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
-        for (int g = 0; g < NG; ++g) {
-            __m256 ga[MR][NR];
-#pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
-            for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
-                __m256i w[NR], aw[NR];
-                if (L->streamed && b % 2 == 0)   // from memory: the next NR rows' line, in order
-#pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(codes + (int64_t)(n + NR + j) * K + b * 32), _MM_HINT_T0);
-#pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) {
-                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + (int64_t)(n + j) * K + b * 32)), flip);
-                    aw[j] = _mm256_sign_epi8(w[j], w[j]);
-                }
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
-                    const __m256 d = _mm256_broadcast_ss(xd + (int64_t)r * NB + b);
-#pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j) {
-                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, w[j])), ones);
-                        ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, ga[r][j]);
-                    }
-                }
-            }
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) {
-                const float sc = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                const float sz = sc * (128.f - (float)L->zeros[(int64_t)(n + j) * NG + g]);
-                const __m256 vs = _mm256_set1_ps(sc);
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    tot[r][j] = _mm256_fmadd_ps(ga[r][j], vs, tot[r][j]);
-                    corr[r][j] += sz * X[(int64_t)r * NG + g];
-                }
-            }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) + corr[r][j];
-    }
-    if (NR > 1 && n < n1) q8q8_tile<MR, 1>(L, xq, xd, X, y, ldy, n, n1);
-}
-
-void q8q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
-               int n0, int n1) {
+// m input rows: 2 x 2 tiles, then one row against four weight rows at a time
+template <int BITS>
+void qq_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
+             int n0, int n1) {
     const int K = L->k, NB = K / 32, NG = K / L->group;
     int mt = 0;
     for (; mt + 2 <= m; mt += 2)
-        q8q8_tile<2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
-                        ldy, n0, n1);
+        qq_tile<BITS, 2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
+                            y + (int64_t)mt * ldy, ldy, n0, n1);
     if (mt < m)
-        q8q8_tile<1, 4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
-                        ldy, n0, n1);
-}
-
-void q4q8_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
-               int n0, int n1) {
-    const int K = L->k, NB = K / 32, NG = K / L->group;
-    int mt = 0;
-    for (; mt + 2 <= m; mt += 2)
-        q4q8_tile<2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG, y + (int64_t)mt * ldy,
-                        ldy, n0, n1);
-    if (mt < m)
-        q4q8_tile<1, Q4_NR1>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
-                             y + (int64_t)mt * ldy, ldy, n0, n1);
+        qq_tile<BITS, 1, 4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
+                            y + (int64_t)mt * ldy, ldy, n0, n1);
 }
 #endif
 
@@ -583,8 +525,8 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 X[(int64_t)r * NG + g] = t;
             }
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
-            if (L->kind == TL_Q4) q4q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
-            else q8q8_rows(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            if (L->kind == TL_Q4) qq_rows<4>(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            else qq_rows<8>(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
         });
         return;
     }
