@@ -154,6 +154,19 @@ def tiny_server(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def tiny512_server(tmp_path_factory, tokenizer):
+    """In-process server on a random tiny model with a 512-token context (the generic tool prompt of
+    structured output and tool calls takes ~200 tokens)."""
+    from conftest import varied_model
+    from tinyloop.server.settings import Settings
+
+    path = tmp_path_factory.mktemp("tiny512") / "tiny512.tinyloop"
+    write_model(path, varied_model(preset("tiny").replace(max_seq_len=512), seed=0), tokenizer=tokenizer)
+    with ServerThread(Settings(model_path=path)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def forced_server(forced_model_path):
     """In-process server on the forced model (known greedy continuation, long context)."""
     from tinyloop.server.settings import Settings

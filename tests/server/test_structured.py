@@ -12,12 +12,6 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import varied_model
-from tinyloop.config import preset
-from tinyloop.modelfile import write_model
-from tinyloop.server.settings import Settings
-
-from .conftest import ServerThread
 from .test_http_shapes import assert_error, data_frames, post
 
 openai = pytest.importorskip("openai")
@@ -41,17 +35,8 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory, tokenizer):
-    """The tiny random model with a 512-token context (the generic tool prompt takes ~200 tokens)."""
-    path = tmp_path_factory.mktemp("structured") / "tiny512.tinyloop"
-    write_model(path, varied_model(preset("tiny").replace(max_seq_len=512), seed=0), tokenizer=tokenizer)
-    with ServerThread(Settings(model_path=path)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+def client(tiny512_server):
+    return openai.OpenAI(base_url=tiny512_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_chat_completions_parse_with_a_pydantic_model(client):
@@ -66,31 +51,31 @@ def test_chat_completions_parse_with_a_pydantic_model(client):
     assert done == 4
 
 
-def test_response_format_on_completions_and_native_constraints(tiny_server):
-    r = post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "JSON:", "max_tokens": 48, "seed": 1,
+def test_response_format_on_completions_and_native_constraints(tiny512_server):
+    r = post(tiny512_server, "/v1/completions", {"model": "tinyloop", "prompt": "JSON:", "max_tokens": 48, "seed": 1,
                                               "response_format": {"type": "json_object"}})
     choice = r.json()["choices"][0]
     if choice["finish_reason"] == "stop":
         assert isinstance(json.loads(choice["text"]), dict)
     else:
         assert choice["text"].startswith("{")
-    assert post(tiny_server, "/generate", {"prompt": "Year:", "regex": "(19|20)[0-9]{2}", "max_tokens": 8}
+    assert post(tiny512_server, "/generate", {"prompt": "Year:", "regex": "(19|20)[0-9]{2}", "max_tokens": 8}
                 ).json()["text"][:2] in ("19", "20")
-    out = post(tiny_server, "/generate", {"prompt": "Answer", "grammar": 'root ::= "yes" | "no"', "max_tokens": 4}).json()
+    out = post(tiny512_server, "/generate", {"prompt": "Answer", "grammar": 'root ::= "yes" | "no"', "max_tokens": 4}).json()
     assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"],
               "additionalProperties": False}
-    out = post(tiny_server, "/generate", {"prompt": "x", "json_schema": schema, "max_tokens": 16}).json()
+    out = post(tiny512_server, "/generate", {"prompt": "x", "json_schema": schema, "max_tokens": 16}).json()
     jsonschema.validate(json.loads(out["text"]), schema)
-    stream = data_frames(post(tiny_server, "/generate", {"prompt": "x", "json_schema": schema, "max_tokens": 16,
+    stream = data_frames(post(tiny512_server, "/generate", {"prompt": "x", "json_schema": schema, "max_tokens": 16,
                                                          "stream": True}).content)
     assert "".join(json.loads(f)["text"] for f in stream[:-1]) == out["text"]
 
 
-def test_a_schema_cut_short_ends_with_length(tiny_server):
+def test_a_schema_cut_short_ends_with_length(tiny512_server):
     schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string"},
                                                          "minItems": 30}}, "required": ["words"]}
-    r = post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS, "max_tokens": 6,
+    r = post(tiny512_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS, "max_tokens": 6,
                                                    "response_format": {"type": "json_schema", "json_schema": {
                                                        "name": "w", "schema": schema}}}).json()
     assert r["choices"][0]["finish_reason"] == "length"
@@ -105,17 +90,17 @@ def test_a_schema_cut_short_ends_with_length(tiny_server):
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
 ])
-def test_structured_400s_name_the_field(tiny_server, body, param):
-    err = assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS, **body}),
+def test_structured_400s_name_the_field(tiny512_server, body, param):
+    err = assert_error(post(tiny512_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS, **body}),
                        400, param)
     if "dependentSchemas" in json.dumps(body):
         assert "dependentSchemas" in err["message"] and err["code"] == "unsupported_schema"
 
 
-def test_native_400s(tiny_server):
-    assert_error(post(tiny_server, "/generate", {"prompt": "x", "regex": "[0-9"}), 400, "regex")
-    assert_error(post(tiny_server, "/generate", {"prompt": "x", "regex": "a", "grammar": 'root ::= "a"'}), 400, "grammar")
-    assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "x", "tools": TOOLS}),
+def test_native_400s(tiny512_server):
+    assert_error(post(tiny512_server, "/generate", {"prompt": "x", "regex": "[0-9"}), 400, "regex")
+    assert_error(post(tiny512_server, "/generate", {"prompt": "x", "regex": "a", "grammar": 'root ::= "a"'}), 400, "grammar")
+    assert_error(post(tiny512_server, "/v1/completions", {"model": "tinyloop", "prompt": "x", "tools": TOOLS}),
                  400, "tools")   # a text completion makes no tool calls
 
 
@@ -171,7 +156,7 @@ def test_required_tools_sampled_always_validate(client):
             _check_calls(c.message.tool_calls, {"get_weather", "add"})
 
 
-def test_tool_none_and_tool_messages(client, tiny_server):
+def test_tool_none_and_tool_messages(client, tiny512_server):
     r = client.chat.completions.create(model="tinyloop", messages=MSGS, tools=TOOLS, tool_choice="none",
                                        temperature=0, max_tokens=5)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
@@ -180,11 +165,11 @@ def test_tool_none_and_tool_messages(client, tiny_server):
         {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
     r = client.chat.completions.create(model="tinyloop", messages=convo, tools=TOOLS, temperature=0, max_tokens=30)
     assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
-    shown = httpx.post(tiny_server.url + "/tokenize", json={"messages": convo}).json()["tokens"]
-    text = httpx.post(tiny_server.url + "/detokenize", json={"tokens": shown}).json()["text"]
+    shown = httpx.post(tiny512_server.url + "/tokenize", json={"messages": convo}).json()["tokens"]
+    text = httpx.post(tiny512_server.url + "/detokenize", json={"tokens": shown}).json()["text"]
     assert 'Assistant: {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}' in text
     assert "Tool: 3" in text
-    assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS + [
+    assert_error(post(tiny512_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS + [
         {"role": "tool", "content": "3"}]}), 400, "messages[1].tool_call_id")
 
 
@@ -194,9 +179,9 @@ class Weather(BaseModel):
     unit: Literal["c", "f"]
 
 
-def test_langchain_with_structured_output_and_bind_tools(tiny_server):
+def test_langchain_with_structured_output_and_bind_tools(tiny512_server):
     lc = pytest.importorskip("langchain_openai")
-    llm = lc.ChatOpenAI(base_url=tiny_server.url + "/v1", api_key="unused", model="tinyloop", temperature=0,
+    llm = lc.ChatOpenAI(base_url=tiny512_server.url + "/v1", api_key="unused", model="tinyloop", temperature=0,
                         max_tokens=64, max_retries=0)
     pet = llm.with_structured_output(Pet).invoke("A pet, as JSON")
     assert isinstance(pet, Pet)

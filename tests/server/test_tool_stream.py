@@ -105,14 +105,6 @@ def hermes_server(tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def generic_server(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("generic") / "tiny512.tinyloop"
-    write_model(path, varied_model(preset("tiny").replace(max_seq_len=512), seed=0), tokenizer=tokenizer)
-    with ServerThread(Settings(model_path=path)) as srv:
-        yield srv
-
-
 def _client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -138,7 +130,7 @@ CHOICES = ["auto", "required", {"type": "function", "function": {"name": "get_we
 @pytest.mark.parametrize("which", ["hermes", "generic"])
 @pytest.mark.parametrize("choice", CHOICES, ids=["auto", "required", "named"])
 def test_streamed_tool_calls_equal_the_answer_and_come_token_by_token(which, choice, request):
-    client = _client(request.getfixturevalue(f"{which}_server"))
+    client = _client(request.getfixturevalue({"hermes": "hermes_server", "generic": "tiny512_server"}[which]))
     max_tokens = 160 if which == "hermes" else 60
     incremental = 0
     for seed in range(2):
@@ -178,8 +170,8 @@ def test_parallel_calls_stream_as_the_answer(hermes_server):
     assert several
 
 
-def test_logprobs_under_tools_cover_every_token(generic_server):
-    client = _client(generic_server)
+def test_logprobs_under_tools_cover_every_token(tiny512_server):
+    client = _client(tiny512_server)
     kw = dict(model="tinyloop", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0,
               logprobs=True, top_logprobs=3)
     r = client.chat.completions.create(**kw)
