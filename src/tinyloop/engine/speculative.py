@@ -142,8 +142,8 @@ _DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.
 
 def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
     """The LM head as drafts read it: 16-bit weights in fp32 on CPU without the native executor (torch's
-    16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a 50k-row conversion costs tens of ms), rebuilt if
-    the head changes; read only."""
+    16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a
+    50k-row conversion costs tens of ms), rebuilt if the head changes; read only."""
     w = model.head_weight
     key = (w.data_ptr(), w._version)
     cached = _DRAFT_WEIGHTS.get(model)
