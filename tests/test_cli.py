@@ -106,6 +106,32 @@ def test_a_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
+def test_sigterm_leaves_no_half_written_file(tmp_path):
+    # `kill` during `tinyloop quantize`: the writer's `with` block unwinds, the temporary file goes, status 143
+    from tinyloop.config import preset
+    from tinyloop.model import build_model
+    from tinyloop.modelfile import write_model
+    from tinyloop.tokenizer import Tokenizer
+
+    src = write_model(tmp_path / "m.tinyloop", build_model(preset("tiny")), tokenizer=Tokenizer.gpt2())
+    out = tmp_path / "out"
+    out.mkdir()
+    script = ("import os, signal, sys, time\n"
+              "import tinyloop.cli as c\n"
+              "from tinyloop.modelfile_writer import ModelFileWriter\n"
+              "add = ModelFileWriter.add\n"
+              "def slow_add(self, name, t):\n"
+              "    add(self, name, t)\n"
+              "    if len(self.written) == 3:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(30)\n"
+              "ModelFileWriter.add = slow_add\n"
+              f"sys.exit(c.main(['quantize', '{src}', '{out / 'q.tinyloop'}', '--method', 'rtn', '--quiet']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert list(out.iterdir()) == []
+
+
 def test_quick_commands_answer_without_importing_torch(tmp_path):
     # --help, info, list and a refused flag value are parsed and answered before torch is imported
     probe = ("import sys\nfrom tinyloop.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 # Only torch-free modules at the top: --help, info, list and refused flag values answer without torch.
 from .engine.params import MODES, param_default
@@ -515,13 +516,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the process is (as Ctrl-C raises KeyboardInterrupt) so that `with` blocks
+    unwind: a file being written (`quantize`, `convert`, `pull`, `upgrade`) is removed, not left half made."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import signal
+    if args.func is not _serve and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)  # (`serve` shuts down gracefully by uvicorn's own)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
         print(file=sys.stderr)
         return 130
+    except _Terminated:        # `kill`: the shell's status for SIGTERM, after the unwinding
+        return 143
     except BrokenPipeError:    # `tinyloop generate ... | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
