@@ -409,7 +409,7 @@ def test_native_linear_every_row_count(weights):
             assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, None)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)])
 @torch.inference_mode()
 def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     """With int8 activations, a row's result is the same (to fp32 rounding) alone and in a batch of 16 that
@@ -419,17 +419,46 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     from tinyloop.kernels.executor import linear_desc, _forward
 
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
-    w = torch.randn(70, 256, generator=torch.Generator().manual_seed(0)) * 0.05
+    w = torch.randn(70, 1024, generator=torch.Generator().manual_seed(0)) * 0.05
     q, sc, z = quantize_rtn(w, bits, group)
     lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
     keep: list = []
     desc = linear_desc(lin, keep)
     assert desc.act_q8
-    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(1))
+    x[:, 100] = 6.0   # a large value: its block's scale differs from its neighbours'
     batch = _forward(desc, x, 2)
     alone = torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(16)])
+    three = torch.cat([_forward(desc, x[i:i + 3], 1) for i in range(0, 15, 3)])   # 2 x 2 tiles, then 1 x 4
+    assert (three - batch[:15]).abs().max().item() <= 1e-5 * batch.abs().max().item()
     exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
     scale = exact.abs().max().item()
     assert (batch - exact).abs().max().item() < 2e-2 * scale
     assert (batch - alone).abs().max().item() <= 1e-5 * scale
     assert (batch - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 256), (8, None)])
+@torch.inference_mode()
+def test_int8_activations_at_the_extremes(monkeypatch, bits, group):
+    """Every code at its largest against every activation at +-127: the integer sums of a block (int16
+    pairs added across up to 256 columns for int4) do not saturate."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K, top = 512, (1 << bits) - 1
+    q = torch.full((8, K), top, dtype=torch.uint8)
+    q[1] = 0                                                   # (and the smallest, with a zero point)
+    n_groups = K // (group or K)
+    sc = torch.full((8, n_groups), 0.01, dtype=torch.float16)
+    z = torch.zeros(8, n_groups, dtype=torch.uint8)
+    z[1] = top
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8
+    x = torch.ones(2, K)
+    x[1] = -1.0
+    got = _forward(desc, x, 1)
+    exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-3), (got, exact)

@@ -189,44 +189,38 @@ void quant_rows(const tl_linear* L, const float* xp, const float* xs, int m, flo
 }
 
 #if TL_SIMD
-// Integer dot products against int8 activations, per 32 columns: x is quantized to q = round(x / d) with
-// d = max|x| / 127 (`quantize_q8`).
-// - int4 (llama.cpp's q4 x q8 idea on the portable layout): q is stored evens first, then odds, to meet the
-//   low and high nibbles of the 16 code bytes; maddubs takes the codes c (unsigned) against q.
-// - int8 (q8 x q8): c - 128 fits a signed byte; maddubs takes |c - 128| (unsigned) against q with the sign
-//   of c - 128 moved onto it (a pair of products stays within int16: 128 * 127 * 2 < 32768).
+// Integer dot products against int8 activations. x is quantized per block of AB columns (`act_block`: the
+// weight group, or 256 columns of a longer one; 32 where the group is not whole 64s) to q = round(x / d),
+// d = max|x| / 127 (`quantize_q8`), as llama.cpp's q8_K blocks do; the integer sums of a block then need
+// one conversion to float and one multiply, not one per 32 columns.
+// - int4: 32 code bytes hold 64 columns, even columns in the low nibbles, odd ones in the high; q is
+//   stored per 64 columns evens first, then odds, so one 32-byte load and two masks meet two loads of q.
+//   maddubs takes the codes c (unsigned) against q; its int16 pair sums (<= 2 * 15 * 127) are added
+//   across up to 256 columns (4 steps of 2: <= 30480) before madd widens them to int32.
+// - int8: c - 128 fits a signed byte; maddubs takes |c - 128| (unsigned) against q with the sign of c - 128
+//   moved onto it (a pair of products stays within int16: 128 * 127 * 2 < 32768), widened at once.
 // Then, with c' = c (int4) or c - 128 (int8) and z' = z (int4) or z - 128 (int8):
-//   sum_k (c - z) s x ~= sum_g s_g (sum_{b in g} d_b sum_{k in b} c' q) - sum_g s_g z'_g X_g,
-// X_g = sum_{b in g} d_b sum_{k in b} q (per input row, shared by every weight row). MR input rows against NR
-// weight rows at a time: a block of codes is unpacked once for MR rows, a block of x loaded once for NR;
-// the group's scale is applied once per group.
-template <int BITS>
-struct QBlock {   // one weight row's 32 codes, ready for maddubs against a block of q
-    __m256i u, sign;
-    static inline QBlock load(const uint8_t* p) {
-        QBlock r;
-        if (BITS == 4) {
-            const __m128i raw = _mm_loadu_si128((const __m128i*)p);
-            r.u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-        } else {
-            r.sign = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8((char)0x80));
-            r.u = _mm256_sign_epi8(r.sign, r.sign);
-        }
-        return r;
-    }
-    inline __m256i dot(__m256i xv) const {   // 8 int32 lanes of sum c' q
-        const __m256i q = BITS == 4 ? xv : _mm256_sign_epi8(xv, sign);
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
-    }
-};
+//   sum_k (c - z) s x ~= sum_a s_a d_a (sum_{k in a} c' q) - sum_g s_g z'_g X_g,  X_g = sum_{a in g} d_a sum q.
+// With 32-column blocks (SPLIT, int4 only: int8 weights take int8 activations where their groups are whole
+// 64s) a 64-column step holds two of them: the low four int32 lanes of its sums are the first block's, the
+// high four the second's, and the scales are applied as two halves. K is a multiple of 64.
+static inline int act_block(int G) {
+    if (G % 64) return 32;
+    for (int a = 256; a >= 64; a -= 64)
+        if (G % a == 0) return a;
+    return 64;
+}
 
-template <int BITS, int MR, int NR>
+static inline __m256 halves(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
+
+template <int BITS, int MR, int NR, bool SPLIT>
 void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
              int n0, int n1) {
-    const int K = L->k, G = L->group, NG = K / G, NB = K / 32, BPG = G / 32;
-    constexpr int BB = 32 * BITS / 8;            // bytes of codes per 32 columns
+    const int K = L->k, G = L->group, NG = K / G, AB = act_block(G), NA = K / AB;
+    const int S = SPLIT ? 64 : AB;                 // columns per flush of the integer sums
     const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     int n = n0;
     for (; n + NR <= n1; n += NR) {
         __m256 tot[MR][NR];
@@ -235,102 +229,149 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) { tot[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
-        for (int g = 0; g < NG; ++g) {
-            __m256 ga[MR][NR];
+        const uint8_t* row = codes + (int64_t)n * row_bytes;
+        for (int c0 = 0; c0 < K; c0 += S) {
+            __m256i acc[MR][NR];
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) ga[r][j] = _mm256_setzero_ps();
-            for (int b = g * BPG; b < (g + 1) * BPG; ++b) {
-                const uint8_t* at = codes + (int64_t)n * row_bytes + b * BB;   // row n's block b
-                if (L->streamed && (b * BB) % 64 == 0)   // from memory: the next NR rows' line, in order
-#pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(at + (NR + j) * row_bytes), _MM_HINT_T0);
-                QBlock<BITS> w[NR];
-#pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) w[j] = QBlock<BITS>::load(at + j * row_bytes);
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + b * 32));
-                    const __m256 d = _mm256_broadcast_ss(xd + (int64_t)r * NB + b);
+                for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_si256();
+            for (int c = c0; c < c0 + S; c += 64) {
+                const uint8_t* at = row + (int64_t)c * BITS / 8;   // row n's 64 columns at c
+                if (L->streamed)   // from memory: the next NR rows' lines, in order
 #pragma GCC unroll 4
                     for (int j = 0; j < NR; ++j)
-                        ga[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w[j].dot(xv)), d, ga[r][j]);
+                        for (int l = 0; l < BITS / 4; ++l)
+                            _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                // a weight row's 64 columns are unpacked once for the MR input rows, whose codes come
+                // straight from L1 (memory operands: no registers held across rows)
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    __m256i wa, wb;   // int4: low / high nibbles; int8: the two 32s with their sign flipped
+                    if (BITS == 4) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wa = _mm256_and_si256(raw, low4);
+                        wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    } else {
+                        wa = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes)), flip);
+                        wb = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32)), flip);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r) {
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c));
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32));
+                        if (BITS == 4) {
+                            acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_add_epi16(
+                                _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)));
+                        } else {
+                            const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(x0, wa));
+                            const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(x1, wb));
+                            acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                                     _mm256_madd_epi16(p1, ones)));
+                        }
+                    }
                 }
             }
+            // the span's sums, scaled: s (weights) times d (activations), two halves with SPLIT
+            __m256 sv[NR];
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) {
-                const float sc = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                const float sz = sc * ((float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 4 ? 0.f : 128.f));
-                const __m256 vs = _mm256_set1_ps(sc);
+                const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
+                sv[j] = SPLIT ? halves(f16_to_f32(sc[c0 / G]), f16_to_f32(sc[(c0 + 32) / G]))
+                              : _mm256_set1_ps(f16_to_f32(sc[c0 / G]));
+            }
 #pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    tot[r][j] = _mm256_fmadd_ps(ga[r][j], vs, tot[r][j]);
-                    corr[r][j] += sz * X[(int64_t)r * NG + g];
+            for (int r = 0; r < MR; ++r) {
+                const float* d = xd + (int64_t)r * NA + c0 / AB;
+                const __m256 dv = SPLIT ? halves(d[0], d[1]) : _mm256_set1_ps(d[0]);
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    const __m256i s32 = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
+                    tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dv, sv[j]), tot[r][j]);
                 }
             }
+            // the zero points of the groups that start in this span
+            for (int g = (c0 + G - 1) / G; g * G < c0 + S; ++g)
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    const float sz = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g])
+                                     * ((float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 4 ? 0.f : 128.f));
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r) corr[r][j] += sz * X[(int64_t)r * NG + g];
+                }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
     }
-    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1>(L, xq, xd, X, y, ldy, n, n1);
+    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, xd, X, y, ldy, n, n1);
 }
 
-// the int8 scale of 32 activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
-static inline float q8_scale(const float* v, float* id) {
+// the int8 scale of n activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
+static inline float q8_scale(const float* v, int n, float* id) {
     float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    for (int i = 0; i < n; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
     const float d = amax / 127.f;
     *id = d > 0 ? 1.f / d : 0.f;
     return d;
 }
 
-// 32 activations -> round(v / d) * d, what the integer dot products compute with
-static inline void q8_roundtrip(const float* v, float* out) {
+// n activations -> round(v / d) * d, what the integer dot products compute with
+static inline void q8_roundtrip(const float* v, int n, float* out) {
     float id;
-    const float d = q8_scale(v, &id);
-    for (int i = 0; i < 32; ++i) out[i] = nearbyintf(v[i] * id) * d;
+    const float d = q8_scale(v, n, &id);
+    for (int i = 0; i < n; ++i) out[i] = nearbyintf(v[i] * id) * d;
 }
 
-// x (m, k) -> int8 codes (m, k), scales d and code sums per 32 columns (m, k / 32); `nibbles`: each 32 in the
-// nibble order above (int4 weights), else in column order (int8 weights)
-void quantize_q8(const float* x, int m, int K, int8_t* xq, float* xd, float* xs, bool nibbles) {
+// x (m, K) -> int8 codes xq (m, K) (int4 weights: each 64 columns evens first, then odds; int8: in column
+// order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB)
+void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, bool nibbles) {
     for (int r = 0; r < m; ++r)
-        for (int b = 0; b < K / 32; ++b) {
-            const float* v = x + (int64_t)r * K + b * 32;
+        for (int a = 0; a < K / AB; ++a) {
+            const float* v = x + (int64_t)r * K + a * AB;
             float id;
-            const float d = q8_scale(v, &id);
-            int8_t* q = xq + (int64_t)r * K + b * 32;
+            const float d = q8_scale(v, AB, &id);
+            int8_t* q = xq + (int64_t)r * K;
             int sum = 0;
-            for (int j = 0; j < 16; ++j) {
-                const int e = (int)nearbyintf(v[2 * j] * id), o = (int)nearbyintf(v[2 * j + 1] * id);
-                q[nibbles ? j : 2 * j] = (int8_t)e;
-                q[nibbles ? 16 + j : 2 * j + 1] = (int8_t)o;
-                sum += e + o;
+            for (int i = 0; i < AB; ++i) {
+                const int c = a * AB + i, e = (int)nearbyintf(v[i] * id);
+                q[nibbles ? (c & ~63) + (c & 1) * 32 + (c & 63) / 2 : c] = (int8_t)e;
+                sum += e;
             }
-            xd[(int64_t)r * (K / 32) + b] = d;
-            xs[(int64_t)r * (K / 32) + b] = (float)sum;
+            xd[(int64_t)r * (K / AB) + a] = d;
+            xs[(int64_t)r * (K / AB) + a] = (float)sum;
         }
 }
 
 // m input rows: 2 x 2 tiles, then one row against four weight rows at a time
-template <int BITS>
+template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
              int n0, int n1) {
-    const int K = L->k, NB = K / 32, NG = K / L->group;
+    const int K = L->k, NA = K / act_block(L->group), NG = K / L->group;
     int mt = 0;
     for (; mt + 2 <= m; mt += 2)
-        qq_tile<BITS, 2, 2>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
-                            y + (int64_t)mt * ldy, ldy, n0, n1);
+        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
     if (mt < m)
-        qq_tile<BITS, 1, 4>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NB, X + (int64_t)mt * NG,
-                            y + (int64_t)mt * ldy, ldy, n0, n1);
+        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
 }
+
 #endif
 
 int bits_of(int kind) { return kind == TL_Q8 ? 8 : kind == TL_Q4 ? 4 : 2; }
+
+// the layers the integer kernels above take (the executor sets act_q8 where these hold)
+static inline bool int8_activations(const tl_linear* L) {
+#if TL_SIMD
+    return L->act_q8 && L->k % 64 == 0 && L->group % 32 == 0
+           && (L->kind == TL_Q4 || (L->kind == TL_Q8 && L->group % 64 == 0));
+#else
+    (void)L;
+    return false;
+#endif
+}
 
 #if TL_SIMD
 // Many input rows (a batch of decode rows, a head over them, a prefill chunk): outer products, as a GEMM
@@ -467,9 +508,9 @@ void panel_rows_all(const tl_linear* L, const float* x, int m, float* y, int ldy
         xr.resize(K);
         for (int r = 0; r < m; ++r) {
             const float* src = x + (int64_t)r * K;
-            if (L->act_q8) {   // the int8 activations the integer kernels use, as floats: a row's result
-                for (int b = 0; b < K / 32; ++b)   // does not depend on how many rows share the call
-                    q8_roundtrip(src + b * 32, xr.data() + b * 32);
+            if (int8_activations(L)) {   // the int8 activations the integer kernels use, as floats: a row's result
+                const int AB = act_block(L->group);   // does not depend on how many rows share the call
+                for (int a = 0; a < K / AB; ++a) q8_roundtrip(src + a * AB, AB, xr.data() + a * AB);
                 src = xr.data();
             }
             for (int c0 = 0; c0 < K; c0 += chunk)
@@ -515,22 +556,24 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
 #if TL_SIMD
     if (m >= (L->kind <= TL_BF16 ? 2 * (int64_t)panel_min_rows : panel_min_rows)) return panel_rows_all(L, x, m, y, ldy);
-    if ((L->kind == TL_Q4 || L->kind == TL_Q8) && L->act_q8) {
+    if (int8_activations(L)) {
+        const int K = L->k, AB = act_block(L->group), NA = K / AB, NG = K / L->group, APG = L->group / AB;
         int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
-        float* xd = scratch + (int64_t)m * L->k;             // then 2 * m * k / 32 floats (<= m * k / 8)
-        float* xs = xd + (int64_t)m * (L->k / 32);
-        float* X = xs + (int64_t)m * (L->k / 32);           // then m * k / group (<= m * k / 32) floats
-        quantize_q8(x, m, L->k, xq, xd, xs, L->kind == TL_Q4);
-        const int NB = L->k / 32, NG = L->k / L->group, BPG = L->group / 32;
+        float* xd = scratch + (int64_t)m * K;                // then 2 * m * k / 32 floats (<= m * k / 8)
+        float* xs = xd + (int64_t)m * NA;
+        float* X = xs + (int64_t)m * NA;                     // then m * k / group (<= m * k / 32) floats
+        quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4);
         for (int r = 0; r < m; ++r)
             for (int g = 0; g < NG; ++g) {
                 float t = 0.f;
-                for (int b = g * BPG; b < (g + 1) * BPG; ++b) t += xd[(int64_t)r * NB + b] * xs[(int64_t)r * NB + b];
+                for (int a = g * APG; a < (g + 1) * APG; ++a) t += xd[(int64_t)r * NA + a] * xs[(int64_t)r * NA + a];
                 X[(int64_t)r * NG + g] = t;
             }
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
-            if (L->kind == TL_Q4) qq_rows<4>(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
-            else qq_rows<8>(L, xq, xd, X, m, y, ldy, c * CHUNK, std::min(L->n, (c + 1) * CHUNK));
+            const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
+            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, xd, X, m, y, ldy, n0, n1);
+            else if (AB == 32) qq_rows<4, true>(L, xq, xd, X, m, y, ldy, n0, n1);
+            else qq_rows<4, false>(L, xq, xd, X, m, y, ldy, n0, n1);
         });
         return;
     }

@@ -16,7 +16,7 @@ typedef struct {
     const void* w;           // float kinds: (n, k); quantized: portable codes (n, k * bits / 8), quant/packing.py
     const uint16_t* scales;  // float16 (n, k / group)
     const uint8_t* zeros;    // uint8 (n, k / group): w = (q - zero) * scale
-    int32_t act_q8;          // TL_Q8 / TL_Q4 with SIMD: activations quantized to int8 per 32 (integer dot products)
+    int32_t act_q8;          // TL_Q8 / TL_Q4 with SIMD: activations quantized to int8 (integer dot products)
     int32_t streamed;        // the model's weights do not stay in cache: one row is read after the other
 } tl_linear;
 
