@@ -1,10 +1,12 @@
-"""The perplexity cost of the native LM head's int8 activations (issue 25).
+"""The perplexity cost of the native kernels' int8 activations (issue 25).
 
-The shipped int4 file has an int8 head; the native kernels quantize its input rows to int8 per 32 values
-(q8 x q8 integer dot products). This scores the same engine twice, only the head's activations switched:
+The native kernels quantize the input rows of int4 and int8 layers (the shipped int4 file's blocks and its
+int8 head) to int8, per group of the weights' (up to 256 columns; per 32 before session 11), for integer
+dot products. This scores the same file three ways: int8 activations everywhere (the default), the head's
+in fp32, and every layer's in fp32 (`TINYLOOP_NATIVE_Q8=0`, exact to the dequantized weights):
 `Engine.logits` at loops 8 over the held-out end (the last 1%) of a corpus file, in windows of 256 tokens.
 
-    .venv/bin/python benchmarks/head_activations.py [--corpus ../shared/corpus/brown.txt.gz] [--tokens 8192]
+    .venv/bin/python benchmarks/head_activations.py [--corpus data/corpus/brown.txt.gz] [--tokens 8192]
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -37,7 +40,7 @@ def main() -> int:
         raise SystemExit("needs the native executor and a head with int8 activations (an int8 or int4 head)")
     ids = eng.tokenizer.encode(text)[:args.tokens]
 
-    def ppl() -> tuple[float, int]:
+    def ppl(eng) -> tuple[float, int]:
         nll, n = 0.0, 0
         for s in range(0, len(ids) - 1, 256):
             w = ids[s:s + 257]
@@ -48,11 +51,13 @@ def main() -> int:
             n += len(w) - 1
         return math.exp(nll / n), n
 
-    q8, n = ppl()
+    q8, n = ppl(eng)
     ex.head.act_q8 = 0
-    fp32, _ = ppl()
-    print(f"{args.model}, loops {args.loops}, {n} held-out tokens: perplexity with the head's int8 activations "
-          f"{q8:.3f}, with fp32 activations {fp32:.3f}")
+    head_fp32, _ = ppl(eng)
+    os.environ["TINYLOOP_NATIVE_Q8"] = "0"    # read as each layer's descriptor is made
+    fp32, _ = ppl(Engine.load(args.model, draft_exit=False))
+    print(f"{args.model}, loops {args.loops}, {n} held-out tokens: perplexity with int8 activations "
+          f"{q8:.3f}, the head's in fp32 {head_fp32:.3f}, every layer's in fp32 {fp32:.3f}")
     return 0
 
 

@@ -181,6 +181,52 @@ def test_int8_activations(monkeypatch):
     assert 0 < err < 5e-2, err
 
 
+@torch.inference_mode()
+def prefill_pair(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS, split=0):
+    """Prefill every sequence of `seqs` in one step (after a first chunk of `split` tokens each, in a step
+    of its own, when split > 0), in PyTorch and natively: logits of every position, and both pools."""
+    cfg = ref.cfg
+    slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * max(s[1] for s in seqs)
+    blocks = max(-(-(n + 1) // PAGE) for n, _, _ in seqs)
+    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
+    kv_nat = clone_kv(kv)
+    g = torch.Generator().manual_seed(7)
+    tables = [torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
+              for i in range(len(seqs))]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n, _, _ in seqs]
+    outs = []
+    for model, pool in ((ref, kv), (nat, kv_nat)):
+        hidden = []
+        for a, b in ((0, split), (split, None)) if split else ((0, None),):
+            rows = [Rows(table=t, start=a, n=len(p[a:b]), last_loop=loops, tokens=p[a:b], window=w)
+                    for t, p, (_, loops, w) in zip(tables, prompts, seqs) if p[a:b]]
+            assert model is ref or all(nat.executor.supports(r) for r in rows)
+            model.run(PagedStep(pool, rows, model.rotary, torch.float32, "cpu"))
+            hidden += [r.hidden.float() for r in rows]
+        outs.append(ref.logits(torch.cat(hidden)[None])[0])
+    return outs[0], outs[1], kv, kv_nat
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int4"])
+def test_native_prefill_equals_pytorch(name, weights):
+    """A prefill chunk runs natively, each position a row of the call: its logits and keys are the PyTorch
+    forward's, whole or after a first chunk (the second continuing at its start)."""
+    ref, nat = make_pair(CONFIGS[name], weights)
+    check(*prefill_pair(ref, nat))
+    check(*prefill_pair(ref, nat, split=4))
+
+
+@pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("int8", torch.float32),
+                                                ("int4-h", torch.float32)])
+def test_native_prefill_every_kv_format(kv_format, kv_dtype):
+    """Lossy pools: both paths attend to the keys as stored, and a key that sits on a rounding boundary
+    may round the other way (~1e-6 apart before rounding); over a prompt's positions and loops of this
+    chaotic random model that moves the logits by up to a few 1e-3."""
+    ref, nat = make_pair(CONFIGS["tiny"], "fp32")
+    check(*prefill_pair(ref, nat, kv_format, kv_dtype), tol=1e-2)
+
+
 @pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("fp16", torch.bfloat16),
                                                 ("int8", torch.float32), ("int4", torch.float32),
                                                 ("int4-h", torch.float32)])

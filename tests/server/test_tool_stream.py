@@ -147,9 +147,12 @@ def test_streamed_tool_calls_equal_the_answer_and_come_token_by_token(which, cho
             _check_calls(want.message.tool_calls, SCHEMA_OF)
         elif choice != "auto":
             assert want.finish_reason == "length"
-        # logprobs: every generated token's, streamed and not, the same
-        assert [(t.token, t.logprob) for t in got.logprobs.content] == \
-            [(t.token, t.logprob) for t in want.logprobs.content]
+        # logprobs: every generated token's, streamed and not, the same (to float rounding: the second
+        # request finds its prompt in the prefix cache and prefills only the rest, a call of fewer rows
+        # whose kernels sum in another order)
+        assert [t.token for t in got.logprobs.content] == [t.token for t in want.logprobs.content]
+        assert [t.logprob for t in got.logprobs.content] == \
+            pytest.approx([t.logprob for t in want.logprobs.content], abs=1e-4)
         incremental += sum(n > 1 for i, n in pieces.items() if len(calls[i][1]) > 2)
     if choice != "auto":
         assert incremental, "no call's arguments came in more than one chunk"

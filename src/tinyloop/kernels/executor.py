@@ -209,9 +209,11 @@ class NativeExecutor:
 
     def supports(self, r) -> bool:
         """Rows this executor runs: one token from its embedding (plain decoding, a draft step, adaptive depth
-        with the latent or gate criterion), or a run of consecutive positions continuing from a draft's
-        states (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
-        Prefill chunks, tree-masked rows and the kl criterion run in PyTorch."""
+        with the latent or gate criterion); a prefill chunk (consecutive positions from their tokens, each
+        a row of the call: every block writes all the call's keys before any row attends, so each position
+        sees the chunk's earlier ones); or a run of consecutive positions continuing from a draft's states
+        (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
+        Tree-masked rows and the kl criterion run in PyTorch."""
         rule, ro = r.exit_rule, r.readout
         if r.tree_mask is not None or not (getattr(r, "default_positions", False) or (
                 int(r.positions[0]) == r.start and (r.n == 1 or int(r.positions[-1]) == r.start + r.n - 1))):
@@ -220,8 +222,8 @@ class NativeExecutor:
                                                                                     nn.ModuleList))):
             return False
         if r.tokens is not None:
-            return (r.n == 1 and r.first_loop == 0
-                    and (rule is None or (rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
+            return (r.first_loop == 0
+                    and (rule is None or (r.n == 1 and rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
                                           and (rule.criterion != "gate" or self.model.exit_gate is not None)))
                     and (self.model.state_seed is None or self.model.cfg.injection == "none"))
         return rule is None and r.first_loop > 0
@@ -288,12 +290,14 @@ class NativeExecutor:
             if r.capture:
                 oe, oh = torch.empty(r.n, dim), torch.empty(r.n, dim)
                 r.out_state = (oe, oh)
+            if r.tokens is not None:
+                tokens = r.tokens.tolist() if isinstance(r.tokens, torch.Tensor) else r.tokens
             for j in range(r.n):
                 c = crow[i + j]
                 c.pos, c.loops, c.window, c.first_loop, c.readout = r.start + j, r.last_loop, r.window, r.first_loop, ro
                 c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
                 if r.tokens is not None:
-                    c.token = r.tokens[j]
+                    c.token = tokens[j]
                 else:
                     c.state_e, c.state_h = e[j].data_ptr(), h[j].data_ptr()
                 if r.capture:
