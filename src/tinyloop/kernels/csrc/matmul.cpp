@@ -224,11 +224,10 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
     int n = n0;
     for (; n + NR <= n1; n += NR) {
         __m256 tot[MR][NR];
-        float corr[MR][NR];
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) { tot[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
+            for (int j = 0; j < NR; ++j) tot[r][j] = _mm256_setzero_ps();
         const uint8_t* row = codes + (int64_t)n * row_bytes;
         for (int c0 = 0; c0 < K; c0 += S) {
             __m256i acc[MR][NR];
@@ -290,15 +289,31 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
                     tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dv, sv[j]), tot[r][j]);
                 }
             }
-            // the zero points of the groups that start in this span
-            for (int g = (c0 + G - 1) / G; g * G < c0 + S; ++g)
+        }
+        // the zero points: corr[r][j] = sum_g s_g z'_g X_g, eight groups at a time
+        float corr[MR][NR];
 #pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) {
-                    const float sz = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g])
-                                     * ((float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 4 ? 0.f : 128.f));
+        for (int j = 0; j < NR; ++j) {
+            const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
+            const uint8_t* zp = L->zeros + (int64_t)(n + j) * NG;
+            __m256 cv[MR];
 #pragma GCC unroll 4
-                    for (int r = 0; r < MR; ++r) corr[r][j] += sz * X[(int64_t)r * NG + g];
-                }
+            for (int r = 0; r < MR; ++r) cv[r] = _mm256_setzero_ps();
+            int g = 0;
+            for (; g + 8 <= NG; g += 8) {
+                __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
+                if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
+                const __m256 sz = _mm256_mul_ps(vload_f16(sc + g), z);
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) cv[r] = _mm256_fmadd_ps(sz, _mm256_loadu_ps(X + (int64_t)r * NG + g), cv[r]);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) corr[r][j] = vsum(cv[r]);
+            for (; g < NG; ++g) {
+                const float sz = f16_to_f32(sc[g]) * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f));
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) corr[r][j] += sz * X[(int64_t)r * NG + g];
+            }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
@@ -350,6 +365,9 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float*
              int n0, int n1) {
     const int K = L->k, NA = K / act_block(L->group), NG = K / L->group;
     int mt = 0;
+    for (; mt + 4 <= m; mt += 4)
+        qq_tile<BITS, 4, 3, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
     for (; mt + 2 <= m; mt += 2)
         qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
@@ -384,10 +402,16 @@ static inline bool int8_activations(const tl_linear* L) {
 // GFLOP/s; this core's FMA peak: ~90).
 constexpr int PNR = 6;           // weight rows per micro-tile
 // Fewer input rows than this take the dot-product tiles (below it the transposes and the padding to 8 rows
-// cost more than the panels save): quantized weights from 6 rows, float weights from twice that (measured
-// one thread, thread CPU time: int4 768 x 256 panels/tiles 0.84x at 5 rows, 1.04x at 6, 1.20x at 7; fp16
-// 1536 x 256 0.88x at 8, 1.08x at 12, 1.45x at 16)
-int panel_min_rows = 6;
+// cost more than the panels save): float weights from 12 rows, quantized ones from 6 (measured one thread,
+// thread CPU time: int4 768 x 256 panels/tiles 0.84x at 5 rows, 1.04x at 6, 1.20x at 7; fp16 1536 x 256
+// 0.88x at 8, 1.08x at 12, 1.45x at 16), int4/int8 layers with int8 activations from 16 (their 4 x 3
+// integer tiles against the panels, session 11: 0.36-0.57x the time at 4 rows, 0.62-0.76x at 8, 0.73-1.26x
+// at 16 on the shipped and the 1.4B shapes and the int8 head). `panel_forced` (tests): every layer's.
+int panel_forced = 0;
+
+static inline int panel_min_rows(const tl_linear* L) {
+    return panel_forced ? panel_forced : L->kind <= TL_BF16 ? 12 : int8_activations(L) ? 16 : 6;
+}
 
 // rows [n, n + nr) of W as fp32 into wb (nr, K), in xt's column order
 template <int KIND>
@@ -555,7 +579,7 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
 // y[:, 0:n] with row stride ldy; runs on the pool. scratch (quantized kinds): m * k + m * k / 8 floats.
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
 #if TL_SIMD
-    if (m >= (L->kind <= TL_BF16 ? 2 * (int64_t)panel_min_rows : panel_min_rows)) return panel_rows_all(L, x, m, y, ldy);
+    if (m >= panel_min_rows(L)) return panel_rows_all(L, x, m, y, ldy);
     if (int8_activations(L)) {
         const int K = L->k, AB = act_block(L->group), NA = K / AB, NG = K / L->group, APG = L->group / AB;
         int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
@@ -598,11 +622,12 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     });
 }
 
-// the fewest input rows that take the outer-product path (tests and benchmarks compare both); returns the old
+// the fewest input rows that take the outer-product path, for every layer (tests and benchmarks compare
+// both paths); 0: each kind's own (above). Returns the old setting.
 extern "C" int32_t tl_set_panel_min_rows(int32_t rows) {
 #if TL_SIMD
-    const int old = panel_min_rows;
-    if (rows > 0) panel_min_rows = rows;
+    const int old = panel_forced;
+    panel_forced = rows > 0 ? rows : 0;
     return old;
 #else
     (void)rows;
