@@ -478,6 +478,9 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     for rows in (3, 7):   # 2 x 2 tiles then 1 x 4; 4 x 3, 2 x 2 and 1 x 4
         part = torch.cat([_forward(desc, x[i:i + rows], 1) for i in range(0, 16 - rows + 1, rows)])
         assert (part - batch[:len(part)]).abs().max().item() <= 1e-5 * batch.abs().max().item()
+    desc.streamed = 1   # weights read from memory: one row at a time, one stream
+    streamed = torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(16)])
+    assert (streamed - batch).abs().max().item() <= 1e-5 * batch.abs().max().item()
     exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
     scale = exact.abs().max().item()
     assert (batch - exact).abs().max().item() < 2e-2 * scale

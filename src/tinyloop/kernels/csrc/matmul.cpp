@@ -237,11 +237,15 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
                 for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_si256();
             for (int c = c0; c < c0 + S; c += 64) {
                 const uint8_t* at = row + (int64_t)c * BITS / 8;   // row n's 64 columns at c
-                if (L->streamed)   // from memory: the next NR rows' lines, in order
+                if (L->streamed) {   // from memory
+                    if (NR == 1)     // one row after the other: one stream, 4 KB ahead
+                        for (int l = 0; l < BITS / 4; ++l) _mm_prefetch((const char*)(at + 4096 + 64 * l), _MM_HINT_T0);
+                    else             // the next NR rows' lines, in order
 #pragma GCC unroll 4
-                    for (int j = 0; j < NR; ++j)
-                        for (int l = 0; l < BITS / 4; ++l)
-                            _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                        for (int j = 0; j < NR; ++j)
+                            for (int l = 0; l < BITS / 4; ++l)
+                                _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                }
                 // a weight row's 64 columns are unpacked once for the MR input rows, whose codes come
                 // straight from L1 (memory operands: no registers held across rows)
 #pragma GCC unroll 4
@@ -371,7 +375,10 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float*
     for (; mt + 2 <= m; mt += 2)
         qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
-    if (mt < m)
+    if (mt < m && L->streamed)   // weights from memory: one sequential stream reads at the bandwidth
+        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
+    else if (mt < m)
         qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
 }
