@@ -10,8 +10,9 @@ falling back to a dequantized dense weight (with a warning) when a kernel is mis
     bits 4/2 CUDA torch.ops.aten._weight_int4pack_mm (tinygemm)
     bits 8        torch.ops.aten._weight_int8pack_mm (per-channel symmetric)
     native        the native executor's kernels (`kernels/`), chosen on CPU when that executor runs: they
-                  read the portable tensors as they are (no repacking, fp32 activations), so the decode
-                  executor and the PyTorch path (prefill, speculation) share one copy of the weights
+                  read the portable tensors as they are (no repacking, fp32 activations), so the native
+                  executor and the PyTorch path (tree speculation, forwards without pages) share one
+                  copy of the weights
 
 The kernels take bf16 activations (the int4 CPU kernel is ~30x slower with fp32 ones): inputs are cast
 to bf16 and outputs back to the caller's dtype. Multi-row inputs (prefill, verification) use the same
