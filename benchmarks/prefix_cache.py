@@ -1,8 +1,9 @@
 """Prefix caching: time to first token of chat turns that share a long system prompt, cached vs uncached.
 
 Two `tinyloop serve` processes on the same model, one with prefix caching (the default) and one with
-TINYLOOP_PREFIX_CACHING=0, both up for the whole run with the same thread count. Each turn sends the
-same ~400-token system prompt and a different short user message (streamed chat completion, greedy) to
+TINYLOOP_PREFIX_CACHING=0, both up for the whole run with the same thread count, each reached through one
+kept-alive client connection (as an SDK client keeps one; since session 11). Each turn sends the same
+~400-token system prompt and a different short user message (streamed chat completion, greedy) to
 both servers in alternation, so machine load hits both alike. The first turn on the caching server fills
 its cache (a miss, reported apart); every later turn finds the system prompt's full blocks there.
 
@@ -44,13 +45,17 @@ def system_prompt(n_tokens: int) -> str:
     return "You are a helpful assistant. Background follows. " + tok.decode(ids)
 
 
+_CLIENTS: dict[str, httpx.Client] = {}   # one kept-alive connection per server, as an SDK client keeps
+
+
 def turn(url: str, system: str, question: str, max_tokens: int) -> dict:
     body = {"model": "tinyloop", "stream": True, "temperature": 0, "max_tokens": max_tokens,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+    client = _CLIENTS.setdefault(url, httpx.Client(timeout=300))
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
