@@ -40,14 +40,15 @@ class BatchRunner:
         block table changes (the scheduler appends blocks, or replaces the last one or the whole table: the
         key holds the lists themselves, so that a changed table is never mistaken for the cached one)."""
         bt = seq.block_table
-        key = (bt, len(bt), bt[-1] if bt else None, seq.slot_cols)
+        last = bt[-1] if bt else None
         hit = getattr(seq, "_table_cache", None)
-        if hit is not None and all(a is b for a, b in zip(hit[0][:1] + hit[0][2:], key[:1] + key[2:])) \
-                and hit[0][1] == key[1]:
-            return hit[1]
+        if hit is not None:
+            (c_bt, c_len, c_last, c_cols), table = hit
+            if c_bt is bt and c_len == len(bt) and c_last is last and c_cols is seq.slot_cols:
+                return table
         table = torch.tensor(bt, device=self.device)
         table = table if seq.slot_cols is None else table[:, seq.slot_cols]
-        seq._table_cache = (key, table)
+        seq._table_cache = ((bt, len(bt), last, seq.slot_cols), table)
         return table
 
     @torch.inference_mode()

@@ -114,37 +114,41 @@ def recommended_threads(model: nn.Module) -> int | None:
     return 1 if cfg.dim * cfg.ffn_dim <= 1024 * 4096 else None
 
 
+def _executor_setting(executor: str | None) -> str:
+    """"native", "torch" or "auto": the caller's choice, else `TINYLOOP_EXECUTOR`'s."""
+    from ..kernels.lib import EXECUTORS, executor_setting
+
+    setting = executor_setting() if executor in (None, "auto") else executor
+    if setting not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {setting!r}")
+    return setting
+
+
+def _native_expected(executor: str | None) -> bool:
+    """Whether `attach_executor(model, executor)` will try the native executor (its library loads here)."""
+    from ..kernels.lib import native_wanted
+
+    setting = _executor_setting(executor)
+    return setting == "native" or (setting == "auto" and native_wanted())
+
+
 def attach_executor(model: nn.Module, executor: str | None = None) -> str:
     """Give `model` the native executor (`kernels/`) when it is wanted and runs this model; returns the
     executor's name ("native (...)" or "torch"). executor: "native", "torch", or None/"auto" (the
     `TINYLOOP_EXECUTOR` setting: native where its library builds here)."""
     from ..kernels.executor import NativeExecutor, Unsupported
-    from ..kernels.lib import EXECUTORS, executor_setting, native_wanted
 
-    setting = executor_setting() if executor in (None, "auto") else executor
-    if setting not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {setting!r}")
     model.executor = None
-    if setting == "torch" or (setting == "auto" and not native_wanted()):
+    if not _native_expected(executor):
         return "torch"
     try:
         model.executor = NativeExecutor(model)
     except Unsupported as exc:
-        if setting == "native":
+        if _executor_setting(executor) == "native":
             raise
         warnings.warn(f"the native executor does not run this model ({exc}); using the PyTorch path")
         return "torch"
     return model.executor.name
-
-
-def _native_expected(executor: str | None) -> bool:
-    """Whether `attach_executor(model, executor)` will try the native executor (its library loads here)."""
-    from ..kernels.lib import EXECUTORS, executor_setting, native_wanted
-
-    setting = executor_setting() if executor in (None, "auto") else executor
-    if setting not in EXECUTORS or setting == "torch":
-        return False
-    return setting == "native" or native_wanted()
 
 
 def executor_name(model: nn.Module) -> str:
