@@ -330,14 +330,18 @@ def test_server_drafts_through_the_models_draft_exit(tmp_path, tokenizer):
         assert out["model_info"]["draft_exit"] == want
 
 
-def test_events_go_out_as_the_next_steps_head_starts(tiny_server, monkeypatch):
-    """The engine thread hands a step's events to the event loop while the next step's LM head runs (a
-    GIL-free GEMM); every event still arrives, in order, and the last ones when the engine goes idle."""
+def test_events_go_out_as_the_next_steps_gil_free_op_starts(tiny_server, monkeypatch):
+    """The engine thread hands a step's events to the event loop as the next step's first long GIL-free op
+    starts: the forward when the native executor runs it, else the LM head; every event still arrives, in
+    order, and the last ones when the engine goes idle."""
     worker = tiny_server.app.state.tl.worker
     runner = worker.batch.runner
-    assert runner.before_head == worker._flush_at_head
+    native = worker.engine.model.executor is not None
+    assert runner.before_head == worker._flush_early
+    assert runner.before_forward == (worker._flush_early if native else None)
+    hook = "before_forward" if native else "before_head"
     calls = []
-    monkeypatch.setattr(runner, "before_head", lambda: (calls.append(len(worker._outbox)), worker._flush_at_head()))
+    monkeypatch.setattr(runner, hook, lambda: (calls.append(len(worker._outbox)), worker._flush_early()))
     r = post(tiny_server, "/generate", {"prompt": "Hello", "max_tokens": 12, "stream": True})
     frames = [json.loads(f[6:]) for f in sse_events(r.content) if f.startswith(b"data: {")]
     assert frames[-1]["token_id"] == -1 and frames[-1]["finish_reason"] in ("stop", "length")

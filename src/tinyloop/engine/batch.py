@@ -32,7 +32,10 @@ class BatchRunner:
         self.last_argmax: dict[int, int] = {}          # {seq_id: token} of the last step's greedy sequences
         self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
         self.last_scores: dict[int, tuple[int, list]] = {}  # prompt log-probabilities of the last step (`execute`)
-        self.before_head = None  # called as the LM head starts (a long op without the GIL): see server/worker.py
+        # called as a long op without the GIL starts: the forward when the native executor runs it, the LM
+        # head (see server/worker.py)
+        self.before_forward = None
+        self.before_head = None
 
     def _table(self, seq) -> torch.Tensor:
         """The sequence's pages as (blocks, slots) in the one-slot-per-loop order the model addresses; a
@@ -74,7 +77,10 @@ class BatchRunner:
         m = self.model
         # rows starting from tokens first, deepest first: the rows still looping at loop r are a prefix
         order = sorted(everything, key=lambda r: (r.first_loop, -r.last_loop))
-        m.run(PagedStep(self.kv, order, m.rotary, m.act_dtype or m.embed.weight.dtype, self.device))
+        step = PagedStep(self.kv, order, m.rotary, m.act_dtype or m.embed.weight.dtype, self.device)
+        if self.before_forward is not None:
+            self.before_forward()
+        m.run(step)
         self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
         want = [r for r in rows if r.tag.needs_logits]
         out, self.last_argmax = {}, {}

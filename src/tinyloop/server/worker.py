@@ -146,7 +146,7 @@ class EngineWorker:
         self._closing = False
         self._active: dict[int, tuple[RequestHandle, Request]] = {}
         self._outbox: list[tuple[RequestHandle, Any]] = []   # events of this iteration, sent by _flush
-        self._headed = False                  # this iteration's step flushed at its LM head
+        self._flushed_early = False           # this iteration's step flushed before its forward or head
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -215,7 +215,10 @@ class EngineWorker:
             self.batch = BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
                                      kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20,
                                      prefix_caching=s.prefix_caching)
-            self.batch.runner.before_head = self._flush_at_head
+            runner = self.batch.runner
+            if self.engine.model.executor is not None:   # the step's forward is one native call without the GIL
+                runner.before_forward = self._flush_early
+            runner.before_head = self._flush_early
             self.state = "ready"
             self.metrics.engine_loaded.set(1)
         except Exception as exc:  # noqa: BLE001 - the server stays up and reports why
@@ -281,10 +284,10 @@ class EngineWorker:
                                         code="shutting_down"))
                 self._flush()
                 return
-            self._headed = False
+            self._flushed_early = False
             if self.batch.has_work:
                 self.batch.step()
-            if not self._headed or not self.batch.has_work:
+            if not self._flushed_early or not self.batch.has_work:
                 self._flush()
 
     def _admit(self, handle: RequestHandle) -> None:
@@ -333,11 +336,12 @@ class EngineWorker:
 
         return emit
 
-    def _flush_at_head(self) -> None:
-        """The previous step's events go out while this step's LM head runs: that GEMM releases the GIL
-        for about a millisecond, so the event loop's work on them overlaps it instead of stalling the
-        engine thread (a step that runs no head flushes at its end)."""
-        self._headed = True
+    def _flush_early(self) -> None:
+        """The previous step's events go out as this step's first long op without the GIL starts: the
+        forward when the native executor runs it (milliseconds, one call), else the LM head (a GEMM of about a
+        millisecond). The event loop's work on them then overlaps that op instead of taking the GIL from the
+        engine thread in the middle of its Python work (a step that runs neither flushes at its end)."""
+        self._flushed_early = True
         self._flush()
 
     def _flush(self) -> None:
