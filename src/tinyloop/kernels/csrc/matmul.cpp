@@ -213,23 +213,72 @@ static inline int act_block(int G) {
 
 static inline __m256 halves(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
 
+// What every tile of one call shares, computed once per call (no division in the loops below): per span
+// of S columns (SPLIT: 64, two 32-column blocks; else one activation block), the weight group of its
+// first and of its second half, and per input row the span's activation scale as the vector its sums are
+// scaled by (SPLIT: the two blocks' scales as halves).
+struct QQPlan {
+    int S = 0, NS = 0;
+    std::vector<int> g0, g1;      // (NS) weight group of the span's first / second half
+    std::vector<float> dv;        // (m, NS, 8)
+};
+
+static void qq_plan(const tl_linear* L, const float* xd, int m, bool split, QQPlan& P) {
+    const int K = L->k, G = L->group, AB = act_block(G), NA = K / AB;
+    P.S = split ? 64 : AB;
+    P.NS = K / P.S;
+    P.g0.resize(P.NS);
+    P.g1.resize(P.NS);
+    P.dv.resize((size_t)m * P.NS * 8);
+    for (int s = 0, g = 0, gend = G; s < P.NS; ++s) {   // groups are whole spans or (SPLIT) whole halves
+        const int c0 = s * P.S;
+        while (c0 >= gend) { ++g; gend += G; }
+        P.g0[s] = g;
+        P.g1[s] = split && c0 + 32 >= gend ? g + 1 : g;
+    }
+    for (int r = 0; r < m; ++r)
+        for (int s = 0; s < P.NS; ++s) {
+            const float* d = xd + (int64_t)r * NA;
+            _mm256_storeu_ps(&P.dv[((size_t)r * P.NS + s) * 8], split ? halves(d[2 * s], d[2 * s + 1]) : _mm256_set1_ps(d[s]));
+        }
+}
+
+// MR input rows against NR weight rows at a time, rows [n0, n1) of W. Per 64 columns: one load (int4) or
+// two (int8) of each weight row, unpacked once for the MR rows, whose codes come straight from L1
+// (memory operands). A span's integer sums are scaled once: (weight scale x activation scale) per
+// (row, weight row), the weight scales taken from a row's f16 scales converted once per tile. MR x NR
+// accumulators and their float totals must fit the 16 vector registers (with SPLIT, whose sums are
+// scaled every step, the totals alone): 4 x 2 and 2 x 2 tiles, 1 x 4 or a streamed 1 x 1.
 template <int BITS, int MR, int NR, bool SPLIT>
-void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y, int ldy,
-             int n0, int n1) {
-    const int K = L->k, G = L->group, NG = K / G, AB = act_block(G), NA = K / AB;
-    const int S = SPLIT ? 64 : AB;                 // columns per flush of the integer sums
+void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* dv, const float* X, float* y,
+             int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group, NS = P.NS;
+    const int S = SPLIT ? 64 : P.S;   // (a constant with SPLIT: one step a span, its sums scaled at once)
     const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    thread_local std::vector<float> sf_buf;   // (NR, NG) the tile's weight scales as fp32
+    sf_buf.resize((size_t)NR * NG);
+    float* const sf = sf_buf.data();          // (a thread_local is looked up at each use: once here)
+    const int* const g0 = P.g0.data();
+    const int* const g1 = P.g1.data();
     int n = n0;
     for (; n + NR <= n1; n += NR) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+            const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
+            int g = 0;
+            for (; g + 8 <= NG; g += 8) _mm256_storeu_ps(&sf[(size_t)j * NG + g], vload_f16(sc + g));
+            for (; g < NG; ++g) sf[(size_t)j * NG + g] = f16_to_f32(sc[g]);
+        }
         __m256 tot[MR][NR];
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) tot[r][j] = _mm256_setzero_ps();
         const uint8_t* row = codes + (int64_t)n * row_bytes;
-        for (int c0 = 0; c0 < K; c0 += S) {
+        for (int s = 0; s < NS; ++s) {
+            const int c0 = s * S;
             __m256i acc[MR][NR];
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r)
@@ -246,8 +295,6 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
                             for (int l = 0; l < BITS / 4; ++l)
                                 _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
                 }
-                // a weight row's 64 columns are unpacked once for the MR input rows, whose codes come
-                // straight from L1 (memory operands: no registers held across rows)
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {
                     __m256i wa, wb;   // int4: low / high nibbles; int8: the two 32s with their sign flipped
@@ -276,21 +323,16 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
                 }
             }
             // the span's sums, scaled: s (weights) times d (activations), two halves with SPLIT
-            __m256 sv[NR];
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) {
-                const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
-                sv[j] = SPLIT ? halves(f16_to_f32(sc[c0 / G]), f16_to_f32(sc[(c0 + 32) / G]))
-                              : _mm256_set1_ps(f16_to_f32(sc[c0 / G]));
-            }
+                const float* sj = &sf[(size_t)j * NG];
+                const __m256 sv = SPLIT ? _mm256_set_m128(_mm_broadcast_ss(sj + g1[s]), _mm_broadcast_ss(sj + g0[s]))
+                                        : _mm256_broadcast_ss(sj + g0[s]);
 #pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) {
-                const float* d = xd + (int64_t)r * NA + c0 / AB;
-                const __m256 dv = SPLIT ? halves(d[0], d[1]) : _mm256_set1_ps(d[0]);
-#pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) {
+                for (int r = 0; r < MR; ++r) {
                     const __m256i s32 = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
-                    tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dv, sv[j]), tot[r][j]);
+                    tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_loadu_ps(dv + ((size_t)r * NS + s) * 8), sv),
+                                                tot[r][j]);
                 }
             }
         }
@@ -298,7 +340,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
         float corr[MR][NR];
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
-            const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
+            const float* sj = &sf[(size_t)j * NG];
             const uint8_t* zp = L->zeros + (int64_t)(n + j) * NG;
             __m256 cv[MR];
 #pragma GCC unroll 4
@@ -307,14 +349,14 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
             for (; g + 8 <= NG; g += 8) {
                 __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
                 if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
-                const __m256 sz = _mm256_mul_ps(vload_f16(sc + g), z);
+                const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(sj + g), z);
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) cv[r] = _mm256_fmadd_ps(sz, _mm256_loadu_ps(X + (int64_t)r * NG + g), cv[r]);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r) corr[r][j] = vsum(cv[r]);
             for (; g < NG; ++g) {
-                const float sz = f16_to_f32(sc[g]) * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f));
+                const float sz = sj[g] * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f));
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) corr[r][j] += sz * X[(int64_t)r * NG + g];
             }
@@ -324,7 +366,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const float* xd, const float*
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
     }
-    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, xd, X, y, ldy, n, n1);
+    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, dv, X, y, ldy, n, n1);
 }
 
 // the int8 scale of n activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
@@ -365,21 +407,22 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
 
 // m input rows: 2 x 2 tiles, then one row against four weight rows at a time
 template <int BITS, bool SPLIT>
-void qq_rows(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy,
+void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* X, int m, float* y, int ldy,
              int n0, int n1) {
-    const int K = L->k, NA = K / act_block(L->group), NG = K / L->group;
+    const int K = L->k, NG = K / L->group, NS = P.NS;
+    const float* dv = P.dv.data();
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
-        qq_tile<BITS, 4, 3, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+        qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     for (; mt + 2 <= m; mt += 2)
-        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     if (mt < m && L->streamed)   // weights from memory: one sequential stream reads at the bandwidth
-        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     else if (mt < m)
-        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
 }
 
@@ -411,9 +454,10 @@ constexpr int PNR = 6;           // weight rows per micro-tile
 // Fewer input rows than this take the dot-product tiles (below it the transposes and the padding to 8 rows
 // cost more than the panels save): float weights from 12 rows, quantized ones from 6 (measured one thread,
 // thread CPU time: int4 768 x 256 panels/tiles 0.84x at 5 rows, 1.04x at 6, 1.20x at 7; fp16 1536 x 256
-// 0.88x at 8, 1.08x at 12, 1.45x at 16), int4/int8 layers with int8 activations from 16 (their 4 x 3
-// integer tiles against the panels, session 11: 0.36-0.57x the time at 4 rows, 0.62-0.76x at 8, 0.73-1.26x
-// at 16 on the shipped and the 1.4B shapes and the int8 head). `panel_forced` (tests): every layer's.
+// 0.88x at 8, 1.08x at 12, 1.45x at 16), int4/int8 layers with int8 activations from 16 (their 4 x 2
+// integer tiles against the panels, session 12, on the shipped model's shapes and its int8 head: 0.60-0.81x
+// the time at 8 rows, 0.69-0.92x at 12, 0.84-1.29x at 16, 0.86-1.12x at 24). `panel_forced` (tests):
+// every layer's.
 int panel_forced = 0;
 
 static inline int panel_min_rows(const tl_linear* L) {
@@ -600,11 +644,14 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 for (int a = g * APG; a < (g + 1) * APG; ++a) t += xd[(int64_t)r * NA + a] * xs[(int64_t)r * NA + a];
                 X[(int64_t)r * NG + g] = t;
             }
+        thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
+        qq_plan(L, xd, m, AB == 32, plan);
+        const QQPlan& P = plan;
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
             const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
-            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, xd, X, m, y, ldy, n0, n1);
-            else if (AB == 32) qq_rows<4, true>(L, xq, xd, X, m, y, ldy, n0, n1);
-            else qq_rows<4, false>(L, xq, xd, X, m, y, ldy, n0, n1);
+            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, X, m, y, ldy, n0, n1);
+            else if (AB == 32) qq_rows<4, true>(L, xq, P, X, m, y, ldy, n0, n1);
+            else qq_rows<4, false>(L, xq, P, X, m, y, ldy, n0, n1);
         });
         return;
     }
