@@ -257,9 +257,14 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
     const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
-    thread_local std::vector<float> sf_buf;   // (NR, NG) the tile's weight scales as fp32
-    sf_buf.resize((size_t)NR * NG);
-    float* const sf = sf_buf.data();          // (a thread_local is looked up at each use: once here)
+    constexpr int SF_LOCAL = 512;             // groups a weight row may have with its scales on the stack
+    float sf_local[NR * SF_LOCAL];            // (NR, NG) the tile's weight scales as fp32
+    float* sf = sf_local;
+    if (NG > SF_LOCAL) {                      // (a thread_local costs a lookup per call: only when needed)
+        thread_local std::vector<float> sf_heap;
+        sf_heap.resize((size_t)NR * NG);
+        sf = sf_heap.data();
+    }
     const int* const g0 = P.g0.data();
     const int* const g1 = P.g1.data();
     int n = n0;
