@@ -512,3 +512,34 @@ def test_int8_activations_at_the_extremes(monkeypatch, bits, group):
     got = _forward(desc, x, 1)
     exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
     assert torch.allclose(got, exact, rtol=1e-5, atol=1e-3), (got, exact)
+
+
+@torch.inference_mode()
+def test_int8_activations_with_more_groups_than_the_stack_holds(monkeypatch):
+    """A weight row of more than 512 groups (its scales as fp32 no longer fit a tile's stack buffer, so a
+    per-thread one holds them): the integer tiles agree with the panels, a row alone with a batch, and both
+    with the dequantized weights to the activations' rounding."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K = 514 * 32   # 514 groups of 32
+    w = torch.randn(9, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, 4, 32)
+    lin = QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8 and K // 32 > 512
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(1))
+    lib = kernels.load()
+    tiles = _forward(desc, x, 2)                                      # 4 x 2, 2 x 2 and 1 x 4 tiles
+    alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(7)])
+    old = lib.tl_set_panel_min_rows(1)
+    try:
+        panels = _forward(desc, x, 2)
+    finally:
+        lib.tl_set_panel_min_rows(old)
+    scale = panels.abs().max().item()
+    assert (tiles - panels).abs().max().item() <= 1e-5 * scale
+    assert (alone - panels).abs().max().item() <= 1e-5 * scale
+    exact = x @ QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.float().t()
+    assert (tiles - exact).abs().max().item() < 2e-2 * exact.abs().max().item()

@@ -236,11 +236,11 @@ static void qq_plan(const tl_linear* L, const float* xd, int m, bool split, QQPl
         P.g0[s] = g;
         P.g1[s] = split && c0 + 32 >= gend ? g + 1 : g;
     }
-    for (int r = 0; r < m; ++r)
-        for (int s = 0; s < P.NS; ++s) {
-            const float* d = xd + (int64_t)r * NA;
+    for (int r = 0; r < m; ++r) {
+        const float* d = xd + (int64_t)r * NA;
+        for (int s = 0; s < P.NS; ++s)
             _mm256_storeu_ps(&P.dv[((size_t)r * P.NS + s) * 8], split ? halves(d[2 * s], d[2 * s + 1]) : _mm256_set1_ps(d[s]));
-        }
+    }
 }
 
 // MR input rows against NR weight rows at a time, rows [n0, n1) of W. Per 64 columns: one load (int4) or
@@ -410,7 +410,8 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
         }
 }
 
-// m input rows: 2 x 2 tiles, then one row against four weight rows at a time
+// m input rows: 4 x 2 tiles, then 2 x 2, then a last row against four weight rows at a time (streamed
+// weights: one weight row at a time, one sequential stream)
 template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* X, int m, float* y, int ldy,
              int n0, int n1) {
