@@ -3,7 +3,8 @@
 It builds step metadata only (which tokens, at which positions, through which pages, with how many
 loops) and calls `LoopedTransformer.run`; the model owns every piece of the forward pass and the paged
 pool (`model.paged`) owns where keys go and which keys each row sees. Speculative sequences add their
-own `Rows` (a draft step, a verification) to the same step.
+own `Rows` (a draft step, a verification) to the same step, or a whole greedy round that the native
+executor runs in one call (`speculative.NativeRound`).
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ class BatchRunner:
                      last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
                      exit_rule=c.seq.exit_rule if c.n == 1 and c.start >= len(c.seq.prompt) else None)
                  for c in chunks]
-        everything = rows + list(extra)
+        rounds = [x for x in extra if not isinstance(x, Rows)]   # speculation rounds run whole (NativeRound)
+        everything = rows + [x for x in extra if isinstance(x, Rows)]
+        if rounds and self.before_forward is not None and not everything:
+            self.before_forward()
+        for r in rounds:
+            r.run(self.kv)
         if not everything:
+            self.last_loops, self.last_argmax = {}, {}
             return {}
         m = self.model
         # rows starting from tokens first, deepest first: the rows still looping at loop r are a prefix

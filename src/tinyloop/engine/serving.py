@@ -36,7 +36,7 @@ from .batch import BatchRunner, cache_dtype
 from .plan import RequestPlan
 from .sampling import Sampler, one_thread
 from .scheduler import Scheduler, SchedulerError, Sequence
-from .speculative import Speculator, speculative_layout
+from .speculative import NativeRound, Speculator, speculative_layout
 from .text import StreamEvent
 
 log = logging.getLogger("tinyloop.engine")
@@ -368,7 +368,7 @@ class BatchEngine:
         try:
             while True:
                 item = next(o.passes)
-                if isinstance(item, Rows):
+                if isinstance(item, (Rows, NativeRound)):
                     o.pending = item
                     return
                 o.spec.finish(o.run_stats)

@@ -219,6 +219,96 @@ class ExactArgmax:
 _ARGMAX_HEADS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
 
 
+class NativeRound:
+    """A whole greedy chain round for the native executor (`NativeExecutor.spec_round`): the speculator
+    yields it like a `Rows`, the batch runner runs it in the same engine step, and `result` holds the
+    drafted tokens, the verifier's tokens and the phases' times when the generator resumes."""
+
+    def __init__(self, spec: "Speculator", k: int):
+        self.spec, self.k = spec, k
+        self.result: dict | None = None
+
+    def run(self, kv) -> None:
+        sp, head = self.spec, self.spec.head
+        norm = head.norm
+        if norm == sp.model.final_norm:   # the model's own norm before the head (identity unless head_norm)
+            norm = sp.model.norm if sp.model.cfg.head_norm else None
+        self.result = sp.model.executor.spec_round(
+            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
+            head.weight[: head.n] if self.k else None,
+            None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
+            sp.exit_backlog)
+
+
+class DraftPolicy:
+    """Each round's draft length k in 0..k_max, from what this request has measured (greedy rounds only:
+    any k gives the same tokens, so the choice changes the speed and never the output).
+
+    A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
+    probability a (the decayed acceptance of this request's rounds, with a uniform prior), and costs
+    k x (one draft's time) + the verification of k + 1 positions (measured per k; a k not yet seen takes
+    the nearest measured one, scaled by the position count's slope where two are known). The policy takes
+    the k with the most tokens per millisecond. k = 0 is plain decoding in one call (the position's loops
+    0..d-1, then d..V-1, the coda and head); while it is chosen, a round with one draft is tried now and
+    then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation back."""
+
+    DECAY = 0.9
+
+    def __init__(self, k_max: int, adaptive: bool = True):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.acc = self.prop = 0.0
+        self.draft_ms: float | None = None
+        self.verify_ms: dict[int, float] = {}
+        self.idle, self.probe_every = 0, 4
+        self.chosen: list[int] = []
+
+    @property
+    def acceptance(self) -> float:
+        return (self.acc + 1.0) / (self.prop + 2.0)
+
+    def _verify_cost(self, k: int) -> float:
+        seen = sorted(self.verify_ms)
+        if k in self.verify_ms:
+            return self.verify_ms[k]
+        near = min(seen, key=lambda s: (abs(s - k), s))
+        if len(seen) < 2:
+            return self.verify_ms[near]
+        lo, hi = seen[0], seen[-1]
+        slope = max(0.0, (self.verify_ms[hi] - self.verify_ms[lo]) / (hi - lo))
+        return self.verify_ms[near] + slope * (k - near)
+
+    def choose(self, cap: int) -> int:
+        cap = max(0, min(cap, self.k_max))
+        if not self.adaptive or self.draft_ms is None or not self.verify_ms:
+            k = cap
+        else:
+            a = min(self.acceptance, 0.999)
+            best, best_rate = 0, -1.0
+            for k in range(cap + 1):
+                rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * self.draft_ms + self._verify_cost(k))
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = k, rate
+            k = best
+            if k == 0 and cap > 0:
+                self.idle += 1
+                if self.idle >= self.probe_every:
+                    self.idle, self.probe_every = 0, min(64, 2 * self.probe_every)
+                    k = 1
+            elif k > 0:
+                self.idle, self.probe_every = 0, 4
+        self.chosen.append(k)
+        return k
+
+    def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        self.acc = self.DECAY * self.acc + accepted
+        self.prop = self.DECAY * self.prop + k
+        if k > 0:
+            per = draft_ms / k
+            self.draft_ms = per if self.draft_ms is None else 0.7 * self.draft_ms + 0.3 * per
+        old = self.verify_ms.get(k)
+        self.verify_ms[k] = verify_ms if old is None else 0.7 * old + 0.3 * verify_ms
+
+
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -234,8 +324,9 @@ class Speculator:
 
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
                  draft_vocab: int | None = DRAFT_VOCAB, draft_stop: float = DRAFT_STOP, fast_head: bool = True,
-                 draft_exit: bool = True, cached: int = 0):
-        """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache)."""
+                 draft_exit: bool = True, cached: int = 0, adaptive: bool = True):
+        """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache).
+        `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -262,6 +353,12 @@ class Speculator:
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
             self.argmax = model.greedy_tokens if getattr(model, "executor", None) is not None else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
+        # a greedy round in one native call: the fused head argmax, no grammar or early stop, chain rounds
+        ex = getattr(model, "executor", None)
+        self.native = (ex is not None and self.argmax is not None and params.constraint is None
+                       and draft_stop <= 0 and (not self.tree or self.K == 1)
+                       and hasattr(ex, "spec_round") and (model.state_seed is None or model.cfg.injection == "none"))
+        self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
@@ -321,7 +418,10 @@ class Speculator:
     def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
         """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
         ahead = min(self.params.draft_ahead, remaining - 1)
-        out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
+        if self.native:
+            out = yield from self._native_round(ahead)
+        else:
+            out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
         self.head.add(out)
         self.pending = out[-1]
         st = self.stats
@@ -415,6 +515,33 @@ class Speculator:
         st["draft_tokens"] += n
         st["proposed"] += n
         st["accepted"] += len(out) - 1
+        return out
+
+    def _native_round(self, cap: int):
+        """A greedy chain round as one native call: the policy's k drafts, verification, head argmax."""
+        k = self.policy.choose(cap)
+        call = NativeRound(self, k)
+        yield call
+        res = call.result
+        toks, ys = res["tokens"], res["verify"]
+        out: list[int] = []
+        for j in range(k + 1):
+            self.sampler.accept(ys[j])
+            out.append(ys[j])
+            if j == k or ys[j] != toks[j + 1]:
+                break
+        L = self.length
+        self.length = L + len(out)
+        self.exit_backlog = res["last_h"] if self.exit is not None and len(out) == k + 1 else None
+        self.policy.update(k, len(out) - 1, res["draft_ms"], res["verify_ms"])
+        st = self.stats
+        st["draft_s"] += res["draft_ms"] / 1000
+        st["verify_s"] += res["verify_ms"] / 1000
+        st["draft_tokens"] += k
+        st["proposed"] += k
+        st["accepted"] += len(out) - 1
+        st["draft_passes"] += k + 1
+        st["verify_positions"] += k + 1
         return out
 
     def _accept_chain(self, toks: list[int], x: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
@@ -554,7 +681,12 @@ class Speculator:
             "draft_ahead": self.params.draft_ahead,
             "K_branches": self.K,
             "draft_exit": self.exit is not None,
+            "native_rounds": self.native,
         })
+        if self.policy.chosen:
+            ch = self.policy.chosen
+            run_stats["draft_ahead_chosen"] = round(sum(ch) / len(ch), 3)   # the policy's mean k per round
+            run_stats["plain_rounds"] = sum(1 for k in ch if k == 0)
 
 
 def speculative_layout(model: LoopedTransformer, plan, draft_exit: bool = True) -> SlotLayout:

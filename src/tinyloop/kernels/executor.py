@@ -335,6 +335,64 @@ class NativeExecutor:
             i += r.n
         self.model.core_loop_tokens += loops
 
+    def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
+                   draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
+                   draft_norm: nn.Module | None, backlog: torch.Tensor | None) -> dict:
+        """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
+        (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
+        rows after `draft_norm`, column j being token `draft_ids[j]`), the last draft's loops 0..d-1, the
+        verification of the k + 1 positions (loops d..V-1, the coda) and the head's argmax after each.
+        `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None).
+        Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
+        the two phases' milliseconds."""
+        with _CALL:
+            keep, readouts = [], {}
+            t = table if table.dtype == torch.int64 and table.is_contiguous() else table.to(torch.int64).contiguous()
+            ro = self._readout(draft_readout, readouts, keep)
+            arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
+            self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
+            max_pos = pos + k
+            if max_pos >= self.desc.rope_len:
+                self._rope(max_pos + 1)
+            base = L.TlRow()
+            base.token, base.pos, base.window, base.readout = pending, pos, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            R = L.TlRound()
+            R.k, R.d, R.V, R.draft_readout = k, d, V, ro
+            if k > 0:
+                dh = tensor_desc(draft_weight, keep)
+                R.draft_head = ctypes.pointer(dh)
+                if draft_ids is not None:
+                    ids = draft_ids.to(torch.int64).contiguous()
+                    keep.append(ids)
+                    R.draft_ids = ids.data_ptr()
+                if draft_norm is not None:
+                    R.draft_norm, R.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
+            if backlog is not None:
+                b = backlog.reshape(-1).float().contiguous()
+                keep.append(b)
+                R.backlog_h = b.data_ptr()
+            R.head = ctypes.pointer(self.head)
+            R.head_norm, R.head_eps, R.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            toks = torch.zeros(k + 1, dtype=torch.int32)
+            ver = torch.zeros(k + 1, dtype=torch.int32)
+            last_h = torch.empty(self.model.cfg.dim, dtype=torch.float32)
+            R.tokens, R.verify, R.last_h = toks.data_ptr(), ver.data_ptr(), last_h.data_ptr()
+            kvd = self._kv_desc(kv)
+            need = self.lib.tl_round_scratch_floats(self.desc, R, max_pos + 1)
+            if self.scratch.numel() < need:
+                self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_spec_round(self.desc, kvd, base, R, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native speculation round failed (code {rc})")
+            # loops run: k + 1 draft passes of d loops, k + 1 verification rows of V - d (as the stepwise path counts)
+            self.model.core_loop_tokens += (k + 1) * V
+            act = self.model.act_dtype or self.model.embed.weight.dtype
+            return {"tokens": toks.tolist(), "verify": ver.tolist(),
+                    "last_h": last_h if act == torch.float32 else last_h.to(act),
+                    "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head of rows x (..., dim) (`LoopedTransformer.logits`): fp32 logits (..., n)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()

@@ -62,6 +62,14 @@ class TlRow(ctypes.Structure):
                 ("state_e", _p), ("state_h", _p), ("out_e", _p), ("out_h", _p)]
 
 
+class TlRound(ctypes.Structure):
+    _fields_ = [("k", _i), ("d", _i), ("V", _i), ("draft_readout", _i), ("draft_head", ctypes.POINTER(TlLinear)),
+                ("draft_ids", _p), ("draft_norm", _p), ("draft_eps", ctypes.c_float), ("backlog_h", _p),
+                ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float), ("vocab", _i),
+                ("tokens", _p), ("verify", _p), ("last_h", _p), ("draft_ms", ctypes.c_double),
+                ("verify_ms", ctypes.c_double)]
+
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
 _said = False
@@ -83,6 +91,10 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_linear_forward.restype = ctypes.c_int
         lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p]
         lib.tl_head.restype = ctypes.c_int
+        lib.tl_spec_round.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlRound), _p, ctypes.c_int64]
+        lib.tl_spec_round.restype = ctypes.c_int
+        lib.tl_round_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]
+        lib.tl_round_scratch_floats.restype = ctypes.c_int64
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i

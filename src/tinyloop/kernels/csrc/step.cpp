@@ -4,6 +4,8 @@
 // model/layers.py's; this file only runs it with fewer, fused passes. At each loop the rows taking part
 // are packed first (a stable partition), so every pass is one batched call over contiguous rows.
 #include <algorithm>
+#include <cstring>
+#include <ctime>
 #include <vector>
 #include "tinyloop.h"
 #include "threads.h"
@@ -359,4 +361,106 @@ extern "C" const char* tl_isa(void) {
 #else
     return "portable scalar";
 #endif
+}
+
+// ---- one greedy speculation round in one call (engine/speculative.py Speculator._chain_round) ----------
+// The draft: k tokens, each its own tl_decode pass (prelude + loops 0..d-1 + the draft read-out) and the
+// draft head's argmax over its rows (the reduced draft vocabulary) feeding the next; then the last drafted
+// token's loops 0..d-1 (no read-out); then the verification, loops d..V-1 of all k+1 positions from the
+// draft's states, the coda and the full head's argmax. The rounds of Python between these passes are what
+// this call removes; the math and the order of every pass are the stepwise path's.
+namespace {
+int64_t round_extra(const tl_model* m, const tl_round* R) {
+    const int64_t n = R->k + 1, dim = m->dim;
+    const int64_t hn = std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
+    return 4 * n * dim + hn + 2 * n * dim + n * (dim / 8) + 64;
+}
+}  // namespace
+
+extern "C" int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
+    return round_extra(m, R) + tl_scratch_floats(m, R->k + 2, max_ctx);
+}
+
+static double now_ms() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R,
+                             float* scratch, int64_t scratch_len) {
+    const int k = R->k, d = R->d, V = R->V;
+    const int64_t dim = m->dim, n = k + 1;
+    if (k < 0 || d < 1 || d >= V || (k > 0 && !R->draft_head)) return 10;
+    const int max_ctx = base->pos + k + 1;
+    const int64_t extra = round_extra(m, R);
+    if (extra + tl_scratch_floats(m, k + 2, max_ctx) > scratch_len) return 1;
+    float* es = scratch;                 // (n, dim) prelude outputs of the round's positions
+    float* hs = es + n * dim;            // (n, dim) their states after loop d-1
+    float* hid = hs + n * dim;           // (2n, dim) read-outs
+    float* logits = hid + 2 * n * dim;
+    float* hsc = logits + std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
+    float* dec = scratch + extra;
+    const int64_t dec_len = scratch_len - extra;
+    const double t0 = now_ms();
+    double t1 = t0;
+    R->tokens[0] = base->token;
+    for (int j = 0; j <= k; ++j) {
+        if (j == k) t1 = now_ms();   // the drafts are done; the last draft's loops count with the verification
+        tl_row rows[2];
+        rows[0] = *base;
+        rows[0].token = R->tokens[j];
+        rows[0].pos = base->pos + j;
+        rows[0].loops = d;
+        rows[0].first_loop = 0;
+        rows[0].exit_kind = TL_EXIT_NONE;
+        rows[0].readout = j < k ? R->draft_readout : -1;
+        rows[0].state_e = rows[0].state_h = nullptr;
+        rows[0].out_e = es + j * dim;
+        rows[0].out_h = hs + j * dim;
+        int M = 1;
+        if (j == 0 && R->backlog_h) {    // position pos-1's draft-exit entry, due since the last round
+            rows[1] = rows[0];
+            rows[1].pos = base->pos - 1;
+            rows[1].first_loop = rows[1].loops = d;
+            rows[1].readout = R->draft_readout;
+            rows[1].state_e = rows[1].state_h = R->backlog_h;
+            rows[1].out_e = rows[1].out_h = nullptr;
+            M = 2;
+        }
+        int rc = tl_decode(m, kv, rows, M, hid, dec, dec_len);
+        if (rc) return rc;
+        if (j == k) break;
+        const tl_linear* H = R->draft_head;
+        const float* x = hid;
+        if (R->draft_norm) {
+            rmsnorm(hid, R->draft_norm, hsc, 1, (int)dim, R->draft_eps);
+            x = hsc;
+        }
+        tl_linear_rows(H, x, 1, logits, H->n, hsc + dim);
+        const int32_t col = argmax(logits, H->n);
+        R->tokens[j + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+    }
+    std::vector<tl_row> vr(n);
+    for (int j = 0; j < n; ++j) {
+        vr[j] = *base;
+        vr[j].token = R->tokens[j];
+        vr[j].pos = base->pos + j;
+        vr[j].first_loop = d;
+        vr[j].loops = V;
+        vr[j].exit_kind = TL_EXIT_NONE;
+        vr[j].readout = 0;
+        vr[j].state_e = es + j * dim;
+        vr[j].state_h = hs + j * dim;
+        vr[j].out_e = vr[j].out_h = nullptr;
+    }
+    int rc = tl_decode(m, kv, vr.data(), (int)n, hid, dec, dec_len);
+    if (rc) return rc;
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+    if (rc) return 20 + rc;
+    if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
+    const double t2 = now_ms();
+    R->draft_ms = t1 - t0;
+    R->verify_ms = t2 - t1;
+    return 0;
 }

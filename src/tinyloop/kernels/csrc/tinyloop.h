@@ -96,6 +96,27 @@ int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, f
 int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
             float* logits, int32_t* argmax, float* scratch);
 
+// One greedy chain-speculation round (engine/speculative.py): k drafts from `base` (the pending token at
+// position base->pos; its table, stride, window), each prelude + loops 0..d-1 + read-out `draft_readout`
+// and the argmax of the draft head's rows (after draft_norm; column -> token through draft_ids, null:
+// identity); loops 0..d-1 of the last draft; the verification (loops d..V-1 of the k+1 positions, the
+// coda) and the head's argmax after each position. With backlog_h, position pos-1's draft-exit entry is
+// written from that state first. last_h (dim) gets the last position's state after loop d-1.
+typedef struct {
+    int32_t k, d, V;
+    int32_t draft_readout;
+    const tl_linear* draft_head; const int64_t* draft_ids; const float* draft_norm; float draft_eps;
+    const float* backlog_h;
+    const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
+    int32_t* tokens;   // out (k + 1): the pending token, then the drafts
+    int32_t* verify;   // out (k + 1): the verifier's greedy token after each
+    float* last_h;     // out (dim) or null
+    double draft_ms, verify_ms;   // out: wall time of the two phases
+} tl_round;
+int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
+                  int64_t scratch_len);
+int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
+
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
 const char* tl_isa(void);
