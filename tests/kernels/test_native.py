@@ -320,21 +320,32 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
                     p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
             exits[d] = ex.eval()
         attach_draft_exits(nat, exits)
-    calls = []
-    orig = nat.executor.decode
+    calls, rounds = [], []
+    orig, orig_round = nat.executor.decode, nat.executor.spec_round
     nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
                                             orig(kv, rows))[1]
+    nat.executor.spec_round = lambda *a: (rounds.append(a[5]), orig_round(*a))[1]
     prompt = [5, 17, 300, 42, 7, 9]
     params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
-    got, st_n = _ids(nat, prompt, params, True, draft_vocab=None)
-    ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None)
-    assert got == ref and st_n["acceptance_rate"] == st_t["acceptance_rate"]
+    ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)
     plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=24, loops=4, temperature=0), True)
-    assert got == plain
-    rows = [r for c in calls for r in c]
-    if mode == "speculative":   # (a tree's drafts and verification are tree-masked: PyTorch)
-        assert any(n == 1 and first == 0 and cap for n, first, cap in rows)           # draft steps
-        assert any(n > 1 and first > 0 for n, first, _ in rows)                      # chain verification
+    assert ref == plain
+    # the stepwise native rows (a pass per engine step), then whole rounds in one call (tl_spec_round)
+    calls.clear()
+    step, st_s = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, native_round=False)
+    assert step == ref and st_s["acceptance_rate"] == st_t["acceptance_rate"] and not rounds
+    step_rows = [r for c in calls for r in c]
+    whole, st_w = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False)
+    chain = mode == "speculative" or kw.get("k_branches", 1) == 1
+    assert whole == ref and st_w["acceptance_rate"] == st_t["acceptance_rate"]
+    assert st_w["native_rounds"] == chain
+    assert (rounds and max(rounds) == kw["draft_ahead"]) if chain else not rounds   # (the last round may draft fewer)
+    # the policy's draft lengths change the speed only
+    auto, st_a = _ids(nat, prompt, params, True, draft_vocab=None)
+    assert auto == ref and ("draft_ahead_chosen" in st_a) == chain
+    if chain:   # (a tree's drafts and verification are tree-masked: PyTorch)
+        assert any(n == 1 and first == 0 and cap for n, first, cap in step_rows)           # draft steps
+        assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # chain verification
 
 
 def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):

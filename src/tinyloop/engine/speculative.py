@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
-from .draft_vocab import frequency_ranking
+from .draft_vocab import frequency_ranking, has_ranking
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
@@ -80,15 +80,19 @@ class DraftHead:
     """The LM head restricted to a token subset, for drafting only (verification uses the full head).
 
     Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
+    `size` "auto": DRAFT_VOCAB rows where the vocabulary has a measured ranking (GPT-2's), else the full
+    head (`draft_vocab.has_ranking`).
     """
 
-    def __init__(self, model: LoopedTransformer, size: int | None, extra_rows: int = CONTEXT_ROWS,
+    def __init__(self, model: LoopedTransformer, size: int | str | None, extra_rows: int = CONTEXT_ROWS,
                  norm: torch.nn.Module | None = None):
         self.model = model
         self.norm = model.final_norm if norm is None else norm  # a draft exit brings its own final norm
         vocab = model.cfg.vocab_size
         weight = _draft_head_weight(model)
         self.ids: torch.Tensor | None = None
+        if size == "auto":   # the reduced head only where a measured ranking says which tokens to keep
+            size = DRAFT_VOCAB if has_ranking(vocab) else None
         if size is None or size <= 0 or size >= vocab:
             self.weight, self.n = weight, vocab
             return
@@ -323,10 +327,12 @@ class Speculator:
     """
 
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
-                 draft_vocab: int | None = DRAFT_VOCAB, draft_stop: float = DRAFT_STOP, fast_head: bool = True,
-                 draft_exit: bool = True, cached: int = 0, adaptive: bool = True):
+                 draft_vocab: int | str | None = "auto", draft_stop: float = DRAFT_STOP, fast_head: bool = True,
+                 draft_exit: bool = True, cached: int = 0, adaptive: bool = True, native_round: bool = True):
         """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache).
-        `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead."""
+        `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead.
+        `native_round`: False runs a greedy round's passes one engine step each even with the native
+        executor (tests compare the two)."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -355,7 +361,7 @@ class Speculator:
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # a greedy round in one native call: the fused head argmax, no grammar or early stop, chain rounds
         ex = getattr(model, "executor", None)
-        self.native = (ex is not None and self.argmax is not None and params.constraint is None
+        self.native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
                        and draft_stop <= 0 and (not self.tree or self.K == 1)
                        and hasattr(ex, "spec_round") and (model.state_seed is None or model.cfg.injection == "none"))
         self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy)

@@ -1,0 +1,134 @@
+"""Speculation at a real model shape, in-process: plain decoding against self-speculation on the engine core.
+
+Builds the Ouro-1.4B shape with random weights (as `real_shapes.py` does: the family's config.json values,
+bf16, int4 round-to-nearest, group 128) in two variants:
+
+- `random`: random weights, whose shallow and deep greedy tokens disagree (drafts are never accepted:
+  speculation should stop drafting and run at plain speed);
+- `agree`: the same weights with the core blocks' sandwich post-norms scaled by 0.0002, so that each loop
+  barely moves the state and plain greedy tokens are equal at loops 1, 2 and 4 (checked and reported):
+  a 1-loop draft predicts the 4-loop verifier, and speculation should pay.
+
+For each: plain tok/s at loops 4 and 1, speculation with fixed settings (`--fixed d:k`, adaptive off) and
+the default (the engine's policy), acceptance, the policy's mean draft length, and what a round costs in
+plain tokens (round ms over plain ms per token). Greedy outputs are compared with plain decoding's.
+
+    .venv/bin/python benchmarks/spec_shape.py [--tokens 48] [--threads 2] [--workdir DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_shapes import SHAPES, small_tokenizer  # noqa: E402
+
+from tinyloop.engine import Engine, SamplingParams  # noqa: E402
+from tinyloop.engine.serving import run_ids  # noqa: E402
+from tinyloop.model import build_model  # noqa: E402
+from tinyloop.modelfile import write_model  # noqa: E402
+from tinyloop.tools.convert import ouro_config  # noqa: E402
+from tinyloop.tools.gptq import QuantSpec  # noqa: E402
+from tinyloop.tools.quantize import quantize_file  # noqa: E402
+
+PROMPT = [5, 17, 42, 7, 99, 3, 11, 64]
+
+
+def build(workdir: Path, variant: str, scale: float) -> Path:
+    out = workdir / f"ouro-1.4b-{variant}-int4.tinyloop"
+    if out.exists():
+        return out
+    _, hf = SHAPES["ouro-1.4b"]
+    cfg = ouro_config(hf, workdir, [0])
+    model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+    if variant == "agree":
+        with torch.no_grad():
+            for blk in model.core:
+                for norm in (blk.attn_out_norm, blk.mlp_out_norm):
+                    norm.weight.mul_(scale)
+    bf16 = write_model(workdir / f"ouro-1.4b-{variant}.tinyloop", model, tokenizer=small_tokenizer())
+    del model
+    gc.collect()
+    quantize_file(bf16, out, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False), progress=False)
+    os.remove(bf16)
+    gc.collect()
+    return out
+
+
+def timed(engine, params, **spec) -> tuple[list[int], float, dict]:
+    stats: dict = {}
+    t0 = time.perf_counter()
+    ids = run_ids(engine, PROMPT, params, stats=stats, **spec)
+    return ids, time.perf_counter() - t0, stats
+
+
+def measure(path: Path, tokens: int, fixed: list[tuple[int, int]], V: int) -> dict:
+    engine = Engine.load(path, draft_exit=False)
+    base = dict(max_tokens=tokens, ignore_eos=True, temperature=0)
+    res: dict = {"file": path.name}
+    plain_ids = {}
+    for loops in (V, 1):
+        timed(engine, SamplingParams(**{**base, "max_tokens": 4}, loops=loops))   # warm
+        ids, dt, _ = timed(engine, SamplingParams(**base, loops=loops))
+        plain_ids[loops] = ids
+        res[f"plain_loops{loops}_tok_s"] = round(tokens / dt, 3)
+    res["greedy_equal_loops1_and_V"] = plain_ids[1] == plain_ids[V]
+    plain_ms = 1000 / res[f"plain_loops{V}_tok_s"]
+    runs = [(f"d={d} k={k} fixed", dict(draft_loops=d, draft_ahead=k), False) for d, k in fixed]
+    runs.append(("default", {}, True))
+    for name, kw, adaptive in runs:
+        p = SamplingParams(**base, mode="speculative", verify_loops=V, **kw)
+        ids, dt, st = timed(engine, p, adaptive=adaptive)
+        rounds = max(1, st.get("rounds", 1))
+        res[name] = {"tok_s": round(tokens / dt, 3), "x_plain": round(tokens / dt / res[f"plain_loops{V}_tok_s"], 3),
+                     "acceptance": st.get("acceptance_rate"), "tokens_per_round": st.get("mean_tokens_per_round"),
+                     "draft_ahead_chosen": st.get("draft_ahead_chosen"), "plain_rounds": st.get("plain_rounds"),
+                     "round_ms": round((st.get("draft_ms", 0) + st.get("verify_ms", 0)) / rounds, 2),
+                     "round_in_plain_tokens": round((st.get("draft_ms", 0) + st.get("verify_ms", 0)) / rounds / plain_ms, 3),
+                     "exact": ids == plain_ids[V]}
+        print(name, res[name], flush=True)
+    del engine
+    gc.collect()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tinyloop-spec-shape"))
+    ap.add_argument("--variants", default="random,agree")
+    ap.add_argument("--scale", type=float, default=0.0002)
+    ap.add_argument("--fixed", default="1:4,2:4")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--build-only", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TINYLOOP_NATIVE_THREADS", str(args.threads))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    fixed = [tuple(int(x) for x in s.split(":")) for s in args.fixed.split(",") if s]
+    out = {"host": platform.processor() or platform.machine(), "threads": args.threads, "tokens": args.tokens,
+           "torch": torch.__version__, "run": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "variants": {}}
+    for v in args.variants.split(","):
+        path = build(args.workdir, v, args.scale)
+        if args.build_only:
+            continue
+        print(f"== {v}", flush=True)
+        out["variants"][v] = measure(path, args.tokens, fixed, V=4)
+        print(json.dumps(out["variants"][v]), flush=True)
+    if args.json and not args.build_only:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
