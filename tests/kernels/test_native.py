@@ -24,6 +24,7 @@ kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
     kernels.load("native")
     kernels.load("portable")
+    kernels.load("avx2")
 except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
     pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
 
@@ -497,6 +498,40 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     assert (batch - exact).abs().max().item() < 2e-2 * scale
     assert (batch - alone).abs().max().item() <= 1e-5 * scale
     assert (batch - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (4, 256), (8, None)])
+@torch.inference_mode()
+def test_vnni_build_equals_avx2_build(monkeypatch, bits, group):
+    """The integer dot products with VNNI (vpdpbusd, where the host has it) form the same int32 lanes as
+    the AVX2 maddubs + madd sequence, so every layer is bit-identical between the host's build and its
+    build without VNNI ("avx2"), for every tile shape (1..9 rows) and at the codes' extremes. On a host
+    without VNNI both builds are the AVX2 one and this checks the build option only."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    if kernels.load("native").tl_isa().decode() == "portable scalar":
+        pytest.skip("no SIMD build here")
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K = 1024
+    w = torch.randn(37, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, bits, group)
+    q[0] = (1 << bits) - 1                       # the largest codes, and the smallest with a zero point
+    q[1] = 0
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    desc = linear_desc(lin, [])
+    assert desc.act_q8
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(1))
+    x[0] = 1.0
+    x[1] = -1.0
+    out = {}
+    for isa in ("native", "avx2"):
+        monkeypatch.setenv("TINYLOOP_NATIVE_ISA", isa)
+        out[isa] = [_forward(desc, x[:m], 1) for m in range(1, 10)]
+        desc.streamed = 1
+        out[isa].append(_forward(desc, x[:1], 1))
+        desc.streamed = 0
+    for a, b in zip(out["native"], out["avx2"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 256), (8, None)])

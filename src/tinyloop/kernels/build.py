@@ -27,7 +27,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("threads.cpp", "matmul.cpp", "attention.cpp", "step.cpp")
-ISAS = ("native", "portable")
+ISAS = ("native", "avx2", "portable")
 
 
 class NativeBuildError(RuntimeError):
@@ -51,7 +51,9 @@ def compiler() -> str | None:
 def flags(isa: str) -> list[str]:
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-    arch = ["-march=native"] if isa == "native" else []
+    # avx2: the host's build without the VNNI integer dot products (tests compare it with native, bit for bit)
+    arch = ["-march=native"] if isa == "native" else ["-march=native", "-mno-avx512vnni", "-mno-avxvnni"] \
+        if isa == "avx2" else []
     return ["-std=c++20", "-O3", *arch, "-fPIC", "-shared", "-pthread"]
 
 
@@ -75,7 +77,7 @@ def _key(cxx: str, isa: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = cxx
     h.update(" ".join(flags(isa)).encode() + version.encode() + platform.machine().encode())
-    if isa == "native":
+    if isa in ("native", "avx2"):
         h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
 

@@ -257,6 +257,8 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
     const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    (void)ones; (void)flip; (void)ones8;
     constexpr int SF_LOCAL = 512;             // groups a weight row may have with its scales on the stack
     float sf_local[NR * SF_LOCAL];            // (NR, NG) the tile's weight scales as fp32
     float* sf = sf_local;
@@ -289,6 +291,11 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
             for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_si256();
+#if TL_VNNI
+            __m256i qsum[MR];   // int8: per row, the sum of its activation codes (four bytes a lane)
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) qsum[r] = _mm256_setzero_si256();
+#endif
             for (int c = c0; c < c0 + S; c += 64) {
                 const uint8_t* at = row + (int64_t)c * BITS / 8;   // row n's 64 columns at c
                 if (L->streamed) {   // from memory
@@ -300,6 +307,29 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
                             for (int l = 0; l < BITS / 4; ++l)
                                 _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
                 }
+#if TL_VNNI
+                if (BITS == 8)   // the sum of each row's codes, for the shift of c by 128 (below)
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r)
+                        qsum[r] = dpbusd(dpbusd(qsum[r], ones8, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
+                                         ones8, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32)));
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {   // unsigned codes against signed activations, int32 sums
+                    __m256i wa, wb;
+                    if (BITS == 4) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wa = _mm256_and_si256(raw, low4);
+                        wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    } else {
+                        wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r)
+                        acc[r][j] = dpbusd(dpbusd(acc[r][j], wa, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
+                                           wb, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32)));
+                }
+#else
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {
                     __m256i wa, wb;   // int4: low / high nibbles; int8: the two 32s with their sign flipped
@@ -326,6 +356,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
                         }
                     }
                 }
+#endif
             }
             // the span's sums, scaled: s (weights) times d (activations), two halves with SPLIT
 #pragma GCC unroll 4
@@ -335,7 +366,11 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
                                         : _mm256_broadcast_ss(sj + g0[s]);
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; ++r) {
+#if TL_VNNI   // int8: sum (c - 128) q = sum c q - 128 sum q, lane for lane
+                    const __m256i s32 = BITS == 4 ? acc[r][j] : _mm256_sub_epi32(acc[r][j], _mm256_slli_epi32(qsum[r], 7));
+#else
                     const __m256i s32 = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
+#endif
                     tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_loadu_ps(dv + ((size_t)r * NS + s) * 8), sv),
                                                 tot[r][j]);
                 }

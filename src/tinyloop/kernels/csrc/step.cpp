@@ -354,8 +354,12 @@ extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const floa
 }
 
 extern "C" const char* tl_isa(void) {
-#if defined(__AVX512F__) && TL_SIMD
+#if defined(__AVX512F__) && TL_SIMD && TL_VNNI
+    return "avx512 host, avx2+fma+f16c kernels, vnni int8 dot products";
+#elif defined(__AVX512F__) && TL_SIMD
     return "avx512 host, avx2+fma+f16c kernels";
+#elif TL_SIMD && TL_VNNI
+    return "avx2+fma+f16c, avx-vnni int8 dot products";
 #elif TL_SIMD
     return "avx2+fma+f16c";
 #else

@@ -8,6 +8,18 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TL_SIMD 1
+// int8 dot products of four bytes a lane into int32 (vpdpbusd: unsigned x signed): AVX-512 VNNI on 256-bit
+// vectors (with VL), or AVX-VNNI. Their int32 lanes hold exactly the sums the AVX2 maddubs + madd sequence
+// forms (no saturation either way: matmul.cpp), so both builds compute bit-identical layers.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TL_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define TL_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define TL_VNNI 0
+#endif
 #define TL_W 8
 typedef __m256 vf;
 static inline vf vzero() { return _mm256_setzero_ps(); }
