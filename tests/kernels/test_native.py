@@ -325,7 +325,7 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     orig, orig_round = nat.executor.decode, nat.executor.spec_round
     nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
                                             orig(kv, rows))[1]
-    nat.executor.spec_round = lambda *a: (rounds.append(a[5]), orig_round(*a))[1]
+    nat.executor.spec_round = lambda *a, **kw: (rounds.append(a[5]), orig_round(*a, **kw))[1]
     prompt = [5, 17, 300, 42, 7, 9]
     params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
     ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)

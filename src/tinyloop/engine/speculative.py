@@ -241,7 +241,7 @@ class NativeRound:
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
             head.weight[: head.n] if self.k else None,
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
-            sp.exit_backlog)
+            sp.exit_backlog, want_state=sp.exit is not None)
 
 
 class DraftPolicy:
@@ -254,7 +254,9 @@ class DraftPolicy:
     the nearest measured one, scaled by the position count's slope where two are known). The policy takes
     the k with the most tokens per millisecond. k = 0 is plain decoding in one call (the position's loops
     0..d-1, then d..V-1, the coda and head); while it is chosen, a round with one draft is tried now and
-    then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation back."""
+    then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation back.
+    The first round drafts one token (what a draft and a verification cost is not known yet; a failed
+    round of many drafts costs several plain tokens on a model whose depths disagree)."""
 
     DECAY = 0.9
 
@@ -283,8 +285,10 @@ class DraftPolicy:
 
     def choose(self, cap: int) -> int:
         cap = max(0, min(cap, self.k_max))
-        if not self.adaptive or self.draft_ms is None or not self.verify_ms:
+        if not self.adaptive:
             k = cap
+        elif self.draft_ms is None or not self.verify_ms:
+            k = min(cap, 1)   # the first round measures one draft and a two-position verification
         else:
             a = min(self.acceptance, 0.999)
             best, best_rate = 0, -1.0

@@ -337,12 +337,13 @@ class NativeExecutor:
 
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
-                   draft_norm: nn.Module | None, backlog: torch.Tensor | None) -> dict:
+                   draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`), the last draft's loops 0..d-1, the
         verification of the k + 1 positions (loops d..V-1, the coda) and the head's argmax after each.
-        `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None).
+        `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None);
+        `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
         the two phases' milliseconds."""
         with _CALL:
@@ -377,7 +378,8 @@ class NativeExecutor:
             toks = torch.zeros(k + 1, dtype=torch.int32)
             ver = torch.zeros(k + 1, dtype=torch.int32)
             last_h = torch.empty(self.model.cfg.dim, dtype=torch.float32)
-            R.tokens, R.verify, R.last_h = toks.data_ptr(), ver.data_ptr(), last_h.data_ptr()
+            R.tokens, R.verify = toks.data_ptr(), ver.data_ptr()
+            R.last_h = last_h.data_ptr() if want_state else None
             kvd = self._kv_desc(kv)
             need = self.lib.tl_round_scratch_floats(self.desc, R, max_pos + 1)
             if self.scratch.numel() < need:

@@ -409,6 +409,22 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const double t0 = now_ms();
     double t1 = t0;
     R->tokens[0] = base->token;
+    if (k == 0 && !R->last_h && !R->backlog_h) {   // no draft and no exit state wanted: a plain token
+        tl_row row = *base;
+        row.loops = V;
+        row.first_loop = 0;
+        row.exit_kind = TL_EXIT_NONE;
+        row.readout = 0;
+        row.state_e = row.state_h = nullptr;
+        row.out_e = row.out_h = nullptr;
+        int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
+        if (rc) return rc;
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+        if (rc) return 20 + rc;
+        R->draft_ms = 0;
+        R->verify_ms = now_ms() - t0;
+        return 0;
+    }
     for (int j = 0; j <= k; ++j) {
         if (j == k) t1 = now_ms();   // the drafts are done; the last draft's loops count with the verification
         tl_row rows[2];
