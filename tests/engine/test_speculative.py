@@ -325,3 +325,26 @@ def test_shipped_model_greedy_speculation_equals_generate(shipped_model_path):
         res = engine.generate(prompt, SamplingParams(max_tokens=48, verify_loops=8, ignore_eos=True, **knobs))
         assert res.token_ids == ref.token_ids, knobs
         assert res.stats["mode"] == knobs["mode"] and res.stats["loops_used"] == 8
+
+
+def test_draft_policy_follows_acceptance_and_costs():
+    """The draft-length policy (greedy native rounds): drafts that are never accepted bring it to plain
+    rounds (k = 0) with a probe of one draft now and then, fewer as they keep failing; drafts that are
+    always accepted and cheap bring it to the ceiling; a fixed policy always drafts the ceiling."""
+    from tinyloop.engine.speculative import DraftPolicy, RoundCosts
+
+    def drive(accept, draft_ms, verify_ms, rounds=200, cap=4):
+        pol = DraftPolicy(cap, costs=RoundCosts())
+        for _ in range(rounds):
+            k = pol.choose(cap)
+            pol.update(k, k if accept else 0, draft_ms * k, verify_ms(k))
+        return pol.chosen
+
+    never = drive(False, 1.0, lambda k: 3.0 + 0.2 * k)
+    assert never[0] == 1                                   # the first round measures one draft
+    tail = never[50:]
+    assert tail.count(0) > 0.9 * len(tail) and 0 < tail.count(1) <= 8   # probes, backing off
+    always = drive(True, 0.2, lambda k: 3.0 + 0.1 * k)
+    assert always[-50:].count(4) >= 40                     # (every 8th round tries another length)
+    fixed = DraftPolicy(4, adaptive=False)
+    assert [fixed.choose(4) for _ in range(5)] + [fixed.choose(2)] == [4, 4, 4, 4, 4, 2]

@@ -289,7 +289,7 @@ class DraftPolicy:
     same tokens, so the choice changes the speed and never the output.
 
     A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
-    probability a (the decayed acceptance of this request's rounds, with a uniform prior), and costs
+    probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
     k x (one draft's time) + the verification of k + 1 positions. The policy takes the k with the most tokens
     per millisecond. k = 0 is plain decoding in one call; while it is chosen, a round with one draft is tried
     now and then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation
@@ -343,8 +343,9 @@ class DraftPolicy:
         return k
 
     def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        self.acc = self.DECAY * self.acc + accepted
-        self.prop = self.DECAY * self.prop + k
+        if k > 0:   # (evidence ages only as new evidence comes: plain rounds say nothing about drafts)
+            self.acc = self.DECAY * self.acc + accepted
+            self.prop = self.DECAY * self.prop + k
         self.costs.update(k, draft_ms, verify_ms)
 
 
