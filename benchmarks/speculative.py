@@ -38,7 +38,8 @@ import torch
 from tinyloop.engine import Engine
 from tinyloop.engine.params import SamplingParams
 from tinyloop.engine.serving import run_ids
-from tinyloop.engine.speculative import DRAFT_STOP, DRAFT_VOCAB
+from tinyloop.engine.draft_head import DRAFT_VOCAB
+from tinyloop.engine.speculative import DRAFT_STOP
 from tinyloop.modelfile import LoadedModel
 from tinyloop.model.layers import StepContext
 from tinyloop.tools.progress import progress

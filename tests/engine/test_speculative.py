@@ -77,7 +77,7 @@ def test_exact_argmax_head_finds_near_ties():
     """The fp16-candidate argmax must agree with the fp32 head even where fp16 cannot tell rows apart."""
     from tinyloop.config import preset
     from tinyloop.model import build_model
-    from tinyloop.engine.speculative import ExactArgmax
+    from tinyloop.engine.draft_head import ExactArgmax
 
     torch.manual_seed(0)
     model = build_model(preset("tiny").replace(vocab_size=512), seed=1)
@@ -331,7 +331,7 @@ def test_draft_policy_follows_acceptance_and_costs():
     """The draft-length policy (greedy native rounds): drafts that are never accepted bring it to plain
     rounds (k = 0) with a probe of one draft now and then, fewer as they keep failing; drafts that are
     always accepted and cheap bring it to the ceiling; a fixed policy always drafts the ceiling."""
-    from tinyloop.engine.speculative import DraftPolicy, RoundCosts
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
 
     def drive(accept, draft_ms, verify_ms, rounds=200, cap=4):
         pol = DraftPolicy(cap, costs=RoundCosts())

@@ -56,171 +56,21 @@ equal plain decoding's; the verifier then scores the full head (no `ExactArgmax`
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any, Generator
 
 import torch
-import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
-from .draft_vocab import frequency_ranking, has_ranking
+from .draft_head import DraftHead, ExactArgmax
+from .draft_policy import DraftPolicy, round_costs
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
 
-DRAFT_VOCAB = 4096      # draft head rows (most frequent tokens); None or >= vocab -> the full head
-CONTEXT_ROWS = 1024     # extra draft rows for the request's own tokens outside the ranked set
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
 PREFILL_CHUNK = 256     # prompt positions per prefill pass
-
-
-class DraftHead:
-    """The LM head restricted to a token subset, for drafting only (verification uses the full head).
-
-    Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
-    `size` "auto": DRAFT_VOCAB rows where the vocabulary has a measured ranking (GPT-2's), else the full
-    head (`draft_vocab.has_ranking`).
-    """
-
-    def __init__(self, model: LoopedTransformer, size: int | str | None, extra_rows: int = CONTEXT_ROWS,
-                 norm: torch.nn.Module | None = None):
-        self.model = model
-        self.norm = model.final_norm if norm is None else norm  # a draft exit brings its own final norm
-        vocab = model.cfg.vocab_size
-        weight = _draft_head_weight(model)
-        self.ids: torch.Tensor | None = None
-        if size == "auto":   # the reduced head only where a measured ranking says which tokens to keep
-            size = DRAFT_VOCAB if has_ranking(vocab) else None
-        if size is None or size <= 0 or size >= vocab:
-            self.weight, self.n = weight, vocab
-            return
-        ranked = frequency_ranking(vocab)[:size].to(weight.device)
-        cap = min(vocab, size + extra_rows)
-        self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
-        self.ids[:size] = ranked
-        self.member = torch.zeros(vocab, dtype=torch.bool)
-        self.member[ranked.cpu()] = True
-        self.weight = torch.empty(cap, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self.weight[:size] = weight[ranked]
-        self._source = weight
-        self.n = size
-
-    def add(self, tokens: list[int]) -> None:
-        """Make `tokens` draftable (prompt and output tokens recur far more often than their rank says)."""
-        if self.ids is None:
-            return
-        for t in tokens:
-            if not self.member[t] and self.n < self.ids.shape[0]:
-                self.member[t] = True
-                self.ids[self.n] = t
-                self.weight[self.n] = self._source[t]
-                self.n += 1
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
-        xn = self.norm(x)
-        executor = getattr(self.model, "executor", None)
-        if executor is not None:
-            return executor.project(xn, self.weight[: self.n])
-        return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
-
-    def token(self, col: int) -> int:
-        return col if self.ids is None else int(self.ids[col])
-
-    def tokens(self, cols: list[int]) -> list[int]:
-        return cols if self.ids is None else self.ids[torch.tensor(cols)].tolist()
-
-    def full_logits(self, lg: torch.Tensor, vocab: int) -> torch.Tensor:
-        """(n,) draft logits -> (vocab,) with -inf for tokens the draft cannot propose."""
-        if self.ids is None:
-            return lg
-        out = torch.full((vocab,), float("-inf"), dtype=torch.float64, device=lg.device)
-        out[self.ids[: self.n]] = lg.double()
-        return out
-
-
-_DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
-    """The LM head as drafts read it: 16-bit weights in fp32 on CPU without the native executor (torch's
-    16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a
-    50k-row conversion costs tens of ms), rebuilt if the head changes; read only."""
-    w = model.head_weight
-    key = (w.data_ptr(), w._version)
-    cached = _DRAFT_WEIGHTS.get(model)
-    if cached is None or cached[0] != key:
-        weight = w.detach()
-        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
-                and getattr(model, "executor", None) is None:   # (the native executor reads 16 bits as stored)
-            weight = weight.float()
-        cached = _DRAFT_WEIGHTS[model] = (key, weight)
-    return cached[1]
-
-
-class ExactArgmax:
-    """The full LM head's argmax without the full fp32 head: fp16-weight logits, then exact rescoring.
-
-    Verification scores several positions at once, where fp32 GEMM on this CPU costs 2-3x a single row
-    while FBGEMM's fp16-weight kernel costs about the same as one. For each row the fp16 logits a'
-    differ from the fp32 logits a by at most B = ||x|| * (max_v ||w_v - fp16(w_v)|| + 2 * gamma *
-    max_v ||w_v||) (weight rounding plus both accumulations; gamma = n * 2^-24, a 2x safety factor on
-    top), so the true argmax is among the candidates a'_v >= max(a') - 2B; those few rows are
-    rescored with the fp32 (or float64) weights and the best one is taken. Greedy decoding without
-    penalties only; anything else uses the full head.
-    """
-
-    def __init__(self, model: LoopedTransformer):
-        from ..quant.fp16 import FP16Linear
-
-        w = model.head_weight.detach()
-        self.model, self.weight = model, w
-        self.fp16 = FP16Linear(w)
-        wf = w.double()
-        err = (wf - w.half().double()).norm(dim=1).max().item()
-        gamma = w.shape[1] * 2.0 ** -24
-        self.slack = 2.0 * (err + 2.0 * gamma * wf.norm(dim=1).max().item() + 2.0 ** -20)
-
-    @classmethod
-    def for_model(cls, model: LoopedTransformer) -> "ExactArgmax":
-        """One per model (packing the fp16 head costs tens of ms), rebuilt if the head's weights change."""
-        w = model.head_weight
-        key = (w.data_ptr(), w._version)
-        cached = _ARGMAX_HEADS.get(model)
-        if cached is None or cached[0] != key:
-            cached = (key, cls(model))
-            _ARGMAX_HEADS[model] = cached
-        return cached[1]
-
-    @staticmethod
-    def usable(model: LoopedTransformer) -> bool:
-        from ..quant.fp16 import fbgemm_fp16_available
-
-        w = model.head_weight
-        plain_head = getattr(model, "head_linear", None) is None  # the fast path may replace logits()
-        return (plain_head and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
-                and fbgemm_fp16_available())
-
-    def __call__(self, x: torch.Tensor) -> list[int]:
-        """x: (T, dim) coda output -> the full head's argmax token of each row."""
-        xn = self.model.final_norm(x)                            # (T, dim)
-        approx = self.fp16(xn)                                   # (T, vocab) fp32
-        bound = 2.0 * self.slack * xn.double().norm(dim=1)      # (T,)
-        top = approx.max(dim=1).values.double()
-        out = []
-        for row in range(xn.shape[0]):
-            cand = (approx[row].double() >= top[row] - bound[row]).nonzero().flatten()
-            if cand.numel() == 1:
-                out.append(int(cand[0]))
-                continue
-            exact = F.linear(xn[row:row + 1], self.weight[cand])[0]
-            out.append(int(cand[int(torch.argmax(exact))]))
-        return out
-
-
-_ARGMAX_HEADS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
 
 
 class NativeRound:
@@ -242,111 +92,6 @@ class NativeRound:
             head.weight[: head.n] if self.k else None,
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None)
-
-
-class RoundCosts:
-    """What a greedy native round costs on this host for one (model, draft_loops, verify_loops, draft exit):
-    the time of one draft and of a verification by draft length k. Shared by every request of the model
-    (`round_costs`): a property of the machine and the model, not of the request."""
-
-    def __init__(self):
-        self.draft_ms: float | None = None
-        self.verify_ms: dict[int, float] = {}
-
-    def update(self, k: int, draft_ms: float, verify_ms: float) -> None:
-        if k > 0:
-            per = draft_ms / k
-            self.draft_ms = per if self.draft_ms is None else 0.8 * self.draft_ms + 0.2 * per
-        old = self.verify_ms.get(k)
-        self.verify_ms[k] = verify_ms if old is None else 0.8 * old + 0.2 * verify_ms
-
-    def verify(self, k: int) -> float:
-        """Measured, or estimated: k = 0 (one plain pass) only from itself; k >= 1 from the nearest measured
-        k >= 1 plus the slope between the smallest and largest of them (flat while only one is known: the
-        policy then tries the longer draft and measures it)."""
-        if k in self.verify_ms:
-            return self.verify_ms[k]
-        seen = sorted(s for s in self.verify_ms if s >= 1)
-        if k == 0 or not seen:
-            return min(self.verify_ms.values())
-        near = min(seen, key=lambda s: (abs(s - k), s))
-        lo, hi = seen[0], seen[-1]
-        slope = max(0.0, (self.verify_ms[hi] - self.verify_ms[lo]) / (hi - lo)) if hi > lo else 0.0
-        return self.verify_ms[near] + slope * (k - near)
-
-
-_ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
-
-
-def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool) -> RoundCosts:
-    table = _ROUND_COSTS.setdefault(model, {})
-    return table.setdefault((d, V, exit), RoundCosts())
-
-
-class DraftPolicy:
-    """Each round's draft length k in 0..k_max, from what this request's rounds accepted and what rounds
-    cost on this host (`RoundCosts`, shared by the model's requests). Greedy rounds only: any k gives the
-    same tokens, so the choice changes the speed and never the output.
-
-    A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
-    probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
-    k x (one draft's time) + the verification of k + 1 positions. The policy takes the k with the most tokens
-    per millisecond. k = 0 is plain decoding in one call; while it is chosen, a round with one draft is tried
-    now and then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation
-    back; while drafting pays, every 8th round takes the next of 1..draft_ahead in turn, so that a cost
-    measured once under load (or not yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2)
-    does not keep a draft length out for good. Until both a draft and a verification have been timed, a
-    round drafts one token (a failed round
-    of many drafts costs several plain tokens on a model whose depths disagree)."""
-
-    DECAY = 0.9
-    EXPLORE = 8
-
-    def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None):
-        self.k_max, self.adaptive = k_max, adaptive
-        self.rounds = 0
-        self.costs = costs or RoundCosts()
-        self.acc = self.prop = 0.0
-        self.idle, self.probe_every = 0, 4
-        self.chosen: list[int] = []
-
-    @property
-    def acceptance(self) -> float:
-        return (self.acc + 1.0) / (self.prop + 2.0)
-
-    def choose(self, cap: int) -> int:
-        cap = max(0, min(cap, self.k_max))
-        c = self.costs
-        if not self.adaptive:
-            k = cap
-        elif c.draft_ms is None or not any(s >= 1 for s in c.verify_ms):
-            k = min(cap, 1)
-        else:
-            a = min(self.acceptance, 0.999)
-            best, best_rate = 0, -1.0
-            for k in range(cap + 1):
-                rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = k, rate
-            k = best
-            self.rounds += 1
-            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other length in turn, so that
-                k = (self.rounds // self.EXPLORE) % cap + 1      # no stale or missing cost keeps one out
-            elif k == 0 and cap > 0:
-                self.idle += 1
-                if self.idle >= self.probe_every:
-                    self.idle, self.probe_every = 0, min(64, 2 * self.probe_every)
-                    k = 1
-            elif k > 0:
-                self.idle, self.probe_every = 0, 4
-        self.chosen.append(k)
-        return k
-
-    def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        if k > 0:   # (evidence ages only as new evidence comes: plain rounds say nothing about drafts)
-            self.acc = self.DECAY * self.acc + accepted
-            self.prop = self.DECAY * self.prop + k
-        self.costs.update(k, draft_ms, verify_ms)
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -1,0 +1,163 @@
+"""What scores a speculative round's drafts and verifies them: the draft head over a reduced vocabulary,
+and the exact greedy argmax of the full head through fp16 weights (the PyTorch path's verification).
+`engine/speculative.py` drives them; docs/speculative.md says why each exists."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ..model import LoopedTransformer
+from .draft_vocab import frequency_ranking, has_ranking
+
+DRAFT_VOCAB = 4096      # draft head rows (most frequent tokens); None or >= vocab -> the full head
+CONTEXT_ROWS = 1024     # extra draft rows for the request's own tokens outside the ranked set
+
+
+class DraftHead:
+    """The LM head restricted to a token subset, for drafting only (verification uses the full head).
+
+    Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
+    `size` "auto": DRAFT_VOCAB rows where the vocabulary has a measured ranking (GPT-2's), else the full
+    head (`draft_vocab.has_ranking`).
+    """
+
+    def __init__(self, model: LoopedTransformer, size: int | str | None, extra_rows: int = CONTEXT_ROWS,
+                 norm: torch.nn.Module | None = None):
+        self.model = model
+        self.norm = model.final_norm if norm is None else norm  # a draft exit brings its own final norm
+        vocab = model.cfg.vocab_size
+        weight = _draft_head_weight(model)
+        self.ids: torch.Tensor | None = None
+        if size == "auto":   # the reduced head only where a measured ranking says which tokens to keep
+            size = DRAFT_VOCAB if has_ranking(vocab) else None
+        if size is None or size <= 0 or size >= vocab:
+            self.weight, self.n = weight, vocab
+            return
+        ranked = frequency_ranking(vocab)[:size].to(weight.device)
+        cap = min(vocab, size + extra_rows)
+        self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
+        self.ids[:size] = ranked
+        self.member = torch.zeros(vocab, dtype=torch.bool)
+        self.member[ranked.cpu()] = True
+        self.weight = torch.empty(cap, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self.weight[:size] = weight[ranked]
+        self._source = weight
+        self.n = size
+
+    def add(self, tokens: list[int]) -> None:
+        """Make `tokens` draftable (prompt and output tokens recur far more often than their rank says)."""
+        if self.ids is None:
+            return
+        for t in tokens:
+            if not self.member[t] and self.n < self.ids.shape[0]:
+                self.member[t] = True
+                self.ids[self.n] = t
+                self.weight[self.n] = self._source[t]
+                self.n += 1
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
+        xn = self.norm(x)
+        executor = getattr(self.model, "executor", None)
+        if executor is not None:
+            return executor.project(xn, self.weight[: self.n])
+        return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
+
+    def token(self, col: int) -> int:
+        return col if self.ids is None else int(self.ids[col])
+
+    def tokens(self, cols: list[int]) -> list[int]:
+        return cols if self.ids is None else self.ids[torch.tensor(cols)].tolist()
+
+    def full_logits(self, lg: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(n,) draft logits -> (vocab,) with -inf for tokens the draft cannot propose."""
+        if self.ids is None:
+            return lg
+        out = torch.full((vocab,), float("-inf"), dtype=torch.float64, device=lg.device)
+        out[self.ids[: self.n]] = lg.double()
+        return out
+
+
+_DRAFT_WEIGHTS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
+    """The LM head as drafts read it: 16-bit weights in fp32 on CPU without the native executor (torch's
+    16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a
+    50k-row conversion costs tens of ms), rebuilt if the head changes; read only."""
+    w = model.head_weight
+    key = (w.data_ptr(), w._version)
+    cached = _DRAFT_WEIGHTS.get(model)
+    if cached is None or cached[0] != key:
+        weight = w.detach()
+        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
+                and getattr(model, "executor", None) is None:   # (the native executor reads 16 bits as stored)
+            weight = weight.float()
+        cached = _DRAFT_WEIGHTS[model] = (key, weight)
+    return cached[1]
+
+
+class ExactArgmax:
+    """The full LM head's argmax without the full fp32 head: fp16-weight logits, then exact rescoring.
+
+    Verification scores several positions at once, where fp32 GEMM on this CPU costs 2-3x a single row
+    while FBGEMM's fp16-weight kernel costs about the same as one. For each row the fp16 logits a'
+    differ from the fp32 logits a by at most B = ||x|| * (max_v ||w_v - fp16(w_v)|| + 2 * gamma *
+    max_v ||w_v||) (weight rounding plus both accumulations; gamma = n * 2^-24, a 2x safety factor on
+    top), so the true argmax is among the candidates a'_v >= max(a') - 2B; those few rows are
+    rescored with the fp32 (or float64) weights and the best one is taken. Greedy decoding without
+    penalties only; anything else uses the full head.
+    """
+
+    def __init__(self, model: LoopedTransformer):
+        from ..quant.fp16 import FP16Linear
+
+        w = model.head_weight.detach()
+        self.model, self.weight = model, w
+        self.fp16 = FP16Linear(w)
+        wf = w.double()
+        err = (wf - w.half().double()).norm(dim=1).max().item()
+        gamma = w.shape[1] * 2.0 ** -24
+        self.slack = 2.0 * (err + 2.0 * gamma * wf.norm(dim=1).max().item() + 2.0 ** -20)
+
+    @classmethod
+    def for_model(cls, model: LoopedTransformer) -> "ExactArgmax":
+        """One per model (packing the fp16 head costs tens of ms), rebuilt if the head's weights change."""
+        w = model.head_weight
+        key = (w.data_ptr(), w._version)
+        cached = _ARGMAX_HEADS.get(model)
+        if cached is None or cached[0] != key:
+            cached = (key, cls(model))
+            _ARGMAX_HEADS[model] = cached
+        return cached[1]
+
+    @staticmethod
+    def usable(model: LoopedTransformer) -> bool:
+        from ..quant.fp16 import fbgemm_fp16_available
+
+        w = model.head_weight
+        plain_head = getattr(model, "head_linear", None) is None  # the fast path may replace logits()
+        return (plain_head and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
+                and fbgemm_fp16_available())
+
+    def __call__(self, x: torch.Tensor) -> list[int]:
+        """x: (T, dim) coda output -> the full head's argmax token of each row."""
+        xn = self.model.final_norm(x)                            # (T, dim)
+        approx = self.fp16(xn)                                   # (T, vocab) fp32
+        bound = 2.0 * self.slack * xn.double().norm(dim=1)      # (T,)
+        top = approx.max(dim=1).values.double()
+        out = []
+        for row in range(xn.shape[0]):
+            cand = (approx[row].double() >= top[row] - bound[row]).nonzero().flatten()
+            if cand.numel() == 1:
+                out.append(int(cand[0]))
+                continue
+            exact = F.linear(xn[row:row + 1], self.weight[cand])[0]
+            out.append(int(cand[int(torch.argmax(exact))]))
+        return out
+
+
+_ARGMAX_HEADS: "weakref.WeakKeyDictionary[LoopedTransformer, tuple]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,114 @@
+"""How long a greedy speculative round drafts: the measured costs of a round on this host (`RoundCosts`, one
+per model and setting) and each request's choice of draft length from them and its acceptance
+(`DraftPolicy`). docs/speculative.md, "A greedy round in one native call"."""
+
+from __future__ import annotations
+
+import weakref
+
+from ..model import LoopedTransformer
+
+
+class RoundCosts:
+    """What a greedy native round costs on this host for one (model, draft_loops, verify_loops, draft exit):
+    the time of one draft and of a verification by draft length k. Shared by every request of the model
+    (`round_costs`): a property of the machine and the model, not of the request."""
+
+    def __init__(self):
+        self.draft_ms: float | None = None
+        self.verify_ms: dict[int, float] = {}
+
+    def update(self, k: int, draft_ms: float, verify_ms: float) -> None:
+        if k > 0:
+            per = draft_ms / k
+            self.draft_ms = per if self.draft_ms is None else 0.8 * self.draft_ms + 0.2 * per
+        old = self.verify_ms.get(k)
+        self.verify_ms[k] = verify_ms if old is None else 0.8 * old + 0.2 * verify_ms
+
+    def verify(self, k: int) -> float:
+        """Measured, or estimated: k = 0 (one plain pass) only from itself; k >= 1 from the nearest measured
+        k >= 1 plus the slope between the smallest and largest of them (flat while only one is known: the
+        policy then tries the longer draft and measures it)."""
+        if k in self.verify_ms:
+            return self.verify_ms[k]
+        seen = sorted(s for s in self.verify_ms if s >= 1)
+        if k == 0 or not seen:
+            return min(self.verify_ms.values())
+        near = min(seen, key=lambda s: (abs(s - k), s))
+        lo, hi = seen[0], seen[-1]
+        slope = max(0.0, (self.verify_ms[hi] - self.verify_ms[lo]) / (hi - lo)) if hi > lo else 0.0
+        return self.verify_ms[near] + slope * (k - near)
+
+
+_ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
+
+
+def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool) -> RoundCosts:
+    table = _ROUND_COSTS.setdefault(model, {})
+    return table.setdefault((d, V, exit), RoundCosts())
+
+
+class DraftPolicy:
+    """Each round's draft length k in 0..k_max, from what this request's rounds accepted and what rounds
+    cost on this host (`RoundCosts`, shared by the model's requests). Greedy rounds only: any k gives the
+    same tokens, so the choice changes the speed and never the output.
+
+    A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
+    probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
+    k x (one draft's time) + the verification of k + 1 positions. The policy takes the k with the most tokens
+    per millisecond. k = 0 is plain decoding in one call; while it is chosen, a round with one draft is tried
+    now and then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation
+    back; while drafting pays, every 8th round takes the next of 1..draft_ahead in turn, so that a cost
+    measured once under load (or not yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2)
+    does not keep a draft length out for good. Until both a draft and a verification have been timed, a
+    round drafts one token (a failed round
+    of many drafts costs several plain tokens on a model whose depths disagree)."""
+
+    DECAY = 0.9
+    EXPLORE = 8
+
+    def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.rounds = 0
+        self.costs = costs or RoundCosts()
+        self.acc = self.prop = 0.0
+        self.idle, self.probe_every = 0, 4
+        self.chosen: list[int] = []
+
+    @property
+    def acceptance(self) -> float:
+        return (self.acc + 1.0) / (self.prop + 2.0)
+
+    def choose(self, cap: int) -> int:
+        cap = max(0, min(cap, self.k_max))
+        c = self.costs
+        if not self.adaptive:
+            k = cap
+        elif c.draft_ms is None or not any(s >= 1 for s in c.verify_ms):
+            k = min(cap, 1)
+        else:
+            a = min(self.acceptance, 0.999)
+            best, best_rate = 0, -1.0
+            for k in range(cap + 1):
+                rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = k, rate
+            k = best
+            self.rounds += 1
+            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other length in turn, so that
+                k = (self.rounds // self.EXPLORE) % cap + 1      # no stale or missing cost keeps one out
+            elif k == 0 and cap > 0:
+                self.idle += 1
+                if self.idle >= self.probe_every:
+                    self.idle, self.probe_every = 0, min(64, 2 * self.probe_every)
+                    k = 1
+            elif k > 0:
+                self.idle, self.probe_every = 0, 4
+        self.chosen.append(k)
+        return k
+
+    def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        if k > 0:   # (evidence ages only as new evidence comes: plain rounds say nothing about drafts)
+            self.acc = self.DECAY * self.acc + accepted
+            self.prop = self.DECAY * self.prop + k
+        self.costs.update(k, draft_ms, verify_ms)
