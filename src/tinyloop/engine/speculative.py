@@ -144,7 +144,7 @@ class Speculator:
         ex = getattr(model, "executor", None)
         self.native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
                        and draft_stop <= 0 and (not self.tree or self.K == 1)
-                       and hasattr(ex, "spec_round") and (model.state_seed is None or model.cfg.injection == "none"))
+                       and (model.state_seed is None or model.cfg.injection == "none"))
         self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy,
                                   costs=round_costs(model, self.d, self.V, self.exit is not None))
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded

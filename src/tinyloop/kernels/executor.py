@@ -255,6 +255,15 @@ class NativeExecutor:
             table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots))
         return table[key][0]
 
+    def _set_readouts(self, readouts: dict) -> None:
+        """The call's read-out list (`_readout`'s table, in index order) into the model descriptor."""
+        arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
+        self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
+
+    def _grow_scratch(self, need: int) -> None:
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+
     def run(self, kv, rows: list) -> list:
         """Run the supported ones of a step's `Rows` over the pool `kv`; returns the others."""
         ok = [self.supports(r) for r in rows]
@@ -280,8 +289,7 @@ class NativeExecutor:
         hidden = torch.empty(M, dim, dtype=torch.float32)
         i = 0
         for r in rows:
-            t = r.table if r.table.dtype == torch.int64 and r.table.is_contiguous() else \
-                r.table.to(torch.int64).contiguous()
+            t = _int64(r.table)
             keep.append(t)
             ro = self._readout(r.readout, readouts, keep)
             if r.state is not None:
@@ -308,12 +316,9 @@ class NativeExecutor:
             i += r.n
         if any(r.exit_rule is not None and r.exit_rule.criterion == "gate" for r in rows):
             self._gate()
-        arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
-        self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
+        self._set_readouts(readouts)
         kvd = self._kv_desc(kv)
-        need = self.lib.tl_scratch_floats(self.desc, M, max_pos + 1)
-        if self.scratch.numel() < need:
-            self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+        self._grow_scratch(self.lib.tl_scratch_floats(self.desc, M, max_pos + 1))
         self.lib.tl_set_threads(self.threads)
         rc = self.lib.tl_decode(self.desc, kvd, crow, M, hidden.data_ptr(), self.scratch.data_ptr(),
                                 self.scratch.numel())
@@ -348,10 +353,9 @@ class NativeExecutor:
         the two phases' milliseconds."""
         with _CALL:
             keep, readouts = [], {}
-            t = table if table.dtype == torch.int64 and table.is_contiguous() else table.to(torch.int64).contiguous()
+            t = _int64(table)
             ro = self._readout(draft_readout, readouts, keep)
-            arr = (L.TlReadout * max(1, len(readouts)))(*(v[1] for v in sorted(readouts.values(), key=lambda v: v[0])))
-            self.desc.readouts, self.desc.n_readouts = arr, len(readouts)
+            self._set_readouts(readouts)
             max_pos = pos + k
             if max_pos >= self.desc.rope_len:
                 self._rope(max_pos + 1)
@@ -381,9 +385,7 @@ class NativeExecutor:
             R.tokens, R.verify = toks.data_ptr(), ver.data_ptr()
             R.last_h = last_h.data_ptr() if want_state else None
             kvd = self._kv_desc(kv)
-            need = self.lib.tl_round_scratch_floats(self.desc, R, max_pos + 1)
-            if self.scratch.numel() < need:
-                self.scratch = torch.empty(int(need * 1.25) + 4096, dtype=torch.float32)
+            self._grow_scratch(self.lib.tl_round_scratch_floats(self.desc, R, max_pos + 1))
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_spec_round(self.desc, kvd, base, R, self.scratch.data_ptr(), self.scratch.numel())
             if rc != 0:
@@ -427,6 +429,11 @@ class NativeExecutor:
                                   scratch.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
+
+
+def _int64(table: torch.Tensor) -> torch.Tensor:
+    """A block table as the library reads it: contiguous int64."""
+    return table if table.dtype == torch.int64 and table.is_contiguous() else table.to(torch.int64).contiguous()
 
 
 def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:
