@@ -132,10 +132,22 @@ def check(lr, ln, kv, kv_nat, tol=1e-4):
     for a, b in ((kv.k, kv_nat.k), (kv.v, kv_nat.v)):
         ra, rb = a.read(slice(None), torch.float32), b.read(slice(None), torch.float32)
         scale = ra.abs().max().item()
-        # 16-bit and quantized pools: a value that sits on a rounding boundary may round the other way
-        bad = ((ra - rb).abs() > 1e-4 * max(1.0, scale)).float().mean().item()
-        exact = a.bits is None and a.dtype == torch.float32
-        assert bad <= (0.0 if exact else 0.002), f"{bad:.2%} of pool entries differ"
+        # Before rounding into the pool the two paths' values differ by fp32 reordering (~1e-6 here; 1e-4 of
+        # the largest value allowed). 16-bit and quantized pools then round each value; one that sits on a
+        # rounding boundary may round the other way, by one step of the format at that entry: |v| 2^-10
+        # (fp16), |v| 2^-7 (bf16), or the row's code step (int8/int4: its scale; int4-h's rotation back
+        # spreads a step over the row, each entry by less). Every entry lies within that.
+        step = _pool_step(a, ra).maximum(_pool_step(b, rb))
+        over = (ra - rb).abs() - step - 1e-4 * max(1.0, scale)
+        assert over.max().item() <= 0, f"{(over > 0).float().mean().item():.3%} of pool entries beyond a rounding step"
+
+
+def _pool_step(t, values: torch.Tensor) -> torch.Tensor:
+    """One rounding step of pool t's format at each entry (values: t read as fp32)."""
+    if t.bits is not None:
+        return t.scale.float().expand(values.shape)
+    eps = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[t.dtype]
+    return values.abs() * eps + (2.0 ** -24 if t.dtype == torch.float16 else 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -467,6 +479,8 @@ def test_native_linear_every_row_count(weights):
             assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
 
 
+@pytest.mark.skipif(kernels.load().tl_isa() == b"portable scalar",
+                    reason="the portable build has no int8 activations (its layers run in fp32)")
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)])
 @torch.inference_mode()
 def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
