@@ -10,7 +10,7 @@ bf16, int4 round-to-nearest, group 128) in two variants:
   a 1-loop draft predicts the 4-loop verifier, and speculation should pay.
 
 For each: plain tok/s at loops 4 and 1, speculation with fixed settings (`--fixed d:k`, adaptive off) and
-the default (the engine's policy), acceptance, the policy's mean draft length, and what a round costs in
+the default (the engine's policy), each paired with a plain run just before it (x_plain), acceptance, the policy's mean draft length, and what a round costs in
 plain tokens (round ms over plain ms per token). Greedy outputs are compared with plain decoding's.
 
     .venv/bin/python benchmarks/spec_shape.py [--tokens 48] [--threads 2] [--workdir DIR] [--json PATH]
@@ -82,19 +82,26 @@ def measure(path: Path, tokens: int, fixed: list[tuple[int, int]], V: int) -> di
         plain_ids[loops] = ids
         res[f"plain_loops{loops}_tok_s"] = round(tokens / dt, 3)
     res["greedy_equal_loops1_and_V"] = plain_ids[1] == plain_ids[V]
-    plain_ms = 1000 / res[f"plain_loops{V}_tok_s"]
     runs = [(f"d={d} k={k} fixed", dict(draft_loops=d, draft_ahead=k), False) for d, k in fixed]
     runs.append(("default", {}, True))
     for name, kw, adaptive in runs:
         p = SamplingParams(**base, mode="speculative", verify_loops=V, **kw)
+        _, dt_plain, _ = timed(engine, SamplingParams(**base, loops=V))   # paired: plain right before
+        plain_ms = 1000 * dt_plain / tokens
         ids, dt, st = timed(engine, p, adaptive=adaptive)
         rounds = max(1, st.get("rounds", 1))
-        res[name] = {"tok_s": round(tokens / dt, 3), "x_plain": round(tokens / dt / res[f"plain_loops{V}_tok_s"], 3),
+        res[name] = {"tok_s": round(tokens / dt, 3), "x_plain": round(dt_plain / dt, 3),
+                     "plain_tok_s": round(tokens / dt_plain, 3),
                      "acceptance": st.get("acceptance_rate"), "tokens_per_round": st.get("mean_tokens_per_round"),
                      "draft_ahead_chosen": st.get("draft_ahead_chosen"), "plain_rounds": st.get("plain_rounds"),
                      "round_ms": round((st.get("draft_ms", 0) + st.get("verify_ms", 0)) / rounds, 2),
                      "round_in_plain_tokens": round((st.get("draft_ms", 0) + st.get("verify_ms", 0)) / rounds / plain_ms, 3),
                      "exact": ids == plain_ids[V]}
+        if adaptive:   # what the policy measured on this host (ms): a draft, a verification by k
+            from tinyloop.engine.draft_policy import round_costs
+            c = round_costs(engine.model, p.draft_loops, V, False)
+            res[name]["costs_ms"] = {"draft": round(c.draft_ms or 0, 2), "plain_token": round(plain_ms, 2),
+                                     "verify": {k: round(v, 2) for k, v in sorted(c.verify_ms.items())}}
         print(name, res[name], flush=True)
     del engine
     gc.collect()

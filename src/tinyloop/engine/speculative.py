@@ -89,7 +89,7 @@ class NativeRound:
             norm = sp.model.norm if sp.model.cfg.head_norm else None
         self.result = sp.model.executor.spec_round(
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
-            head.weight[: head.n] if self.k else None,
+            head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None)
 

@@ -345,7 +345,8 @@ class NativeExecutor:
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
-        rows after `draft_norm`, column j being token `draft_ids[j]`), the last draft's loops 0..d-1, the
+        rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
+        head as loaded, the whole vocabulary), the last draft's loops 0..d-1, the
         verification of the k + 1 positions (loops d..V-1, the coda) and the head's argmax after each.
         `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None);
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
@@ -365,8 +366,8 @@ class NativeExecutor:
             R = L.TlRound()
             R.k, R.d, R.V, R.draft_readout = k, d, V, ro
             if k > 0:
-                dh = tensor_desc(draft_weight, keep)
-                R.draft_head = ctypes.pointer(dh)
+                if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
+                    R.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
                 if draft_ids is not None:
                     ids = draft_ids.to(torch.int64).contiguous()
                     keep.append(ids)

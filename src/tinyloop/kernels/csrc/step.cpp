@@ -395,7 +395,10 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
                              float* scratch, int64_t scratch_len) {
     const int k = R->k, d = R->d, V = R->V;
     const int64_t dim = m->dim, n = k + 1;
-    if (k < 0 || d < 1 || d >= V || (k > 0 && !R->draft_head)) return 10;
+    if (k < 0 || d < 1 || d >= V) return 10;
+    // the draft's rows: a reduced draft head, or (null) the model's own head over the whole vocabulary
+    const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
+    const int draft_cols = R->draft_head ? DH->n : R->vocab;
     const int max_ctx = base->pos + k + 1;
     const int64_t extra = round_extra(m, R);
     if (extra + tl_scratch_floats(m, k + 2, max_ctx) > scratch_len) return 1;
@@ -451,14 +454,13 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, rows, M, hid, dec, dec_len);
         if (rc) return rc;
         if (j == k) break;
-        const tl_linear* H = R->draft_head;
         const float* x = hid;
         if (R->draft_norm) {
             rmsnorm(hid, R->draft_norm, hsc, 1, (int)dim, R->draft_eps);
             x = hsc;
         }
-        tl_linear_rows(H, x, 1, logits, H->n, hsc + dim);
-        const int32_t col = argmax(logits, H->n);
+        tl_linear_rows(DH, x, 1, logits, DH->n, hsc + dim);
+        const int32_t col = argmax(logits, draft_cols);
         R->tokens[j + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
     }
     std::vector<tl_row> vr(n);

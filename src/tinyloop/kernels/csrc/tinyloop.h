@@ -99,7 +99,7 @@ int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_
 // One greedy chain-speculation round (engine/speculative.py): k drafts from `base` (the pending token at
 // position base->pos; its table, stride, window), each prelude + loops 0..d-1 + read-out `draft_readout`
 // and the argmax of the draft head's rows (after draft_norm; column -> token through draft_ids, null:
-// identity); loops 0..d-1 of the last draft; the verification (loops d..V-1 of the k+1 positions, the
+// identity; draft_head null: the model's head, read as the verification reads it); loops 0..d-1 of the last draft; the verification (loops d..V-1 of the k+1 positions, the
 // coda) and the head's argmax after each position (k = 0 without backlog_h or last_h: one plain token).
 // With backlog_h, position pos-1's draft-exit entry is
 // written from that state first. last_h (dim) gets the last position's state after loop d-1.
