@@ -456,10 +456,15 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
     for (; mt + 4 <= m; mt += 4)
         qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
+    if (mt + 3 == m)   // three rows in one pass (2 x 2 then a lone row read the weights twice: 1.8x one row)
+        qq_tile<BITS, 3, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1), mt += 3;
     for (; mt + 2 <= m; mt += 2)
         qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
-    if (mt < m && L->streamed)   // weights from memory: one sequential stream reads at the bandwidth
+    // a lone row of streamed weights: one sequential stream reads at the bandwidth; a last row after tiles
+    // finds its chunk's weights in cache (the tiles above just read them): four weight rows at a time
+    if (mt < m && L->streamed && mt == 0)
         qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     else if (mt < m)
