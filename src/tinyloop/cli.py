@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--cache-window", type=int, default=param_default("cache_window"), help="default: %(default)s")
     g.add_argument("--mode", default=param_default("mode"), choices=MODES, help="default: %(default)s")
-    g.add_argument("--draft-loops", type=int, default=param_default("draft_loops"), help="default: %(default)s")
+    g.add_argument("--draft-loops", type=int, help="default: a quarter of the verify loops, at least 1 (2 at 8)")
     g.add_argument("--verify-loops", type=int, help="default: --loops, else the model's default_loops")
     g.add_argument("--draft-ahead", type=int, default=param_default("draft_ahead"), help="default: %(default)s")
     g.add_argument("--k-branches", type=int, default=param_default("k_branches"), help="default: %(default)s")

@@ -97,3 +97,16 @@ def test_param_default_reads_the_dataclass():
     assert param_default("max_tokens") == SamplingParams().max_tokens == 128
     assert param_default("draft_loops") == SamplingParams().draft_loops
     assert param_default("stop") == []
+
+
+@pytest.mark.parametrize("verify,draft", [(2, 1), (3, 1), (4, 1), (8, 2), (12, 3), (16, 4)])
+def test_draft_depth_defaults_to_a_quarter_of_the_verifier(verify, draft):
+    """Unset draft_loops is a quarter of the verifier's loops, at least 1: a 2-loop model (Nanbeige) or a
+    4-loop one (Ouro) drafts at 1 loop instead of being refused, 8 loops keep the old default 2."""
+    assert plan(spec(verify_loops=verify)).draft_loops == draft
+    cfg = preset("tiny").replace(default_loops=verify, max_loops=16, max_seq_len=256)
+    assert plan(spec(), cfg).draft_loops == draft          # the model's depth as the verifier
+    assert plan(spec(verify_loops=verify, draft_loops=1)).draft_loops == 1   # a given depth is kept
+    with pytest.raises(ValidationError) as exc:             # and checked as before
+        plan(spec(verify_loops=verify, draft_loops=verify))
+    assert exc.value.param == "draft_loops"

@@ -29,7 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     cache_window: int = 0                # 0 -> full context; W -> each query sees the W most recent keys
     mode: str = "generate"
-    draft_loops: int = 2
+    draft_loops: int | None = None       # None -> a quarter of the verifier's loops, at least 1 (2 at 8)
     verify_loops: int | None = None      # None -> loops, else the model's default_loops
     draft_ahead: int = 4
     k_branches: int = 1
@@ -73,6 +73,13 @@ class SamplingParams:
         if self.verify_loops is not None:
             return self.verify_loops
         return default_loops if self.loops is None else self.loops
+
+    def effective_draft_loops(self, default_loops: int) -> int:
+        """The draft's loops: draft_loops, else a quarter of the verifier's (at least 1): 2 at 8 loops, 1 at
+        4 (Ouro) or 2 (Nanbeige), 8 at 32 (Huginn)."""
+        if self.draft_loops is not None:
+            return self.draft_loops
+        return max(1, self.effective_loops(default_loops) // 4)
 
     def kv_ring(self, default_loops: int) -> int | None:
         """Core KV slots per layer of a validated request: None for one per loop."""
@@ -162,10 +169,11 @@ class SamplingParams:
              f'"all" is the only budget the speculative modes take, got {k!r} with mode {self.mode!r}')
         if self.mode != "generate":
             verify = self.effective_loops(default_loops)
-            need(1 <= self.draft_loops <= 32, "draft_loops", f"must be in 1..32, got {self.draft_loops}")
+            d = self.effective_draft_loops(default_loops)
+            need(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 32, "draft_loops",
+                 f"must be in 1..32, got {d!r}")
             need(1 <= verify <= max_loops, "verify_loops", f"must be in 1..{max_loops}, got {verify}")
-            need(self.draft_loops < verify, "draft_loops",
-                 f"draft_loops ({self.draft_loops}) must be smaller than verify_loops ({verify})")
+            need(d < verify, "draft_loops", f"draft_loops ({d}) must be smaller than verify_loops ({verify})")
             need(1 <= self.draft_ahead <= 16, "draft_ahead", f"must be in 1..16, got {self.draft_ahead}")
         if self.mode == "tree_speculative":
             need(1 <= self.k_branches <= 16, "K_branches", f"must be in 1..16, got {self.k_branches}")

@@ -83,6 +83,6 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     max_positions = need + (k_branches * draft_ahead + 1 if speculative else 0)
     return RequestPlan(
         prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
-        draft_loops=params.draft_loops if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
+        draft_loops=params.effective_draft_loops(cfg.default_loops) if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
         window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops),
         kv_loops=params.kv_ring(cfg.default_loops))

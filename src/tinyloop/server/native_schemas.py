@@ -96,8 +96,8 @@ class GenerateRequest(BaseModel):
 
 class SpeculativeRequest(GenerateRequest):
     MODE: ClassVar[str] = "speculative"
-    draft_loops: Int = rng(param_default("draft_loops"), lo=1, hi=32,
-                           description="must be smaller than verify_loops")
+    draft_loops: Int | None = rng(lo=1, hi=32, description="must be smaller than verify_loops; default: a "
+                                  "quarter of verify_loops, at least 1 (2 at 8 loops)")
     verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # None -> loops, else the model's default_loops
     draft_ahead: Int = rng(param_default("draft_ahead"), lo=1, hi=16)
 
