@@ -107,10 +107,15 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+# --mix: TinyLoop's knobs per kind of client (client i sends MIXES[mix[i % len(mix)]])
+MIXES = {"plain": {"loops": 8}, "auto": {"loops": "auto"}, "speculative": {"mode": "speculative"}}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> dict:
     """One streaming completion; returns its record. Raises only CancelledError/TimeoutError (the caller's)."""
     body = {"model": "tinyloop", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     rec: dict = {"ok": False, "error": None, "status": None, "tokens": 0, "token_source": None,
                  "content_events": 0, "ttft_ms": None, "wall_ms": None, "finish_reason": None, "done": False}
     times: list[float] = []  # arrival time of each content event
@@ -182,7 +187,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
 
 
 async def run_level(url: str, clients: int, requests_per_client: int, max_tokens: int, timeout_s: float,
-                    on_request=None) -> dict:
+                    on_request=None, mix: tuple[str, ...] = ()) -> dict:
     """One concurrency level; `on_request()` is called as each request ends (a progress bar)."""
     loop = asyncio.get_running_loop()
     records: list[dict] = []
@@ -207,7 +212,8 @@ async def run_level(url: str, clients: int, requests_per_client: int, max_tokens
                 t_send = time.perf_counter()
                 try:
                     async with asyncio.timeout_at(deadline):
-                        holder = await one_request(client, url, PROMPTS[p], max_tokens)
+                        holder = await one_request(client, url, PROMPTS[p], max_tokens,
+                                                   MIXES[mix[i % len(mix)]] if mix else None)
                 except TimeoutError:
                     holder = {"ok": False, "error": "level time limit: cancelled in flight", "status": None,
                               "tokens": 0, "token_source": None, "content_events": 0, "ttft_ms": None,
@@ -265,6 +271,8 @@ def main() -> int:
     ap.add_argument("--level-timeout-s", type=float, default=300.0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: levels 1,4, 2 requests per client, 16 tokens (explicit flags still win)")
+    ap.add_argument("--mix", default="", help="comma-separated client kinds, client i taking kind i mod n: "
+                    f"{', '.join(MIXES)} (default: none, the server's defaults)")
     ap.add_argument("--json", metavar="PATH", help="write every figure (and each request's record) here")
     ap.add_argument("--no-plot", action="store_true", help="no PNG next to the --json file")
     ap.add_argument("--plot-only", action="store_true", help="only replot the existing --json file; run nothing")
@@ -291,6 +299,9 @@ def main() -> int:
         ap.error("levels, --requests-per-client, --max-tokens and --level-timeout-s must be positive")
     if args.url and (args.model or args.threads is not None):
         ap.error("--model and --threads apply to a server this script starts; not with --url")
+    mix = tuple(k for k in args.mix.split(",") if k)
+    if any(k not in MIXES for k in mix):
+        ap.error(f"--mix: kinds are {', '.join(MIXES)}; got {args.mix!r}")
     threads = 2 if args.threads is None else args.threads
     if threads < 1:
         ap.error("--threads must be positive")
@@ -314,7 +325,8 @@ def main() -> int:
         with progress(total=sum(levels) * rpc, desc="requests", unit="req", quiet=args.quiet) as bar:
             for c in levels:
                 bar.set_postfix(clients=c)
-                res = asyncio.run(run_level(url, c, rpc, max_tokens, args.level_timeout_s, on_request=bar.update))
+                res = asyncio.run(run_level(url, c, rpc, max_tokens, args.level_timeout_s, on_request=bar.update,
+                                            mix=mix))
                 results.append(res)
                 bar.write(f"# level {c}: {res['requests_ok']} ok, {res['requests_failed']} failed, "
                           f"{res['wall_s']:.1f} s", file=sys.stderr)
@@ -363,7 +375,7 @@ def main() -> int:
             "model_arg": str(model) if model else None, "model": served_model,
             "server_threads": None if args.url else threads, "cpu_count": os.cpu_count(),
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in load_end],
-            "levels": levels, "requests_per_client": rpc, "max_tokens": max_tokens,
+            "levels": levels, "requests_per_client": rpc, "max_tokens": max_tokens, "mix": list(mix),
             "level_timeout_s": args.level_timeout_s, "temperature": 0.0, "route": "/v1/completions",
             "prompts": PROMPTS, "server_info": info,
         }

@@ -603,3 +603,24 @@ def test_int8_activations_with_more_groups_than_the_stack_holds(monkeypatch):
     assert (alone - panels).abs().max().item() <= 1e-5 * scale
     exact = x @ QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.float().t()
     assert (tiles - exact).abs().max().item() < 2e-2 * exact.abs().max().item()
+
+
+def test_speculation_in_a_crowded_batch_decodes_plain_rows():
+    """Past ALONE_UP_TO running sequences a greedy native round is a plain row of the shared step: the
+    tokens stay plain greedy decoding's, and the stats say how many rounds went that way."""
+    from tinyloop.engine import Engine, SamplingParams
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+    from tinyloop.engine.speculative import ALONE_UP_TO
+    from tinyloop.modelfile import LoadedModel
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    engine = Engine(LoadedModel(nat, None, {}, None), kv_format="fp16")
+    prompts = [[5, 17, 300 + i, 42, 7] for i in range(ALONE_UP_TO + 3)]
+    spec = SamplingParams(max_tokens=12, mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3,
+                          temperature=0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=12, loops=4, temperature=0, ignore_eos=True)
+    alone = [run_to_completion(BatchEngine(engine, max_num_seqs=1), [(p, plain)])[0] for p in prompts]
+    together = run_to_completion(BatchEngine(engine, max_num_seqs=16), [(p, spec) for p in prompts])
+    for a, t in zip(alone, together):
+        assert [x for e in t for x in e.token_ids] == [x for e in a for x in e.token_ids]
+    assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0

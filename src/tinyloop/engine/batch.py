@@ -91,12 +91,15 @@ class BatchRunner:
         self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
         want = [r for r in rows if r.tag.needs_logits]
         out, self.last_argmax = {}, {}
-        if want and self.before_head is not None:
+        also = [r for r in everything[len(rows):] if r.greedy]   # speculators' plain rows: the same head call
+        if (want or also) and self.before_head is not None:
             self.before_head()
         quick = [r for r in want if r.tag.seq.seq_id in greedy]
-        if quick:
-            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick]))   # (k, dim) -> k tokens
+        if quick or also:
+            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick + also]))   # (k, dim) -> k tokens
             self.last_argmax = {r.tag.seq.seq_id: t for r, t in zip(quick, toks)}
+            for r, t in zip(also, toks[len(quick):]):
+                r.argmax = t
         want = [r for r in want if r.tag.seq.seq_id not in greedy]
         if want:
             hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)

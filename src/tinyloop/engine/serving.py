@@ -358,7 +358,8 @@ class BatchEngine:
     def _start_speculative(self, seq: Sequence) -> None:
         req, o = self._outputs[seq.seq_id]
         table = torch.tensor(seq.block_table, device=self.kv.k.parts[0].device)
-        o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, cached=seq.n_cached, **self.speculation)
+        o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, cached=seq.n_cached,
+                            running=lambda: len(self.sched.running), **self.speculation)
         o.passes = o.spec.passes()
         self._advance_speculative(req, o)
 

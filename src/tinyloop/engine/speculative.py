@@ -71,6 +71,8 @@ from .tree import DraftTree, ancestor_mask, beam_step
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
 PREFILL_CHUNK = 256     # prompt positions per prefill pass
+ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
+                        # plain row in the shared batched step costs less than a round of its own
 
 
 class NativeRound:
@@ -109,11 +111,13 @@ class Speculator:
 
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
                  draft_vocab: int | str | None = "auto", draft_stop: float = DRAFT_STOP, fast_head: bool = True,
-                 draft_exit: bool = True, cached: int = 0, adaptive: bool = True, native_round: bool = True):
+                 draft_exit: bool = True, cached: int = 0, adaptive: bool = True, native_round: bool = True,
+                 running=None):
         """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache).
         `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead.
         `native_round`: False runs a greedy round's passes one engine step each even with the native
-        executor (tests compare the two)."""
+        executor (tests compare the two). `running`: a callable giving the sequences the engine core runs
+        now; past ALONE_UP_TO a greedy native round becomes a plain row of the shared step."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -145,13 +149,14 @@ class Speculator:
         self.native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
                        and draft_stop <= 0 and (not self.tree or self.K == 1)
                        and (model.state_seed is None or model.cfg.injection == "none"))
+        self.running = running
         self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy,
                                   costs=round_costs(model, self.d, self.V, self.exit is not None))
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
                       "draft_s": 0.0, "verify_s": 0.0, "draft_passes": 0, "verify_positions": 0,
-                      "compactions": 0}
+                      "compactions": 0, "batched_rounds": 0}
 
     # -- passes ---------------------------------------------------------------------------
     def _rows(self, start: int, n: int, last_loop: int, **kw) -> Rows:
@@ -306,7 +311,19 @@ class Speculator:
         return out
 
     def _native_round(self, cap: int):
-        """A greedy chain round as one native call: the policy's k drafts, verification, head argmax."""
+        """A greedy chain round as one native call: the policy's k drafts, verification, head argmax. In a
+        crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
+        a round of its own would not). A draft exit's entries of such positions are not written: later
+        drafts attend to them as the pool holds them, which changes proposals only, never the output."""
+        if self.running is not None and self.running() > ALONE_UP_TO:
+            L = self.length
+            row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True)
+            yield row
+            y = row.argmax
+            self.sampler.accept(y)
+            self.length, self.exit_backlog = L + 1, None
+            self.stats["batched_rounds"] += 1
+            return [y]
         k = self.policy.choose(cap)
         call = NativeRound(self, k)
         yield call
@@ -475,6 +492,8 @@ class Speculator:
             ch = self.policy.chosen
             run_stats["draft_ahead_chosen"] = round(sum(ch) / len(ch), 3)   # the policy's mean k per round
             run_stats["plain_rounds"] = sum(1 for k in ch if k == 0)
+        if st["batched_rounds"]:
+            run_stats["batched_rounds"] = st["batched_rounds"]   # plain rows in a crowded shared step
 
 
 def speculative_layout(model: LoopedTransformer, plan, draft_exit: bool = True) -> SlotLayout:

@@ -111,10 +111,13 @@ class Rows:
     exit_rule: Any = None                 # model.exits.ExitRule: one-row tokens may leave before last_loop
     exit_survival: float = 1.0            # the gate rule's probability of not having exited yet
     exit_logp: Any = None                 # the kl rule's log-probabilities after the previous loop (V,)
+    greedy: bool = False                  # the batch runner takes the last row's greedy token (`argmax`) in the
+                                          # step's one head call with the other sequences'
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None
     out_state: tuple[torch.Tensor, torch.Tensor] | None = None
+    argmax: int | None = None
 
     def __post_init__(self):
         self.default_positions = self.positions is None   # start .. start+n-1 (no tensor read needed)
