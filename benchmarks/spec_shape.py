@@ -9,7 +9,8 @@ bf16, int4 round-to-nearest, group 128) in two variants:
   barely moves the state and plain greedy tokens are equal at loops 1, 2 and 4 (checked and reported):
   a 1-loop draft predicts the 4-loop verifier, and speculation should pay.
 
-For each: plain tok/s at loops 4 and 1, speculation with fixed settings (`--fixed d:k`, adaptive off) and
+For each: plain tok/s at loops 4 and 1, speculation with fixed settings (`--fixed d:k`, adaptive off; each
+as a chain round and as depth-aligned passes, the pipeline) and
 the default (the engine's policy), each paired with a plain run just before it (x_plain), acceptance, the policy's mean draft length, and what a round costs in
 plain tokens (round ms over plain ms per token). Greedy outputs are compared with plain decoding's.
 
@@ -82,13 +83,14 @@ def measure(path: Path, tokens: int, fixed: list[tuple[int, int]], V: int) -> di
         plain_ids[loops] = ids
         res[f"plain_loops{loops}_tok_s"] = round(tokens / dt, 3)
     res["greedy_equal_loops1_and_V"] = plain_ids[1] == plain_ids[V]
-    runs = [(f"d={d} k={k} fixed", dict(draft_loops=d, draft_ahead=k), False) for d, k in fixed]
-    runs.append(("default", {}, True))
-    for name, kw, adaptive in runs:
+    runs = [(f"d={d} k={k} fixed, {'pipeline' if pipe else 'chain'}", dict(draft_loops=d, draft_ahead=k), False, pipe)
+            for d, k in fixed for pipe in (False, True)]
+    runs.append(("default", {}, True, None))
+    for name, kw, adaptive, pipe in runs:
         p = SamplingParams(**base, mode="speculative", verify_loops=V, **kw)
         _, dt_plain, _ = timed(engine, SamplingParams(**base, loops=V))   # paired: plain right before
         plain_ms = 1000 * dt_plain / tokens
-        ids, dt, st = timed(engine, p, adaptive=adaptive)
+        ids, dt, st = timed(engine, p, adaptive=adaptive, pipeline=pipe)
         rounds = max(1, st.get("rounds", 1))
         res[name] = {"tok_s": round(tokens / dt, 3), "x_plain": round(dt_plain / dt, 3),
                      "plain_tok_s": round(tokens / dt_plain, 3),
@@ -99,7 +101,7 @@ def measure(path: Path, tokens: int, fixed: list[tuple[int, int]], V: int) -> di
                      "exact": ids == plain_ids[V]}
         if adaptive:   # what the policy measured on this host (ms): a draft, a verification by k
             from tinyloop.engine.draft_policy import round_costs
-            c = round_costs(engine.model, p.draft_loops, V, False)
+            c = round_costs(engine.model, p.effective_draft_loops(V), V, False, engine.model.executor.streamed)
             res[name]["costs_ms"] = {"draft": round(c.draft_ms or 0, 2), "plain_token": round(plain_ms, 2),
                                      "verify": {k: round(v, 2) for k, v in sorted(c.verify_ms.items())}}
         print(name, res[name], flush=True)

@@ -348,3 +348,21 @@ def test_draft_policy_follows_acceptance_and_costs():
     assert always[-50:].count(4) >= 40                     # (every 8th round tries another length)
     fixed = DraftPolicy(4, adaptive=False)
     assert [fixed.choose(4) for _ in range(5)] + [fixed.choose(2)] == [4, 4, 4, 4, 4, 2]
+
+
+def test_draft_policy_picks_the_faster_round_shape():
+    """With both round shapes on offer the policy times each and settles on the faster one, trying the
+    other now and then."""
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
+
+    for pipeline_faster in (True, False):
+        pol = DraftPolicy(4, costs=RoundCosts(), pipeline_costs=RoundCosts())
+        shapes = []
+        for _ in range(120):
+            k = pol.choose(4)
+            shapes.append(pol.pipeline)
+            per_draft = 0.5 if pol.pipeline == pipeline_faster else 1.5
+            pol.update(k, k, 0.0, 2.0 + per_draft * k)
+        tail = shapes[40:]
+        assert tail.count(pipeline_faster) > 0.8 * len(tail)
+        assert tail.count(not pipeline_faster) > 0                 # (explored)

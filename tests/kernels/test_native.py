@@ -356,6 +356,12 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     # the policy's draft lengths change the speed only
     auto, st_a = _ids(nat, prompt, params, True, draft_vocab=None)
     assert auto == ref and ("draft_ahead_chosen" in st_a) == chain
+    # depth-aligned passes (tl_spec_pipeline): the same tokens; its drafts may read verified coda entries,
+    # so acceptance may differ from the chain's
+    loops0 = nat.core_loop_tokens
+    piped, st_p = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, pipeline=True)
+    assert piped == ref and 0 <= st_p["acceptance_rate"] <= 1
+    assert nat.core_loop_tokens - loops0 >= 4 * 24   # every emitted token ran its 4 loops
     if chain:   # (a tree's drafts and verification are tree-masked: PyTorch)
         assert any(n == 1 and first == 0 and cap for n, first, cap in step_rows)           # draft steps
         assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # chain verification

@@ -43,60 +43,78 @@ class RoundCosts:
 _ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool) -> RoundCosts:
+def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: bool = False) -> RoundCosts:
     table = _ROUND_COSTS.setdefault(model, {})
-    return table.setdefault((d, V, exit), RoundCosts())
+    return table.setdefault((d, V, exit, pipeline), RoundCosts())
 
 
 class DraftPolicy:
-    """Each round's draft length k in 0..k_max, from what this request's rounds accepted and what rounds
-    cost on this host (`RoundCosts`, shared by the model's requests). Greedy rounds only: any k gives the
+    """Each round's draft length k in 0..k_max (and, where the executor offers both, its shape: a chain
+    round or depth-aligned passes), from what this request's rounds accepted and what rounds cost on this
+    host (`RoundCosts`, shared by the model's requests). Greedy rounds only: any k and either shape give the
     same tokens, so the choice changes the speed and never the output.
 
     A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
     probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
-    k x (one draft's time) + the verification of k + 1 positions. The policy takes the k with the most tokens
-    per millisecond. k = 0 is plain decoding in one call; while it is chosen, a round with one draft is tried
-    now and then (after 4, 8, .., 64 rounds) so that a request whose drafts start to agree gets speculation
-    back; while drafting pays, every 8th round takes the next of 1..draft_ahead in turn, so that a cost
-    measured once under load (or not yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2)
-    does not keep a draft length out for good. Until both a draft and a verification have been timed, a
-    round drafts one token (a failed round
-    of many drafts costs several plain tokens on a model whose depths disagree)."""
+    k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
+    The policy takes the (shape, k) with the most tokens per millisecond. k = 0 is plain decoding in one
+    call; while it is chosen, a round with one draft is tried now and then (after 4, 8, .., 64 rounds) so that
+    a request whose drafts start to agree gets speculation back; while drafting pays, every 8th round takes
+    the next of (shape, 1..draft_ahead) in turn, so that a cost measured once under load (or not yet: costs
+    are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
+    shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
+    several plain tokens on a model whose depths disagree)."""
 
     DECAY = 0.9
     EXPLORE = 8
 
-    def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None):
+    def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None,
+                 pipeline_costs: RoundCosts | None = None, prefer_pipeline: bool = False):
+        """`pipeline_costs`: the pipeline's table where the executor has it (None: chain rounds only);
+        `prefer_pipeline`: the shape a fixed (non-adaptive) policy takes."""
         self.k_max, self.adaptive = k_max, adaptive
         self.rounds = 0
-        self.costs = costs or RoundCosts()
+        self.tables = {False: costs or RoundCosts()}
+        if pipeline_costs is not None:
+            self.tables[True] = pipeline_costs
+        self.pipeline = prefer_pipeline and pipeline_costs is not None   # the shape of the round chosen last
         self.acc = self.prop = 0.0
         self.idle, self.probe_every = 0, 4
         self.chosen: list[int] = []
 
     @property
+    def costs(self) -> RoundCosts:
+        return self.tables[self.pipeline]
+
+    @property
     def acceptance(self) -> float:
         return (self.acc + 1.0) / (self.prop + 2.0)
 
+    @staticmethod
+    def _timed(c: RoundCosts) -> bool:
+        return c.draft_ms is not None and any(s >= 1 for s in c.verify_ms)
+
     def choose(self, cap: int) -> int:
         cap = max(0, min(cap, self.k_max))
-        c = self.costs
         if not self.adaptive:
-            k = cap
-        elif c.draft_ms is None or not any(s >= 1 for s in c.verify_ms):
-            k = min(cap, 1)
+            self.chosen.append(cap)
+            return cap
+        untimed = [p for p, c in self.tables.items() if not self._timed(c)]
+        if untimed:
+            self.pipeline, k = untimed[0], min(cap, 1)
         else:
             a = min(self.acceptance, 0.999)
-            best, best_rate = 0, -1.0
-            for k in range(cap + 1):
-                rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = k, rate
-            k = best
+            best, best_rate = (False, 0), -1.0
+            for pipe, c in self.tables.items():
+                for k in range(0 if not pipe else 1, cap + 1):   # (k = 0 is the chain's plain pass)
+                    rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
+                    if rate > best_rate * (1 + 1e-9):
+                        best, best_rate = (pipe, k), rate
+            self.pipeline, k = best
             self.rounds += 1
-            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other length in turn, so that
-                k = (self.rounds // self.EXPLORE) % cap + 1      # no stale or missing cost keeps one out
+            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other choice in turn, so that
+                i = (self.rounds // self.EXPLORE) % (cap * len(self.tables))   # no stale or missing cost
+                self.pipeline, k = i >= cap, i % cap + 1                           # keeps one out
             elif k == 0 and cap > 0:
                 self.idle += 1
                 if self.idle >= self.probe_every:
@@ -104,10 +122,13 @@ class DraftPolicy:
                     k = 1
             elif k > 0:
                 self.idle, self.probe_every = 0, 4
+        if k == 0:
+            self.pipeline = False
         self.chosen.append(k)
         return k
 
     def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """The round just run (of the shape `pipeline` says)."""
         if k > 0:   # (evidence ages only as new evidence comes: plain rounds say nothing about drafts)
             self.acc = self.DECAY * self.acc + accepted
             self.prop = self.DECAY * self.prop + k

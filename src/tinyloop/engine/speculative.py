@@ -93,7 +93,7 @@ class NativeRound:
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
             head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
-            sp.exit_backlog, want_state=sp.exit is not None)
+            sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -112,12 +112,14 @@ class Speculator:
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
                  draft_vocab: int | str | None = "auto", draft_stop: float = DRAFT_STOP, fast_head: bool = True,
                  draft_exit: bool = True, cached: int = 0, adaptive: bool = True, native_round: bool = True,
-                 running=None):
+                 running=None, pipeline: bool | None = None):
         """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache).
         `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead.
         `native_round`: False runs a greedy round's passes one engine step each even with the native
         executor (tests compare the two). `running`: a callable giving the sequences the engine core runs
-        now; past ALONE_UP_TO a greedy native round becomes a plain row of the shared step."""
+        now; past ALONE_UP_TO a greedy native round becomes a plain row of the shared step. `pipeline`:
+        greedy native rounds as depth-aligned passes (`tl_spec_pipeline`); None: where the model's
+        weights are streamed from memory (extra rows in a pass cost little there)."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -150,8 +152,14 @@ class Speculator:
                        and draft_stop <= 0 and (not self.tree or self.K == 1)
                        and (model.state_seed is None or model.cfg.injection == "none"))
         self.running = running
+        # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
+        # where weights stream from memory); True / False: that shape only
+        self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
+        both = self.native and pipeline is None
         self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy,
-                                  costs=round_costs(model, self.d, self.V, self.exit is not None))
+                                  costs=round_costs(model, self.d, self.V, self.exit is not None, self.pipeline and not both),
+                                  pipeline_costs=round_costs(model, self.d, self.V, self.exit is not None, True)
+                                  if both else None, prefer_pipeline=self.pipeline)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
@@ -325,19 +333,26 @@ class Speculator:
             self.stats["batched_rounds"] += 1
             return [y]
         k = self.policy.choose(cap)
+        if len(self.policy.tables) == 2:   # the policy picks the shape too
+            self.pipeline = self.policy.pipeline
         call = NativeRound(self, k)
         yield call
         res = call.result
-        toks, ys = res["tokens"], res["verify"]
-        out: list[int] = []
-        for j in range(k + 1):
-            self.sampler.accept(ys[j])
-            out.append(ys[j])
-            if j == k or ys[j] != toks[j + 1]:
-                break
-        L = self.length
-        self.length = L + len(out)
-        self.exit_backlog = res["last_h"] if self.exit is not None and len(out) == k + 1 else None
+        if "emitted" in res:   # the pipeline: its output as verified, every exit entry written
+            out = res["emitted"]
+            for y in out:
+                self.sampler.accept(y)
+            self.exit_backlog = None
+        else:
+            toks, ys = res["tokens"], res["verify"]
+            out = []
+            for j in range(k + 1):
+                self.sampler.accept(ys[j])
+                out.append(ys[j])
+                if j == k or ys[j] != toks[j + 1]:
+                    break
+            self.exit_backlog = res["last_h"] if self.exit is not None and len(out) == k + 1 else None
+        self.length += len(out)
         self.policy.update(k, len(out) - 1, res["draft_ms"], res["verify_ms"])
         st = self.stats
         st["draft_s"] += res["draft_ms"] / 1000

@@ -342,7 +342,8 @@ class NativeExecutor:
 
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
-                   draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True) -> dict:
+                   draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
+                   pipeline: bool = False) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
@@ -351,7 +352,8 @@ class NativeExecutor:
         `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None);
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
-        the two phases' milliseconds."""
+        the two phases' milliseconds. `pipeline` (k >= 1): the same round as depth-aligned passes
+        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written."""
         with _CALL:
             keep, readouts = [], {}
             t = _int64(table)
@@ -386,11 +388,17 @@ class NativeExecutor:
             R.tokens, R.verify = toks.data_ptr(), ver.data_ptr()
             R.last_h = last_h.data_ptr() if want_state else None
             kvd = self._kv_desc(kv)
-            self._grow_scratch(self.lib.tl_round_scratch_floats(self.desc, R, max_pos + 1))
+            pipeline = pipeline and k > 0
+            scratch_floats = self.lib.tl_pipeline_scratch_floats if pipeline else self.lib.tl_round_scratch_floats
+            self._grow_scratch(scratch_floats(self.desc, R, max_pos + 1))
             self.lib.tl_set_threads(self.threads)
-            rc = self.lib.tl_spec_round(self.desc, kvd, base, R, self.scratch.data_ptr(), self.scratch.numel())
+            run = self.lib.tl_spec_pipeline if pipeline else self.lib.tl_spec_round
+            rc = run(self.desc, kvd, base, R, self.scratch.data_ptr(), self.scratch.numel())
             if rc != 0:
                 raise RuntimeError(f"native speculation round failed (code {rc})")
+            if pipeline:
+                self.model.core_loop_tokens += R.row_loops
+                return {"emitted": ver[:R.n_emitted].tolist(), "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
             # loops run: k + 1 draft passes of d loops, k + 1 verification rows of V - d (as the stepwise path counts)
             self.model.core_loop_tokens += (k + 1) * V
             act = self.model.act_dtype or self.model.embed.weight.dtype

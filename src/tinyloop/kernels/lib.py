@@ -67,7 +67,7 @@ class TlRound(ctypes.Structure):
                 ("draft_ids", _p), ("draft_norm", _p), ("draft_eps", ctypes.c_float), ("backlog_h", _p),
                 ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float), ("vocab", _i),
                 ("tokens", _p), ("verify", _p), ("last_h", _p), ("draft_ms", ctypes.c_double),
-                ("verify_ms", ctypes.c_double)]
+                ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i)]
 
 
 _lock = threading.Lock()
@@ -95,6 +95,10 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_spec_round.restype = ctypes.c_int
         lib.tl_round_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]
         lib.tl_round_scratch_floats.restype = ctypes.c_int64
+        lib.tl_spec_pipeline.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlRound), _p, ctypes.c_int64]
+        lib.tl_spec_pipeline.restype = ctypes.c_int
+        lib.tl_pipeline_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]
+        lib.tl_pipeline_scratch_floats.restype = ctypes.c_int64
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i

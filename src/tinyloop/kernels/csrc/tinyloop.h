@@ -112,11 +112,19 @@ typedef struct {
     int32_t* tokens;   // out (k + 1): the pending token, then the drafts
     int32_t* verify;   // out (k + 1): the verifier's greedy token after each
     float* last_h;     // out (dim) or null
-    double draft_ms, verify_ms;   // out: wall time of the two phases
+    double draft_ms, verify_ms;   // out: wall time of the two phases (the pipeline: all in verify_ms)
+    int32_t n_emitted;            // out (the pipeline): tokens in `verify`, the round's output
+    int32_t row_loops;            // out (the pipeline): core loops run, summed over positions
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);
 int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
+// The same round as a pipeline of depth-aligned passes (each in-flight position at its own loop in one
+// pass over the weights; step.cpp): `verify` gets the n_emitted output tokens (accepted drafts, then the
+// verifier's correction or bonus); every draft's exit entry is written (no backlog after it).
+int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
+                     int64_t scratch_len);
+int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
 
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
