@@ -58,7 +58,7 @@ class DraftPolicy:
     probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
     k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
     The policy takes the (shape, k) with the most tokens per millisecond. k = 0 is plain decoding in one
-    call; while it is chosen, a round with one draft is tried now and then (after 4, 8, .., 64 rounds) so that
+    call; while it is chosen, a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that
     a request whose drafts start to agree gets speculation back; while drafting pays, every 8th round takes
     the next of (shape, 1..draft_ahead) in turn, so that a cost measured once under load (or not yet: costs
     are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
@@ -79,7 +79,7 @@ class DraftPolicy:
             self.tables[True] = pipeline_costs
         self.pipeline = prefer_pipeline and pipeline_costs is not None   # the shape of the round chosen last
         self.acc = self.prop = 0.0
-        self.idle, self.probe_every = 0, 4
+        self.idle, self.probe_every = 0, 8
         self.chosen: list[int] = []
 
     @property
@@ -99,13 +99,17 @@ class DraftPolicy:
         if not self.adaptive:
             self.chosen.append(cap)
             return cap
-        untimed = [p for p, c in self.tables.items() if not self._timed(c)]
+        # (the pipeline's warm-up waits for a draft to be accepted: on a model whose depths disagree it
+        # would only cost)
+        untimed = [p for p, c in self.tables.items() if not self._timed(c) and (not p or self.acc > 0)]
         if untimed:
             self.pipeline, k = untimed[0], min(cap, 1)
         else:
             a = min(self.acceptance, 0.999)
             best, best_rate = (False, 0), -1.0
             for pipe, c in self.tables.items():
+                if not self._timed(c):
+                    continue
                 for k in range(0 if not pipe else 1, cap + 1):   # (k = 0 is the chain's plain pass)
                     rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
                     if rate > best_rate * (1 + 1e-9):
@@ -113,15 +117,16 @@ class DraftPolicy:
             self.pipeline, k = best
             self.rounds += 1
             if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other choice in turn, so that
-                i = (self.rounds // self.EXPLORE) % (cap * len(self.tables))   # no stale or missing cost
-                self.pipeline, k = i >= cap, i % cap + 1                           # keeps one out
+                timed = [p for p, c in self.tables.items() if self._timed(c)]
+                i = (self.rounds // self.EXPLORE) % (cap * len(timed))   # no stale or missing cost
+                self.pipeline, k = timed[i // cap], i % cap + 1           # keeps one out
             elif k == 0 and cap > 0:
                 self.idle += 1
                 if self.idle >= self.probe_every:
                     self.idle, self.probe_every = 0, min(64, 2 * self.probe_every)
                     k = 1
             elif k > 0:
-                self.idle, self.probe_every = 0, 4
+                self.idle, self.probe_every = 0, 8
         if k == 0:
             self.pipeline = False
         self.chosen.append(k)
