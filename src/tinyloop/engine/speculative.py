@@ -152,6 +152,7 @@ class Speculator:
                        and draft_stop <= 0 and (not self.tree or self.K == 1)
                        and (model.state_seed is None or model.cfg.injection == "none"))
         self.running = running
+        self._last: tuple | None = None   # (k, accepted, draft ms, start) of the round not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
@@ -323,6 +324,11 @@ class Speculator:
         crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
         a round of its own would not). A draft exit's entries of such positions are not written: later
         drafts attend to them as the pool holds them, which changes proposals only, never the output."""
+        now = time.perf_counter()
+        if self._last is not None:   # the last round's cost: its whole cycle, the engine's step included
+            k0, accepted0, draft_ms0, t0 = self._last
+            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0))
+            self._last = None
         if self.running is not None and self.running() > ALONE_UP_TO:
             L = self.length
             row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True)
@@ -353,7 +359,9 @@ class Speculator:
                     break
             self.exit_backlog = res["last_h"] if self.exit is not None and len(out) == k + 1 else None
         self.length += len(out)
-        self.policy.update(k, len(out) - 1, res["draft_ms"], res["verify_ms"])
+        # timed when the next round starts: a round's Python, scheduling and emission count with it (a few
+        # tenths of a ms, as much as a loop on the shipped model, and paid once per round, not per token)
+        self._last = (k, len(out) - 1, res["draft_ms"], now)
         st = self.stats
         st["draft_s"] += res["draft_ms"] / 1000
         st["verify_s"] += res["verify_ms"] / 1000
