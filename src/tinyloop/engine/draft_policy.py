@@ -55,7 +55,7 @@ class DraftPolicy:
     same tokens, so the choice changes the speed and never the output.
 
     A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
-    probability a (the decayed acceptance of this request's drafting rounds, with a uniform prior), and costs
+    probability a (the decayed acceptance of this request's drafting rounds, with Jeffreys' prior), and costs
     k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
     The policy takes the (shape, k) with the most tokens per millisecond. k = 0 is plain decoding in one
     call; while it is chosen, a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that
@@ -88,7 +88,7 @@ class DraftPolicy:
 
     @property
     def acceptance(self) -> float:
-        return (self.acc + 1.0) / (self.prop + 2.0)
+        return (self.acc + 0.5) / (self.prop + 1.0)   # Jeffreys' prior: one failed draft is evidence
 
     @staticmethod
     def _timed(c: RoundCosts) -> bool:
