@@ -76,9 +76,9 @@ ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many
 
 
 class NativeRound:
-    """A whole greedy chain round for the native executor (`NativeExecutor.spec_round`): the speculator
-    yields it like a `Rows`, the batch runner runs it in the same engine step, and `result` holds the
-    drafted tokens, the verifier's tokens and the phases' times when the generator resumes."""
+    """A whole greedy round for the native executor (`NativeExecutor.spec_round`: a chain round, or the
+    pipeline of depth-aligned passes): the speculator yields it like a `Rows`, the batch runner runs it in
+    the same engine step, and `result` holds its tokens and times when the generator resumes."""
 
     def __init__(self, spec: "Speculator", k: int):
         self.spec, self.k = spec, k
@@ -118,8 +118,9 @@ class Speculator:
         `native_round`: False runs a greedy round's passes one engine step each even with the native
         executor (tests compare the two). `running`: a callable giving the sequences the engine core runs
         now; past ALONE_UP_TO a greedy native round becomes a plain row of the shared step. `pipeline`:
-        greedy native rounds as depth-aligned passes (`tl_spec_pipeline`); None: where the model's
-        weights are streamed from memory (extra rows in a pass cost little there)."""
+        True / False, greedy native rounds only as depth-aligned passes (`tl_spec_pipeline`) or only as
+        chain rounds; None, the policy times both and takes the faster (with adaptive=False: the pipeline
+        where the model's weights are streamed from memory)."""
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -320,7 +321,8 @@ class Speculator:
         return out
 
     def _native_round(self, cap: int):
-        """A greedy chain round as one native call: the policy's k drafts, verification, head argmax. In a
+        """A greedy round as one native call (chain or pipeline): the policy's k drafts, verification, head
+        argmax. In a
         crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
         a round of its own would not). A draft exit's entries of such positions are not written: later
         drafts attend to them as the pool holds them, which changes proposals only, never the output."""
