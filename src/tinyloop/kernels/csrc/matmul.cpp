@@ -211,36 +211,46 @@ static inline int act_block(int G) {
     return 64;
 }
 
-static inline __m256 halves(float lo, float hi) { return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)); }
-
 // What every tile of one call shares, computed once per call (no division in the loops below): per span
 // of S columns (SPLIT: 64, two 32-column blocks; else one activation block), the weight group of its
-// first and of its second half, and per input row the span's activation scale as the vector its sums are
-// scaled by (SPLIT: the two blocks' scales as halves).
+// first and of its second half.
 struct QQPlan {
     int S = 0, NS = 0;
     std::vector<int> g0, g1;      // (NS) weight group of the span's first / second half
-    std::vector<float> dv;        // (m, NS, 8)
 };
 
-static void qq_plan(const tl_linear* L, const float* xd, int m, bool split, QQPlan& P) {
-    const int K = L->k, G = L->group, AB = act_block(G), NA = K / AB;
+static void qq_plan(const tl_linear* L, bool split, QQPlan& P) {
+    const int K = L->k, G = L->group, AB = act_block(G);
     P.S = split ? 64 : AB;
     P.NS = K / P.S;
     P.g0.resize(P.NS);
     P.g1.resize(P.NS);
-    P.dv.resize((size_t)m * P.NS * 8);
     for (int s = 0, g = 0, gend = G; s < P.NS; ++s) {   // groups are whole spans or (SPLIT) whole halves
         const int c0 = s * P.S;
         while (c0 >= gend) { ++g; gend += G; }
         P.g0[s] = g;
         P.g1[s] = split && c0 + 32 >= gend ? g + 1 : g;
     }
-    for (int r = 0; r < m; ++r) {
-        const float* d = xd + (int64_t)r * NA;
-        for (int s = 0; s < P.NS; ++s)
-            _mm256_storeu_ps(&P.dv[((size_t)r * P.NS + s) * 8], split ? halves(d[2 * s], d[2 * s + 1]) : _mm256_set1_ps(d[s]));
+}
+
+// The canonical reduction every integer kernel computes (the tiles below and the AMX tiles: amx.cpp), so
+// that an output is bitwise the same whichever kernel, tile shape, row count or position in a batch
+// produced it: per activation block a (AB columns, in order) the exact int32 sum I_a = sum c' q, then
+//   t = fma(float(I_a), d_a * s_g(a), t)   (fp32, t = 0 before the first block),
+// and y = t - qq_zero_corr(...), the zero points' correction summed eight groups at a time in this fixed
+// order. Integer sums are exact whatever order forms them (no overflow: |I_a| <= 256 * 128 * 127 < 2^31).
+template <int BITS>
+static inline float qq_zero_corr(const float* sj, const uint8_t* zp, const float* Xr, int NG) {
+    __m256 cv = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= NG; g += 8) {
+        __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
+        if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
+        cv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sj + g), z), _mm256_loadu_ps(Xr + g), cv);
     }
+    float corr = vsum(cv);
+    for (; g < NG; ++g) corr = fmaf(sj[g] * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f)), Xr[g], corr);
+    return corr;
 }
 
 // MR input rows against NR weight rows at a time, rows [n0, n1) of W. Per 64 columns: one load (int4) or
@@ -250,9 +260,10 @@ static void qq_plan(const tl_linear* L, const float* xd, int m, bool split, QQPl
 // accumulators and their float totals must fit the 16 vector registers (with SPLIT, whose sums are
 // scaled every step, the totals alone): 4 x 2 and 2 x 2 tiles, 1 x 4 or a streamed 1 x 1.
 template <int BITS, int MR, int NR, bool SPLIT>
-void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* dv, const float* X, float* y,
+void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* X, float* y,
              int ldy, int n0, int n1) {
-    const int K = L->k, NG = K / L->group, NS = P.NS;
+    constexpr int NO = MR * NR, NQ = (NO + 3) / 4;   // outputs of the tile, in groups of four
+    const int K = L->k, NG = K / L->group, NS = P.NS, NA = K / act_block(L->group);
     const int S = SPLIT ? 64 : P.S;   // (a constant with SPLIT: one step a span, its sums scaled at once)
     const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
@@ -278,11 +289,9 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
             for (; g + 8 <= NG; g += 8) _mm256_storeu_ps(&sf[(size_t)j * NG + g], vload_f16(sc + g));
             for (; g < NG; ++g) sf[(size_t)j * NG + g] = f16_to_f32(sc[g]);
         }
-        __m256 tot[MR][NR];
+        __m128 tot[NQ];   // output o = r * NR + j in lane o % 4 of tot[o / 4]
 #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) tot[r][j] = _mm256_setzero_ps();
+        for (int q = 0; q < NQ; ++q) tot[q] = _mm_setzero_ps();
         const uint8_t* row = codes + (int64_t)n * row_bytes;
         for (int s = 0; s < NS; ++s) {
             const int c0 = s * S;
@@ -358,55 +367,51 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
                 }
 #endif
             }
-            // the span's sums, scaled: s (weights) times d (activations), two halves with SPLIT
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) {
-                const float* sj = &sf[(size_t)j * NG];
-                const __m256 sv = SPLIT ? _mm256_set_m128(_mm_broadcast_ss(sj + g1[s]), _mm_broadcast_ss(sj + g0[s]))
-                                        : _mm256_broadcast_ss(sj + g0[s]);
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
+            // the span's exact int32 sums, one per activation block (SPLIT: two), each scaled and added in
+            // block order: the canonical reduction (qq_scale_block)
+            __m256i s32[NQ * 4];
+#pragma GCC unroll 8
+            for (int o = 0; o < NQ * 4; ++o) {
+                if (o >= NO) { s32[o] = _mm256_setzero_si256(); continue; }
+                const int r = o / NR, j = o % NR;
 #if TL_VNNI   // int8: sum (c - 128) q = sum c q - 128 sum q, lane for lane
-                    const __m256i s32 = BITS == 4 ? acc[r][j] : _mm256_sub_epi32(acc[r][j], _mm256_slli_epi32(qsum[r], 7));
+                s32[o] = BITS == 4 ? acc[r][j] : _mm256_sub_epi32(acc[r][j], _mm256_slli_epi32(qsum[r], 7));
 #else
-                    const __m256i s32 = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
+                s32[o] = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
 #endif
-                    tot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_loadu_ps(dv + ((size_t)r * NS + s) * 8), sv),
-                                                tot[r][j]);
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < NQ; ++q) {
+                // lanes: each output's sum of int32 lanes 0-3, then of lanes 4-7 (exact integers)
+                const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s32[4 * q], s32[4 * q + 1]),
+                                                    _mm256_hadd_epi32(s32[4 * q + 2], s32[4 * q + 3]));
+                const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+                alignas(16) float sc0[4], sc1[4];
+                for (int l = 0; l < 4; ++l) {
+                    const int o = 4 * q + l < NO ? 4 * q + l : NO - 1, r = o / NR, j = o % NR;
+                    const float* dr = xd + (int64_t)r * NA;
+                    const float* sj = &sf[(size_t)j * NG];
+                    sc0[l] = SPLIT ? dr[2 * s] * sj[g0[s]] : dr[s] * sj[g0[s]];
+                    sc1[l] = SPLIT ? dr[2 * s + 1] * sj[g1[s]] : 0.f;
+                }
+                if (SPLIT) {
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_load_ps(sc0), tot[q]);
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_load_ps(sc1), tot[q]);
+                } else {
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(lo, hi)), _mm_load_ps(sc0), tot[q]);
                 }
             }
         }
-        // the zero points: corr[r][j] = sum_g s_g z'_g X_g, eight groups at a time
-        float corr[MR][NR];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) {
-            const float* sj = &sf[(size_t)j * NG];
-            const uint8_t* zp = L->zeros + (int64_t)(n + j) * NG;
-            __m256 cv[MR];
-#pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) cv[r] = _mm256_setzero_ps();
-            int g = 0;
-            for (; g + 8 <= NG; g += 8) {
-                __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
-                if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
-                const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(sj + g), z);
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) cv[r] = _mm256_fmadd_ps(sz, _mm256_loadu_ps(X + (int64_t)r * NG + g), cv[r]);
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) corr[r][j] = vsum(cv[r]);
-            for (; g < NG; ++g) {
-                const float sz = sj[g] * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f));
-#pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) corr[r][j] += sz * X[(int64_t)r * NG + g];
-            }
-        }
+        alignas(16) float tv[NQ * 4];
+        for (int q = 0; q < NQ; ++q) _mm_store_ps(tv + 4 * q, tot[q]);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) y[(int64_t)r * ldy + n + j] = vsum(tot[r][j]) - corr[r][j];
+            for (int j = 0; j < NR; ++j)
+                y[(int64_t)r * ldy + n + j] = tv[r * NR + j] - qq_zero_corr<BITS>(&sf[(size_t)j * NG],
+                    L->zeros + (int64_t)(n + j) * NG, X + (int64_t)r * NG, NG);
     }
-    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, dv, X, y, ldy, n, n1);
+    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, xd, X, y, ldy, n, n1);
 }
 
 // the int8 scale of n activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
@@ -448,27 +453,26 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
 // m input rows: 4 x 2 tiles, then 2 x 2, then a last row against four weight rows at a time (streamed
 // weights: one weight row at a time, one sequential stream)
 template <int BITS, bool SPLIT>
-void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* X, int m, float* y, int ldy,
-             int n0, int n1) {
-    const int K = L->k, NG = K / L->group, NS = P.NS;
-    const float* dv = P.dv.data();
+void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* X, int m, float* y,
+             int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
-        qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+        qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     if (mt + 3 == m)   // three rows in one pass (2 x 2 then a lone row read the weights twice: 1.8x one row)
-        qq_tile<BITS, 3, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+        qq_tile<BITS, 3, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1), mt += 3;
     for (; mt + 2 <= m; mt += 2)
-        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     // a lone row of streamed weights: one sequential stream reads at the bandwidth; a last row after tiles
     // finds its chunk's weights in cache (the tiles above just read them): four weight rows at a time
     if (mt < m && L->streamed && mt == 0)
-        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
     else if (mt < m)
-        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, P, dv + (size_t)mt * NS * 8, X + (int64_t)mt * NG,
+        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
 }
 
@@ -500,14 +504,16 @@ constexpr int PNR = 6;           // weight rows per micro-tile
 // Fewer input rows than this take the dot-product tiles (below it the transposes and the padding to 8 rows
 // cost more than the panels save): float weights from 12 rows, quantized ones from 6 (measured one thread,
 // thread CPU time: int4 768 x 256 panels/tiles 0.84x at 5 rows, 1.04x at 6, 1.20x at 7; fp16 1536 x 256
-// 0.88x at 8, 1.08x at 12, 1.45x at 16), int4/int8 layers with int8 activations from 16 (their 4 x 2
-// integer tiles against the panels, session 12, on the shipped model's shapes and its int8 head: 0.60-0.81x
-// the time at 8 rows, 0.69-0.92x at 12, 0.84-1.29x at 16, 0.86-1.12x at 24). `panel_forced` (tests):
-// every layer's.
+// 0.88x at 8, 1.08x at 12, 1.45x at 16). Layers with int8 activations keep their integer tiles (or AMX)
+// at every row count, for batch invariance (their 4 x 2 tiles took 0.84-1.29x the panels' time at 16 rows
+// and 0.86-1.12x at 24, session 12). `panel_forced` (tests): every layer's.
 int panel_forced = 0;
 
 static inline int panel_min_rows(const tl_linear* L) {
-    return panel_forced ? panel_forced : L->kind <= TL_BF16 ? 12 : int8_activations(L) ? 16 : 6;
+    if (panel_forced) return panel_forced;
+    // int8 activations never take the panels by themselves: the panels' fp32 sums would make a row's result
+    // depend on how many rows share the call (the tiles' canonical reduction does not)
+    return L->kind <= TL_BF16 ? 12 : int8_activations(L) ? 1 << 30 : 6;
 }
 
 // rows [n, n + nr) of W as fp32 into wb (nr, K), in xt's column order
@@ -691,13 +697,13 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 X[(int64_t)r * NG + g] = t;
             }
         thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
-        qq_plan(L, xd, m, AB == 32, plan);
+        qq_plan(L, AB == 32, plan);
         const QQPlan& P = plan;
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
             const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
-            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, X, m, y, ldy, n0, n1);
-            else if (AB == 32) qq_rows<4, true>(L, xq, P, X, m, y, ldy, n0, n1);
-            else qq_rows<4, false>(L, xq, P, X, m, y, ldy, n0, n1);
+            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, X, m, y, ldy, n0, n1);
+            else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, X, m, y, ldy, n0, n1);
+            else qq_rows<4, false>(L, xq, P, xd, X, m, y, ldy, n0, n1);
         });
         return;
     }
