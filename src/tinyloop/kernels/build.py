@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("threads.cpp", "matmul.cpp", "attention.cpp", "step.cpp")
+SOURCES = ("threads.cpp", "matmul.cpp", "amx.cpp", "attention.cpp", "step.cpp")
 ISAS = ("native", "avx2", "portable")
 
 
@@ -51,8 +51,10 @@ def compiler() -> str | None:
 def flags(isa: str) -> list[str]:
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-    # avx2: the host's build without the VNNI integer dot products (tests compare it with native, bit for bit)
-    arch = ["-march=native"] if isa == "native" else ["-march=native", "-mno-avx512vnni", "-mno-avxvnni"] \
+    # avx2: the host's build without the VNNI integer dot products and the AMX tiles (tests compare it with
+    # native, bit for bit)
+    arch = ["-march=native"] if isa == "native" else \
+        ["-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"] \
         if isa == "avx2" else []
     return ["-std=c++20", "-O3", *arch, "-fPIC", "-shared", "-pthread"]
 

@@ -7,6 +7,7 @@
 // bit bits*i. `permute_x` reorders each input row once per call so that lane j of sub-vector i is
 // column c0 + per*j + i; then sum_k (q - z) s x = s * (sum_k q x) - s * z * (sum of x over the group).
 #include "tinyloop.h"
+#include "amx.h"
 #include "threads.h"
 #include "vec.h"
 #include <algorithm>
@@ -693,9 +694,10 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
         for (int r = 0; r < m; ++r)
             for (int g = 0; g < NG; ++g) {
                 float t = 0.f;
-                for (int a = g * APG; a < (g + 1) * APG; ++a) t += xd[(int64_t)r * NA + a] * xs[(int64_t)r * NA + a];
+                for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
                 X[(int64_t)r * NG + g] = t;
             }
+        if (m >= AMX_MIN_ROWS && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
         thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
         qq_plan(L, AB == 32, plan);
         const QQPlan& P = plan;

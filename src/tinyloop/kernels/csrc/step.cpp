@@ -8,6 +8,7 @@
 #include <ctime>
 #include <vector>
 #include "tinyloop.h"
+#include "amx.h"
 #include "threads.h"
 #include "vec.h"
 
@@ -357,7 +358,8 @@ extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const floa
 
 extern "C" const char* tl_isa(void) {
 #if defined(__AVX512F__) && TL_SIMD && TL_VNNI
-    return "avx512 host, avx2+fma+f16c kernels, vnni int8 dot products";
+    return amx_ready() ? "avx512 host, avx2+fma+f16c kernels, vnni int8 dot products, amx int8 tiles"
+                       : "avx512 host, avx2+fma+f16c kernels, vnni int8 dot products";
 #elif defined(__AVX512F__) && TL_SIMD
     return "avx512 host, avx2+fma+f16c kernels";
 #elif TL_SIMD && TL_VNNI

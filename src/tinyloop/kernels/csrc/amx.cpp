@@ -1,0 +1,311 @@
+// AMX int8 tiles (Intel Advanced Matrix Extensions) for layers with int8 activations: a tile product
+// C (16 x 16 int32) += A (16 x 64 bytes) . B (16 x 64 bytes) is 16,384 multiply-adds in one instruction.
+//   A: 16 weight rows' codes (int8 weights: read in place; int4: their nibbles unpacked to bytes once per
+//      strip of 16 weight rows, into a per-thread buffer; no copy of the model is kept);
+//   B: 16 input rows' int8 activations, laid out once per call as the tiles want them (four consecutive
+//      columns of one row per 32-bit column of the tile);
+//   C: the exact int32 sums of one activation block (matmul.cpp's canonical reduction), stored, then scaled
+//      and added per output in block order with AVX-512 across the 16 input rows. The zero points'
+//      correction is summed in the same order as qq_zero_corr. The result is bitwise the vector tiles'.
+// int4 layers with 32-column activation blocks (SPLIT) take two half products a 64-column step, one per
+// block (their A bytes ordered block by block); other layers one product a 64-column step, their block's
+// sum kept in C across the block's steps.
+#include "amx.h"
+#include "threads.h"
+#include "vec.h"
+#include <stdlib.h>
+#include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
+#define TL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define TL_AMX 0
+#endif
+
+namespace {
+int amx_switch = -1;   // -1: not read yet (TINYLOOP_NATIVE_AMX=0 turns the tiles off); 0 off; 1 on
+
+bool amx_permitted() {
+#if TL_AMX
+    // Linux keeps the 8 KB of tile data out of a process's state until it asks for it
+    // (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18); a kernel, hypervisor or CPU without it
+    // refuses, and the vector tiles serve. ARCH_GET_XCOMP_PERM (0x1022) confirms the grant.
+    static const bool ok = [] {
+        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
+        unsigned long bits = 0;
+        return syscall(SYS_arch_prctl, 0x1022, &bits) == 0 && (bits >> 18 & 1);
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+}  // namespace
+
+bool amx_ready() {
+    if (amx_switch < 0) {
+        const char* e = getenv("TINYLOOP_NATIVE_AMX");
+        amx_switch = !(e && e[0] == '0');
+    }
+    return amx_switch && amx_permitted();
+}
+
+// on = 0 / 1 switches the AMX tiles off / on (where permitted), on < 0 asks; returns whether they ran before
+extern "C" int32_t tl_set_amx(int32_t on) {
+    const int32_t was = amx_ready();
+    if (on >= 0) amx_switch = on ? 1 : 0;
+    return was;
+}
+
+extern "C" int32_t tl_amx(void) { return amx_ready(); }
+
+#if TL_AMX
+namespace {
+struct alignas(64) TileCfg {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C, four blocks' sums in flight; 4-5: A; 6-7: B (SPLIT: each step's first and second block)
+void load_config(bool split) {
+    TileCfg c;
+    for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;                   // 16 weight rows x 16 int32
+    for (int t = 4; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = split ? 32 : 64;      // 16 weight rows x K bytes
+    for (int t = 6; t < 8; ++t) c.rows[t] = split ? 8 : 16, c.colsb[t] = 64;       // K / 4 rows x 16 input rows
+    _tile_loadconfig(&c);
+}
+
+// one block's sums into tile CT, its steps' A and B alternating between two tiles each, then stored: the
+// products of up to four blocks are in flight at once (a product's latency is several times its issue
+// interval) and the stores are read back only after the last block's (the scaling runs apart, below).
+// (Macros: the tile intrinsics take their tile numbers as literal tokens.)
+#define TL_BLOCK_SUMS(CT, A, astride, Bb, t0, t1, out)        \
+    do {                                                        \
+        _tile_zero(CT);                                         \
+        for (int t_ = (t0); t_ < (t1); ++t_) {                  \
+            if ((t_ - (t0)) & 1) {                              \
+                _tile_loadd(5, (A) + 64 * t_, (astride));       \
+                _tile_loadd(7, (Bb) + 1024 * t_, 64);           \
+                _tile_dpbusd(CT, 5, 7);                         \
+            } else {                                            \
+                _tile_loadd(4, (A) + 64 * t_, (astride));       \
+                _tile_loadd(6, (Bb) + 1024 * t_, 64);           \
+                _tile_dpbusd(CT, 4, 6);                         \
+            }                                                   \
+        }                                                       \
+        _tile_stored(CT, (out), 64);                            \
+    } while (0)
+
+// a SPLIT step's two blocks into tiles C0 and C1
+#define TL_SPLIT_SUMS(C0, C1, A, astride, Bb, t, out)           \
+    do {                                                        \
+        _tile_zero(C0);                                         \
+        _tile_zero(C1);                                         \
+        _tile_loadd(4, (A) + 64 * (t), (astride));              \
+        _tile_loadd(6, (Bb) + 1024 * (t), 64);                  \
+        _tile_dpbusd(C0, 4, 6);                                 \
+        _tile_loadd(5, (A) + 64 * (t) + 32, (astride));         \
+        _tile_loadd(7, (Bb) + 1024 * (t) + 512, 64);            \
+        _tile_dpbusd(C1, 5, 7);                                 \
+        _tile_stored(C0, (out), 64);                            \
+        _tile_stored(C1, (out) + 256, 64);                      \
+    } while (0)
+
+// a SPLIT step's A byte k holds column position pos(k) of xq's 64 (evens 0-31, then odds): the first
+// block's evens and odds, then the second's
+static inline int split_pos(int k) { return k < 16 ? k : k < 32 ? k + 16 : k < 48 ? k - 16 : k; }
+
+struct Prep {   // what the call's strips share, laid out by the calling thread
+    int K, NT, NA, NG, MB, AB;
+    bool split;
+    std::vector<int8_t> B;      // (MB, NT, 16, 64) activation tiles
+    std::vector<float> dT;      // (MB, NA, 16) block scales
+    std::vector<int32_t> qsT;   // (MB, NA, 16) block code sums (int8 weights)
+    std::vector<float> XT;      // (MB, NG, 16) zero-point sums
+    std::vector<int> ga;        // (NA) weight group of each block
+};
+
+template <int BITS>
+void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) {
+    const int K = P.K, NG = P.NG, NA = P.NA, nr = L->n - n0 < 16 ? L->n - n0 : 16;
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
+    const uint8_t* codes = (const uint8_t*)L->w + (int64_t)n0 * row_bytes;
+    thread_local std::vector<uint8_t> wbuf;
+    thread_local std::vector<float> sfbuf;
+    sfbuf.assign((size_t)16 * NG, 0.f);
+    float* sf = sfbuf.data();   // (16, NG) the weight scales as fp32
+    for (int w = 0; w < nr; ++w) {   // (16 at a time: a scalar conversion chains on its register's old value)
+        const uint16_t* sc = L->scales + (int64_t)(n0 + w) * NG;
+        int g = 0;
+        for (; g + 16 <= NG; g += 16)
+            _mm512_storeu_ps(sf + (size_t)w * NG + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + g))));
+        for (; g < NG; ++g) sf[(size_t)w * NG + g] = f16_to_f32(sc[g]);
+    }
+    const uint8_t* A = codes;
+    int64_t astride = row_bytes;
+    if (BITS == 4 || nr < 16) {   // unpacked (int4) or copied with zero rows (a last strip of int8)
+        wbuf.resize((size_t)16 * K);
+        uint8_t* wb = wbuf.data();
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int w = 0; w < 16; ++w) {
+            uint8_t* out = wb + (size_t)w * K;
+            if (w >= nr) { memset(out, 0, K); continue; }
+            const uint8_t* row = codes + (int64_t)w * row_bytes;
+            if (BITS == 8) { memcpy(out, row, K); continue; }
+            int t = 0;
+            // two steps at a time: 64 code bytes -> low nibbles [E(t) E(t+1)] and high [O(t) O(t+1)] (32
+            // bytes each), then the steps' A rows: [E(t) O(t)] and [E(t+1) O(t+1)], SPLIT in 16-byte quarters
+            const __m512i low4z = _mm512_set1_epi8(0x0F);
+            const __m512i ia = P.split ? _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+            const __m512i ib = P.split ? _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+            for (; t + 2 <= P.NT; t += 2) {
+                const __m512i raw = _mm512_loadu_si512(row + 32 * t);
+                const __m512i lo = _mm512_and_si512(raw, low4z), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4z);
+                _mm512_storeu_si512(out + 64 * t, _mm512_permutex2var_epi64(lo, ia, hi));
+                _mm512_storeu_si512(out + 64 * t + 64, _mm512_permutex2var_epi64(lo, ib, hi));
+            }
+            for (; t < P.NT; ++t) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(row + 32 * t));
+                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                __m256i a = lo, b = hi;   // evens then odds; SPLIT: block by block
+                if (P.split) a = _mm256_permute2x128_si256(lo, hi, 0x20), b = _mm256_permute2x128_si256(lo, hi, 0x31);
+                _mm256_storeu_si256((__m256i*)(out + 64 * t), a);
+                _mm256_storeu_si256((__m256i*)(out + 64 * t + 32), b);
+            }
+        }
+        A = wb;
+        astride = K;
+    }
+    // the next strip's codes, scales and zero points, fetched while this one computes (a strip alone
+    // would wait on memory while it unpacks, and leave memory idle while its tiles run)
+    const int64_t next = n0 + 16 < L->n ? 16 : 0, lines = next ? (16 * row_bytes + 63) / 64 : 0;
+    const char* ncodes = (const char*)(codes + 16 * row_bytes);
+    if (next)
+        for (int w = 0; w < 16 && n0 + 16 + w < L->n; ++w) {
+            _mm_prefetch((const char*)(L->scales + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
+            _mm_prefetch((const char*)(L->zeros + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
+        }
+    int64_t fetched = 0;
+    auto fetch_to = [&](int64_t upto) {   // the next strip's code lines [fetched, upto)
+        for (; fetched < upto && fetched < lines; ++fetched) _mm_prefetch(ncodes + 64 * fetched, _MM_HINT_T0);
+    };
+    thread_local std::vector<int32_t> cbuf;
+    cbuf.resize((size_t)NA * 256);
+    int32_t* Cs = cbuf.data();   // (NA, 16 weight rows, 16 input rows) each block's exact sums
+    const uint8_t* zp = L->zeros + (int64_t)n0 * NG;
+    for (int b = 0; b < P.MB; ++b) {
+        const int8_t* Bb = P.B.data() + (size_t)b * P.NT * 1024;
+        const float* dT = P.dT.data() + (size_t)b * NA * 16;
+        const int32_t* qsT = BITS == 8 ? P.qsT.data() + (size_t)b * NA * 16 : nullptr;
+        if (P.split) {
+            for (int t = 0; t < P.NT; ++t) {
+                if (b == 0) fetch_to(lines * (t + 1) / P.NT);
+                if (t & 1) TL_SPLIT_SUMS(2, 3, A, astride, Bb, t, Cs + (size_t)512 * t);
+                else TL_SPLIT_SUMS(0, 1, A, astride, Bb, t, Cs + (size_t)512 * t);
+            }
+        } else {
+            const int spb = P.AB / 64;   // steps a block
+            for (int a = 0; a < NA; ++a) {
+                if (b == 0) fetch_to(lines * (a + 1) / NA);
+                int32_t* out = Cs + (size_t)256 * a;
+                switch (a & 3) {
+                    case 0: TL_BLOCK_SUMS(0, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                    case 1: TL_BLOCK_SUMS(1, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                    case 2: TL_BLOCK_SUMS(2, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                    default: TL_BLOCK_SUMS(3, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                }
+            }
+        }
+        // each block's sums scaled into the totals, in block order: t = fma(float(I), d * s, t)
+        __m512 tot[16];
+        for (int w = 0; w < 16; ++w) tot[w] = _mm512_setzero_ps();
+        for (int a = 0; a < NA; ++a) {
+            const __m512 dv = _mm512_loadu_ps(dT + (size_t)a * 16);
+            const __m512i q128 = BITS == 8 ? _mm512_slli_epi32(_mm512_loadu_si512(qsT + (size_t)a * 16), 7) : _mm512_setzero_si512();
+            const int g = P.ga[a];
+            const int32_t* Ca = Cs + (size_t)256 * a;
+#pragma GCC unroll 16
+            for (int w = 0; w < 16; ++w) {
+                __m512i s = _mm512_loadu_si512(Ca + 16 * w);
+                if (BITS == 8) s = _mm512_sub_epi32(s, q128);   // sum (c - 128) q = sum c q - 128 sum q
+                tot[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(sf[(size_t)w * NG + g])), tot[w]);
+            }
+        }
+        // the zero points (qq_zero_corr's order, the 16 input rows side by side), then the outputs
+        const float* XT = P.XT.data() + (size_t)b * NG * 16;
+        const int rows = m - 16 * b < 16 ? m - 16 * b : 16;
+        const __mmask16 live = (__mmask16)((1u << rows) - 1);
+        const __m512i rowoff = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(ldy));
+        float* yb = y + (int64_t)16 * b * ldy + n0;
+        for (int w = 0; w < nr; ++w) {
+            const float* sj = sf + (size_t)w * NG;
+            const uint8_t* zj = zp + (int64_t)w * NG;
+            const float zoff = BITS == 4 ? 0.f : 128.f;
+            __m512 cv[8];
+            for (int l = 0; l < 8; ++l) cv[l] = _mm512_setzero_ps();
+            int g = 0;
+            for (; g + 8 <= NG; g += 8)
+                for (int l = 0; l < 8; ++l)
+                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * ((float)zj[g + l] - zoff)),
+                                            _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l]);
+            __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cv[0], cv[4]), _mm512_add_ps(cv[2], cv[6])),
+                                        _mm512_add_ps(_mm512_add_ps(cv[1], cv[5]), _mm512_add_ps(cv[3], cv[7])));
+            for (; g < NG; ++g)
+                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * ((float)zj[g] - zoff)), _mm512_loadu_ps(XT + (size_t)g * 16), corr);
+            _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(tot[w], corr), 4);
+        }
+    }
+}
+}  // namespace
+
+void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
+              int m, float* y, int ldy) {
+    thread_local Prep P;   // the calling thread's; the workers read it during the call
+    const int K = L->k, G = L->group, bits = L->kind == TL_Q8 ? 8 : 4;
+    P.K = K, P.NT = K / 64, P.AB = AB, P.NA = K / AB, P.NG = K / G, P.MB = (m + 15) / 16, P.split = AB == 32;
+    const int NT = P.NT, NA = P.NA, NG = P.NG, MB = P.MB;
+    P.B.assign((size_t)MB * NT * 1024, 0);
+    P.dT.assign((size_t)MB * NA * 16, 0.f);
+    P.qsT.assign(bits == 8 ? (size_t)MB * NA * 16 : 0, 0);
+    P.XT.assign((size_t)MB * NG * 16, 0.f);
+    P.ga.resize(NA);
+    for (int a = 0, g = 0, gend = G; a < NA; ++a) {   // (by counting: blocks lie within groups)
+        while (a * AB >= gend) { ++g; gend += G; }
+        P.ga[a] = g;
+    }
+    int pos[64];
+    for (int k = 0; k < 64; ++k) pos[k] = P.split ? split_pos(k) : k;
+    for (int r = 0; r < m; ++r) {
+        const int b = r / 16, br = r % 16;
+        const int8_t* q = xq + (int64_t)r * K;
+        for (int t = 0; t < NT; ++t) {
+            int8_t* tile = P.B.data() + ((size_t)b * NT + t) * 1024;
+            for (int k = 0; k < 64; ++k) tile[(k / 4) * 64 + br * 4 + k % 4] = q[64 * t + pos[k]];
+        }
+        for (int a = 0; a < NA; ++a) {
+            P.dT[((size_t)b * NA + a) * 16 + br] = xd[(int64_t)r * NA + a];
+            if (bits == 8) P.qsT[((size_t)b * NA + a) * 16 + br] = (int32_t)xs[(int64_t)r * NA + a];
+        }
+        for (int g = 0; g < NG; ++g) P.XT[((size_t)b * NG + g) * 16 + br] = X[(int64_t)r * NG + g];
+    }
+    const Prep& PP = P;   // (a thread_local is not captured: each worker would see its own)
+    constexpr int UNIT = 32;   // weight rows a unit of work: two strips
+    tl_parallel_for((L->n + UNIT - 1) / UNIT, [&](int c, int) {
+        load_config(PP.split);
+        for (int n0 = c * UNIT; n0 < L->n && n0 < (c + 1) * UNIT; n0 += 16) {
+            if (bits == 8) strip<8>(L, PP, n0, y, ldy, m);
+            else strip<4>(L, PP, n0, y, ldy, m);
+        }
+        _tile_release();
+    });
+}
+#else
+void amx_rows(const tl_linear*, int, const int8_t*, const float*, const float*, const float*, int, float*, int) {
+    abort();   // amx_ready() is false in this build
+}
+#endif

@@ -1,0 +1,16 @@
+// AMX int8 tiles for layers with int8 activations (amx.cpp): many rows at once (a batch of decode rows,
+// verification rows, a prefill chunk), bitwise equal to the AVX2/VNNI tiles (matmul.cpp's canonical
+// reduction). Built where the compiler targets AMX-INT8 and AVX-512; used where the OS grants the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM) and it is not switched off (tl_set_amx, TINYLOOP_NATIVE_AMX=0).
+#pragma once
+#include "tinyloop.h"
+
+// whether the AMX tiles run in this process (the first call asks the OS for the tile state)
+bool amx_ready();
+// the fewest rows a call takes the AMX tiles from (fewer take the vector tiles)
+constexpr int AMX_MIN_ROWS = 4;
+// y (m, n) for a layer with int8 activations: xq (m, K) codes in matmul.cpp's order, per activation block
+// of AB columns its scale xd and code sum xs (m, K / AB), X (m, K / group) the zero points' sums.
+// Runs on the pool.
+void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
+              int m, float* y, int ldy);
