@@ -520,6 +520,51 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     assert (alone - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded
 
 
+def _amx_host() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_int8" in flags and " amx_tile" in flags
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, None)])
+@torch.inference_mode()
+def test_amx_tiles_equal_the_vector_tiles(monkeypatch, bits, group):
+    """Where the host has AMX the native build uses its int8 tiles from AMX_MIN_ROWS rows (`tl_amx()`, the
+    ISA string names them), and they are bitwise the vector tiles (both form the canonical reduction):
+    every row count from 8 to 40, weight rows not a multiple of 16, int8 codes at their extremes. Elsewhere
+    the switch reports no AMX and both runs are the vector tiles."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    lib = kernels.load()
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    if _amx_host() and os.environ.get("TINYLOOP_NATIVE_AMX") != "0":
+        assert lib.tl_amx() == 1, "an AMX host whose native build does not use its tiles"
+        assert b"amx" in lib.tl_isa()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(83, 512, generator=g) * 0.05
+    w[0, :64] = 1.0     # codes at the top and bottom of their range
+    w[1, :64] = -1.0
+    q, sc, z = quantize_rtn(w, bits, group)
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8
+    old = lib.tl_set_amx(-1)
+    try:
+        for m in (8, 9, 15, 16, 17, 31, 40):
+            x = torch.randn(m, 512, generator=g)
+            x[0, :32] = 50.0   # a block at the activations' extreme codes
+            lib.tl_set_amx(0)
+            vec = _forward(desc, x, 2)
+            lib.tl_set_amx(1)
+            amx = _forward(desc, x, 2)
+            assert torch.equal(vec, amx), m
+    finally:
+        lib.tl_set_amx(old)
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (4, 256), (8, None)])
 @torch.inference_mode()
 def test_vnni_build_equals_avx2_build(monkeypatch, bits, group):

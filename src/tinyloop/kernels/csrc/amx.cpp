@@ -88,11 +88,11 @@ void load_config(bool split) {
         _tile_zero(CT);                                         \
         for (int t_ = (t0); t_ < (t1); ++t_) {                  \
             if ((t_ - (t0)) & 1) {                              \
-                _tile_loadd(5, (A) + 64 * t_, (astride));       \
+                _tile_loadd(5, (A) + 1024 * t_, (astride));       \
                 _tile_loadd(7, (Bb) + 1024 * t_, 64);           \
                 _tile_dpbusd(CT, 5, 7);                         \
             } else {                                            \
-                _tile_loadd(4, (A) + 64 * t_, (astride));       \
+                _tile_loadd(4, (A) + 1024 * t_, (astride));       \
                 _tile_loadd(6, (Bb) + 1024 * t_, 64);           \
                 _tile_dpbusd(CT, 4, 6);                         \
             }                                                   \
@@ -105,10 +105,10 @@ void load_config(bool split) {
     do {                                                        \
         _tile_zero(C0);                                         \
         _tile_zero(C1);                                         \
-        _tile_loadd(4, (A) + 64 * (t), (astride));              \
+        _tile_loadd(4, (A) + 1024 * (t), (astride));              \
         _tile_loadd(6, (Bb) + 1024 * (t), 64);                  \
         _tile_dpbusd(C0, 4, 6);                                 \
-        _tile_loadd(5, (A) + 64 * (t) + 32, (astride));         \
+        _tile_loadd(5, (A) + 1024 * (t) + 32, (astride));         \
         _tile_loadd(7, (Bb) + 1024 * (t) + 512, 64);            \
         _tile_dpbusd(C1, 5, 7);                                 \
         _tile_stored(C0, (out), 64);                            \
@@ -145,40 +145,46 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             _mm512_storeu_ps(sf + (size_t)w * NG + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + g))));
         for (; g < NG; ++g) sf[(size_t)w * NG + g] = f16_to_f32(sc[g]);
     }
-    const uint8_t* A = codes;
-    int64_t astride = row_bytes;
-    if (BITS == 4 || nr < 16) {   // unpacked (int4) or copied with zero rows (a last strip of int8)
-        wbuf.resize((size_t)16 * K);
-        uint8_t* wb = wbuf.data();
+    // A, tile by tile: step t's 16 rows of 64 bytes lie together (wb + 1024 t), so that a tile load reads
+    // 1 KB in a row (rows K bytes apart would fall in two sets of the L1 cache and evict each other)
+    wbuf.resize((size_t)16 * K);
+    uint8_t* const A = wbuf.data();
+    constexpr int64_t astride = 64;
+    {
         const __m256i low4 = _mm256_set1_epi8(0x0F);
+        const __m512i low4z = _mm512_set1_epi8(0x0F);
+        // int4, two steps at a time: 64 code bytes -> low nibbles [E(t) E(t+1)] and high [O(t) O(t+1)] (32
+        // bytes each), then the steps' A rows [E(t) O(t)] and [E(t+1) O(t+1)] (SPLIT: in 16-byte quarters,
+        // block by block)
+        const __m512i ia = P.split ? _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+        const __m512i ib = P.split ? _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
         for (int w = 0; w < 16; ++w) {
-            uint8_t* out = wb + (size_t)w * K;
-            if (w >= nr) { memset(out, 0, K); continue; }
+            uint8_t* out = A + 64 * w;
+            if (w >= nr) {
+                for (int t = 0; t < P.NT; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_setzero_si512());
+                continue;
+            }
             const uint8_t* row = codes + (int64_t)w * row_bytes;
-            if (BITS == 8) { memcpy(out, row, K); continue; }
+            if (BITS == 8) {
+                for (int t = 0; t < P.NT; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_loadu_si512(row + 64 * t));
+                continue;
+            }
             int t = 0;
-            // two steps at a time: 64 code bytes -> low nibbles [E(t) E(t+1)] and high [O(t) O(t+1)] (32
-            // bytes each), then the steps' A rows: [E(t) O(t)] and [E(t+1) O(t+1)], SPLIT in 16-byte quarters
-            const __m512i low4z = _mm512_set1_epi8(0x0F);
-            const __m512i ia = P.split ? _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
-            const __m512i ib = P.split ? _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
             for (; t + 2 <= P.NT; t += 2) {
                 const __m512i raw = _mm512_loadu_si512(row + 32 * t);
                 const __m512i lo = _mm512_and_si512(raw, low4z), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4z);
-                _mm512_storeu_si512(out + 64 * t, _mm512_permutex2var_epi64(lo, ia, hi));
-                _mm512_storeu_si512(out + 64 * t + 64, _mm512_permutex2var_epi64(lo, ib, hi));
+                _mm512_storeu_si512(out + 1024 * t, _mm512_permutex2var_epi64(lo, ia, hi));
+                _mm512_storeu_si512(out + 1024 * (t + 1), _mm512_permutex2var_epi64(lo, ib, hi));
             }
             for (; t < P.NT; ++t) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i*)(row + 32 * t));
                 const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                __m256i a = lo, b = hi;   // evens then odds; SPLIT: block by block
+                __m256i a = lo, b = hi;
                 if (P.split) a = _mm256_permute2x128_si256(lo, hi, 0x20), b = _mm256_permute2x128_si256(lo, hi, 0x31);
-                _mm256_storeu_si256((__m256i*)(out + 64 * t), a);
-                _mm256_storeu_si256((__m256i*)(out + 64 * t + 32), b);
+                _mm256_storeu_si256((__m256i*)(out + 1024 * t), a);
+                _mm256_storeu_si256((__m256i*)(out + 1024 * t + 32), b);
             }
         }
-        A = wb;
-        astride = K;
     }
     // the next strip's codes, scales and zero points, fetched while this one computes (a strip alone
     // would wait on memory while it unpacks, and leave memory idle while its tiles run)
@@ -203,14 +209,12 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
         const int32_t* qsT = BITS == 8 ? P.qsT.data() + (size_t)b * NA * 16 : nullptr;
         if (P.split) {
             for (int t = 0; t < P.NT; ++t) {
-                if (b == 0) fetch_to(lines * (t + 1) / P.NT);
                 if (t & 1) TL_SPLIT_SUMS(2, 3, A, astride, Bb, t, Cs + (size_t)512 * t);
                 else TL_SPLIT_SUMS(0, 1, A, astride, Bb, t, Cs + (size_t)512 * t);
             }
         } else {
             const int spb = P.AB / 64;   // steps a block
             for (int a = 0; a < NA; ++a) {
-                if (b == 0) fetch_to(lines * (a + 1) / NA);
                 int32_t* out = Cs + (size_t)256 * a;
                 switch (a & 3) {
                     case 0: TL_BLOCK_SUMS(0, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
@@ -228,6 +232,7 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             const __m512i q128 = BITS == 8 ? _mm512_slli_epi32(_mm512_loadu_si512(qsT + (size_t)a * 16), 7) : _mm512_setzero_si512();
             const int g = P.ga[a];
             const int32_t* Ca = Cs + (size_t)256 * a;
+            if (b == 0) fetch_to(lines * (a + 1) / NA);
 #pragma GCC unroll 16
             for (int w = 0; w < 16; ++w) {
                 __m512i s = _mm512_loadu_si512(Ca + 16 * w);
@@ -245,18 +250,27 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
         for (int w = 0; w < nr; ++w) {
             const float* sj = sf + (size_t)w * NG;
             const uint8_t* zj = zp + (int64_t)w * NG;
-            const float zoff = BITS == 4 ? 0.f : 128.f;
+            const __m512 zoff = _mm512_set1_ps(BITS == 4 ? 0.f : 128.f);
+            alignas(64) float sz[16];
             __m512 cv[8];
             for (int l = 0; l < 8; ++l) cv[l] = _mm512_setzero_ps();
             int g = 0;
+            for (; g + 16 <= NG; g += 16) {   // s_g z'_g for 16 groups, then one product a group
+                const __m512 z = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zj + g)))), zoff);
+                _mm512_store_ps(sz, _mm512_mul_ps(_mm512_loadu_ps(sj + g), z));
+#pragma GCC unroll 16
+                for (int l = 0; l < 16; ++l)
+                    cv[l & 7] = _mm512_fmadd_ps(_mm512_set1_ps(sz[l]), _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l & 7]);
+            }
             for (; g + 8 <= NG; g += 8)
                 for (int l = 0; l < 8; ++l)
-                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * ((float)zj[g + l] - zoff)),
+                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * ((float)zj[g + l] - (BITS == 4 ? 0.f : 128.f))),
                                             _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l]);
             __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cv[0], cv[4]), _mm512_add_ps(cv[2], cv[6])),
                                         _mm512_add_ps(_mm512_add_ps(cv[1], cv[5]), _mm512_add_ps(cv[3], cv[7])));
             for (; g < NG; ++g)
-                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * ((float)zj[g] - zoff)), _mm512_loadu_ps(XT + (size_t)g * 16), corr);
+                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * ((float)zj[g] - (BITS == 4 ? 0.f : 128.f))),
+                                       _mm512_loadu_ps(XT + (size_t)g * 16), corr);
             _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(tot[w], corr), 4);
         }
     }
@@ -296,6 +310,8 @@ void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, con
     const Prep& PP = P;   // (a thread_local is not captured: each worker would see its own)
     constexpr int UNIT = 32;   // weight rows a unit of work: two strips
     tl_parallel_for((L->n + UNIT - 1) / UNIT, [&](int c, int) {
+        // configured every unit (~44 ns): another library on this thread (oneDNN's AMX kernels under
+        // PyTorch) may have loaded its own configuration since; released after, for the same reason
         load_config(PP.split);
         for (int n0 = c * UNIT; n0 < L->n && n0 < (c + 1) * UNIT; n0 += 16) {
             if (bits == 8) strip<8>(L, PP, n0, y, ldy, m);
