@@ -533,7 +533,7 @@ def _amx_host() -> bool:
 def test_amx_tiles_equal_the_vector_tiles(monkeypatch, bits, group):
     """Where the host has AMX the native build uses its int8 tiles from AMX_MIN_ROWS rows (`tl_amx()`, the
     ISA string names them), and they are bitwise the vector tiles (both form the canonical reduction):
-    every row count from 8 to 40, weight rows not a multiple of 16, int8 codes at their extremes. Elsewhere
+    every row count from 8 to 40 (16 for group 32), weight rows not a multiple of 16, int8 codes at their extremes. Elsewhere
     the switch reports no AMX and both runs are the vector tiles."""
     from tinyloop.kernels.executor import linear_desc, _forward
 

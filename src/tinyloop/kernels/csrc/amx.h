@@ -12,6 +12,10 @@ bool amx_ready();
 // rows, 0.8-0.9x at 8, 0.45-0.5x at 16, 0.37x at 64. A strip of 16 weight rows costs about the same
 // from 1 to 16 rows (its unpacking, scaling and stores); below 8 rows the vector tiles are cheaper.
 constexpr int AMX_MIN_ROWS = 8;
+// int4 layers with 32-column activation blocks (group 32: the shipped model's) scale two blocks every 64
+// columns, twice the work: over the shipped model's core layers AMX was 0.82x the vector tiles' speed at
+// 8 rows, 1.10x at 16, 1.23x at 32 (two threads, benchmarks/amx.py)
+constexpr int AMX_MIN_ROWS_SPLIT = 16;
 // y (m, n) for a layer with int8 activations: xq (m, K) codes in matmul.cpp's order, per activation block
 // of AB columns its scale xd and code sum xs (m, K / AB), X (m, K / group) the zero points' sums.
 // Runs on the pool.
