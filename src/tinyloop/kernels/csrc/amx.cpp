@@ -145,101 +145,123 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             _mm512_storeu_ps(sf + (size_t)w * NG + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + g))));
         for (; g < NG; ++g) sf[(size_t)w * NG + g] = f16_to_f32(sc[g]);
     }
-    // A, tile by tile: step t's 16 rows of 64 bytes lie together (wb + 1024 t), so that a tile load reads
-    // 1 KB in a row (rows K bytes apart would fall in two sets of the L1 cache and evict each other)
-    wbuf.resize((size_t)16 * K);
-    uint8_t* const A = wbuf.data();
-    constexpr int64_t astride = 64;
-    {
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        const __m512i low4z = _mm512_set1_epi8(0x0F);
-        // int4, two steps at a time: 64 code bytes -> low nibbles [E(t) E(t+1)] and high [O(t) O(t+1)] (32
-        // bytes each), then the steps' A rows [E(t) O(t)] and [E(t+1) O(t+1)] (SPLIT: in 16-byte quarters,
-        // block by block)
-        const __m512i ia = P.split ? _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
-        const __m512i ib = P.split ? _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    // The strip runs in chunks of up to four blocks (the four C tiles; SPLIT: two steps), software-pipelined:
+    // a chunk's codes are unpacked into one of two buffers, its products issued (the tile unit works on
+    // them alone), and meanwhile the vector units scale the previous chunk's sums. A chunk's A tiles lie
+    // tile by tile (step t's 16 rows of 64 bytes together: a tile load reads 1 KB in a row) and the whole
+    // working set (two chunks of A and of C, the chunk's B) stays in the L1 cache.
+    const int spb = P.split ? 1 : P.AB / 64;             // steps a block (SPLIT: two blocks a step)
+    const int csteps = P.split ? 2 : 4 * spb;            // steps a chunk
+    const int cblocks = 4, nchunks = (P.NT + csteps - 1) / csteps;
+    wbuf.resize((size_t)2 * csteps * 1024);
+    thread_local std::vector<int32_t> cbuf;
+    thread_local std::vector<float> totbuf;
+    cbuf.resize((size_t)2 * P.MB * cblocks * 256);
+    totbuf.assign((size_t)P.MB * 256, 0.f);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m512i low4z = _mm512_set1_epi8(0x0F);
+    // int4, two steps at a time: 64 code bytes -> low nibbles [E(t) E(t+1)] and high [O(t) O(t+1)] (32 bytes
+    // each), then the steps' A rows [E(t) O(t)] and [E(t+1) O(t+1)] (SPLIT: in 16-byte quarters, block by block)
+    const __m512i ia = P.split ? _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i ib = P.split ? _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    auto unpack = [&](int t0, int t1, uint8_t* A) {   // steps [t0, t1) -> A + 1024 (t - t0) + 64 w
         for (int w = 0; w < 16; ++w) {
-            uint8_t* out = A + 64 * w;
+            uint8_t* out = A + 64 * w - (int64_t)1024 * t0;
             if (w >= nr) {
-                for (int t = 0; t < P.NT; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_setzero_si512());
+                for (int t = t0; t < t1; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_setzero_si512());
                 continue;
             }
             const uint8_t* row = codes + (int64_t)w * row_bytes;
             if (BITS == 8) {
-                for (int t = 0; t < P.NT; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_loadu_si512(row + 64 * t));
+                for (int t = t0; t < t1; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_loadu_si512(row + 64 * t));
                 continue;
             }
-            int t = 0;
-            for (; t + 2 <= P.NT; t += 2) {
+            int t = t0;
+            for (; t + 2 <= t1; t += 2) {
                 const __m512i raw = _mm512_loadu_si512(row + 32 * t);
                 const __m512i lo = _mm512_and_si512(raw, low4z), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4z);
                 _mm512_storeu_si512(out + 1024 * t, _mm512_permutex2var_epi64(lo, ia, hi));
                 _mm512_storeu_si512(out + 1024 * (t + 1), _mm512_permutex2var_epi64(lo, ib, hi));
             }
-            for (; t < P.NT; ++t) {
+            for (; t < t1; ++t) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i*)(row + 32 * t));
                 const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                __m256i a = lo, b = hi;
-                if (P.split) a = _mm256_permute2x128_si256(lo, hi, 0x20), b = _mm256_permute2x128_si256(lo, hi, 0x31);
-                _mm256_storeu_si256((__m256i*)(out + 1024 * t), a);
-                _mm256_storeu_si256((__m256i*)(out + 1024 * t + 32), b);
+                __m256i x0 = lo, x1 = hi;
+                if (P.split) x0 = _mm256_permute2x128_si256(lo, hi, 0x20), x1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+                _mm256_storeu_si256((__m256i*)(out + 1024 * t), x0);
+                _mm256_storeu_si256((__m256i*)(out + 1024 * t + 32), x1);
             }
         }
-    }
-    // the next strip's codes, scales and zero points, fetched while this one computes (a strip alone
-    // would wait on memory while it unpacks, and leave memory idle while its tiles run)
-    const int64_t next = n0 + 16 < L->n ? 16 : 0, lines = next ? (16 * row_bytes + 63) / 64 : 0;
-    const char* ncodes = (const char*)(codes + 16 * row_bytes);
-    if (next)
-        for (int w = 0; w < 16 && n0 + 16 + w < L->n; ++w) {
-            _mm_prefetch((const char*)(L->scales + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
-            _mm_prefetch((const char*)(L->zeros + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
-        }
-    int64_t fetched = 0;
-    auto fetch_to = [&](int64_t upto) {   // the next strip's code lines [fetched, upto)
-        for (; fetched < upto && fetched < lines; ++fetched) _mm_prefetch(ncodes + 64 * fetched, _MM_HINT_T0);
     };
-    thread_local std::vector<int32_t> cbuf;
-    cbuf.resize((size_t)NA * 256);
-    int32_t* Cs = cbuf.data();   // (NA, 16 weight rows, 16 input rows) each block's exact sums
-    const uint8_t* zp = L->zeros + (int64_t)n0 * NG;
-    for (int b = 0; b < P.MB; ++b) {
-        const int8_t* Bb = P.B.data() + (size_t)b * P.NT * 1024;
-        const float* dT = P.dT.data() + (size_t)b * NA * 16;
-        const int32_t* qsT = BITS == 8 ? P.qsT.data() + (size_t)b * NA * 16 : nullptr;
-        if (P.split) {
-            for (int t = 0; t < P.NT; ++t) {
-                if (t & 1) TL_SPLIT_SUMS(2, 3, A, astride, Bb, t, Cs + (size_t)512 * t);
-                else TL_SPLIT_SUMS(0, 1, A, astride, Bb, t, Cs + (size_t)512 * t);
+    // the next strip's codes (into L2: into L1 they would evict this strip's tiles), scales and zero
+    // points, fetched while this one computes
+    const int64_t lines = n0 + 16 < L->n ? (16 * row_bytes + 63) / 64 : 0;
+    const char* ncodes = (const char*)(codes + 16 * row_bytes);
+    for (int w = 0; lines && w < 16 && n0 + 16 + w < L->n; ++w) {
+        _mm_prefetch((const char*)(L->scales + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
+        _mm_prefetch((const char*)(L->zeros + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
+    }
+    int64_t fetched = 0;
+    // chunk c's blocks, scaled into the totals in block order: t = fma(float(I), d * s, t)
+    auto scale = [&](int c) {
+        const int a0 = c * cblocks, a1 = a0 + cblocks < NA ? a0 + cblocks : NA;
+        const int32_t* Cc = cbuf.data() + (size_t)(c & 1) * P.MB * cblocks * 256;
+        for (int b = 0; b < P.MB; ++b) {
+            const float* dT = P.dT.data() + (size_t)b * NA * 16;
+            const int32_t* qsT = BITS == 8 ? P.qsT.data() + (size_t)b * NA * 16 : nullptr;
+            float* tb = totbuf.data() + (size_t)b * 256;
+            __m512 tot[16];
+#pragma GCC unroll 16
+            for (int w = 0; w < 16; ++w) tot[w] = _mm512_loadu_ps(tb + 16 * w);
+            for (int a = a0; a < a1; ++a) {
+                const __m512 dv = _mm512_loadu_ps(dT + (size_t)a * 16);
+                const __m512i q128 = BITS == 8 ? _mm512_slli_epi32(_mm512_loadu_si512(qsT + (size_t)a * 16), 7) : _mm512_setzero_si512();
+                const int g = P.ga[a];
+                const int32_t* Ca = Cc + ((size_t)b * cblocks + (a - a0)) * 256;
+#pragma GCC unroll 16
+                for (int w = 0; w < 16; ++w) {
+                    __m512i s = _mm512_loadu_si512(Ca + 16 * w);
+                    if (BITS == 8) s = _mm512_sub_epi32(s, q128);   // sum (c - 128) q = sum c q - 128 sum q
+                    tot[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(sf[(size_t)w * NG + g])), tot[w]);
+                }
             }
-        } else {
-            const int spb = P.AB / 64;   // steps a block
-            for (int a = 0; a < NA; ++a) {
-                int32_t* out = Cs + (size_t)256 * a;
-                switch (a & 3) {
-                    case 0: TL_BLOCK_SUMS(0, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
-                    case 1: TL_BLOCK_SUMS(1, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
-                    case 2: TL_BLOCK_SUMS(2, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
-                    default: TL_BLOCK_SUMS(3, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+#pragma GCC unroll 16
+            for (int w = 0; w < 16; ++w) _mm512_storeu_ps(tb + 16 * w, tot[w]);
+        }
+    };
+    for (int c = 0; c < nchunks; ++c) {
+        const int t0 = c * csteps, t1 = t0 + csteps < P.NT ? t0 + csteps : P.NT;
+        const uint8_t* A = wbuf.data() + (size_t)(c & 1) * csteps * 1024 - (int64_t)1024 * t0;   // (indexed by t)
+        constexpr int64_t astride = 64;
+        unpack(t0, t1, wbuf.data() + (size_t)(c & 1) * csteps * 1024);
+        int32_t* Cc = cbuf.data() + (size_t)(c & 1) * P.MB * cblocks * 256;
+        for (int b = 0; b < P.MB; ++b) {
+            const int8_t* Bb = P.B.data() + (size_t)b * P.NT * 1024;
+            int32_t* Cb = Cc + (size_t)b * cblocks * 256;
+            if (P.split) {
+                TL_SPLIT_SUMS(0, 1, A, astride, Bb, t0, Cb);
+                if (t0 + 1 < t1) TL_SPLIT_SUMS(2, 3, A, astride, Bb, t0 + 1, Cb + 512);
+            } else {
+                const int a0 = t0 / spb, a1 = t1 / spb;
+                for (int a = a0; a < a1; ++a) {
+                    int32_t* out = Cb + (size_t)256 * (a - a0);
+                    switch (a - a0) {
+                        case 0: TL_BLOCK_SUMS(0, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                        case 1: TL_BLOCK_SUMS(1, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                        case 2: TL_BLOCK_SUMS(2, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                        default: TL_BLOCK_SUMS(3, A, astride, Bb, a * spb, (a + 1) * spb, out); break;
+                    }
                 }
             }
         }
-        // each block's sums scaled into the totals, in block order: t = fma(float(I), d * s, t)
-        __m512 tot[16];
-        for (int w = 0; w < 16; ++w) tot[w] = _mm512_setzero_ps();
-        for (int a = 0; a < NA; ++a) {
-            const __m512 dv = _mm512_loadu_ps(dT + (size_t)a * 16);
-            const __m512i q128 = BITS == 8 ? _mm512_slli_epi32(_mm512_loadu_si512(qsT + (size_t)a * 16), 7) : _mm512_setzero_si512();
-            const int g = P.ga[a];
-            const int32_t* Ca = Cs + (size_t)256 * a;
-            if (b == 0) fetch_to(lines * (a + 1) / NA);
-#pragma GCC unroll 16
-            for (int w = 0; w < 16; ++w) {
-                __m512i s = _mm512_loadu_si512(Ca + 16 * w);
-                if (BITS == 8) s = _mm512_sub_epi32(s, q128);   // sum (c - 128) q = sum c q - 128 sum q
-                tot[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(sf[(size_t)w * NG + g])), tot[w]);
-            }
-        }
+        if (c > 0) scale(c - 1);   // (while the tile unit runs chunk c)
+        for (const int64_t upto = lines * (c + 1) / nchunks; fetched < upto; ++fetched)
+            _mm_prefetch(ncodes + 64 * fetched, _MM_HINT_T1);
+    }
+    scale(nchunks - 1);
+    const uint8_t* zp = L->zeros + (int64_t)n0 * NG;
+    for (int b = 0; b < P.MB; ++b) {
+        const float* tb = totbuf.data() + (size_t)b * 256;
         // the zero points (qq_zero_corr's order, the 16 input rows side by side), then the outputs
         const float* XT = P.XT.data() + (size_t)b * NG * 16;
         const int rows = m - 16 * b < 16 ? m - 16 * b : 16;
@@ -271,7 +293,7 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             for (; g < NG; ++g)
                 corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * ((float)zj[g] - (BITS == 4 ? 0.f : 128.f))),
                                        _mm512_loadu_ps(XT + (size_t)g * 16), corr);
-            _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(tot[w], corr), 4);
+            _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(_mm512_loadu_ps(tb + 16 * w), corr), 4);
         }
     }
 }
