@@ -369,7 +369,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #endif
             }
             // the span's exact int32 sums, one per activation block (SPLIT: two), each scaled and added in
-            // block order: the canonical reduction (qq_scale_block)
+            // block order: the canonical reduction (qq_zero_corr says it)
             __m256i s32[NQ * 4];
 #pragma GCC unroll 8
             for (int o = 0; o < NQ * 4; ++o) {
