@@ -34,6 +34,8 @@ class StreamEvent:
     stop_logprob: tuple[int, tuple[float, list[tuple[int, float]]]] | None = None
     # under loops "auto": per token in token_ids, the core loops its row ran (its own exit depth)
     loops: list[int] | None = None
+    # on the final event, when a stop string (SamplingParams.stop) ended the output: which one
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -125,7 +127,11 @@ class TokenStream:
             **(run_stats or {}),
         }
         reason = finish_reason or ("stop" if self.stopped else "length")
-        return self._with_prompt(StreamEvent([], tail, reason, stats, index=self.index, stop_logprob=self.stop_logprob))
+        return self._with_prompt(StreamEvent([], tail, reason, stats, index=self.index, stop_logprob=self.stop_logprob,
+                                             stop_sequence=self._stop_sequence()))
+
+    def _stop_sequence(self) -> str | None:
+        return None
 
 
 class TextStream(TokenStream):
@@ -144,3 +150,6 @@ class TextStream(TokenStream):
 
     def _tail(self) -> str:
         return "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+
+    def _stop_sequence(self) -> str | None:
+        return self.stops.matched

@@ -64,11 +64,16 @@ class AccessMiddleware:
         started = {"status": None}
         t0 = time.perf_counter()
 
+        from .errors import shape_for
+
+        # Anthropic's clients read the id from `request-id` (their API's header): sent too on its paths
+        names = (b"x-request-id", b"request-id") if shape_for(scope.get("path")) is not None else (b"x-request-id",)
+
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 started["status"] = message["status"]
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
+                message = {**message, "headers": [*headers, *((name, rid.encode()) for name in names)]}
             await send(message)
 
         try:
@@ -78,7 +83,7 @@ class AccessMiddleware:
             if started["status"] is None:
                 from .errors import APIError, send_error
                 await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}",
-                                                        code="internal_error"))
+                                                        code="internal_error"), scope.get("path"))
         finally:
             fields = {"method": scope.get("method"), "route": route_label(scope, scope.get("path")),
                       "status": started["status"], "duration_ms": round((time.perf_counter() - t0) * 1000, 2),
@@ -147,5 +152,6 @@ def install_cors(app, origins: list[str]) -> None:
     from starlette.middleware.cors import CORSMiddleware
 
     app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
-                       allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
-                       expose_headers=[REQUEST_ID_HEADER], max_age=600)
+                       allow_headers=["Authorization", "x-api-key", "anthropic-version", "Content-Type",
+                                      REQUEST_ID_HEADER],
+                       expose_headers=[REQUEST_ID_HEADER, "request-id"], max_age=600)

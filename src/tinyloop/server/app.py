@@ -6,7 +6,6 @@ Middleware is plain ASGI (no BaseHTTPMiddleware), so streaming responses still s
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -18,7 +17,7 @@ from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
-from . import access, docs_ui, errors, lmstudio, native, openai, playground
+from . import access, anthropic, docs_ui, errors, lmstudio, native, openai, playground
 from . import openapi as server_openapi
 from .errors import APIError
 from .generation import ServerState, served_names
@@ -30,16 +29,10 @@ log = logging.getLogger("tinyloop.server")
 OPEN_PATHS = {"/health", *playground.PATHS, *docs_ui.PATHS}  # the playground's and /docs' files hold no model data
 
 
-async def _send_error(send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 class GateMiddleware:
-    """Bearer-token auth (all paths but /health), the request body limit (413) and request metrics."""
+    """API-key auth (all paths but /health, the playground's and /docs' files): the key as a bearer token
+    (`Authorization: Bearer <key>`, OpenAI's clients) or in `x-api-key` (Anthropic's); the request body
+    limit (413) and request metrics. Errors take the shape of the API under the path (errors.shape_for)."""
 
     def __init__(self, app, settings: Settings, metrics: Metrics):
         self.app, self.settings, self.metrics = app, settings, metrics
@@ -62,20 +55,24 @@ class GateMiddleware:
     async def _gate(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         keys = self.settings.api_keys
-        if keys and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if keys and path not in OPEN_PATHS:
             auth = headers.get("authorization", "")
-            given = (auth[7:].strip() if auth[:7].lower() == "bearer " else "").encode("latin-1")
-            # every key compared, in constant time each: the time taken says nothing about which matched
-            if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
-                why = "missing" if not auth else "invalid"
-                return await _send_error(send, APIError(
-                    401, f"{why} API key: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            x_key = headers.get("x-api-key", "").strip()
+            # every key compared with every credential sent, in constant time each: the time taken says
+            # nothing about which matched
+            if not sum(hmac.compare_digest(given.encode("latin-1"), k.encode())
+                       for given in (bearer, x_key) if given for k in keys):
+                why = "missing" if not (auth or x_key) else "invalid"
+                return await errors.send_error(send, APIError(
+                    401, f"{why} API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), path)
         limit = self.settings.max_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _send_error(send, APIError(413, f"request body of {length} bytes is over the "
-                                                         f"{limit}-byte limit", code="request_too_large"))
+            return await errors.send_error(send, APIError(413, f"request body of {length} bytes is over the "
+                                                               f"{limit}-byte limit", code="request_too_large"), path)
         seen = 0
 
         async def receive_limited():
@@ -121,6 +118,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(lmstudio.router)
+    app.include_router(anthropic.router)   # Anthropic's Messages API (/v1/messages)
     app.include_router(native.router)
     app.include_router(playground.router)
     app.include_router(docs_ui.router)   # /docs with Swagger UI's files served from here (no CDN)

@@ -1,5 +1,6 @@
 """Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}, plus
-`request_id` (the `X-Request-Id` of the response).
+`request_id` (the `X-Request-Id` of the response), except under the paths of an API with its own error
+shape (`register_shape`: Anthropic's Messages API under /v1/messages, server/anthropic.py).
 
 `APIError` is what route code raises; the handlers below turn it, the engine's `ValidationError`,
 pydantic's validation errors, Starlette's HTTP errors and anything unexpected into that shape, so no
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,12 +52,44 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
                       "request_id": request_id or request_id_var.get()}}
 
 
-async def send_error(send, err: APIError) -> None:
+class ErrorShape(Protocol):
+    """How the errors of one API look (its paths registered with `register_shape`)."""
+
+    def status(self, err: APIError) -> int: ...               # the HTTP status it answers `err` with
+
+    def body(self, err: APIError) -> dict[str, Any]: ...      # its JSON body
+
+    def from_pydantic(self, errors: list[dict[str, Any]]) -> APIError: ...   # a malformed body
+
+
+_SHAPES: list[tuple[str, ErrorShape]] = []
+
+
+def register_shape(prefix: str, shape: ErrorShape) -> None:
+    """Errors of requests whose path is `prefix` or under it (`prefix/...`) take `shape`."""
+    _SHAPES[:] = [(p, s) for p, s in _SHAPES if p != prefix] + [(prefix, shape)]
+
+
+def shape_for(path: str | None) -> ErrorShape | None:
+    for prefix, shape in _SHAPES:
+        if path is not None and (path == prefix or path.startswith(prefix + "/")):
+            return shape
+    return None
+
+
+def shaped(err: APIError, path: str | None) -> tuple[int, dict[str, Any]]:
+    """(status, body) of `err` answering a request for `path`."""
+    shape = shape_for(path)
+    return (err.status, err.body()) if shape is None else (shape.status(err), shape.body(err))
+
+
+async def send_error(send, err: APIError, path: str | None = None) -> None:
     """An error response straight onto an ASGI `send` (for middleware, outside FastAPI's handlers)."""
-    body = json.dumps(err.body()).encode()
+    status, obj = shaped(err, path)
+    body = json.dumps(obj).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -85,8 +118,9 @@ def from_engine_failure(exc: BaseException, handle: Any = None) -> APIError:
                     code="engine_error")
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: APIError, path: str | None = None) -> JSONResponse:
+    status, body = shaped(err, path)
+    return JSONResponse(body, status_code=status, headers=err.headers)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
@@ -105,16 +139,19 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError):
-        return error_response(exc)
+    async def _api(request: Request, exc: APIError):
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(ValidationError)
-    async def _validation(_: Request, exc: ValidationError):
-        return error_response(from_validation(exc))
+    async def _validation(request: Request, exc: ValidationError):
+        return error_response(from_validation(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _pydantic(_: Request, exc: RequestValidationError):
+    async def _pydantic(request: Request, exc: RequestValidationError):
         errs = exc.errors()
+        shape = shape_for(request.url.path)
+        if shape is not None:
+            return error_response(shape.from_pydantic(list(errs)), request.url.path)
         first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
         param = _loc_to_param(tuple(first.get("loc", ())))
         msg = f"{param}: {first.get('msg', 'invalid')}"
@@ -125,18 +162,20 @@ def install(app: FastAPI) -> None:
         return error_response(APIError(422, msg, param=param, code="invalid_type"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
+        path = request.url.path
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and detail == "There was an error parsing the body":
             # FastAPI's answer to a body json.loads cannot take (not UTF-8, nested too deeply): the same
             # error as any other malformed JSON
             return error_response(APIError(422, "request body is not valid JSON: not UTF-8, or nested too deeply",
-                                           code="invalid_type"))
+                                           code="invalid_type"), path)
         return error_response(APIError(exc.status_code, detail, code=codes.get(exc.status_code),
-                                       headers=getattr(exc, "headers", None)))
+                                       headers=getattr(exc, "headers", None)), path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"),
+                              request.url.path)

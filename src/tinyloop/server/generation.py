@@ -21,7 +21,7 @@ from ..errors import ValidationError
 from .access import add_completion_tokens, note
 from .schemas import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
-from .sse import DONE, KEEPALIVE, Framer, usage
+from .sse import DONE, Framer, usage
 from .worker import EngineWorker, RequestHandle
 
 FIRST_EVENT_GRACE_S = 0.5   # wait this long for the first event before committing to a 200 stream
@@ -47,6 +47,7 @@ class Result:
     logprobs: list | None = None   # per token (engine shape), when the request asked for them
     prompt_logprobs: list | None = None   # per prompt token (the first None), with prompt_logprobs
     stop_logprob: tuple | None = None     # (stop id, entry) when a stop token ended it, with logprobs
+    stop_sequence: str | None = None      # the stop string that ended it, if one did
 
 
 DEFAULT_NAME = "tinyloop"   # what the README's examples send
@@ -152,7 +153,7 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                 results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
                                              item.finish_reason, item.stats or {},
                                              lps.get(item.index) if handle.plan.params.logprobs is not None else None,
-                                             scores.get(item.index), item.stop_logprob)
+                                             scores.get(item.index), item.stop_logprob, item.stop_sequence)
                 if len(results) == handle.plan.n:
                     done = handle.delivered = True
                     add_completion_tokens(sum(r.stats.get("completion_tokens", 0) for r in results.values()))
@@ -263,7 +264,7 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
         if item is None:  # ended without a final event: should not happen, but never hang
             return [DONE], True
         if isinstance(item, BaseException):
-            return framer.error(from_engine_failure(item, handle).body()), True
+            return framer.fail(from_engine_failure(item, handle)), True
         if item.finish_reason is not None:
             return framer.close(item), framer.done
         return framer.event(item), False
@@ -282,7 +283,7 @@ async def stream(handle: RequestHandle, framer: Framer, keepalive_s: float):
                     try:
                         items = [await handle.next(keepalive_s)]
                     except asyncio.TimeoutError:
-                        yield KEEPALIVE  # the engine is still busy (queue wait or a long prefill)
+                        yield framer.keepalive  # the engine is still busy (queue wait or a long prefill)
                         continue
                 items += handle.ready_now()  # whatever else is ready goes out in the same write
                 out: list[bytes] = []

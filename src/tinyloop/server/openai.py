@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..chat import Chat
+from ..engine import SamplingParams
 from ..errors import ValidationError
 from .access import note
 from .errors import APIError
@@ -13,7 +15,7 @@ from .generation import MergedHandle, ServerState, collect_all, new_id, now, str
 from .logprobs import chat_content, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer, ToolChatFramer
-from .structured import message_of
+from .structured import ToolPlan, message_of
 
 router = APIRouter()
 
@@ -47,6 +49,27 @@ async def get_model(model_id: str, request: Request):
     return model_card(state)
 
 
+def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams) -> tuple[Chat, SamplingParams,
+                                                                                     ToolPlan | None]:
+    """A chat request's conversation as the engine renders it, its sampling params with the constraint its
+    tools add, and its tool plan (their prompt, constraint and parsing; None without tools): what every chat
+    route submits (/v1 and /api/v0 chat completions, and Anthropic's Messages API translated onto them)."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    tools = body.tool_plan(template)
+    if tools is not None:
+        params = params.replace(constraint=tools.constraint())
+    return body.prompt(template, tools), params, tools
+
+
+def messages_error(exc: ValidationError) -> ValidationError:
+    """A chat request's prompt is its messages: an error about the prompt (over the context, a template
+    that refused it) names `messages`."""
+    if exc.param != "prompt":
+        return exc
+    return ValidationError("messages" + exc.message.removeprefix("prompt").replace("the prompt", "the messages"),
+                           param="messages", code=exc.code)
+
+
 async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, extended: bool):
     """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
@@ -55,11 +78,12 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     params = body.sampling_params()
     n = body.choices()
     engine = state.worker.require_engine()
-    template = getattr(engine.tokenizer, "chat_template", None)
-    tools = body.tool_plan(template) if chat else None   # tools: their prompt, constraint and parsing
-    if tools is not None:
-        params = params.replace(constraint=tools.constraint())
-    prompts = [body.prompt(template, tools)] if chat else body.prompt_inputs(engine.config.vocab_size)
+    tools = None
+    if chat:
+        prompt, params, tools = chat_inputs(engine, body, params)
+        prompts = [prompt]
+    else:
+        prompts = body.prompt_inputs(engine.config.vocab_size)
     handles = []
     try:
         for prompt in prompts:
@@ -68,9 +92,8 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     except BaseException as exc:
         for h in handles:
             h.abort()
-        if chat and isinstance(exc, ValidationError) and exc.param == "prompt":  # chat's prompt is its messages
-            raise ValidationError("messages" + exc.message.removeprefix("prompt").replace("the prompt", "the messages"),
-                                  param="messages", code=exc.code) from None
+        if chat and isinstance(exc, ValidationError):
+            raise messages_error(exc) from None
         raise
     if len(handles) > 1:  # the access line counts the whole batch
         note(n=n * len(handles), prompt_tokens=sum(h.plan.n_prompt for h in handles))

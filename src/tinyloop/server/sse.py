@@ -29,6 +29,8 @@ def frame(obj: Any) -> bytes:
 class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
+    keepalive = KEEPALIVE   # sent while the engine is busy (queue wait, a long prefill)
+
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool = False,
                  extras: Callable[[dict[str, Any]], dict[str, Any]] | None = None, n: int = 1, tokenizer=None,
                  per_prompt: int | None = None):
@@ -64,6 +66,10 @@ class Framer:
 
     def error(self, body: dict[str, Any]) -> list[bytes]:
         return [frame(body), DONE]
+
+    def fail(self, err) -> list[bytes]:
+        """The frames that end a stream the engine failed (`err`: an errors.APIError) after it started."""
+        return self.error(err.body())
 
 
 class ChatFramer(Framer):
