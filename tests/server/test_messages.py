@@ -7,6 +7,9 @@ errors raised as the SDK's own exception classes."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 
 import httpx
 import pytest
@@ -176,6 +179,41 @@ def test_tool_use_round_trip(client, server):
     assert err.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
+def test_what_claude_code_sends(client, server):
+    """Claude Code's requests: system messages between turns, context edits that clear thinking, adaptive
+    thinking and an effort, cache_control on blocks, a JSON user id in metadata."""
+    kw = dict(model=MODEL, max_tokens=8, system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+              metadata={"user_id": json.dumps({"session_id": "s"})})
+    turns = [*HELLO, {"role": "system", "content": "Answer in English."}]
+    m = client.messages.create(**kw, messages=turns, thinking={"type": "adaptive"}, output_config={"effort": "high"},
+                               extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                                       "keep": "all"}]}})
+    want = chat(server, messages=[{"role": "system", "content": "Be brief."}, *HELLO,
+                                  {"role": "system", "content": "Answer in English."}], max_tokens=8, temperature=0)
+    assert text_of(m) == want["message"]["content"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(**kw, messages=turns, extra_body={"context_management": {"edits": [
+            {"type": "clear_tool_uses_20250919"}]}})
+    anthropic_error(e.value, "invalid_request_error", "context_management.edits[0].type", "clear_tool_uses_20250919")
+
+
+def test_max_tokens_past_the_context(client, server):
+    """max_tokens is a ceiling: past the room the prompt leaves it is lowered to that room, and an answer that
+    fills it ends with model_context_window_exceeded; past the server's TINYLOOP_MAX_TOKENS it is refused."""
+    kw = dict(model=MODEL, max_tokens=4000, messages=HELLO, extra_body={**GREEDY, "ignore_eos": True})
+    n_prompt = client.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
+    m = client.messages.create(**kw)
+    assert m.stop_reason == "model_context_window_exceeded" and m.usage.output_tokens == 512 - n_prompt
+    with client.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "model_context_window_exceeded" and text_of(final) == text_of(m)
+    fits = client.messages.create(**{**kw, "max_tokens": 512 - n_prompt})
+    assert fits.stop_reason == "max_tokens" and text_of(fits) == text_of(m)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(**{**kw, "max_tokens": 8193})
+    anthropic_error(e.value, "invalid_request_error", "max_tokens", "8192", "TINYLOOP_MAX_TOKENS")
+
+
 def test_count_tokens(client):
     kw = dict(model=MODEL, system="Be brief.", messages=HELLO)
     counted = client.messages.count_tokens(**kw)
@@ -248,8 +286,11 @@ def test_bad_input_is_anthropic_shaped(client, server):
         client.messages.create(**ok, tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"})
     anthropic_error(e.value, "invalid_request_error", "tool_choice", "nope")
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(**{**ok, "max_tokens": 100000})
+        client.messages.create(**{**ok, "max_tokens": 0})
     anthropic_error(e.value, "invalid_request_error", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError) as e:   # the prompt alone fills the context
+        client.messages.create(**{**ok, "messages": [{"role": "user", "content": "word " * 600}]})
+    anthropic_error(e.value, "invalid_request_error", "messages", "context")
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.count_tokens(model=MODEL, messages=[])
     anthropic_error(e.value, "invalid_request_error", "messages")
@@ -306,6 +347,27 @@ def test_async_client(server):
 
     full, streamed = asyncio.run(main())
     assert full == streamed
+
+
+CLAUDE = os.environ.get("TINYLOOP_CLAUDE_BIN") or shutil.which("claude")
+
+
+@pytest.mark.skipif(not CLAUDE, reason="Claude Code is not installed (npm install @anthropic-ai/claude-code, or "
+                                       "TINYLOOP_CLAUDE_BIN=path/to/claude)")
+def test_claude_code_runs_a_turn(tmp_path, tokenizer):
+    """`claude -p` unchanged against the server (ANTHROPIC_BASE_URL), on a forced model whose answer under the
+    generic tool format is known: `{"response": "Hi there."}` then end-of-text, after the prompt's last ":"."""
+    from .conftest import write_forced_model
+
+    chain = tokenizer.encode(":") + tokenizer.encode('{"response": "Hi there."}') + [tokenizer.eos_id]
+    model = write_forced_model(tmp_path / "forced32k.tinyloop", chain, tokenizer, max_seq_len=32768)
+    with ServerThread(Settings(model_path=model, api_key=KEY)) as srv:
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": srv.url,
+               "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        run = subprocess.run([CLAUDE, "-p", "Say hi", "--model", MODEL, "--tools", "Read,Glob,Grep"], env=env,
+                             cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "Hi there.", (run.stdout[-2000:], run.stderr[-2000:])
 
 
 # -- without a server ---------------------------------------------------------------------------------------------

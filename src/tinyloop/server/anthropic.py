@@ -216,6 +216,12 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             turn_role = m.role
             if m.role == "assistant":
                 out.append({"role": "assistant", "content": "", "tool_calls": []})
+        if m.role == "system":   # an instruction between turns: a system message where it stands
+            bad = next((j for j, b in enumerate(blocks) if not isinstance(b, TextBlock)), None)
+            if bad is not None:
+                raise _invalid(f"messages[{i}].content[{bad}].type", "a system message holds text blocks only")
+            out.append({"role": "system", "content": TEXT_JOIN.join(b.text for b in blocks)})
+            continue
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             if isinstance(b, (ImageBlock, DocumentBlock)):
@@ -278,8 +284,21 @@ def chat_tools(body: CountTokensRequest) -> dict[str, Any]:
     return out
 
 
+CLEARS_THINKING = "clear_thinking_"   # context edits that change nothing here: earlier thinking is never shown
+
+
+def check_context_edits(body: CountTokensRequest) -> None:
+    edits = body.context_management.edits if body.context_management is not None else None
+    for i, edit in enumerate(edits or []):
+        if not edit.type.startswith(CLEARS_THINKING):
+            raise _invalid(f"context_management.edits[{i}].type", f"{edit.type!r} is not supported: this server "
+                           f"edits no context (earlier turns' thinking, which {CLEARS_THINKING}* edits clear, is "
+                           "never shown to the model)")
+
+
 def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request an Anthropic request means (count_tokens: the same prompt, max_tokens 1)."""
+    check_context_edits(body)
     fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body), **chat_tools(body)}
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
@@ -416,9 +435,11 @@ def partial_object(text: str) -> dict[str, Any]:
     return {}
 
 
-def stop_reason(finish_reason: str, stop_sequence: str | None, called: bool) -> str:
+def stop_reason(finish_reason: str, stop_sequence: str | None, called: bool, context_bound: bool = False) -> str:
+    """`context_bound`: max_tokens was lowered to the room the context leaves, so running out of it is
+    running out of context."""
     if finish_reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if context_bound else "max_tokens"
     if called:
         return "tool_use"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
@@ -443,9 +464,9 @@ class MessagesFramer(Framer):
 
     keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'
 
-    def __init__(self, *, id: str, model: str, tools, n_prompt: int):
+    def __init__(self, *, id: str, model: str, tools, n_prompt: int, context_bound: bool = False):
         super().__init__(id=id, created=now(), model=model)
-        self.tools, self.n_prompt = tools, n_prompt
+        self.tools, self.n_prompt, self.context_bound = tools, n_prompt, context_bound
         self.parser = tools.parser() if tools is not None else None
         self.blocks = Blocks()
 
@@ -473,7 +494,7 @@ class MessagesFramer(Framer):
     def close(self, ev) -> list[bytes]:
         self.closed[ev.index] = ev.stats or {}
         out = self._frames(ev, final=True) + [self.sse(n, d) for n, d in self.blocks.close()]
-        delta = {"stop_reason": stop_reason(ev.finish_reason, ev.stop_sequence, self.blocks.called),
+        delta = {"stop_reason": stop_reason(ev.finish_reason, ev.stop_sequence, self.blocks.called, self.context_bound),
                  "stop_sequence": ev.stop_sequence}
         out.append(self.sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(ev.stats or {})}))
         out.append(self.sse("message_stop", {"type": "message_stop"}))
@@ -483,30 +504,46 @@ class MessagesFramer(Framer):
         return [self.sse("error", AnthropicErrors.body(err))]
 
 
-def message_of(body: MessagesRequest, tools, result) -> dict[str, Any]:
+def message_of(body: MessagesRequest, tools, result, context_bound: bool = False) -> dict[str, Any]:
     """The non-streamed answer: the same deltas, the same blocks, as a stream of it would carry."""
     blocks = Blocks()
     parser = tools.parser() if tools is not None else None
     for d in deltas_of(tools, parser, result.text, final=True):
         blocks.feed(d)
     return {"id": new_message_id(), "type": "message", "role": "assistant", "content": blocks.blocks(),
-            "model": body.model, "stop_reason": stop_reason(result.finish_reason, result.stop_sequence, blocks.called),
+            "model": body.model,
+            "stop_reason": stop_reason(result.finish_reason, result.stop_sequence, blocks.called, context_bound),
             "stop_sequence": result.stop_sequence, "usage": usage(result.stats)}
 
 
 # -- the routes ------------------------------------------------------------------------------------------------------
 @router.post(PREFIX, include_in_schema=False)
 async def create_message(body: MessagesRequest, request: Request):
+    """max_tokens is a ceiling: past the server's TINYLOOP_MAX_TOKENS it is refused (as Anthropic refuses one
+    past a model's output limit); past the room the prompt leaves in the context it is lowered to that room,
+    and an answer that fills it ends with stop_reason "model_context_window_exceeded" (as Anthropic's API
+    answers for its newer models)."""
     state, chat, prompt, params, tools = await plan(request, body)
+    engine = state.worker.require_engine()
+    limit = state.settings.max_tokens
     try:
-        handle = await state.submit(prompt, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
+        if params.max_tokens > limit:
+            raise ValidationError(f"max_tokens: {params.max_tokens} > {limit}, the most this server generates "
+                                  "(TINYLOOP_MAX_TOKENS)", param="max_tokens")
+        ids = await anyio.to_thread.run_sync(engine.encode_prompt, prompt)
+        room = engine.max_seq_len - len(ids)
+        context_bound = 0 < room < params.max_tokens
+        if context_bound:
+            params = params.replace(max_tokens=room)
+        handle = await state.submit(ids, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
     except ValidationError as exc:
         raise renamed(exc) from None
     if body.stream:
-        framer = MessagesFramer(id=new_message_id(), model=body.model, tools=tools, n_prompt=handle.plan.n_prompt)
+        framer = MessagesFramer(id=new_message_id(), model=body.model, tools=tools, n_prompt=handle.plan.n_prompt,
+                                context_bound=context_bound)
         return await stream(handle, framer, state.settings.keepalive_s)
     (result,) = await collect(handle, request)
-    return message_of(body, tools, result)
+    return message_of(body, tools, result, context_bound)
 
 
 @router.post(PREFIX + "/count_tokens", include_in_schema=False)

@@ -83,8 +83,19 @@ Block = Annotated[Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, Tool
 
 
 class Message(Closed):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(description='"system": an instruction between turns '
+                                                                     "(Claude Code's mid-conversation system messages)")
     content: str | list[Block]
+
+
+class ContextEdit(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class ContextManagement(Closed):
+    """Server-side context edits: only clearing earlier turns' thinking, which the model never sees here."""
+    edits: list[ContextEdit] | None = None
 
 
 # -- tools ----------------------------------------------------------------------------------------------------
@@ -169,6 +180,7 @@ class CountTokensRequest(Closed):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(LoopKnobs, CountTokensRequest):
