@@ -171,7 +171,7 @@ def _invalid(param: str, message: str) -> ValidationError:
     return ValidationError(f"{param}: {message}", param=param)
 
 
-def _text_of(content: str | list, where: str, *, allow_images: bool = False) -> str:
+def _text_of(content: str | list | None, where: str) -> str:
     """The text of `system` or a tool result: a string, or text blocks (images refused)."""
     if content is None:
         return ""

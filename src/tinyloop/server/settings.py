@@ -12,7 +12,7 @@ Environment (see docs/server.md):
     TINYLOOP_DRAFT_EXIT     draft exits for speculation: "auto" (default: the model's
                             <model>.draft.safetensors if present), "none", or a file path
     TINYLOOP_COMMIT         reported as runtime.commit
-    TINYLOOP_API_KEY        when set, every endpoint but /health needs `Authorization: Bearer <key>`;
+    TINYLOOP_API_KEY        when set, every endpoint but /health needs `Authorization: Bearer <key>` (or `x-api-key`);
                             several keys: separated by commas (each compared in constant time)
     TINYLOOP_CORS_ORIGINS   comma-separated origins allowed by CORS ("*" for any); default none (CORS off)
     TINYLOOP_LOG_FORMAT     "text" (default) or "json": one JSON object per log line
