@@ -47,8 +47,9 @@ def add_completion_tokens(count: int) -> None:
 
 
 class AccessMiddleware:
-    """Outermost middleware: the request id, the access-log line, and a last-resort OpenAI-shaped 500
-    for an exception nothing else handled (so even that response carries the id)."""
+    """Outermost middleware: the request id, the access-log line, and a last-resort 500 (OpenAI-shaped, or in
+    the shape of the API under the path: errors.shape_for) for an exception nothing else handled (so even that
+    response carries the id)."""
 
     def __init__(self, app):
         self.app = app
