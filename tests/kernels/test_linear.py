@@ -1,0 +1,229 @@
+"""One linear layer through the native library (`kernels/csrc/matmul.cpp`, `amx.cpp`) against the layer in
+fp32: every weight format and row count, and the integer kernels' canonical reduction: a row's result
+bitwise the same in any batch, on the VNNI, AVX2 and AMX paths, at the codes' extremes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tinyloop.quant.linear import QuantLinear
+from tinyloop.quant.packing import pack, quantize_rtn
+
+kernels = pytest.importorskip("tinyloop.kernels.lib")
+try:
+    kernels.load("native")
+    kernels.load("avx2")
+except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
+    pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    """fp32 activations for int4 layers unless a test asks for int8 ones (TINYLOOP_NATIVE_Q8=1)."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "int4", "int2"])
+@torch.inference_mode()
+def test_native_linear_every_row_count(weights):
+    """One linear layer over 1 .. 40 input rows (a decode batch, a head over it, a prefill chunk), on 1 and 2
+    threads: the dot-product tiles below 6 rows (12 for float weights) and the outer-product panels from
+    there (a remainder of rows and of weight rows included) agree with the layer in fp32."""
+    from tinyloop.kernels.executor import _forward, linear_desc
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(101, 96, generator=g) * 0.1     # 101 outputs: not a multiple of the 6-row micro-tiles
+    if weights.startswith("int"):
+        bits = int(weights[3:])
+        q, sc, z = quantize_rtn(w, bits, None if bits == 8 else 32)
+        ref_w = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float()
+        lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    else:
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[weights]
+        ref_w = w.to(dt).float()
+        lin = nn.Linear(96, 101, bias=False)
+        lin.weight.data = w.to(dt)
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    for m in (1, 3, 7, 8, 13, 16, 17, 40, 100):   # 100: two slabs of rows
+        x = torch.randn(m, 96, generator=g)
+        ref = x @ ref_w.t()
+        for threads in (1, 2):
+            got = _forward(desc, x, threads)
+            assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
+
+
+@pytest.mark.skipif(kernels.load().tl_isa() == b"portable scalar",
+                    reason="the portable build has no int8 activations (its layers run in fp32)")
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)])
+@torch.inference_mode()
+def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
+    """Batch invariance of a layer with int8 activations: a row's result is bitwise the same alone, in a
+    batch of any size (1 .. 24 rows: every tile shape, and the AMX tiles where the host has them), at any
+    position in it, on 1 or 2 threads, and with its weights streamed (one weight row at a time). Every
+    integer kernel forms each activation block's exact int32 sum and adds the scaled sums in block order
+    (matmul.cpp, the canonical reduction), so nothing here is a tolerance."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    w = torch.randn(71, 1024, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, bits, group)
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1))
+    x[:, 100] = 6.0   # a large value: its block's scale differs from its neighbours'
+    alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 40):   # 71 weight rows: odd tails of every tile
+        for threads in (1, 2):
+            part = torch.cat([_forward(desc, x[i:i + rows], threads) for i in range(0, len(x) - rows + 1, rows)])
+            assert torch.equal(part, alone[:len(part)]), (rows, threads)
+    desc.streamed = 1   # weights read from memory: one row at a time, one stream
+    streamed = torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(len(x))])
+    assert torch.equal(streamed, alone)
+    exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
+    scale = exact.abs().max().item()
+    assert (alone - exact).abs().max().item() < 2e-2 * scale
+    assert (alone - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded
+
+
+def _amx_host() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_int8" in flags and " amx_tile" in flags
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, None)])
+@torch.inference_mode()
+def test_amx_tiles_equal_the_vector_tiles(monkeypatch, bits, group):
+    """Where the host has AMX the native build uses its int8 tiles from AMX_MIN_ROWS rows (`tl_amx()`, the
+    ISA string names them), and they are bitwise the vector tiles (both form the canonical reduction):
+    every row count from 8 to 40 (16 for group 32), weight rows not a multiple of 16, int8 codes at their extremes. Elsewhere
+    the switch reports no AMX and both runs are the vector tiles."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    lib = kernels.load()
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    native_build = os.environ.get("TINYLOOP_NATIVE_ISA", "native") == "native"   # (avx2, portable: no AMX)
+    if _amx_host() and native_build and os.environ.get("TINYLOOP_NATIVE_AMX") != "0":
+        assert lib.tl_amx() == 1, "an AMX host whose native build does not use its tiles"
+        assert b"amx" in lib.tl_isa()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(83, 512, generator=g) * 0.05
+    w[0, :64] = 1.0     # codes at the top and bottom of their range
+    w[1, :64] = -1.0
+    q, sc, z = quantize_rtn(w, bits, group)
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8
+    old = lib.tl_set_amx(-1)
+    try:
+        for m in (8, 9, 15, 16, 17, 31, 40):
+            x = torch.randn(m, 512, generator=g)
+            x[0, :32] = 50.0   # a block at the activations' extreme codes
+            lib.tl_set_amx(0)
+            vec = _forward(desc, x, 2)
+            lib.tl_set_amx(1)
+            amx = _forward(desc, x, 2)
+            assert torch.equal(vec, amx), m
+    finally:
+        lib.tl_set_amx(old)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (4, 256), (8, None)])
+@torch.inference_mode()
+def test_vnni_build_equals_avx2_build(monkeypatch, bits, group):
+    """The integer dot products with VNNI (vpdpbusd, where the host has it) form the same int32 lanes as
+    the AVX2 maddubs + madd sequence, so every layer is bit-identical between the host's build and its
+    build without VNNI ("avx2"), for every tile shape (1..9 rows) and at the codes' extremes. On a host
+    without VNNI both builds are the AVX2 one and this checks the build option only."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    if kernels.load("native").tl_isa().decode() == "portable scalar":
+        pytest.skip("no SIMD build here")
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K = 1024
+    w = torch.randn(37, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, bits, group)
+    q[0] = (1 << bits) - 1                       # the largest codes, and the smallest with a zero point
+    q[1] = 0
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    desc = linear_desc(lin, [])
+    assert desc.act_q8
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(1))
+    x[0] = 1.0
+    x[1] = -1.0
+    out = {}
+    for isa in ("native", "avx2"):
+        monkeypatch.setenv("TINYLOOP_NATIVE_ISA", isa)
+        out[isa] = [_forward(desc, x[:m], 1) for m in range(1, 10)]
+        desc.streamed = 1
+        out[isa].append(_forward(desc, x[:1], 1))
+        desc.streamed = 0
+    for a, b in zip(out["native"], out["avx2"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 256), (8, None)])
+@torch.inference_mode()
+def test_int8_activations_at_the_extremes(monkeypatch, bits, group):
+    """Every code at its largest against every activation at +-127: the integer sums of a block (int16
+    pairs added across up to 256 columns for int4) do not saturate."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K, top = 512, (1 << bits) - 1
+    q = torch.full((8, K), top, dtype=torch.uint8)
+    q[1] = 0                                                   # (and the smallest, with a zero point)
+    n_groups = K // (group or K)
+    sc = torch.full((8, n_groups), 0.01, dtype=torch.float16)
+    z = torch.zeros(8, n_groups, dtype=torch.uint8)
+    z[1] = top
+    lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8
+    x = torch.ones(2, K)
+    x[1] = -1.0
+    got = _forward(desc, x, 1)
+    exact = x @ QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="dense").w.float().t()
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-3), (got, exact)
+
+
+@torch.inference_mode()
+def test_int8_activations_with_more_groups_than_the_stack_holds(monkeypatch):
+    """A weight row of more than 512 groups (its scales as fp32 no longer fit a tile's stack buffer, so a
+    per-thread one holds them): the integer tiles agree with the panels, a row alone with a batch, and both
+    with the dequantized weights to the activations' rounding."""
+    from tinyloop.kernels.executor import linear_desc, _forward
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    K = 514 * 32   # 514 groups of 32
+    w = torch.randn(9, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, sc, z = quantize_rtn(w, 4, 32)
+    lin = QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="native")
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert desc.act_q8 and K // 32 > 512
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(1))
+    lib = kernels.load()
+    tiles = _forward(desc, x, 2)                                      # 4 x 2, 2 x 2 and 1 x 4 tiles
+    alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(7)])
+    old = lib.tl_set_panel_min_rows(1)
+    try:
+        panels = _forward(desc, x, 2)
+    finally:
+        lib.tl_set_panel_min_rows(old)
+    scale = panels.abs().max().item()
+    assert (tiles - panels).abs().max().item() <= 1e-5 * scale
+    assert (alone - panels).abs().max().item() <= 1e-5 * scale
+    exact = x @ QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.float().t()
+    assert (tiles - exact).abs().max().item() < 2e-2 * exact.abs().max().item()
