@@ -299,6 +299,57 @@ def test_adaptive_exits_run_natively(criterion, thresholds):
     assert any(runs) and not all(runs)
 
 
+@pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float32), ("int8", torch.float32)])
+@pytest.mark.parametrize("name", ["tiny", "ouro-like"])
+@torch.inference_mode()
+def test_native_tree_rows_equal_pytorch(name, kv_format, kv_dtype):
+    """Tree-masked rows (a tree round's passes: engine/tree.py) run natively: node i's keys at storage index
+    L + i, its RoPE at position L + depth, attending to the committed keys (within the window) and its
+    ancestors. A pass from tokens (loops 0..1, states kept), then its continuation from those states
+    (loops 2..3, the coda), next to an ordinary decode row of another sequence, in one step each; hidden
+    states and both pools equal the PyTorch path's (check's tolerance)."""
+    from tinyloop.engine.tree import ancestor_mask
+
+    ref, nat = make_pair(CONFIGS[name], "fp32")
+    cfg = ref.cfg
+    parents = [-1, 0, 0, 1, 2, 3, 3]   # a root, two branches, a fork at depth 2
+    depths = [0, 1, 1, 2, 2, 3, 3]
+    seqs = [(10, 0), (12, 5)]          # (committed length, window): the tree's sequence, then a plain row's
+    slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * 4
+    blocks = -(-(max(n for n, _ in seqs) + len(parents)) // PAGE)
+    g = torch.Generator().manual_seed(3)
+    for window in (0, 3):   # the tree under a window too: keys at real positions 3 or more back are out
+        kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
+        tables = [torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
+                  for i in range(len(seqs))]
+        prompts = [torch.randint(0, cfg.vocab_size, (n + 1,), generator=g).tolist() for n, _ in seqs]
+        for t, p, (n, w) in zip(tables, prompts, seqs):
+            ref.run(PagedStep(kv, [Rows(table=t, start=0, n=n, last_loop=4, tokens=p[:n], window=w)],
+                              ref.rotary, torch.float32, "cpu"))
+        kv_nat = clone_kv(kv)
+        L = seqs[0][0]
+        nodes = torch.randint(0, cfg.vocab_size, (len(parents),), generator=g).tolist()
+        pos = torch.tensor([L + d for d in depths])
+        tree = dict(positions=pos, tree_mask=ancestor_mask(parents), tree_key_positions=pos, window=window)
+        hidden = []
+        for model, pool in ((ref, kv), (nat, kv_nat)):
+            a = Rows(table=tables[0], start=L, n=len(nodes), last_loop=2, tokens=nodes, capture=True,
+                     readout=None, **tree)
+            plain = Rows(table=tables[1], start=seqs[1][0], n=1, last_loop=4, tokens=[prompts[1][-1]],
+                         window=seqs[1][1])
+            assert model is ref or all(nat.executor.supports(r) for r in (a, plain))
+            model.run(PagedStep(pool, [a, plain], model.rotary, torch.float32, "cpu"))
+            b = Rows(table=tables[0], start=L, n=len(nodes), last_loop=4, first_loop=2,
+                     state=tuple(x.float() for x in a.out_state), **tree)
+            assert model is ref or nat.executor.supports(b)
+            model.run(PagedStep(pool, [b], model.rotary, torch.float32, "cpu"))
+            hidden.append(torch.cat([b.hidden.float(), plain.hidden.float()]))
+        # an int8 pool: the continuation reads keys the first pass rounded, and one on a rounding boundary
+        # may have rounded the other way (test_native_prefill_every_kv_format's argument and tolerance)
+        check(ref.logits(hidden[0][None])[0], ref.logits(hidden[1][None])[0], kv, kv_nat,
+              tol=1e-4 if kv_format == "fp16" else 1e-2)
+
+
 def _ids(model, prompt, params, use_native, **kw):
     from conftest import core_ids
     ex = model.executor
@@ -316,8 +367,8 @@ def _ids(model, prompt, params, use_native, **kw):
                                      ("tree_speculative", {"draft_loops": 1, "k_branches": 2})])
 @pytest.mark.parametrize("with_exit", [False, True])
 def test_speculation_native_equals_pytorch(mode, kw, with_exit):
-    """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and chain verification run
-    natively; greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
+    """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and verification, chain or
+    tree-masked, run natively; greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
     from tinyloop.engine import SamplingParams
     from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
@@ -361,9 +412,9 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     piped, st_p = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, pipeline=True)
     assert piped == ref and 0 <= st_p["acceptance_rate"] <= 1
     assert nat.core_loop_tokens - loops0 >= 4 * 24   # every emitted token ran its 4 loops
-    if chain:   # (a tree's drafts and verification are tree-masked: PyTorch)
-        assert any(n == 1 and first == 0 and cap for n, first, cap in step_rows)           # draft steps
-        assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # chain verification
+    width = 1 if chain else kw["k_branches"]   # a tree's drafts and verification are tree-masked rows
+    assert any(n == width and first == 0 and cap for n, first, cap in step_rows)       # draft steps
+    assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # verification
 
 
 def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):

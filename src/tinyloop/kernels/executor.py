@@ -212,10 +212,15 @@ class NativeExecutor:
         with the latent or gate criterion); a prefill chunk (consecutive positions from their tokens, each
         a row of the call: every block writes all the call's keys before any row attends, so each position
         sees the chunk's earlier ones); or a run of consecutive positions continuing from a draft's states
-        (chain verification, a draft exit's catch-up); read out by the coda, a draft exit or nothing.
-        Tree-masked rows and the kl criterion run in PyTorch."""
+        (chain verification, a draft exit's catch-up); tree nodes under a `tree_mask` (a tree round's draft
+        passes and its verification: each row's keys at its storage index, its RoPE at its real position,
+        attending to the committed keys and its ancestors); read out by the coda, a draft exit or nothing.
+        The kl criterion runs in PyTorch."""
         rule, ro = r.exit_rule, r.readout
-        if r.tree_mask is not None or not (getattr(r, "default_positions", False) or (
+        if r.tree_mask is not None:
+            if rule is not None:
+                return False
+        elif not (getattr(r, "default_positions", False) or (
                 int(r.positions[0]) == r.start and (r.n == 1 or int(r.positions[-1]) == r.start + r.n - 1))):
             return False
         if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
@@ -300,9 +305,13 @@ class NativeExecutor:
                 r.out_state = (oe, oh)
             if r.tokens is not None:
                 tokens = r.tokens.tolist() if isinstance(r.tokens, torch.Tensor) else r.tokens
+            tree = None if r.tree_mask is None else _tree_keys(r, keep)
             for j in range(r.n):
                 c = crow[i + j]
                 c.pos, c.loops, c.window, c.first_loop, c.readout = r.start + j, r.last_loop, r.window, r.first_loop, ro
+                if tree is not None:
+                    c.pos, c.store, c.tree_base = tree[0][j], r.start + j, tree[1]
+                    c.tree_n, c.tree_keys, c.tree_pos = tree[2][j]
                 c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
                 if r.tokens is not None:
                     c.token = tokens[j]
@@ -438,6 +447,23 @@ class NativeExecutor:
                                   scratch.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
+
+
+def _tree_keys(r, keep: list) -> tuple[list[int], int, list[tuple[int, int, int]]]:
+    """A tree-masked `Rows` for the native rows: each row's real position, the storage index the tree's
+    keys start at (its last S keys, S = tree_mask's columns), and per row (count, storage indices, real
+    positions) of the node keys it sees."""
+    S = r.tree_mask.shape[1]
+    base = r.end - S
+    kpos = r.tree_key_positions.to(torch.int32)
+    per_row = []
+    for j in range(r.n):
+        cols = r.tree_mask[j].nonzero().flatten()
+        idx = (cols + base).to(torch.int32).contiguous()
+        pos = kpos[cols].contiguous()
+        keep += [idx, pos]
+        per_row.append((len(cols), idx.data_ptr(), pos.data_ptr()))
+    return r.positions.tolist(), base, per_row
 
 
 def _int64(table: torch.Tensor) -> torch.Tensor:

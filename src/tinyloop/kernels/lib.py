@@ -59,7 +59,8 @@ class TlRow(ctypes.Structure):
     _fields_ = [("token", _i), ("pos", _i), ("loops", _i), ("window", _i), ("table", _p), ("stride", _i),
                 ("n_blocks", _i), ("exit_kind", _i), ("min_loops", _i), ("threshold", ctypes.c_double),
                 ("survival", ctypes.c_double), ("loops_run", _i), ("first_loop", _i), ("readout", _i),
-                ("state_e", _p), ("state_h", _p), ("out_e", _p), ("out_h", _p)]
+                ("state_e", _p), ("state_h", _p), ("out_e", _p), ("out_h", _p),
+                ("tree_n", _i), ("store", _i), ("tree_base", _i), ("tree_keys", _p), ("tree_pos", _p)]
 
 
 class TlRound(ctypes.Structure):

@@ -118,6 +118,28 @@ void entries(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, int l
     }
 }
 
+// the pool entry of storage index t of one slot's kv head g
+inline int64_t entry(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, int t) {
+    const int ps = kv->page_size;
+    return (row->table[(int64_t)(t / ps) * row->stride + slot] * ps + t % ps) * Hkv + g;
+}
+
+// the keys row `row` attends to: committed storage indices lo .. hi (storage index == position there),
+// then a tree node's visible node keys; returns their count, writes their pool entries to ent if non-null
+int visible_keys(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, int64_t* ent) {
+    const int pos = row->pos, win = row->window;
+    const int lo = win > 0 && pos - win + 1 > 0 ? pos - win + 1 : 0;
+    const int hi = row->tree_n > 0 ? std::min(pos, row->tree_base - 1) : pos;
+    int L = hi >= lo ? hi - lo + 1 : 0;
+    if (ent && L) entries(kv, row, slot, Hkv, g, lo, hi, ent);
+    for (int i = 0; i < row->tree_n; ++i)
+        if (win <= 0 || pos - row->tree_pos[i] < win) {
+            if (ent) ent[L] = entry(kv, row, slot, Hkv, g, row->tree_keys[i]);
+            ++L;
+        }
+    return L;
+}
+
 // s[t] = scale * q . key(ent[t]) for float keys read as stored (T: float or 16-bit, LOAD: TL_W as floats)
 template <typename T, vf (*LOAD)(const T*)>
 void scores(const T* keys, const int64_t* ent, int L, const float* q, int D, float scale, float* s) {
@@ -179,20 +201,20 @@ void softmax(float* s, int n) {
 }
 }  // namespace
 
-// Attention of one row's H query heads (q: (H, D), already rotated) over keys at storage indices
-// lo .. hi of one slot (pages from `table` column `slot`); out: (H, D). Work split over kv heads: this is
-// kv head g and its H / Hkv query heads. scratch: tl_attend_scratch(H / Hkv, hi - lo + 1, D) floats.
+// Attention of one row's H query heads (q: (H, D), already rotated) over the keys it sees in one slot
+// (pages from `table` column `slot`): storage indices lo .. pos (the window's), or for a tree node the
+// committed ones and its ancestors' (`visible_keys`); out: (H, D). Work split over kv heads: this is kv
+// head g and its H / Hkv query heads. scratch: tl_attend_scratch(H / Hkv, keys seen, D) floats.
 void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
                    float* out, int g, float* scratch) {
     const int rep = H / Hkv;
-    const int lo = row->window > 0 && row->pos - row->window + 1 > 0 ? row->pos - row->window + 1 : 0;
-    const int hi = row->pos, L = hi - lo + 1;
+    const int L = visible_keys(kv, row, slot, Hkv, g, nullptr);
     const float scale = 1.0f / sqrtf((float)D);
     float* sc = scratch;                                    // (rep, L) scores, then probabilities
     int64_t* ent = (int64_t*)(sc + (((int64_t)rep * L + 1) & ~(int64_t)1));   // (L) pool entries, 8-byte aligned
     float* kbuf = (float*)(ent + L);                        // one entry as floats (quantized pools)
     float* qr = kbuf + D;                                   // rotated queries (int4-h): rep * D
-    entries(kv, row, slot, Hkv, g, lo, hi, ent);
+    visible_keys(kv, row, slot, Hkv, g, ent);
     const float* qg = q + (int64_t)g * rep * D;
     float* og = out + (int64_t)g * rep * D;
     const uint16_t* k16 = (const uint16_t*)kv->k;

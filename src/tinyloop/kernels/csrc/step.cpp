@@ -95,12 +95,12 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
         float* q = B.qkv + (int64_t)r * QKV;
         if (b->qk_bias)
             for (int i = 0; i < (H + Hkv) * D; ++i) q[i] += b->qk_bias[i];
-        const int pos = rows[r].pos;
+        const int pos = rows[r].pos, at = rows[r].tree_n > 0 ? rows[r].store : pos;   // position, storage index
         tl_rope(q, H + Hkv, D, m->rope_cos + (int64_t)pos * (D / 2), m->rope_sin + (int64_t)pos * (D / 2));
         const int ps = kv->page_size;
-        const int64_t page = rows[r].table[(int64_t)(pos / ps) * rows[r].stride + (slots ? slots[r] : slot)];
+        const int64_t page = rows[r].table[(int64_t)(at / ps) * rows[r].stride + (slots ? slots[r] : slot)];
         for (int g = 0; g < Hkv; ++g) {
-            const int64_t e = (page * ps + pos % ps) * Hkv + g;
+            const int64_t e = (page * ps + at % ps) * Hkv + g;
             memcpy(B.tmp, q + (int64_t)(H + g) * D, sizeof(float) * D);
             tl_kv_write(kv, 0, e, D, B.tmp);
             memcpy(B.tmp, q + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
@@ -197,6 +197,10 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     int max_ctx = 0, n_fresh = 0, max_loops = 0;
     for (int r = 0; r < M; ++r) {
         max_ctx = std::max(max_ctx, rows[r].pos + 1);
+        if (rows[r].tree_n > 0) {   // a tree node sees at most its committed keys and its tree keys
+            if (rows[r].store < rows[r].tree_base || rows[r].exit_kind != TL_EXIT_NONE) return 6;
+            max_ctx = std::max(max_ctx, rows[r].tree_base + rows[r].tree_n);
+        }
         max_loops = std::max(max_loops, rows[r].loops);
         if (rows[r].pos >= m->rope_len) return 2;
         if (rows[r].first_loop == 0) {

@@ -80,6 +80,12 @@ typedef struct {
     int32_t readout;                        // -1 none, 0 the model's coda, i > 0 readouts[i - 1]
     const float* state_e; const float* state_h;   // first_loop > 0: (dim) each
     float* out_e; float* out_h;             // non-null: the state after the last loop is kept here
+    // a tree node (engine/tree.py; tree_n > 0): its keys go to storage index `store`, not `pos` (its real
+    // position: RoPE, window); it attends to the committed keys below storage index tree_base (window
+    // permitting) and to the tree_n node keys at storage indices tree_keys (ascending: its ancestors
+    // and itself; model/layers.py build_mask), at real positions tree_pos
+    int32_t tree_n, store, tree_base;
+    const int32_t* tree_keys; const int32_t* tree_pos;
 } tl_row;
 
 // One decode step for `n_rows` one-token rows (rows from tokens first). Writes `hidden` (n_rows, dim)
