@@ -368,7 +368,7 @@ def _ids(model, prompt, params, use_native, **kw):
 @pytest.mark.parametrize("with_exit", [False, True])
 def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and verification, chain or
-    tree-masked, run natively; greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
+    tree-masked, run natively, stepwise and as whole rounds in one call (chain, pipeline, tree); greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
     from tinyloop.engine import SamplingParams
     from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
@@ -388,6 +388,8 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
                                             orig(kv, rows))[1]
     nat.executor.spec_round = lambda *a, **kw: (rounds.append(a[5]), orig_round(*a, **kw))[1]
+    orig_tree, trees = nat.executor.tree_round, []
+    nat.executor.tree_round = lambda *a, **kw: (trees.append(a[5]), orig_tree(*a, **kw))[1]
     prompt = [5, 17, 300, 42, 7, 9]
     params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
     ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)
@@ -401,8 +403,10 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     whole, st_w = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False)
     chain = mode == "speculative" or kw.get("k_branches", 1) == 1
     assert whole == ref and st_w["acceptance_rate"] == st_t["acceptance_rate"]
-    assert st_w["native_rounds"] == chain
-    assert (rounds and max(rounds) == kw["draft_ahead"]) if chain else not rounds   # (the last round may draft fewer)
+    assert st_w["native_rounds"]
+    # (the last round may draft fewer); a tree of K > 1 in one call too (tl_tree_round), its depth draft_ahead
+    assert (rounds and max(rounds) == kw["draft_ahead"] and not trees) if chain else \
+        (not rounds and trees and max(trees) == params.draft_ahead)
     # the policy's draft lengths change the speed only
     auto, st_a = _ids(nat, prompt, params, True, draft_vocab=None)
     assert auto == ref and ("draft_ahead_chosen" in st_a) == chain

@@ -96,6 +96,21 @@ class NativeRound:
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline)
 
 
+class NativeTreeRound(NativeRound):
+    """A whole greedy tree round (K > 1) for the native executor (`NativeExecutor.tree_round`), run like a
+    `NativeRound`."""
+
+    def run(self, kv) -> None:
+        sp, head = self.spec, self.spec.head
+        norm = head.norm
+        if norm == sp.model.final_norm:
+            norm = sp.model.norm if sp.model.cfg.head_norm else None
+        self.result = sp.model.executor.tree_round(
+            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
+            sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
+            None if head.ids is None else head.ids[: head.n], norm)
+
+
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -149,9 +164,10 @@ class Speculator:
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # a greedy round in one native call: the fused head argmax, no grammar or early stop, chain rounds
         ex = getattr(model, "executor", None)
-        self.native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
-                       and draft_stop <= 0 and (not self.tree or self.K == 1)
-                       and (model.state_seed is None or model.cfg.injection == "none"))
+        native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
+                  and draft_stop <= 0 and (model.state_seed is None or model.cfg.injection == "none"))
+        self.native = native and (not self.tree or self.K == 1)
+        self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         self.running = running
         self._last: tuple | None = None   # (k, accepted, draft ms, start) of the round not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
@@ -223,6 +239,8 @@ class Speculator:
         ahead = min(self.params.draft_ahead, remaining - 1)
         if self.native:
             out = yield from self._native_round(ahead)
+        elif self.native_tree and ahead > 0:
+            out = yield from self._native_tree_round(ahead)
         else:
             out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
         self.head.add(out)
@@ -332,14 +350,7 @@ class Speculator:
             self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0))
             self._last = None
         if self.running is not None and self.running() > ALONE_UP_TO:
-            L = self.length
-            row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True)
-            yield row
-            y = row.argmax
-            self.sampler.accept(y)
-            self.length, self.exit_backlog = L + 1, None
-            self.stats["batched_rounds"] += 1
-            return [y]
+            return (yield from self._crowded_row())
         k = self.policy.choose(cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
@@ -372,6 +383,45 @@ class Speculator:
         st["accepted"] += len(out) - 1
         st["draft_passes"] += k + 1
         st["verify_positions"] += k + 1
+        return out
+
+    def _crowded_row(self):
+        """A plain row of the shared step (past ALONE_UP_TO running sequences), its token from the step's
+        one head call."""
+        L = self.length
+        row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True)
+        yield row
+        y = row.argmax
+        self.sampler.accept(y)
+        self.length, self.exit_backlog = L + 1, None
+        self.stats["batched_rounds"] += 1
+        return [y]
+
+    def _native_tree_round(self, depth: int):
+        """A greedy tree round (K > 1) as one native call (`tl_tree_round`): the same beam, verification and
+        walk as `_tree_round`, then the accepted path's entries moved into place. In a crowded batch, a
+        plain row of the shared step instead."""
+        if self.running is not None and self.running() > ALONE_UP_TO:
+            return (yield from self._crowded_row())
+        L = self.length
+        call = NativeTreeRound(self, depth)
+        yield call
+        res = call.result
+        out, path = res["emitted"], res["path"]
+        for y in out:
+            self.sampler.accept(y)
+        if any(node != i for i, node in enumerate(path)):
+            self.kv.copy_positions(self.table, [L + node for node in path[1:]], L + 1)
+            self.stats["compactions"] += 1
+        self.length = L + len(out)
+        st = self.stats
+        st["draft_s"] += res["draft_ms"] / 1000
+        st["verify_s"] += res["verify_ms"] / 1000
+        st["draft_tokens"] += len(res["tokens"]) - 1
+        st["proposed"] += depth
+        st["accepted"] += len(out) - 1
+        st["draft_passes"] += depth + 1
+        st["verify_positions"] += len(res["tokens"])
         return out
 
     def _accept_chain(self, toks: list[int], x: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
@@ -511,7 +561,7 @@ class Speculator:
             "draft_ahead": self.params.draft_ahead,
             "K_branches": self.K,
             "draft_exit": self.exit is not None,
-            "native_rounds": self.native,
+            "native_rounds": self.native or self.native_tree,
         })
         if self.policy.chosen:
             ch = self.policy.chosen

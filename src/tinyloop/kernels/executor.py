@@ -415,6 +415,52 @@ class NativeExecutor:
                     "last_h": last_h if act == torch.float32 else last_h.to(act),
                     "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
 
+    def tree_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, depth: int, K: int, d: int,
+                   V: int, draft_readout, last_readout, draft_weight: torch.Tensor | None,
+                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None) -> dict:
+        """One greedy tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted
+        `depth` levels deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification
+        and the walk. `draft_readout` / `last_readout`: the read-out of the draft passes and of the last
+        one (None, or a draft exit's (exit, slots)); the draft head as in `spec_round`. Returns the nodes'
+        tokens and parents, the emitted tokens, the accepted path's nodes and the two phases' ms."""
+        with _CALL:
+            keep, readouts = [], {}
+            t = _int64(table)
+            ro = self._readout(draft_readout, readouts, keep)
+            ro_last = self._readout(last_readout, readouts, keep)
+            self._set_readouts(readouts)
+            n = 1 + K * depth
+            if pos + n > self.desc.rope_len:
+                self._rope(pos + n)
+            base = L.TlRow()
+            base.token, base.pos, base.window, base.readout = pending, pos, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            T = L.TlTree()
+            T.depth, T.K, T.d, T.V, T.draft_readout, T.last_readout = depth, K, d, V, ro, ro_last
+            if draft_weight is not None:
+                T.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
+            if draft_ids is not None:
+                ids = draft_ids.to(torch.int64).contiguous()
+                keep.append(ids)
+                T.draft_ids = ids.data_ptr()
+            if draft_norm is not None:
+                T.draft_norm, T.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
+            T.head = ctypes.pointer(self.head)
+            T.head_norm, T.head_eps, T.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            toks, parents = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+            emitted, path = torch.zeros(depth + 1, dtype=torch.int32), torch.zeros(depth + 1, dtype=torch.int32)
+            T.tokens, T.parents, T.emitted, T.path = (x.data_ptr() for x in (toks, parents, emitted, path))
+            kvd = self._kv_desc(kv)
+            self._grow_scratch(self.lib.tl_tree_scratch_floats(self.desc, T, pos + 1))
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_tree_round(self.desc, kvd, base, T, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native tree round failed (code {rc})")
+            self.model.core_loop_tokens += T.n_nodes * V   # drafts' d loops and verification's V - d, per node
+            ne = T.n_emitted
+            return {"tokens": toks.tolist(), "parents": parents.tolist(), "emitted": emitted[:ne].tolist(),
+                    "path": path[:ne].tolist(), "draft_ms": T.draft_ms, "verify_ms": T.verify_ms}
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head of rows x (..., dim) (`LoopedTransformer.logits`): fp32 logits (..., n)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()

@@ -71,6 +71,15 @@ class TlRound(ctypes.Structure):
                 ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i)]
 
 
+class TlTree(ctypes.Structure):
+    _fields_ = [("depth", _i), ("K", _i), ("d", _i), ("V", _i), ("draft_readout", _i), ("last_readout", _i),
+                ("draft_head", ctypes.POINTER(TlLinear)), ("draft_ids", _p), ("draft_norm", _p),
+                ("draft_eps", ctypes.c_float), ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p),
+                ("head_eps", ctypes.c_float), ("vocab", _i), ("tokens", _p), ("parents", _p), ("emitted", _p),
+                ("path", _p), ("n_nodes", _i), ("n_emitted", _i), ("draft_ms", ctypes.c_double),
+                ("verify_ms", ctypes.c_double)]
+
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
 _said = False
@@ -100,6 +109,10 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_spec_pipeline.restype = ctypes.c_int
         lib.tl_pipeline_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]
         lib.tl_pipeline_scratch_floats.restype = ctypes.c_int64
+        lib.tl_tree_round.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlTree), _p, ctypes.c_int64]
+        lib.tl_tree_round.restype = ctypes.c_int
+        lib.tl_tree_scratch_floats.argtypes = [P(TlModel), P(TlTree), _i]
+        lib.tl_tree_scratch_floats.restype = ctypes.c_int64
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i

@@ -132,6 +132,24 @@ int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_
                      int64_t scratch_len);
 int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
 
+// One greedy tree-speculation round (tree.cpp; K > 1 branches, `depth` drafted levels): the pending token
+// at base->pos is node 0; node i is stored at base->pos + i. Out: the nodes' tokens and parents, the
+// round's output (`emitted`, n_emitted <= depth + 1) and the accepted path's nodes (`path`, path[0] = 0;
+// the caller compacts them into consecutive positions).
+typedef struct {
+    int32_t depth, K, d, V;
+    int32_t draft_readout, last_readout;   // the draft passes' read-out; the last pass's (-1 or a draft exit)
+    const tl_linear* draft_head; const int64_t* draft_ids; const float* draft_norm; float draft_eps;
+    const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
+    int32_t* tokens; int32_t* parents;     // out (1 + K * depth)
+    int32_t* emitted; int32_t* path;       // out (depth + 1)
+    int32_t n_nodes, n_emitted;            // out
+    double draft_ms, verify_ms;            // out
+} tl_tree;
+int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_tree* T, float* scratch,
+                  int64_t scratch_len);
+int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_ctx);
+
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
 const char* tl_isa(void);
