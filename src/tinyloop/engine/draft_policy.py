@@ -138,3 +138,37 @@ class DraftPolicy:
             self.acc = self.DECAY * self.acc + accepted
             self.prop = self.DECAY * self.prop + k
         self.costs.update(k, draft_ms, verify_ms)
+
+
+class TreeOrChain:
+    """A greedy tree request's round shape, round by round: a tree round (`tl_tree_round`) or a chain round
+    under the request's `DraftPolicy`, whichever has yielded more tokens per millisecond of its whole cycle
+    (decayed means); the first round of each shape measures it, and every EXPLORE-th round takes the other
+    shape so that a rate measured under load does not keep it out for good. Both give the tokens plain
+    greedy decoding gives, so the choice changes the speed only."""
+
+    DECAY = 0.8
+    EXPLORE = 8
+
+    def __init__(self):
+        self.tokens = {True: 0.0, False: 0.0}
+        self.ms = {True: 0.0, False: 0.0}
+        self.rounds = 0
+        self.counts = {True: 0, False: 0}
+
+    def choose(self) -> bool:
+        """True: a tree round."""
+        self.rounds += 1
+        untimed = [s for s in (True, False) if self.ms[s] == 0.0]
+        if untimed:
+            tree = untimed[0]
+        else:
+            tree = self.tokens[True] / self.ms[True] >= self.tokens[False] / self.ms[False]
+            if self.rounds % self.EXPLORE == 0:
+                tree = not tree
+        self.counts[tree] += 1
+        return tree
+
+    def update(self, tree: bool, tokens: int, ms: float) -> None:
+        self.tokens[tree] = self.DECAY * self.tokens[tree] + tokens
+        self.ms[tree] = self.DECAY * self.ms[tree] + max(ms, 1e-6)

@@ -64,7 +64,7 @@ from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
-from .draft_policy import DraftPolicy, round_costs
+from .draft_policy import DraftPolicy, TreeOrChain, round_costs
 from .params import SamplingParams
 from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
@@ -166,8 +166,11 @@ class Speculator:
         ex = getattr(model, "executor", None)
         native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
                   and draft_stop <= 0 and (model.state_seed is None or model.cfg.injection == "none"))
-        self.native = native and (not self.tree or self.K == 1)
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
+        # an adaptive tree request takes a tree round or a chain round, whichever measures faster
+        self.shapes = TreeOrChain() if self.native_tree and adaptive else None
+        self.native = native and (not self.tree or self.K == 1 or self.shapes is not None)
+        self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
         self._last: tuple | None = None   # (k, accepted, draft ms, start) of the round not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
@@ -237,12 +240,21 @@ class Speculator:
     def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
         """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
         ahead = min(self.params.draft_ahead, remaining - 1)
-        if self.native:
-            out = yield from self._native_round(ahead)
-        elif self.native_tree and ahead > 0:
+        tree = self.native_tree and ahead > 0
+        if tree and self.shapes is not None:
+            now = time.perf_counter()
+            if self._shape_last is not None:
+                shape, n, t0 = self._shape_last
+                self.shapes.update(shape, n, (now - t0) * 1000)
+            tree = self.shapes.choose()
+        if tree:
             out = yield from self._native_tree_round(ahead)
+        elif self.native:
+            out = yield from self._native_round(ahead)
         else:
             out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
+        if self.shapes is not None:
+            self._shape_last = (tree, len(out), now) if self.native_tree and ahead > 0 else None
         self.head.add(out)
         self.pending = out[-1]
         st = self.stats
@@ -344,11 +356,7 @@ class Speculator:
         crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
         a round of its own would not). A draft exit's entries of such positions are not written: later
         drafts attend to them as the pool holds them, which changes proposals only, never the output."""
-        now = time.perf_counter()
-        if self._last is not None:   # the last round's cost: its whole cycle, the engine's step included
-            k0, accepted0, draft_ms0, t0 = self._last
-            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0))
-            self._last = None
+        now = self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
             return (yield from self._crowded_row())
         k = self.policy.choose(cap)
@@ -385,6 +393,16 @@ class Speculator:
         st["verify_positions"] += k + 1
         return out
 
+    def _time_last_chain(self) -> float:
+        """The policy learns the last chain round's cost, its whole cycle up to now (the engine's step
+        included), if it is not yet timed. Returns now."""
+        now = time.perf_counter()
+        if self._last is not None:
+            k0, accepted0, draft_ms0, t0 = self._last
+            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0))
+            self._last = None
+        return now
+
     def _crowded_row(self):
         """A plain row of the shared step (past ALONE_UP_TO running sequences), its token from the step's
         one head call."""
@@ -401,6 +419,7 @@ class Speculator:
         """A greedy tree round (K > 1) as one native call (`tl_tree_round`): the same beam, verification and
         walk as `_tree_round`, then the accepted path's entries moved into place. In a crowded batch, a
         plain row of the shared step instead."""
+        self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
             return (yield from self._crowded_row())
         L = self.length
@@ -567,6 +586,8 @@ class Speculator:
             ch = self.policy.chosen
             run_stats["draft_ahead_chosen"] = round(sum(ch) / len(ch), 3)   # the policy's mean k per round
             run_stats["plain_rounds"] = sum(1 for k in ch if k == 0)
+        if self.shapes is not None:   # a tree request's rounds by shape
+            run_stats["tree_rounds"], run_stats["chain_rounds"] = self.shapes.counts[True], self.shapes.counts[False]
         if st["batched_rounds"]:
             run_stats["batched_rounds"] = st["batched_rounds"]   # plain rows in a crowded shared step
 
