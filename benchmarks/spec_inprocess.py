@@ -4,7 +4,8 @@ Every setting runs the four prompts (64 greedy tokens each, each alone on an eng
 plain loops-8 run of the same prompts; the ratio is the median over `reps` of plain time / setting time.
 Rows: plain loops 3, `loops: "auto"`, speculation with the engine's policy (default and draft_ahead <= 8),
 fixed draft lengths (the policy off), the stepwise native path (one engine step per pass, as before the
-one-call round), and tree speculation at K = 1 and 2. `exact`: every output equals plain decoding's.
+one-call round), and tree speculation at K = 1 and 2 (K = 2: choosing tree or chain rounds by measured speed,
+tree rounds only in one native call, and stepwise). `exact`: every output equals plain decoding's.
 
     OMP_NUM_THREADS=1 TINYLOOP_NATIVE_THREADS=1 .venv/bin/python benchmarks/spec_inprocess.py [reps] [out.json]
 """
@@ -34,7 +35,10 @@ settings = [("plain loops 3", SamplingParams(max_tokens=N, temperature=0, loops=
             ("spec d=2 ahead<=8 adaptive", SamplingParams(max_tokens=N, temperature=0, mode="speculative", draft_loops=2, draft_ahead=8), {}),
             ("spec d=2 k=4 stepwise (session 12 path)", SamplingParams(max_tokens=N, temperature=0, mode="speculative", draft_loops=2, draft_ahead=4), dict(adaptive=False, native_round=False)),
             ("tree d=2 k=4 K=1", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=2, draft_ahead=4, k_branches=1), {}),
-            ("tree d=1 k=4 K=2", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=1, draft_ahead=4, k_branches=2), {})]
+            ("tree d=1 k=4 K=2", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=1, draft_ahead=4, k_branches=2), {}),
+            ("tree d=2 k=4 K=2", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=2, draft_ahead=4, k_branches=2), {}),
+            ("tree d=2 k=4 K=2, tree rounds only", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=2, draft_ahead=4, k_branches=2), dict(adaptive=False)),
+            ("tree d=2 k=4 K=2 stepwise", SamplingParams(max_tokens=N, temperature=0, mode="tree_speculative", draft_loops=2, draft_ahead=4, k_branches=2), dict(adaptive=False, native_round=False))]
 run(plain)
 rows = []
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
@@ -48,9 +52,11 @@ for name, p, kw in settings:
     exact = all(a[0] == b[0] for a, b in zip(got, ref)) if "loops 3" not in name and name != "auto" else None
     acc = statistics.mean(s.get("acceptance_rate", 0) or 0 for _, s in got)
     k = [s.get("draft_ahead_chosen") for _, s in got]
+    shapes = [(s["tree_rounds"], s["chain_rounds"]) for _, s in got if "tree_rounds" in s] or None
     loops = statistics.mean(s.get("loops_used", 0) or 0 for _, s in got) if name == "auto" else None
     rows.append(dict(setting=name, tok_s=round(statistics.median(tps), 1), x_plain8=round(statistics.median(ratios), 3),
-                     acceptance=round(acc, 3), draft_ahead_chosen=k, mean_loops=loops, exact=exact))
+                     acceptance=round(acc, 3), draft_ahead_chosen=k, tree_chain_rounds=shapes, mean_loops=loops,
+                     exact=exact))
     print(rows[-1], flush=True)
 json.dump(dict(plain_tok_s=round(len(ids)*N/tp, 1), rows=rows),
           open(sys.argv[2] if len(sys.argv) > 2 else "spec_inprocess.json", "w"), indent=1)
