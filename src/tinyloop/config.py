@@ -33,6 +33,9 @@ class ModelConfig:
     n_coda: int
     vocab_size: int = 50257
     n_kv_heads: int | None = None  # None -> n_heads (no GQA)
+    # Width of one attention head. None -> dim // n_heads; set where n_heads * head_dim != dim (Nanbeige:
+    # 48 heads of 128 on a 3072 hidden, so q and the attention output are wider than the residual stream).
+    head_dim: int | None = None
     default_loops: int = 8
     max_loops: int = 64
     max_seq_len: int = 1024
@@ -65,12 +68,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         object.__setattr__(self, "n_kv_heads", kv)
+        explicit_head_dim = self.head_dim is not None
+        if self.n_heads > 0 and not explicit_head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         checks = [
             (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
-            (self.dim % self.n_heads == 0, f"dim {self.dim} must be divisible by n_heads {self.n_heads}"),
+            (explicit_head_dim or self.dim % self.n_heads == 0,
+             f"dim {self.dim} must be divisible by n_heads {self.n_heads} (or head_dim given)"),
             (kv > 0 and self.n_heads % kv == 0, f"n_heads {self.n_heads} must be a multiple of n_kv_heads {kv}"),
-            ((self.dim // self.n_heads) % 2 == 0, "head dim must be even (RoPE)"),
+            (self.head_dim > 0 and self.head_dim % 2 == 0, "head dim must be positive and even (RoPE)"),
             (self.ffn_dim > 0, "ffn_dim must be positive"),
             (self.n_prelude >= 0 and self.n_coda >= 0, "n_prelude and n_coda must be >= 0"),
             (self.n_core >= 1, "n_core must be >= 1"),
@@ -90,16 +97,15 @@ class ModelConfig:
                 raise ConfigError(msg)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def stop_token_ids(self) -> frozenset[int]:
         """Every id that ends generation (unless a request ignores EOS)."""
         return frozenset((self.eos_token_id, *self.eos_token_ids))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["head_dim"] == self.dim // self.n_heads:
+            del d["head_dim"]  # the default: headers of models with square attention stay as they were
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -115,6 +121,8 @@ class ModelConfig:
         return cls(**d)
 
     def replace(self, **kw: Any) -> "ModelConfig":
+        if "head_dim" not in kw and self.head_dim == self.dim // self.n_heads:
+            kw["head_dim"] = None  # the default head width follows a new dim / n_heads
         return dataclasses.replace(self, **kw)
 
     def param_count(self) -> int:

@@ -24,7 +24,12 @@ OURO_LIKE = BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement
                          head_norm=False, exit_gate=True, tie_embeddings=False, default_loops=4)
 HUGINN_LIKE = BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
                            injection="concat-adapter", loop_norm=False, post_loop_norm=True, default_loops=4)
-FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE}
+# Nanbeige: Llama pre-norm blocks looped with the final norm ending every loop (no head norm after it),
+# an untied head, GQA 6:2 with heads wider than dim / n_heads (q_proj and o_proj are 96 wide on a 64 dim)
+NANBEIGE_LIKE = BASE.replace(n_heads=6, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
+                             norm_placement="pre", loop_norm=True, head_norm=False, tie_embeddings=False,
+                             default_loops=2)
+FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE, "nanbeige-like": NANBEIGE_LIKE}
 
 
 def model_of(name: str):
@@ -45,6 +50,10 @@ def test_param_counts_and_config_checks():
         BASE.replace(norm_placement="post")
     with pytest.raises(ConfigError, match="head_norm"):
         BASE.replace(loop_norm=False, head_norm=False)
+    assert NANBEIGE_LIKE.head_dim * NANBEIGE_LIKE.n_heads == 96 != NANBEIGE_LIKE.dim
+    assert NANBEIGE_LIKE.replace(dim=128).head_dim == 16 and BASE.replace(dim=128).head_dim == 32
+    with pytest.raises(ConfigError, match="head dim"):
+        BASE.replace(head_dim=15)
     with pytest.raises(ConfigError, match="eos_token_ids"):
         BASE.replace(eos_token_ids=(600,))
     assert BASE.replace(eos_token_ids=[3, 4]).stop_token_ids == {511, 3, 4}
@@ -83,6 +92,9 @@ def hand_written(m, toks, loops):
         return (F.silu(x @ w.w_gate.weight.T) * (x @ w.w_up.weight.T)) @ w.w_down.weight.T
 
     def block(blk, x):
+        if cfg.norm_placement == "pre":
+            x = x + attn(blk, n(x, blk.attn_norm))
+            return x + mlp(blk, n(x, blk.mlp_norm))
         if cfg.norm_placement == "sandwich":
             x = x + n(attn(blk, n(x, blk.attn_norm)), blk.attn_out_norm)
             return x + n(mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
