@@ -51,17 +51,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the refere
 from reference_fixtures.common import (PINNED_TRANSFORMERS, REPO, corpus_text, log, report,  # noqa: E402
                                        tokenizers, torch, transformers)
 from reference_fixtures.huginn import make_huginn  # noqa: E402
+from reference_fixtures.nanbeige import make_nanbeige  # noqa: E402
 from reference_fixtures.ouro import make_ouro  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref-dir", required=True, type=Path, help="the families' reference code: ouro/, huginn/ (tests/fixtures/reference/README.md says where to get it)")
+    ap.add_argument("--ref-dir", required=True, type=Path, help="the families' reference code: ouro/, huginn/, nanbeige/ (tests/fixtures/reference/README.md says where to get it)")
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "reference")
     ap.add_argument("--corpus", type=Path, default=None, help="default: REF_DIR/../corpus")
     ap.add_argument("--seed", type=int, default=1234, help="first weight seed tried")
     ap.add_argument("--min-gap", type=float, default=0.05, help="smallest acceptable greedy top-1/top-2 gap")
-    ap.add_argument("--only", choices=["ouro", "huginn"], default=None)
+    ap.add_argument("--only", choices=["ouro", "huginn", "nanbeige"], default=None)
     args = ap.parse_args()
 
     if transformers.__version__ != PINNED_TRANSFORMERS:
@@ -78,7 +79,7 @@ def main() -> int:
         f"tokenizer corpus {len(text.encode())} bytes")
     with tempfile.TemporaryDirectory(prefix="tinyloop-ref-") as tmp:
         work = Path(tmp)
-        for fam, make in (("ouro", make_ouro), ("huginn", make_huginn)):
+        for fam, make in (("ouro", make_ouro), ("huginn", make_huginn), ("nanbeige", make_nanbeige)):
             if args.only and args.only != fam:
                 continue
             for seed in range(args.seed, args.seed + 50):

@@ -36,7 +36,8 @@ PROMPT_TEXT = "And the naïve king said"  # ï is two bytes in UTF-8 (two byte-l
 # Large enough that every loop count gives a different argmax, small enough that the fp32 reference stays within
 # a few 1e-5 of a float64 run at every loop count (checked: reference.json checks.float64_vs_float32_max_abs).
 # (Huginn at gain 1.5 is chaotic: fp32 vs float64 differ by 1e-2 after 8 recurrences, no engine could match it.)
-SCALES = {"ouro": {"gain": 1.0, "embed_std": 0.35}, "huginn": {"gain": 0.7, "embed_std": 0.5}}
+SCALES = {"ouro": {"gain": 1.0, "embed_std": 0.35}, "huginn": {"gain": 0.7, "embed_std": 0.5},
+          "nanbeige": {"gain": 0.8, "embed_std": 0.35}}
 
 # Files a converter reads; everything else in the temporary HF directory (the .py files) stays out.
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

@@ -32,9 +32,13 @@ class Chat:
 
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()   # OpenAI tool definitions, for templates that render them (`tools`)
+    # More variables for the template, as transformers' apply_chat_template(**kwargs) passes them
+    # (`enable_thinking`: Nanbeige's and Qwen-style templates). The template's own variables win.
+    template_kwargs: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
+        object.__setattr__(self, "template_kwargs", dict(self.template_kwargs or {}))
         if not self.messages:
             raise ChatTemplateError("messages: must contain at least one message")
 
@@ -84,9 +88,12 @@ def render_template(source: str, chat: Chat, *, bos_token: str | None = None, eo
     from jinja2 import TemplateError
 
     try:
-        extra = {"tools": [dict(t) for t in chat.tools]} if chat.tools else {}
-        return _compile(source).render(messages=[dict(m) for m in chat.messages], bos_token=bos_token or "",
-                                       eos_token=eos_token or "", add_generation_prompt=add_generation_prompt, **extra)
+        env = dict(chat.template_kwargs)
+        if chat.tools:
+            env["tools"] = [dict(t) for t in chat.tools]
+        env.update(messages=[dict(m) for m in chat.messages], bos_token=bos_token or "", eos_token=eos_token or "",
+                   add_generation_prompt=add_generation_prompt)
+        return _compile(source).render(**env)
     except ChatTemplateError:
         raise
     except TemplateError as exc:

@@ -398,11 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="default: %(default)s")
     n.set_defaults(func=_init)
 
-    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro or Huginn -> a .tinyloop file",
+    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro, Huginn or Nanbeige -> a .tinyloop file",
                         description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
                         "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
-                        "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants) or Huginn-0125 "
-                        "(model_type 'huginn_raven'). It downloads nothing (tinyloop pull does); see docs/models.md.")
+                        "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants), Huginn-0125 "
+                        "(model_type 'huginn_raven') or Nanbeige4.2 (model_type 'nanbeige'). It downloads nothing "
+                        "(tinyloop pull does); see docs/models.md.")
     cv.add_argument("src", help="the snapshot directory")
     cv.add_argument("out", help="the .tinyloop file to write")
     cv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

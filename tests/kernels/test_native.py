@@ -40,6 +40,9 @@ CONFIGS = {
                               loop_norm=True, head_norm=False, tie_embeddings=False, exit_gate=True),
     "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
                                 injection="concat-adapter", loop_norm=False, post_loop_norm=True),
+    # GQA 6:1 with heads wider than dim / n_heads (q and the attention output 192 wide on a 64 hidden)
+    "nanbeige-like": BASE.replace(n_heads=12, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
+                                  loop_norm=True, head_norm=False, tie_embeddings=False),
 }
 PAGE = 4
 

@@ -8,6 +8,10 @@ Families (recognised by `config.json`'s `model_type`, never by a name):
     huginn_raven  Huginn-0125: prelude, a recurrent block re-entered through a concat adapter from a zero
                   state, coda; norms after each residual add, q/k biases, a sqrt(dim) embedding scale,
                   interleaved RoPE, a tied head
+    nanbeige      Nanbeige4.2 (NanbeigeForCausalLM): `num_hidden_layers` Llama pre-norm layers run `num_loops`
+                  times, the final norm ending every loop (or only the last, `skip_loop_final_norm`), GQA with
+                  an explicit `head_dim` (q wider than the hidden size), half-split RoPE, an untied head; the
+                  options its code has but the released checkpoints leave off are refused by name
 
 Tensors stream shard by shard (`safetensors.safe_open`), each one cast to the target dtype as it is read,
 so the model is held once. Huginn's fused projections are split into TinyLoop's names and its
@@ -33,7 +37,7 @@ from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 
-FAMILIES = ("ouro", "huginn_raven")
+FAMILIES = ("ouro", "huginn_raven", "nanbeige")
 
 
 class ConvertError(ValueError):
@@ -96,6 +100,40 @@ def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
                        post_loop_norm=True, norm_placement="sandwich-residual", qk_bias=bool(hf.get("qk_bias", False)),
                        embed_scale=math.sqrt(d), state_init_std=float((hf.get("init_values") or {}).get(
                            "std", math.sqrt(2 / (5 * d)))),
+                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+
+
+# Options of Nanbeige's code that no released checkpoint turns on; each changes the forward (or the cache),
+# so a config that sets one is refused by name rather than converted into a different model.
+NANBEIGE_OFF = ("enable_double_loop_split", "loop_share_kv", "mhc_diff_for_loop", "enable_hyper_connection",
+                "enable_mhc", "enable_h_res_identity", "enable_depth_attention", "qk_layernorm",
+                "ngram_insert_all_layers", "ngram_compressed_tokenizer", "attention_bias", "mlp_bias")
+NANBEIGE_UNSET = ("emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio", "insert_ngram_layer_idx",
+                  "mhc_double_stream_position_for_loop")
+
+
+def nanbeige_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
+    on = [k for k in NANBEIGE_OFF if hf.get(k)] + [k for k in NANBEIGE_UNSET if hf.get(k) not in (None, [])]
+    _need(not on, src, f"{', '.join(f'{k} = {hf[k]!r}' for k in on)}: not supported (TinyLoop runs Nanbeige's "
+                       "plain loop: no LoopSplit, shared-loop KV, hyper-connections, depth attention, n-gram "
+                       "embeddings, q/k norms or biases)")
+    _need(hf.get("hidden_act", "silu") == "silu", src, f"hidden_act {hf.get('hidden_act')!r} (only silu is supported)")
+    scaling = hf.get("rope_scaling")
+    _need(not scaling or (scaling.get("rope_type", scaling.get("type")) in (None, "default")
+                          and float(scaling.get("factor", 1.0)) == 1.0),
+          src, f"rope_scaling {scaling!r} is not supported")
+    d, H = hf["hidden_size"], hf["num_attention_heads"]
+    weights = hf.get("loop_loss_weights") or []
+    steps = len(weights) + 1 if weights else int(hf.get("num_loops", 1))  # the reference's own rule
+    _need(steps >= 1, src, f"num_loops {steps} must be >= 1")
+    skip = bool(hf.get("skip_loop_final_norm", False))
+    return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
+                       head_dim=hf.get("head_dim") or d // H, ffn_dim=hf["intermediate_size"], n_prelude=0,
+                       n_core=hf["num_hidden_layers"], n_coda=0, vocab_size=hf["vocab_size"], default_loops=steps,
+                       max_loops=max(64, 4 * steps), max_seq_len=hf.get("max_position_embeddings", 4096),
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(hf.get("rope_theta", 10000.0)),
+                       mlp="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)), injection="none",
+                       norm_placement="pre", loop_norm=not skip, head_norm=skip,
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
@@ -181,6 +219,47 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
     return True
 
 
+LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
+               "self_attn.q_proj.weight": "attn.wq.weight", "self_attn.k_proj.weight": "attn.wk.weight",
+               "self_attn.v_proj.weight": "attn.wv.weight", "self_attn.o_proj.weight": "attn.wo.weight",
+               "mlp.gate_proj.weight": "mlp.w_gate.weight", "mlp.up_proj.weight": "mlp.w_up.weight",
+               "mlp.down_proj.weight": "mlp.w_down.weight"}
+
+
+def nanbeige_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
+    parts = name.split(".")
+    if name == "model.embed_tokens.weight":
+        emit("embed.weight", t)
+    elif name == "lm_head.weight":
+        if not cfg.tie_embeddings:
+            emit("lm_head.weight", t)
+    elif name == "model.norm.weight":
+        # the same norm ends every loop (loop_norm) or, with skip_loop_final_norm, only the last (head_norm)
+        emit("core_norm.weight" if cfg.loop_norm else "norm.weight", t)
+    elif name.startswith("model.layers.") and len(parts) >= 5:
+        i, rest = parts[2], ".".join(parts[3:])
+        if rest == "self_attn.rotary_emb.inv_freq":
+            _check_inv_freq(cfg, name, t)  # a patched checkpoint stores the RoPE buffer; TinyLoop recomputes it
+        elif rest in LLAMA_LAYER:
+            emit(f"core.{i}.{LLAMA_LAYER[rest]}", t)
+        else:
+            return False
+    else:
+        return False
+    return True
+
+
+def _check_inv_freq(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
+    """A stored RoPE `inv_freq` must be the one `rope_theta` and `head_dim` give (the reference computes it
+    in fp32: rel. error ~1e-7; bf16 storage rounds to 2^-9 relative): a zeroed buffer (a loader bug that
+    saved it so) or another theta would make the converted model differ from the checkpoint's own."""
+    D = cfg.head_dim
+    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    if tuple(t.shape) != (D // 2,) or not torch.allclose(t.double(), want, rtol=1e-2, atol=0):
+        raise ConvertError(f"{name} is not the RoPE frequencies of rope_theta {cfg.rope_theta:g} and head_dim {D} "
+                           f"(first values {t.flatten()[:3].tolist()}); the checkpoint would not run as saved")
+
+
 def shard_files(src: Path) -> list[Path]:
     index = src / "model.safetensors.index.json"
     if index.exists():
@@ -255,6 +334,10 @@ def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any]) -> HFToke
 
 
 # -- the whole conversion -----------------------------------------------------------------------------
+CONFIGS = {"ouro": ouro_config, "huginn_raven": huginn_config, "nanbeige": nanbeige_config}
+TENSORS = {"ouro": ouro_tensor, "huginn_raven": huginn_tensor, "nanbeige": nanbeige_tensor}
+
+
 def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
     """A checkpoint's config.json -> ModelConfig, or ConvertError saying why the architecture is not
     supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any."""
@@ -263,8 +346,7 @@ def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
         raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
                            f"reads ({', '.join(FAMILIES)})")
     try:
-        make_cfg = ouro_config if family == "ouro" else huginn_config
-        return make_cfg(hf, src, eos)
+        return CONFIGS[family](hf, src, eos)
     except KeyError as exc:
         raise ConvertError(f"{src / 'config.json'}: missing {exc.args[0]!r}") from None
     except (ConfigError, TypeError, ValueError) as exc:
@@ -309,7 +391,7 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
                 raise ConvertError(f"{src}: {name} has shape {list(t.shape)}, the config needs {list(shape)}")
             writer.add(name, t)
 
-        convert_one = ouro_tensor if family == "ouro" else huginn_tensor
+        convert_one = TENSORS[family]
         for name, t in iter_tensors(files, progress):
             if not convert_one(cfg, name, t, lambda n, x, src_name=name: _emit_named(emit, src_name, n, x)):
                 raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family}")
