@@ -26,6 +26,8 @@ Environment (see docs/server.md):
     TINYLOOP_PREFIX_CACHING 0 turns prefix caching off (default 1: full KV blocks shared across requests)
     TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
+    TINYLOOP_RESPONSES_STORE_SIZE  /v1/responses kept in memory for GET and previous_response_id, the least
+                            recently used first out (default 1000; 0 keeps none)
 """
 
 from __future__ import annotations
@@ -115,6 +117,13 @@ def _log_format_env(env: dict[str, str]) -> str:
     return value
 
 
+def _store_size_env(env: dict[str, str]) -> int:
+    value = _int_env(env, "TINYLOOP_RESPONSES_STORE_SIZE", 1000)
+    if value < 0:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_RESPONSES_STORE_SIZE must be 0 or more, got {value}")
+    return value
+
+
 @dataclass
 class Settings:
     model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
@@ -136,6 +145,7 @@ class Settings:
     max_tokens: int = MAX_TOKENS            # the largest max_tokens a request may ask for
     cors_origins: list[str] = field(default_factory=list)
     log_format: str = "text"                # text | json
+    responses_store_size: int = 1000        # stored /v1/responses (an in-memory LRU; 0: none)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -179,5 +189,6 @@ class Settings:
             max_tokens=_max_tokens_env(env),
             cors_origins=[o.strip() for o in env.get("TINYLOOP_CORS_ORIGINS", "").split(",") if o.strip()],
             log_format=_log_format_env(env),
+            responses_store_size=_store_size_env(env),
             warnings=warnings,
         )

@@ -1,0 +1,601 @@
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and
+`GET /v1/responses/{id}/input_items` (docs/server.md, "OpenAI Responses API").
+
+A thin translation onto the chat route, as server/anthropic.py translates Anthropic's Messages: a request
+becomes the `ChatCompletionRequest` it means (`instructions` a first system message; the conversation of
+`previous_response_id` and the `input` items as the chat route's messages: messages, an earlier answer's
+`function_call` items as an assistant's `tool_calls`, `function_call_output` items as `tool` messages; `tools`,
+`tool_choice`, `parallel_tool_calls`, `text.format`, `max_output_tokens` as `tools`, `tool_choice`,
+`parallel_tool_calls`, `response_format`, `max_tokens`), and goes through the same request plan, chat template,
+tool prompt, constraint and engine core (openai.chat_inputs, ServerState.submit). What comes back is read by the
+same tool-call parser as the chat route's answers (server/tool_stream.py), and its deltas become Responses'
+output items: a `message` with one `output_text` part, and `function_call` items whose arguments are held to
+the tool's parameters token by token. A streamed answer is the same items as typed events, each with its
+`sequence_number` (`response.created`, `response.in_progress`, `response.output_item.added`,
+`response.content_part.added`, `response.output_text.delta` / `.done`, `response.content_part.done`,
+`response.function_call_arguments.delta` / `.done`, `response.output_item.done`, then `response.completed`,
+or `response.incomplete` when max_output_tokens cut it short), so it adds up to the non-streamed answer by
+construction.
+
+Responses are stored (`store`, default true as OpenAI's) in a bounded in-memory LRU (`ResponseStore`,
+TINYLOOP_RESPONSES_STORE_SIZE): what `GET /v1/responses/{id}` returns and what `previous_response_id`
+continues (its input and output items; its `instructions` are not carried over, as OpenAI's are not).
+
+Errors take OpenAI's shape, and a malformed body is a 400 naming the field (no 422 here), as OpenAI answers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import anyio
+from fastapi import APIRouter, Query, Request
+
+from ..errors import ValidationError
+from .anthropic import AnthropicErrors, deltas_of, param_of
+from .errors import APIError, register_shape
+from .generation import collect, stream as sse_stream
+from .openai import chat_inputs, messages_error, state_of
+from .openai_responses_schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
+                                       FunctionCallOutputItem, FunctionTool, ItemReference, MessageItem,
+                                       ReasoningItem, ResponsesRequest)
+from .schemas import ChatCompletionRequest
+from .sse import Framer
+
+router = APIRouter()
+PREFIX = "/v1/responses"
+DEFAULT_STORE_SIZE = 1000
+
+
+# -- errors: OpenAI's shape, a malformed body a 400 ------------------------------------------------------------
+_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+class ResponsesErrors:
+    """errors.ErrorShape of the Responses API: OpenAI's error body; a malformed body is a 400 naming the field
+    (the field's name read from pydantic's location as the Messages API reads it: anthropic.param_of)."""
+
+    @staticmethod
+    def status(err: APIError) -> int:
+        return 400 if err.status == 422 else err.status
+
+    @staticmethod
+    def body(err: APIError) -> dict[str, Any]:
+        return err.body()
+
+    @staticmethod
+    def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
+        err = AnthropicErrors.from_pydantic(errors)
+        if err.param is None:   # not JSON at all
+            return APIError(400, err.message, code="invalid_json")
+        kinds = [e.get("type", "") for e in errors if param_of(e["loc"]) == err.param]
+        code = next((_CODES[k] for k in kinds if k in _CODES), None) or \
+            ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
+        message = err.message
+        if code == "unknown_parameter":
+            message = f"{err.param}: unknown parameter; this route takes OpenAI's Responses fields and TinyLoop's " \
+                      "knobs (docs/server.md)"
+        return APIError(400, message, param=err.param, code=code)
+
+
+register_shape(PREFIX, ResponsesErrors)
+
+# the chat route's names for what the Responses API calls otherwise
+PARAM_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens",
+               "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def renamed(exc: ValidationError) -> ValidationError:
+    """An error of the chat route's checks, naming the Responses API's field."""
+    exc = messages_error(exc)
+    param = exc.param or ""
+    name = PARAM_NAMES.get(param) or ("input" if param.startswith("messages[") else None)
+    if name is None:
+        return exc
+    message = name + exc.message.removeprefix(param) if exc.message.startswith(param) else exc.message
+    return ValidationError(message, param=name, code=exc.code)
+
+
+def _invalid(param: str, message: str, code: str | None = None) -> ValidationError:
+    return ValidationError(f"{param}: {message}", param=param, code=code)
+
+
+def not_found(response_id: str, param: str = "response_id", what: str = "Response") -> APIError:
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    return APIError(404, f"{what} with id {response_id!r} not found (never stored, stored with store: false, or "
+                         "evicted: the store keeps the last TINYLOOP_RESPONSES_STORE_SIZE responses)",
+                    param=param, code=code)
+
+
+# -- the store -------------------------------------------------------------------------------------------------
+@dataclass
+class Stored:
+    response: dict[str, Any]              # the response object, as POST returned it (or the stream's last event)
+    input_items: list[dict[str, Any]]     # this request's input items, with ids (GET .../input_items)
+    context: tuple[dict[str, Any], ...]   # the conversation a follow-up continues: earlier items, input, output
+
+
+class ResponseStore:
+    """The last `size` stored responses, in memory (least recently used first out; 0 keeps none). Touched
+    only from the event loop."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: Stored) -> None:
+        if self.size <= 0:
+            return
+        self._entries[entry.response["id"]] = entry
+        self._entries.move_to_end(entry.response["id"])
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> Stored | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of a stored response, by its id (an `item_reference`)."""
+        for entry in reversed(self._entries.values()):
+            for item in (*entry.input_items, *entry.response["output"]):
+                if item.get("id") == item_id:
+                    return item
+        return None
+
+
+def store_of(request: Request) -> ResponseStore:
+    app_state = request.app.state
+    store = getattr(app_state, "responses_store", None)
+    if store is None:
+        size = getattr(state_of(request).settings, "responses_store_size", DEFAULT_STORE_SIZE)
+        store = app_state.responses_store = ResponseStore(size)
+    return store
+
+
+# -- ids -------------------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+# -- the input, as items ---------------------------------------------------------------------------------------
+def _part_text(part, where: str) -> str:
+    if part.type not in TEXT_PARTS:
+        raise _invalid(f"{where}.type", f"{part.type!r} parts are not supported: the models this server serves read "
+                                        "text only (input_text, output_text)")
+    return part.refusal if part.type == "refusal" else part.text
+
+
+def _parts(content, where: str, kind: str) -> list[dict[str, Any]]:
+    """A message's content as parts of `kind` (input_text, or output_text for an assistant's)."""
+    if isinstance(content, str):
+        texts = [content]
+    else:
+        texts = [_part_text(p, f"{where}[{k}]") for k, p in enumerate(content)]
+    if kind == "output_text":
+        return [{"type": "output_text", "text": t, "annotations": [], "logprobs": []} for t in texts]
+    return [{"type": "input_text", "text": t} for t in texts]
+
+
+def input_items(body: ResponsesRequest, store: ResponseStore) -> list[tuple[str, dict[str, Any]]]:
+    """The request's `input` as items in OpenAI's full shape (ids given, strings as parts), each with its
+    place in the request (`input[3]`) for the errors about it."""
+    if body.input is None:
+        return []
+    if isinstance(body.input, str):
+        return [("input", {"type": "message", "id": new_id("msg"), "role": "user", "status": "completed",
+                           "content": [{"type": "input_text", "text": body.input}]})]
+    out = []
+    for i, item in enumerate(body.input):
+        where = f"input[{i}]"
+        if isinstance(item, MessageItem):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            out.append((where, {"type": "message", "id": item.id or new_id("msg"), "role": item.role,
+                                "status": item.status or "completed",
+                                "content": _parts(item.content, f"{where}.content", kind)}))
+        elif isinstance(item, FunctionCallItem):
+            out.append((where, {"type": "function_call", "id": item.id or new_id("fc"), "call_id": item.call_id,
+                                "name": item.name, "arguments": item.arguments, "status": item.status or "completed"}))
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else \
+                "".join(_part_text(p, f"{where}.output[{k}]") for k, p in enumerate(item.output))
+            out.append((where, {"type": "function_call_output", "id": item.id or new_id("fco"),
+                                "call_id": item.call_id, "output": output, "status": item.status or "completed"}))
+        elif isinstance(item, ReasoningItem):
+            out.append((where, item.model_dump()))
+        elif isinstance(item, ItemReference):
+            found = store.item(item.id)
+            if found is None:
+                raise _invalid(f"{where}.id", f"no stored response has an item with the id {item.id!r}")
+            out.append((where, found))
+        else:
+            raise _invalid(f"{where}.type", f"{item.type!r} items are not supported: this server takes message, "
+                                            "function_call, function_call_output, reasoning and item_reference items")
+    return out
+
+
+# -- the request, as the chat route's --------------------------------------------------------------------------
+def chat_messages(instructions: str | None, items: list[tuple[str | None, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Instructions and items as the chat route's messages: developer messages are system messages, an
+    earlier answer's function_call items its `tool_calls` (with the text before them, if any), function_call
+    outputs `tool` messages answering their calls; reasoning items are left out. `where` is None for items of
+    the previous response's conversation (checked when they were stored)."""
+    out: list[dict[str, Any]] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    calls: set[str] = set()
+    for where, item in items:
+        kind = item["type"]
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": "".join(p["text"] for p in item["content"])})
+        elif kind == "function_call":
+            if item["call_id"] in calls and where is not None:
+                raise _invalid(f"{where}.call_id", f"call ids must be unique; {item['call_id']!r} was used before")
+            calls.add(item["call_id"])
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item["call_id"] not in calls:
+                raise _invalid(f"{where}.call_id", f"no earlier function_call item has the call_id {item['call_id']!r}")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    if not out or all(m["role"] == "system" for m in out):
+        raise _invalid("input", "give at least one message (or a previous_response_id to continue)",
+                       code="missing_required_parameter")
+    return out
+
+
+def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as the chat route's."""
+    out: dict[str, Any] = {}
+    tools = body.tools
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, FunctionTool):
+            raise _invalid(f"tools[{i}].type", f"{t.type!r} tools are not served here: this server runs function "
+                                               "tools only (the client runs them)")
+    choice = body.tool_choice
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _invalid("tool_choice", f'must be "auto", "none", "required" or an object, got {choice!r}')
+        out["tool_choice"] = choice
+    elif isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function":
+            extra = set(choice) - {"type", "name"}
+            if not isinstance(choice.get("name"), str) or extra:
+                raise _invalid("tool_choice", '{"type": "function"} takes "name" (a string) and nothing else')
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind == "allowed_tools":
+            mode, allowed = choice.get("mode"), choice.get("tools")
+            if mode not in ("auto", "required") or not isinstance(allowed, list) or set(choice) - {"type", "mode", "tools"}:
+                raise _invalid("tool_choice", '{"type": "allowed_tools"} takes "mode" ("auto" or "required") and '
+                                              '"tools" (a list of {"type": "function", "name": ...})')
+            names = {t.name for t in tools or []}
+            keep = set()
+            for k, a in enumerate(allowed):
+                if not isinstance(a, dict) or a.get("type") != "function" or a.get("name") not in names:
+                    raise _invalid(f"tool_choice.tools[{k}]", 'must be {"type": "function", "name": <one of tools>}')
+                keep.add(a["name"])
+            tools = [t for t in tools if t.name in keep]
+            out["tool_choice"] = mode
+        else:
+            raise _invalid("tool_choice.type", f"{kind!r} is not supported: this server runs function tools only "
+                                               '("auto", "none", "required", {"type": "function", "name": ...} or '
+                                               '{"type": "allowed_tools", ...})')
+    if tools is not None:
+        out["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                        for t in tools]
+    if body.parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = body.parallel_tool_calls
+    return out
+
+
+def check_unsupported(body: ResponsesRequest) -> None:
+    """Fields OpenAI's API takes that this server does not act on, refused unless at their default."""
+    if body.background:
+        raise _invalid("background", "background responses are not supported: leave it false",
+                       code="unsupported_parameter")
+    if body.top_logprobs:
+        raise _invalid("top_logprobs", "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
+                       code="unsupported_parameter")
+    if body.max_tool_calls is not None and body.max_tool_calls < 1:
+        raise _invalid("max_tool_calls", f"must be at least 1, got {body.max_tool_calls}")
+    for k, value in enumerate(body.include or []):
+        if value == "message.output_text.logprobs":
+            raise _invalid(f"include[{k}]", "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
+                           code="unsupported_parameter")
+
+
+def to_chat(body: ResponsesRequest, model: str, items: list[tuple[str | None, dict[str, Any]]],
+            max_tokens: int) -> ChatCompletionRequest:
+    """The chat completion request a Responses request means."""
+    fields: dict[str, Any] = {"model": model, "messages": chat_messages(body.instructions, items), **chat_tools(body),
+                              "max_tokens": body.max_output_tokens or max_tokens, "temperature": body.temperature,
+                              "top_p": body.top_p, **body.knobs()}
+    fmt = body.text.format if body.text is not None else None
+    if isinstance(fmt, FormatJSONObject):
+        fields["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, FormatJSONSchema):
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name, "schema": fmt.schema_,
+            **{k: v for k, v in (("description", fmt.description), ("strict", fmt.strict)) if v is not None}}}
+    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+# -- the answer, as output items -------------------------------------------------------------------------------
+class Items:
+    """The chat route's deltas (`{"content": ...}`, tool call deltas: server/tool_stream.py) -> Responses'
+    output items and their events, `(type, data)` without `sequence_number`; `output` is the items as they
+    stand (the non-streamed answer: the same events, put together)."""
+
+    def __init__(self):
+        self.output: list[dict[str, Any]] = []
+        self.open: int | None = None          # the output index of the item being written
+        self.calls: dict[int, int] = {}       # the chat route's call index -> output index
+
+    def _start(self, item: dict[str, Any]) -> list[tuple[str, dict]]:
+        out = self.close("completed")
+        self.output.append(item)
+        self.open = len(self.output) - 1
+        return out + [("response.output_item.added", {"output_index": self.open, "item": copy.deepcopy(item)})]
+
+    def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict]]:
+        out: list[tuple[str, dict]] = []
+        text = delta.get("content")
+        if text:
+            if self.open is None or self.output[self.open]["type"] != "message":
+                item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                        "content": []}
+                out += self._start(item)
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                item["content"].append(part)
+                out.append(("response.content_part.added", {"item_id": item["id"], "output_index": self.open,
+                                                            "content_index": 0, "part": copy.deepcopy(part)}))
+            item = self.output[self.open]
+            item["content"][0]["text"] += text
+            out.append(("response.output_text.delta", {"item_id": item["id"], "output_index": self.open,
+                                                       "content_index": 0, "delta": text, "logprobs": []}))
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:
+                out += self._start({"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                                    "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
+                self.calls[call["index"]] = self.open
+            fragment = call["function"].get("arguments")
+            if fragment:
+                at = self.calls[call["index"]]
+                self.output[at]["arguments"] += fragment
+                out.append(("response.function_call_arguments.delta", {"item_id": self.output[at]["id"],
+                                                                       "output_index": at, "delta": fragment}))
+        return out
+
+    def close(self, status: Literal["completed", "incomplete"]) -> list[tuple[str, dict]]:
+        """The open item's end (`status`: "incomplete" when max_output_tokens cut it short), if one is open."""
+        if self.open is None:
+            return []
+        at, self.open = self.open, None
+        item = self.output[at]
+        item["status"] = status
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [("response.output_text.done", {"item_id": item["id"], "output_index": at, "content_index": 0,
+                                                   "text": part["text"], "logprobs": []}),
+                    ("response.content_part.done", {"item_id": item["id"], "output_index": at, "content_index": 0,
+                                                    "part": copy.deepcopy(part)})]
+        else:
+            out.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": at,
+                                                                  "name": item["name"], "arguments": item["arguments"]}))
+        return out + [("response.output_item.done", {"output_index": at, "item": copy.deepcopy(item)})]
+
+
+def usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's Responses usage: input_tokens count the prompt (cached_tokens: of them, read from the prefix
+    cache); these models produce no reasoning tokens."""
+    p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": stats.get("prompt_tokens_cached", 0)},
+            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+
+
+def response_object(body: ResponsesRequest, *, id: str, model: str, created_at: int, tools_shown: list[dict],
+                    status: str = "in_progress") -> dict[str, Any]:
+    """The response object as it starts (no output yet): every field OpenAI's has, the request's echoed."""
+    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"},
+            "verbosity": (body.text.verbosity if body.text is not None else None) or "medium"}
+    reasoning = body.reasoning.model_dump(exclude={"generate_summary"}) if body.reasoning is not None else \
+        {"effort": None, "summary": None}
+    return {"id": id, "object": "response", "created_at": created_at, "status": status, "background": False,
+            "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": model,
+            "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "prompt_cache_key": body.prompt_cache_key,
+            "reasoning": reasoning, "safety_identifier": body.safety_identifier, "service_tier": "default",
+            "store": body.store is not False, "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": text, "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": tools_shown, "top_logprobs": 0, "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation or "disabled", "usage": None, "user": body.user,
+            "metadata": body.metadata or {}}
+
+
+def finished(response: dict[str, Any], items: Items, finish_reason: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """The response once its answer ended: status, incomplete_details, output and usage."""
+    cut = finish_reason == "length"
+    out = dict(response, status="incomplete" if cut else "completed", output=copy.deepcopy(items.output),
+               usage=usage(stats), incomplete_details={"reason": "max_output_tokens"} if cut else None)
+    if not cut:
+        out["completed_at"] = int(time.time())
+    return out
+
+
+class ResponsesFramer(Framer):
+    """Responses' stream: `event: <type>` and `data: <json>` per event, every event with its sequence_number;
+    `on_done(response)` is called with the final response (to store it)."""
+
+    def __init__(self, *, response: dict[str, Any], tools, on_done: Callable[[dict[str, Any]], None]):
+        super().__init__(id=response["id"], created=response["created_at"], model=response["model"])
+        self.response, self.tools, self.on_done = response, tools, on_done
+        self.parser = tools.parser() if tools is not None else None
+        self.items = Items()
+        self.sequence = 0
+
+    def sse(self, kind: str, data: dict[str, Any]) -> bytes:
+        obj = {"type": kind, **data, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+            + b"\n\n"
+
+    def open(self) -> list[bytes]:
+        return [self.sse("response.created", {"response": self.response}),
+                self.sse("response.in_progress", {"response": self.response})]
+
+    def _frames(self, ev, final: bool) -> list[bytes]:
+        out = []
+        for d in deltas_of(self.tools, self.parser, ev.text, final):
+            out += [self.sse(kind, data) for kind, data in self.items.feed(d)]
+        return out
+
+    def event(self, ev) -> list[bytes]:
+        return self._frames(ev, final=False)
+
+    def close(self, ev) -> list[bytes]:
+        self.closed[ev.index] = ev.stats or {}
+        cut = ev.finish_reason == "length"
+        out = self._frames(ev, final=True)
+        out += [self.sse(kind, data) for kind, data in self.items.close("incomplete" if cut else "completed")]
+        final = finished(self.response, self.items, ev.finish_reason, ev.stats or {})
+        self.on_done(final)
+        return out + [self.sse("response.incomplete" if cut else "response.completed", {"response": final})]
+
+    def fail(self, err: APIError) -> list[bytes]:
+        """An `error` event (OpenAI's stream error: code, message, param), then `response.failed`."""
+        code = err.code or err.type
+        failed = dict(self.response, status="failed", output=copy.deepcopy(self.items.output),
+                      error={"code": "server_error" if err.status >= 500 else code, "message": err.message})
+        return [self.sse("error", {"code": code, "message": err.message, "param": err.param}),
+                self.sse("response.failed", {"response": failed})]
+
+
+def output_of(tools, result) -> Items:
+    """The non-streamed answer: the same deltas, the same items, as a stream of it would carry."""
+    items = Items()
+    parser = tools.parser() if tools is not None else None
+    for d in deltas_of(tools, parser, result.text, final=True):
+        items.feed(d)
+    items.close("incomplete" if result.finish_reason == "length" else "completed")
+    return items
+
+
+# -- the routes ------------------------------------------------------------------------------------------------
+@router.post(PREFIX, include_in_schema=False)
+async def create_response(body: ResponsesRequest, request: Request):
+    """max_output_tokens is a ceiling: past TINYLOOP_MAX_TOKENS it is refused; past the room the prompt leaves
+    in the context (and when it is not given) it is that room, at most TINYLOOP_MAX_TOKENS; an answer that
+    fills it is `incomplete` (reason max_output_tokens)."""
+    state = state_of(request)
+    store = store_of(request)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id)
+        if previous is None:
+            raise not_found(body.previous_response_id, "previous_response_id", "Previous response")
+    model = body.model or (previous.response["model"] if previous is not None else state.model_id)
+    state.check_model(model)
+    engine = state.worker.require_engine()
+    limit = state.settings.max_tokens
+    try:
+        check_unsupported(body)
+        given = input_items(body, store)
+        items = [(None, item) for item in (previous.context if previous is not None else ())] + given
+        chat = to_chat(body, model, items, limit)
+        params = chat.sampling_params()
+        prompt, params, tools = chat_inputs(engine, chat, params)
+        if params.max_tokens > limit:
+            raise ValidationError(f"max_output_tokens: {params.max_tokens} > {limit}, the most this server "
+                                  "generates (TINYLOOP_MAX_TOKENS)", param="max_output_tokens")
+        ids = await anyio.to_thread.run_sync(engine.encode_prompt, prompt)
+        room = engine.max_seq_len - len(ids)
+        if 0 < room < params.max_tokens:
+            params = params.replace(max_tokens=room)
+        handle = await state.submit(ids, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
+    except ValidationError as exc:
+        raise renamed(exc) from None
+    tools_shown = [{**t.model_dump(), "strict": True if t.strict is None else t.strict} for t in body.tools or []]
+    response = response_object(body, id=new_id("resp"), model=model, created_at=int(time.time()),
+                               tools_shown=tools_shown)
+    context = tuple(item for _, item in items)
+
+    def keep(final: dict[str, Any]) -> None:
+        if body.store is not False:
+            store.put(Stored(final, [item for _, item in given], context + tuple(final["output"])))
+
+    if body.stream:
+        return await sse_stream(handle, ResponsesFramer(response=response, tools=tools, on_done=keep),
+                            state.settings.keepalive_s)
+    (result,) = await collect(handle, request)
+    final = finished(response, output_of(tools, result), result.finish_reason, result.stats)
+    keep(final)
+    return final
+
+
+def _stored(request: Request, response_id: str) -> Stored:
+    entry = store_of(request).get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return entry
+
+
+@router.get(PREFIX + "/{response_id}", include_in_schema=False)
+async def get_response(response_id: str, request: Request, stream: bool = False,
+                       include: list[str] | None = Query(None)):
+    if stream:
+        raise APIError(400, "stream: replaying a stored response's events is not supported (background responses "
+                            "only, which this server does not run)", param="stream", code="unsupported_parameter")
+    return _stored(request, response_id).response
+
+
+@router.delete(PREFIX + "/{response_id}", include_in_schema=False)
+async def delete_response(response_id: str, request: Request):
+    if not store_of(request).delete(response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.get(PREFIX + "/{response_id}/input_items", include_in_schema=False)
+async def list_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                           after: str | None = None, include: list[str] | None = Query(None)):
+    """The input items of a stored response (this request's `input`, not those of previous_response_id's)."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit: must be in 1..100, got {limit}", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f'order: must be "asc" or "desc", got {order!r}', param="order", code="invalid_value")
+    items = list(_stored(request, response_id).input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((k for k, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise APIError(400, f"after: no input item of this response has the id {after!r}", param="after",
+                           code="invalid_value")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}
