@@ -17,6 +17,16 @@ class RoundCosts:
     def __init__(self):
         self.draft_ms: float | None = None
         self.verify_ms: dict[int, float] = {}
+        self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
+
+    def observe(self, k: int, accepted: int) -> None:
+        if k > 0:
+            self.accepted = 0.95 * self.accepted + accepted
+            self.proposed = 0.95 * self.proposed + tested(k, accepted)
+
+    def prior(self) -> float | None:
+        """The acceptance of this model's recent drafts, across requests (None before any)."""
+        return self.accepted / self.proposed if self.proposed > 0 else None
 
     def update(self, k: int, draft_ms: float, verify_ms: float) -> None:
         if k > 0:
@@ -40,6 +50,13 @@ class RoundCosts:
         return self.verify_ms[near] + slope * (k - near)
 
 
+def tested(k: int, accepted: int) -> int:
+    """The drafts a round of k put to the test: the accepted ones and the first rejected one. Drafts after
+    a rejection are never checked, so counting them as failures would bias the acceptance low, the more
+    the longer the draft (a geometric acceptance's maximum-likelihood estimate counts these)."""
+    return min(k, accepted + 1)
+
+
 _ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -55,11 +72,13 @@ class DraftPolicy:
     same tokens, so the choice changes the speed and never the output.
 
     A round of k drafts yields E(k) = 1 + a + ... + a^k tokens on average when each draft is accepted with
-    probability a (the decayed acceptance of this request's drafting rounds, with Jeffreys' prior), and costs
+    probability a (the decayed acceptance of this request's drafting rounds, with Jeffreys' prior, starting
+    from the model's recent acceptance across requests, worth PRIOR drafts), and costs
     k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
-    The policy takes the (shape, k) with the most tokens per millisecond. k = 0 is plain decoding in one
-    call; while it is chosen, a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that
-    a request whose drafts start to agree gets speculation back; while drafting pays, every 8th round takes
+    The policy takes the (shape, k) with the most tokens per millisecond, and k = 0 (plain decoding in one
+    call) only where it is faster than that (MARGIN times, once its cost is measured); while it is chosen,
+    a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that a request whose
+    drafts start to agree gets speculation back; while drafting pays, every 8th round takes
     the next of (shape, 1..draft_ahead) in turn, so that a cost measured once under load (or not yet: costs
     are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
@@ -67,6 +86,8 @@ class DraftPolicy:
 
     DECAY = 0.9
     EXPLORE = 8
+    PRIOR = 4
+    MARGIN = 1.1
 
     def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None,
                  pipeline_costs: RoundCosts | None = None, prefer_pipeline: bool = False):
@@ -78,7 +99,10 @@ class DraftPolicy:
         if pipeline_costs is not None:
             self.tables[True] = pipeline_costs
         self.pipeline = prefer_pipeline and pipeline_costs is not None   # the shape of the round chosen last
-        self.acc = self.prop = 0.0
+        # a new request starts from the model's recent acceptance, worth PRIOR drafts of evidence (its own
+        # rounds outweigh it within a few rounds); before any, Jeffreys' prior alone
+        p = self.tables[False].prior()
+        self.acc, self.prop = (self.PRIOR * p, float(self.PRIOR)) if p is not None else (0.0, 0.0)
         self.idle, self.probe_every = 0, 8
         self.chosen: list[int] = []
 
@@ -110,10 +134,16 @@ class DraftPolicy:
             for pipe, c in self.tables.items():
                 if not self._timed(c):
                     continue
-                for k in range(0 if not pipe else 1, cap + 1):   # (k = 0 is the chain's plain pass)
+                for k in range(1, cap + 1):
                     rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (pipe, k), rate
+            # k = 0 (the chain's plain pass) teaches nothing about the drafts: once its cost is measured it is
+            # taken only when it beats the best draft length clearly, not on a near tie that one unlucky round
+            # produced; before, its estimate (the cheapest verification measured) already overstates its cost
+            chain = self.tables[False]
+            if 1.0 / chain.verify(0) > best_rate * (self.MARGIN if 0 in chain.verify_ms else 1.0):
+                best = (False, 0)
             self.pipeline, k = best
             self.rounds += 1
             if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other choice in turn, so that
@@ -136,7 +166,8 @@ class DraftPolicy:
         """The round just run (of the shape `pipeline` says)."""
         if k > 0:   # (evidence ages only as new evidence comes: plain rounds say nothing about drafts)
             self.acc = self.DECAY * self.acc + accepted
-            self.prop = self.DECAY * self.prop + k
+            self.prop = self.DECAY * self.prop + tested(k, accepted)
+        self.tables[False].observe(k, accepted)
         self.costs.update(k, draft_ms, verify_ms)
 
 
