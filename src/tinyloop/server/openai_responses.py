@@ -55,6 +55,11 @@ DEFAULT_STORE_SIZE = 1000
 
 # -- errors: OpenAI's shape, a malformed body a 400 ------------------------------------------------------------
 _CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+_FORMAT_TAGS = {"text", "json_object", "json_schema"}   # text.format's tagged union puts its tag after "format"
+
+
+def _untagged(loc) -> tuple:
+    return tuple(p for k, p in enumerate(loc) if not (k and loc[k - 1] == "format" and p in _FORMAT_TAGS))
 
 
 class ResponsesErrors:
@@ -71,6 +76,7 @@ class ResponsesErrors:
 
     @staticmethod
     def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
+        errors = [{**e, "loc": _untagged(e.get("loc", ()))} for e in errors]
         err = AnthropicErrors.from_pydantic(errors)
         if err.param is None:   # not JSON at all
             return APIError(400, err.message, code="invalid_json")
@@ -99,6 +105,8 @@ def renamed(exc: ValidationError) -> ValidationError:
     if name is None:
         return exc
     message = name + exc.message.removeprefix(param) if exc.message.startswith(param) else exc.message
+    if name == "input":
+        message = message.replace("the messages", "the input")
     return ValidationError(message, param=name, code=exc.code)
 
 
@@ -329,7 +337,7 @@ def to_chat(body: ResponsesRequest, model: str, items: list[tuple[str | None, di
             max_tokens: int) -> ChatCompletionRequest:
     """The chat completion request a Responses request means."""
     fields: dict[str, Any] = {"model": model, "messages": chat_messages(body.instructions, items), **chat_tools(body),
-                              "max_tokens": body.max_output_tokens or max_tokens, "temperature": body.temperature,
+                              "max_tokens": max_tokens if body.max_output_tokens is None else body.max_output_tokens, "temperature": body.temperature,
                               "top_p": body.top_p, **body.knobs()}
     fmt = body.text.format if body.text is not None else None
     if isinstance(fmt, FormatJSONObject):
