@@ -154,6 +154,45 @@ def test_a_download_cut_halfway_resumes_where_it_stopped(hub, tmp_path):
     assert store_files(hub) == ["ByteDance--Ouro-tiny.tinyloop"]
 
 
+def test_pull_and_serve_nanbeige_over_http(hub):
+    """Nanbeige4.2's tiny snapshot (chat_template.jinja as its own file, as the Hub repository has it) pulled
+    and served: greedy tokens at every recorded depth equal the reference code's, and a chat request's
+    prompt is the reference's rendering of its template (thinking on: the template's default)."""
+    repo = "Nanbeige/Nanbeige4.2-tiny"
+    hub.repos[repo] = Repo(FIXTURES / "nanbeige-tiny")
+    r = tinyloop(hub, "pull", repo, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    gets = [p.rsplit("/", 1)[-1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+    assert "chat_template.jinja" in gets
+    ref = json.loads((FIXTURES / "nanbeige-tiny" / "reference.json").read_text())
+    port = _free_port()
+    env = {**os.environ, **hub.env}
+    env.pop("TINYLOOP_MODEL_PATH", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", "--port", str(port), "--model",
+                             f"hf:{repo}", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_health(url, proc)
+        stop = set(ref["eos"]["stop_on"])
+        for k in ref["loops"]:  # at 3 and 4 loops the greedy tokens reach <|im_end|>: served, they stop there
+            want = ref["runs"][str(k)]["greedy_ids"]
+            cut = next((i for i, t in enumerate(want) if t in stop), len(want))
+            body = {"prompt": ref["prompt"]["ids"], "max_tokens": len(want), "loops": k, "temperature": 0}
+            got = httpx.post(url + "/generate", json=body, timeout=60).json()
+            assert got.get("tokens") == want[:cut], (k, got)
+            assert got["finish_reason"] == ("stop" if cut < len(want) else "length")
+        case = next(c for c in ref["chat_template"]["cases"] if not c["template_kwargs"])
+        got = httpx.post(url + "/tokenize", json={"messages": case["messages"]}, timeout=60).json()
+        assert got["tokens"] == case["ids"]
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": "tinyloop", "messages": case["messages"],
+                                                              "max_tokens": 4, "temperature": 0}, timeout=60).json()
+        assert chat.get("usage", {}).get("prompt_tokens") == len(case["ids"]), chat
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
 def test_an_interrupted_pull_resumes_on_the_next_one(hub):
     # a pull that fails part way (the Hub goes away) leaves no model file; the next one fetches only what
     # the Hugging Face cache does not hold yet (the completed shard is kept)
