@@ -224,6 +224,35 @@ def test_tool_call_round_trip(client, server):
     assert chained.output_text == want and chained.previous_response_id == r.id
 
 
+def test_namespaces_and_hosted_tools(client):
+    """What Codex sends: function tools in a namespace (offered as function tools; a call names its namespace)
+    and hosted tools (web_search: accepted, not offered to the model), with client_metadata."""
+    agents = {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [CLOCK]}
+    kw = dict(model=MODEL, input="What time is it?", max_output_tokens=48, temperature=0,
+              tools=[WEATHER, agents, {"type": "web_search", "external_web_access": False}],
+              extra_body={"client_metadata": {"turn_id": "t1"}})
+    r = client.responses.create(**kw, tool_choice={"type": "function", "name": "now"})
+    (call,) = r.output
+    assert (call.type, call.name, call.namespace, call.arguments) == ("function_call", "now", "agents", "{}")
+    assert [t.type for t in r.tools] == ["function", "namespace", "web_search"]
+    with client.responses.stream(**kw, tool_choice={"type": "function", "name": "now"}) as s:
+        final = s.get_final_response()
+    assert final.output[0].namespace == "agents"
+    # the call (with its namespace) and its output go back
+    back = client.responses.create(**{**kw, "input": [*[o.model_dump(exclude_none=True) for o in r.output],
+                                                      {"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": "noon"}]}, tool_choice="none")
+    assert [o.type for o in back.output] == ["message"]
+    only_hosted = client.responses.create(**{**kw, "tools": [{"type": "web_search"}]}, tool_choice="auto")
+    assert [o.type for o in only_hosted.output] == ["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{**kw, "tools": [WEATHER, {"type": "namespace", "name": "x", "tools": [WEATHER]}]})
+    openai_error(e.value, "invalid_value", "tools[1].tools[0].name", "unique")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{**kw, "tools": [{"type": "custom", "name": "apply_patch"}]})
+    openai_error(e.value, "invalid_value", "tools[0].type", "custom")
+
+
 def same_tools():
     return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
             for t in (WEATHER, CLOCK)]
@@ -351,7 +380,7 @@ def test_bad_input_is_a_400_naming_the_field(client, server):
          "input[0].call_id", "call_nope"),
         (dict(input=[{"type": "item_reference", "id": "msg_nope"}]), "invalid_value", "input[0].id", "msg_nope"),
         (dict(input=[]), "missing_required_parameter", "input"),
-        (dict(tools=[{"type": "web_search"}]), "invalid_value", "tools[0].type", "function tools only"),
+        (dict(tools=[{"type": "local_shell"}]), "invalid_value", "tools[0].type", "function tools only"),
         (dict(tools=[{**WEATHER, "parameters": {"type": "string"}}]), "invalid_value", "tools"),
         (dict(tool_choice="always", tools=[WEATHER]), "invalid_value", "tool_choice", "always"),
         (dict(tool_choice={"type": "function", "name": "nope"}, tools=[WEATHER]), "invalid_value", "tool_choice", "nope"),
@@ -475,4 +504,4 @@ def test_codex_exec_runs_a_turn(tmp_path, tokenizer):
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "CODEX_HOME": str(home), "TINYLOOP_KEY": KEY}
         run = subprocess.run([CODEX, "exec", "--skip-git-repo-check", "Say hi"], env=env, cwd=tmp_path,
                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "Hi there." in run.stdout, (run.stdout[-2000:], run.stderr[-2000:])
+    assert run.returncode == 0 and run.stdout.strip() == "Hi there.", (run.stdout[-2000:], run.stderr[-2000:])

@@ -44,7 +44,7 @@ from .generation import collect, stream as sse_stream
 from .openai import chat_inputs, messages_error, state_of
 from .openai_responses_schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
                                        FunctionCallOutputItem, FunctionTool, ItemReference, MessageItem,
-                                       ReasoningItem, ResponsesRequest)
+                                       NamespaceTool, ReasoningItem, ResponsesRequest)
 from .schemas import ChatCompletionRequest
 from .sse import Framer
 
@@ -217,7 +217,8 @@ def input_items(body: ResponsesRequest, store: ResponseStore) -> list[tuple[str,
                                 "content": _parts(item.content, f"{where}.content", kind)}))
         elif isinstance(item, FunctionCallItem):
             out.append((where, {"type": "function_call", "id": item.id or new_id("fc"), "call_id": item.call_id,
-                                "name": item.name, "arguments": item.arguments, "status": item.status or "completed"}))
+                                "name": item.name, "arguments": item.arguments, "status": item.status or "completed",
+                                **({"namespace": item.namespace} if item.namespace is not None else {})}))
         elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else \
                 "".join(_part_text(p, f"{where}.output[{k}]") for k, p in enumerate(item.output))
@@ -272,14 +273,40 @@ def chat_messages(instructions: str | None, items: list[tuple[str | None, dict[s
     return out
 
 
+# tools OpenAI's servers run: not offered to the model (no server-side tool runs here), accepted so that clients
+# that send them by default (Codex: web_search) work
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                "file_search", "code_interpreter", "image_generation", "mcp", "computer_use_preview", "computer",
+                "tool_search")
+
+
+def function_tools(body: ResponsesRequest) -> list[tuple[FunctionTool, str | None]]:
+    """The function tools the model is offered, each with its namespace (None at the top level)."""
+    out: list[tuple[FunctionTool, str | None]] = []
+    where: dict[str, str] = {}
+    for i, t in enumerate(body.tools or []):
+        if isinstance(t, FunctionTool):
+            found = [(f"tools[{i}]", t, None)]
+        elif isinstance(t, NamespaceTool):
+            found = [(f"tools[{i}].tools[{j}]", f, t.name) for j, f in enumerate(t.tools)]
+        elif t.type in HOSTED_TOOLS:
+            continue
+        else:
+            raise _invalid(f"tools[{i}].type", f"{t.type!r} tools are not served here: this server offers function "
+                                               "tools only (and namespaces of them); hosted tools "
+                                               f"({', '.join(HOSTED_TOOLS[:2])}, ...) are accepted and not offered")
+        for place, f, ns in found:
+            if f.name in where:
+                raise _invalid(f"{place}.name", f"tool names must be unique; {f.name!r} is {where[f.name]}'s too")
+            where[f.name] = place
+            out.append((f, ns))
+    return out
+
+
 def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     """`tools`, `tool_choice` and `parallel_tool_calls` as the chat route's."""
     out: dict[str, Any] = {}
-    tools = body.tools
-    for i, t in enumerate(tools or []):
-        if not isinstance(t, FunctionTool):
-            raise _invalid(f"tools[{i}].type", f"{t.type!r} tools are not served here: this server runs function "
-                                               "tools only (the client runs them)")
+    tools = [f for f, _ in function_tools(body)]
     choice = body.tool_choice
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
@@ -297,7 +324,7 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
             if mode not in ("auto", "required") or not isinstance(allowed, list) or set(choice) - {"type", "mode", "tools"}:
                 raise _invalid("tool_choice", '{"type": "allowed_tools"} takes "mode" ("auto" or "required") and '
                                               '"tools" (a list of {"type": "function", "name": ...})')
-            names = {t.name for t in tools or []}
+            names = {t.name for t in tools}
             keep = set()
             for k, a in enumerate(allowed):
                 if not isinstance(a, dict) or a.get("type") != "function" or a.get("name") not in names:
@@ -309,9 +336,11 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
             raise _invalid("tool_choice.type", f"{kind!r} is not supported: this server runs function tools only "
                                                '("auto", "none", "required", {"type": "function", "name": ...} or '
                                                '{"type": "allowed_tools", ...})')
-    if tools is not None:
+    if tools:
         out["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                         for t in tools]
+    elif body.tools and out.get("tool_choice") == "auto":   # only hosted tools: nothing to choose from
+        del out["tool_choice"]
     if body.parallel_tool_calls is not None:
         out["parallel_tool_calls"] = body.parallel_tool_calls
     return out
@@ -355,7 +384,8 @@ class Items:
     output items and their events, `(type, data)` without `sequence_number`; `output` is the items as they
     stand (the non-streamed answer: the same events, put together)."""
 
-    def __init__(self):
+    def __init__(self, namespaces: dict[str, str] | None = None):
+        self.namespaces = namespaces or {}    # a namespaced function's name -> its namespace
         self.output: list[dict[str, Any]] = []
         self.open: int | None = None          # the output index of the item being written
         self.calls: dict[int, int] = {}       # the chat route's call index -> output index
@@ -384,8 +414,10 @@ class Items:
                                                        "content_index": 0, "delta": text, "logprobs": []}))
         for call in delta.get("tool_calls") or []:
             if "id" in call:
+                name = call["function"]["name"]
+                ns = {"namespace": self.namespaces[name]} if name in self.namespaces else {}
                 out += self._start({"id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                                    "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
+                                    "call_id": call["id"], "name": name, **ns, "arguments": ""})
                 self.calls[call["index"]] = self.open
             fragment = call["function"].get("arguments")
             if fragment:
@@ -458,11 +490,12 @@ class ResponsesFramer(Framer):
     """Responses' stream: `event: <type>` and `data: <json>` per event, every event with its sequence_number;
     `on_done(response)` is called with the final response (to store it)."""
 
-    def __init__(self, *, response: dict[str, Any], tools, on_done: Callable[[dict[str, Any]], None]):
+    def __init__(self, *, response: dict[str, Any], tools, on_done: Callable[[dict[str, Any]], None],
+                 namespaces: dict[str, str] | None = None):
         super().__init__(id=response["id"], created=response["created_at"], model=response["model"])
         self.response, self.tools, self.on_done = response, tools, on_done
         self.parser = tools.parser() if tools is not None else None
-        self.items = Items()
+        self.items = Items(namespaces)
         self.sequence = 0
 
     def sse(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -502,9 +535,9 @@ class ResponsesFramer(Framer):
                 self.sse("response.failed", {"response": failed})]
 
 
-def output_of(tools, result) -> Items:
+def output_of(tools, result, namespaces: dict[str, str] | None = None) -> Items:
     """The non-streamed answer: the same deltas, the same items, as a stream of it would carry."""
-    items = Items()
+    items = Items(namespaces)
     parser = tools.parser() if tools is not None else None
     for d in deltas_of(tools, parser, result.text, final=True):
         items.feed(d)
@@ -546,7 +579,9 @@ async def create_response(body: ResponsesRequest, request: Request):
         handle = await state.submit(ids, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
     except ValidationError as exc:
         raise renamed(exc) from None
-    tools_shown = [{**t.model_dump(), "strict": True if t.strict is None else t.strict} for t in body.tools or []]
+    namespaces = {f.name: ns for f, ns in function_tools(body) if ns is not None}
+    tools_shown = [{**t.model_dump(), "strict": True if t.strict is None else t.strict}
+                   if isinstance(t, FunctionTool) else t.model_dump() for t in body.tools or []]
     response = response_object(body, id=new_id("resp"), model=model, created_at=int(time.time()),
                                tools_shown=tools_shown)
     context = tuple(item for _, item in items)
@@ -556,10 +591,11 @@ async def create_response(body: ResponsesRequest, request: Request):
             store.put(Stored(final, [item for _, item in given], context + tuple(final["output"])))
 
     if body.stream:
-        return await sse_stream(handle, ResponsesFramer(response=response, tools=tools, on_done=keep),
+        return await sse_stream(handle, ResponsesFramer(response=response, tools=tools, on_done=keep,
+                                                               namespaces=namespaces),
                             state.settings.keepalive_s)
     (result,) = await collect(handle, request)
-    final = finished(response, output_of(tools, result), result.finish_reason, result.stats)
+    final = finished(response, output_of(tools, result, namespaces), result.finish_reason, result.stats)
     keep(final)
     return final
 

@@ -85,6 +85,7 @@ class FunctionCallItem(Closed):
     call_id: str
     name: str
     arguments: str = Field(description="the arguments as a JSON string, as the output gave them")
+    namespace: str | None = None
     id: str | None = None
     status: Status | None = None
 
@@ -134,14 +135,25 @@ class FunctionTool(Closed):
     strict: bool | None = Field(None, description="accepted: the arguments are always held to parameters")
 
 
+class NamespaceTool(Closed):
+    """A group of function tools (Codex's sub-agent tools): offered to the model as function tools; a call of one
+    names its namespace (`function_call.namespace`)."""
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
 class OtherTool(BaseModel):
-    """OpenAI's hosted tools (web_search, file_search, ...) and custom tools: refused naming the tool."""
+    """OpenAI's hosted tools (web_search, file_search, ...: not offered to the model, as no server-side tool runs
+    here) and client tools without a function's shape (custom, shell, ...: refused naming the tool)."""
     model_config = OPEN
     type: str
 
 
-ToolDef = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[OtherTool, Tag("other")]],
-                    _tagged(None, ("function",))]
+ToolDef = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+                          Annotated[OtherTool, Tag("other")]],
+                    _tagged(None, ("function", "namespace"))]
 
 
 # -- text.format, reasoning ------------------------------------------------------------------------------------
@@ -215,6 +227,7 @@ class ResponsesRequest(LoopKnobs, Closed):
     background: bool | None = Field(None, description="false only")
     max_tool_calls: Int | None = rng(lo=1, description="accepted; no effect (no built-in tools run here)")
     metadata: dict[str, str] | None = Field(None, description="echoed; no effect")
+    client_metadata: dict[str, Any] | None = Field(None, description="accepted; no effect (Codex sends it)")
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = Field(None, description="accepted; the prefix cache is automatic")
