@@ -451,12 +451,106 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
         }
 }
 
+// The eight int32 vectors a[0..7] -> one vector of their lane sums, a[j]'s in lane j (exact integers).
+static inline __m256i hsum8_epi32(const __m256i* a) {
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// int8 weights with fewer than eight groups a row (a per-channel int8 head: 50,257 x 256 on the shipped
+// model, whose outputs are many and short): eight weight rows at a time against each input row in turn
+// (the block's 8 x K codes stay in L1 from the first input row on), the eight int32 sums of a span reduced
+// together and scaled, offset by the zero points and stored as one vector. qq_tile's epilogue (horizontal
+// sums, scales gathered and the zero-point correction per output) cost ~3x its dot products at K = 256.
+// Lane j computes exactly what qq_tile computes for weight row n + j: the same int32 sums, t = fma(I_a,
+// d_a * s, t) span by span, corr = fma(s_g * (z_g - 128), X_g, corr) group by group (NG < 8: qq_zero_corr's
+// scalar order), y = t - corr; so the result is bitwise the same as the other tiles' and AMX's.
+// Returns where it stopped: the rows [n, n1) left over (fewer than eight) go to the tiles.
+static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs,
+                    const float* X, int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group, NS = P.NS, S = P.S;   // (no SPLIT: a span is one block, NA == NS)
+    const uint8_t* codes = (const uint8_t*)L->w;
+#if !TL_VNNI
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+#endif
+    const int* const g0 = P.g0.data();
+    alignas(32) float sT[8 * 8], zT[8 * 8];   // (NG, 8): the block's weight scales and zero points - 128
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        for (int g = 0; g < NG; ++g)
+            for (int j = 0; j < 8; ++j) {
+                sT[g * 8 + j] = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
+                zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - 128.f;
+            }
+        const uint8_t* w = codes + (int64_t)n * K;
+        for (int r = 0; r < m; ++r) {
+            const int8_t* xr = xq + (int64_t)r * K;
+            __m256 t = _mm256_setzero_ps();
+            for (int s = 0; s < NS; ++s) {
+                __m256i acc[8];
+#if TL_VNNI512   // 64 columns a weight row in one vpdpbusd on 512-bit vectors: half the instructions
+                __m512i acc5[8];
+                for (int j = 0; j < 8; ++j) acc5[j] = _mm512_setzero_si512();
+                for (int c = s * S; c < (s + 1) * S; c += 64) {
+                    if (r == 0)   // four blocks ahead (from cache or memory: 1.3x at two input rows)
+                        for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (int64_t)(32 + j) * K + c), _MM_HINT_T0);
+                    const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; ++j)
+                        acc5[j] = _mm512_dpbusd_epi32(acc5[j], _mm512_loadu_si512((const void*)(w + (int64_t)j * K + c)), x);
+                }
+                for (int j = 0; j < 8; ++j)   // (the lanes' sums are exact integers: any order gives the same)
+                    acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[j]), _mm512_extracti64x4_epi64(acc5[j], 1));
+#else
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+                for (int c = s * S; c < (s + 1) * S; c += 64) {
+                    if (r == 0)
+                        for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (int64_t)(32 + j) * K + c), _MM_HINT_T0);
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; ++j) {
+                        const __m256i wa = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + c));
+                        const __m256i wb = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + c + 32));
+#if TL_VNNI   // unsigned codes c: sum c q here, less 128 sum q below
+                        acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
+#else         // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
+                        const __m256i fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
+                        const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(fa, fa), _mm256_sign_epi8(x0, fa));
+                        const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(fb, fb), _mm256_sign_epi8(x1, fb));
+                        acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                           _mm256_madd_epi16(p1, ones)));
+#endif
+                    }
+                }
+#endif
+                __m256i I = hsum8_epi32(acc);
+#if TL_VNNI
+                I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NS + s]));
+#endif
+                const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(xd[(int64_t)r * NS + s]), _mm256_load_ps(sT + g0[s] * 8));
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), sc, t);
+            }
+            __m256 corr = _mm256_setzero_ps();
+            for (int g = 0; g < NG; ++g)
+                corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(sT + g * 8), _mm256_load_ps(zT + g * 8)),
+                                       _mm256_set1_ps(X[(int64_t)r * NG + g]), corr);
+            _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
+        }
+    }
+    return n;
+}
+
 // m input rows: 4 x 2 tiles, then 2 x 2, then a last row against four weight rows at a time (streamed
 // weights: one weight row at a time, one sequential stream)
+// (int8 weights with few groups: qq_rows8 first)
 template <int BITS, bool SPLIT>
-void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* X, int m, float* y,
-             int ldy, int n0, int n1) {
+void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,
+             int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
+    if (BITS == 8 && !SPLIT && NG < 8) n0 = qq_rows8(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    if (n0 >= n1) return;
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
         qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
@@ -697,15 +791,16 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
                 X[(int64_t)r * NG + g] = t;
             }
-        if (m >= (AB == 32 ? AMX_MIN_ROWS_SPLIT : AMX_MIN_ROWS) && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+        const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 && NG < 8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
+        if (m >= amx_min && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
         thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
         qq_plan(L, AB == 32, plan);
         const QQPlan& P = plan;
         tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
             const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
-            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, X, m, y, ldy, n0, n1);
-            else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, X, m, y, ldy, n0, n1);
-            else qq_rows<4, false>(L, xq, P, xd, X, m, y, ldy, n0, n1);
+            if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+            else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+            else qq_rows<4, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
         });
         return;
     }

@@ -13,12 +13,16 @@
 // forms (no saturation either way: matmul.cpp), so both builds compute bit-identical layers.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TL_VNNI 1
+#define TL_VNNI512 1   // and on 512-bit vectors (matmul.cpp qq_rows8)
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
 #define TL_VNNI 1
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 #define TL_VNNI 0
+#endif
+#ifndef TL_VNNI512
+#define TL_VNNI512 0
 #endif
 #define TL_W 8
 typedef __m256 vf;
