@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the tiny Ouro / Huginn reference fixtures (tests/fixtures/reference/) by RUNNING the reference code.
+"""Build the tiny Ouro / Huginn / Nanbeige reference fixtures (tests/fixtures/reference/) by RUNNING the reference code.
 
     python3 -m venv /tmp/refvenv
     /tmp/refvenv/bin/pip install torch==2.13.0 transformers==4.57.6 tokenizers safetensors jinja2
@@ -7,8 +7,9 @@
         [--out tests/fixtures/reference] [--corpus data/corpus]
 
 Runs under that separate virtual environment (NOT the project's .venv, and it never imports tinyloop): the
-reference modelling code of both families (`--ref-dir`: ouro/{configuration,modeling}_ouro.py and
-huginn/raven_{config,modeling}_minimal.py) is loaded exactly as users load it: the two .py files are copied
+reference modelling code of the families (`--ref-dir`: ouro/{configuration,modeling}_ouro.py,
+huginn/raven_{config,modeling}_minimal.py and nanbeige/{configuration,modeling}_nanbeige.py with its
+chat_template.jinja) is loaded exactly as users load it: the two .py files are copied
 next to config.json in a TEMPORARY Hugging Face directory whose config.json carries an `auto_map`, and
 `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True, dtype=torch.float32)` runs it with
 HF_HUB_OFFLINE=1. The .py files are never written into the fixture directories (the project does not carry
@@ -16,7 +17,8 @@ the reference code); the fixture directories hold only what a converter reads: c
 generation_config.json, *.safetensors (+ index), tokenizer.json, tokenizer_config.json,
 special_tokens_map.json, plus the recorded reference.json and reference_logits.safetensors.
 
-For each family (OUT/ouro-tiny, OUT/huginn-tiny):
+For each family (OUT/ouro-tiny, OUT/huginn-tiny; OUT/nanbeige-tiny is built by reference_fixtures/nanbeige.py,
+whose docstring says how it differs: per-loop cache checks, both norm rules, its template as its own file):
   * a tiny config with the family's real key names (written by the family's own config class);
   * seeded random weights (own generator, not the reference init), large enough that the loop count changes
     the next-token argmax; Ouro as one model.safetensors with an untied lm_head, Huginn as two shards plus

@@ -1,9 +1,14 @@
 """The tiny Nanbeige4.2 fixture: a config with the real key names and `auto_map`, one model.safetensors
 (untied head; GQA 12:2 with head_dim 16 on a 64 hidden, so q_proj is 3x wider than the hidden size, the real
-model's 6:1 query-to-kv ratio), a ChatML tokenizer with its special tokens at the end of the vocabulary, the
-checkpoint's own chat template in chat_template.jinja (as the Hub repository ships it), and the reference
-runs at 1, 2, 3 and 4 loops, with the final norm after every loop and (the same weights) with
-`skip_loop_final_norm`."""
+model's 6:1 query-to-kv ratio; 2 layers looped `num_loops` 2 times), a ChatML tokenizer with its special
+tokens at the end of the vocabulary, the checkpoint's own chat template in chat_template.jinja (as the Hub
+repository ships it), and the reference runs at 1, 2, 3 and 4 loops, with the final norm after every loop and
+(the same weights) with `skip_loop_final_norm`.
+
+The remote code's `generate(use_cache=True)` fails on transformers 4.57 (`Cache.get_max_length`): cached
+decoding is checked through its forward with an explicit DynamicCache, which it fills per loop (slot
+`layer + loop * num_hidden_layers`), against full no-cache forwards. A seed must give every depth its own
+greedy continuation under both norm rules, besides the common greedy-gap rule."""
 
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ CODE_FILES = ["configuration_nanbeige.py", "modeling_nanbeige.py"]
 FIXTURE_FILES = ["config.json", "generation_config.json", "model.safetensors", "chat_template.jinja"]
 LOOPS = [1, 2, 3, 4]
 TEMPLATE_SOURCE = (
-    "github johnhalloran321/Nanbeige4.2-3B-mps-fix at a8de726, patch/chat_template.jinja: byte-identical to the Hub "
-    "repository's chat_template.jinja (Nanbeige/Nanbeige4.2-3B at 5d54321e, per that repository's README); the Hub "
-    "file itself is not reachable from here"
+    "github johnhalloran321/Nanbeige4.2-3B-mps-fix at a8de726, patch/chat_template.jinja: a copy of the Hub "
+    "repository's chat_template.jinja (Nanbeige/Nanbeige4.2-3B at 5d54321e); that repository's README says its "
+    "template file is byte-identical to the original (its system-prompt fix patches the rendered text, not the "
+    "file). The Hub file itself is not reachable from here"
 )
 # ChatML specials, then the template's tags as plain added tokens (matched in text, kept by decode)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -179,6 +185,7 @@ def make_nanbeige(ref_dir: Path, work: Path, out: Path, text: str, seed: int, mi
             inv = m.model.layers[0].self_attn.rotary_emb.inv_freq
             assert float(inv.min()) > 0, "the reference's RoPE buffer was zeroed on load (MPS_FIX_NOTES bug 4)"
             checks["attn_implementation"] = m.config._attn_implementation
+            checks["rope_inv_freq_as_loaded"] = inv.tolist()  # not zeroed by this transformers (MPS_FIX_NOTES bug 4)
         pl = fwd(m)(prompt_ids)
         g_ids, gaps = greedy(fwd(m), prompt_ids, GREEDY_TOKENS)
         c_ids, cdiff = cached_greedy(m, prompt_ids, GREEDY_TOKENS)
@@ -221,7 +228,8 @@ def make_nanbeige(ref_dir: Path, work: Path, out: Path, text: str, seed: int, mi
         "seed": seed,
         "prompt": {"text": PROMPT_TEXT, "ids": prompt_ids},
         "vocab_size": VOCAB,
-        "loop_parameter": "num_loops (from_pretrained(..., num_loops=k)); skip_norm_* runs add skip_loop_final_norm=True",
+        "loop_parameter": ("num_loops (from_pretrained(..., num_loops=k)); skip_norm_* runs add "
+                           "skip_loop_final_norm=True"),
         "default_loops": cfg["num_loops"],
         "loops": LOOPS,
         "runs": runs,

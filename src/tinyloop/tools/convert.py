@@ -117,6 +117,11 @@ def nanbeige_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfi
     _need(not on, src, f"{', '.join(f'{k} = {hf[k]!r}' for k in on)}: not supported (TinyLoop runs Nanbeige's "
                        "plain loop: no LoopSplit, shared-loop KV, hyper-connections, depth attention, n-gram "
                        "embeddings, q/k norms or biases)")
+    quant = hf.get("quantization_config")
+    method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+    _need(not quant, src, f"quantization_config {method!r}: a pre-quantized checkpoint (the FP8 / GPTQ-Int8 "
+                          "variants) is not converted; convert the 16-bit one and run tinyloop quantize "
+                          "(or pull NAME:int4)")
     _need(hf.get("hidden_act", "silu") == "silu", src, f"hidden_act {hf.get('hidden_act')!r} (only silu is supported)")
     scaling = hf.get("rope_scaling")
     _need(not scaling or (scaling.get("rope_type", scaling.get("type")) in (None, "default")
