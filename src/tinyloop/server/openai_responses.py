@@ -321,7 +321,8 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
             out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         elif kind == "allowed_tools":
             mode, allowed = choice.get("mode"), choice.get("tools")
-            if mode not in ("auto", "required") or not isinstance(allowed, list) or set(choice) - {"type", "mode", "tools"}:
+            if mode not in ("auto", "required") or not isinstance(allowed, list) \
+                    or set(choice) - {"type", "mode", "tools"}:
                 raise _invalid("tool_choice", '{"type": "allowed_tools"} takes "mode" ("auto" or "required") and '
                                               '"tools" (a list of {"type": "function", "name": ...})')
             names = {t.name for t in tools}
@@ -366,8 +367,8 @@ def to_chat(body: ResponsesRequest, model: str, items: list[tuple[str | None, di
             max_tokens: int) -> ChatCompletionRequest:
     """The chat completion request a Responses request means."""
     fields: dict[str, Any] = {"model": model, "messages": chat_messages(body.instructions, items), **chat_tools(body),
-                              "max_tokens": max_tokens if body.max_output_tokens is None else body.max_output_tokens, "temperature": body.temperature,
-                              "top_p": body.top_p, **body.knobs()}
+                              "max_tokens": max_tokens if body.max_output_tokens is None else body.max_output_tokens,
+                              "temperature": body.temperature, "top_p": body.top_p, **body.knobs()}
     fmt = body.text.format if body.text is not None else None
     if isinstance(fmt, FormatJSONObject):
         fields["response_format"] = {"type": "json_object"}
@@ -442,8 +443,8 @@ class Items:
                     ("response.content_part.done", {"item_id": item["id"], "output_index": at, "content_index": 0,
                                                     "part": copy.deepcopy(part)})]
         else:
-            out.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": at,
-                                                                  "name": item["name"], "arguments": item["arguments"]}))
+            out.append(("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": at, "name": item["name"], "arguments": item["arguments"]}))
         return out + [("response.output_item.done", {"output_index": at, "item": copy.deepcopy(item)})]
 
 
