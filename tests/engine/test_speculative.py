@@ -350,6 +350,23 @@ def test_draft_policy_follows_acceptance_and_costs():
     assert [fixed.choose(4) for _ in range(5)] + [fixed.choose(2)] == [4, 4, 4, 4, 4, 2]
 
 
+def test_round_costs_ignore_a_preempted_round():
+    """A round the OS preempted (a few ms more, now and then, on a busy host) does not move a cost: each is
+    the median of its recent samples, so one slow sample among steady ones leaves it where it was, and a
+    cost that really changes follows within half the window. The acceptance counts only the drafts a
+    round tested (the accepted ones and the first rejected one)."""
+    from tinyloop.engine.draft_policy import RoundCosts, tested
+
+    c = RoundCosts()
+    for ms in (3.0, 3.0, 9.0, 3.0, 3.0):
+        c.update(4, 4 * 0.35, ms)
+    assert c.verify_ms[4] == 3.0 and c.draft_ms == 0.35
+    for _ in range(c.WINDOW // 2 + 1):
+        c.update(4, 4 * 0.35, 5.0)
+    assert c.verify_ms[4] == 5.0
+    assert [tested(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
+
+
 def test_draft_policy_picks_the_faster_round_shape():
     """With both round shapes on offer the policy times each and settles on the faster one, trying the
     other now and then."""

@@ -4,7 +4,9 @@ per model and setting) and each request's choice of draft length from them and i
 
 from __future__ import annotations
 
+import statistics
 import weakref
+from collections import deque
 
 from ..model import LoopedTransformer
 
@@ -14,9 +16,13 @@ class RoundCosts:
     the time of one draft and of a verification by draft length k. Shared by every request of the model
     (`round_costs`): a property of the machine and the model, not of the request."""
 
+    WINDOW = 9   # the recent samples a cost is the median of
+
     def __init__(self):
         self.draft_ms: float | None = None
         self.verify_ms: dict[int, float] = {}
+        self._drafts: deque[float] = deque(maxlen=self.WINDOW)
+        self._verifies: dict[int, deque[float]] = {}
         self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
 
     def observe(self, k: int, accepted: int) -> None:
@@ -29,11 +35,15 @@ class RoundCosts:
         return self.accepted / self.proposed if self.proposed > 0 else None
 
     def update(self, k: int, draft_ms: float, verify_ms: float) -> None:
+        """A round's measured times. Each cost is the median of its last WINDOW samples: a round the OS
+        preempted (2-4 ms more on a 2-core host with anything else running, every few rounds) moves a mean
+        for many rounds and would keep the draft length it happened to hit out of the choice."""
         if k > 0:
-            per = draft_ms / k
-            self.draft_ms = per if self.draft_ms is None else 0.8 * self.draft_ms + 0.2 * per
-        old = self.verify_ms.get(k)
-        self.verify_ms[k] = verify_ms if old is None else 0.8 * old + 0.2 * verify_ms
+            self._drafts.append(draft_ms / k)
+            self.draft_ms = statistics.median(self._drafts)
+        q = self._verifies.setdefault(k, deque(maxlen=self.WINDOW))
+        q.append(verify_ms)
+        self.verify_ms[k] = statistics.median(q)
 
     def verify(self, k: int) -> float:
         """Measured, or estimated: k = 0 (one plain pass) only from itself; k >= 1 from the nearest measured
