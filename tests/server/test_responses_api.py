@@ -423,6 +423,41 @@ def test_bad_input_is_a_400_naming_the_field(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
 
 
+def test_bodies_and_events_validate_against_the_sdk_types(server):
+    """Every body and stream event, validated (strictly: required fields, types, enums) against the openai SDK's
+    own models, which OpenAI generates from its OpenAPI document."""
+    from pydantic import TypeAdapter
+    from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    events = TypeAdapter(ResponseStreamEvent)
+    bodies = [{"input": HELLO, "max_output_tokens": 6},
+              {"input": HELLO, "max_output_tokens": 64, "tools": [WEATHER, CLOCK], "tool_choice": "required"},
+              {"input": [{"role": "user", "content": HELLO}], "instructions": "Be brief.", "max_output_tokens": 8,
+               "text": {"format": {"type": "json_schema", "name": "pet", "schema": PET}}, "metadata": {"a": "b"},
+               "reasoning": {"effort": "low"}}]
+    for body in bodies:
+        r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        Response.model_validate(r.json())
+        got = httpx.get(server.url + f"/v1/responses/{r.json()['id']}/input_items", headers=auth).json()
+        assert got["object"] == "list"
+        for item in got["data"]:
+            TypeAdapter(ResponseItem).validate_python(item)
+        r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body, "stream": True}, headers=auth,
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for raw in r.text.split("\n\n")[:-1]:
+            name, data = raw.split("\n")
+            obj = json.loads(data.removeprefix("data: "))
+            assert name == f"event: {obj['type']}"
+            events.validate_python(obj)
+    created = json.loads(r.text.split("\n\n")[0].split("\n")[1].removeprefix("data: "))["response"]
+    framer = ResponsesFramer(response=created, tools=None, on_done=lambda r: None)
+    for frame in framer.fail(APIError(500, "the engine failed", code="engine_error")):
+        events.validate_python(json.loads(frame.decode().split("\n")[1][6:]))
+
+
 def test_api_keys(server):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
