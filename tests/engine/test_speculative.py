@@ -367,6 +367,25 @@ def test_round_costs_ignore_a_preempted_round():
     assert [tested(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
 
 
+def test_draft_policy_times_plain_before_trusting_drafts():
+    """A request that finds round costs measured by earlier ones (a long chain round, cheap pipeline
+    rounds) but never a plain round measures one before weighing drafts against it: on drafts that always
+    fail it then settles on plain rounds, instead of pipeline rounds of one draft that each cost a little
+    more than a plain token (the 1.4B shape's 0.87x)."""
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
+
+    chain, pipe = RoundCosts(), RoundCosts()
+    chain.update(3, 30.0, 300.0)                     # a fixed chain round of three drafts, earlier
+    for k in (1, 2, 3):
+        pipe.update(k, 0.0, 150.0 + 10 * k)          # pipeline rounds (their whole time, by k)
+    pol = DraftPolicy(4, costs=chain, pipeline_costs=pipe, prefer_pipeline=True)
+    for _ in range(100):
+        k = pol.choose(4)
+        ms = 150.0 if k == 0 else 150.0 + 10 * k if pol.pipeline else 100.0 + 70 * k
+        pol.update(k, 0, 0.0 if pol.pipeline or k == 0 else 10.0 * k, ms)
+    assert pol.chosen[20:].count(0) > 0.8 * 80
+
+
 def test_draft_policy_picks_the_faster_round_shape():
     """With both round shapes on offer the policy times each and settles on the faster one, trying the
     other now and then."""

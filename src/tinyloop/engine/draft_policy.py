@@ -86,13 +86,14 @@ class DraftPolicy:
     from the model's recent acceptance across requests, worth PRIOR drafts), and costs
     k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
     The policy takes the (shape, k) with the most tokens per millisecond, and k = 0 (plain decoding in one
-    call) only where it is faster than that (MARGIN times, once its cost is measured); while it is chosen,
+    call) only where it is faster than that (by a margin as large as the acceptance times MARGIN - 1);
+    while it is chosen,
     a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that a request whose
     drafts start to agree gets speculation back; while drafting pays, every 8th round takes
     the next of (shape, 1..draft_ahead) in turn, so that a cost measured once under load (or not yet: costs
     are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
-    several plain tokens on a model whose depths disagree)."""
+    several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
 
     DECAY = 0.9
     EXPLORE = 8
@@ -138,6 +139,11 @@ class DraftPolicy:
         untimed = [p for p, c in self.tables.items() if not self._timed(c) and (not p or self.acc > 0)]
         if untimed:
             self.pipeline, k = untimed[0], min(cap, 1)
+        elif 0 not in self.tables[False].verify_ms and cap > 0:
+            # plain's own cost, once per model and setting (a plain round is never slower than plain): the
+            # choice below weighs every draft length against it, and an estimate of it from other rounds
+            # (a pipeline round of one draft costs about a plain token) could keep k = 1 forever
+            self.pipeline, k = False, 0
         else:
             a = min(self.acceptance, 0.999)
             best, best_rate = (False, 0), -1.0
@@ -148,11 +154,10 @@ class DraftPolicy:
                     rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (pipe, k), rate
-            # k = 0 (the chain's plain pass) teaches nothing about the drafts: once its cost is measured it is
-            # taken only when it beats the best draft length clearly, not on a near tie that one unlucky round
-            # produced; before, its estimate (the cheapest verification measured) already overstates its cost
-            chain = self.tables[False]
-            if 1.0 / chain.verify(0) > best_rate * (self.MARGIN if 0 in chain.verify_ms else 1.0):
+            # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
+            # it is taken only when it beats the best draft length clearly (by MARGIN at acceptance 1), not on
+            # a near tie that one unlucky round produced; where they keep failing, on any lead
+            if 1.0 / self.tables[False].verify(0) > best_rate * (1.0 + (self.MARGIN - 1.0) * a):
                 best = (False, 0)
             self.pipeline, k = best
             self.rounds += 1
