@@ -540,3 +540,10 @@ def test_codex_exec_runs_a_turn(tmp_path, tokenizer):
         run = subprocess.run([CODEX, "exec", "--skip-git-repo-check", "Say hi"], env=env, cwd=tmp_path,
                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "Hi there.", (run.stdout[-2000:], run.stderr[-2000:])
+
+
+def test_store_size_setting():
+    assert Settings.from_env({}).responses_store_size == 1000
+    assert Settings.from_env({"TINYLOOP_RESPONSES_STORE_SIZE": "0"}).responses_store_size == 0
+    with pytest.raises(SystemExit, match="TINYLOOP_RESPONSES_STORE_SIZE"):
+        Settings.from_env({"TINYLOOP_RESPONSES_STORE_SIZE": "-1"})
