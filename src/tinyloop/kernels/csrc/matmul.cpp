@@ -451,105 +451,191 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
         }
 }
 
-// The eight int32 vectors a[0..7] -> one vector of their lane sums, a[j]'s in lane j (exact integers).
-static inline __m256i hsum8_epi32(const __m256i* a) {
-    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+// an 8 x 8 float transpose in registers: a[i] lane j <- a[j] lane i (exact: values are only moved)
+static inline void transpose8(__m256* a) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        a[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
 }
 
-// int8 weights with fewer than eight groups a row (a per-channel int8 head: 50,257 x 256 on the shipped
-// model, whose outputs are many and short): eight weight rows at a time against each input row in turn
-// (the block's 8 x K codes stay in L1 from the first input row on), the eight int32 sums of a span reduced
-// together and scaled, offset by the zero points and stored as one vector. qq_tile's epilogue (horizontal
-// sums, scales gathered and the zero-point correction per output) cost ~3x its dot products at K = 256.
-// Lane j computes exactly what qq_tile computes for weight row n + j: the same int32 sums, t = fma(I_a,
-// d_a * s, t) span by span, corr = fma(s_g * (z_g - 128), X_g, corr) group by group (NG < 8: qq_zero_corr's
-// scalar order), y = t - corr; so the result is bitwise the same as the other tiles' and AMX's.
+// The eight int32 vectors a[0..7] -> their lane sums, a[j]'s in lane j: of lanes 0-3 (lo) and of lanes 4-7
+// (hi) apart, or all eight (exact integers either way).
+static inline void hsum8_halves(const __m256i* a, __m256i* lo, __m256i* hi) {
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    *lo = _mm256_permute2x128_si256(h0, h1, 0x20);
+    *hi = _mm256_permute2x128_si256(h0, h1, 0x31);
+}
+
+// Eight weight rows at a time against each input row in turn (the block's 8 x K codes stay in L1 from the
+// first input row on): the int32 sums of each activation block for the eight rows reduced together (a
+// transposed reduction), then scaled, offset by the zero points and stored as one vector. The 4 x 2 tiles'
+// epilogue (horizontal sums, scales gathered and the zero-point correction, per output: qq_tile) costs more
+// than their products where outputs are many and short: the int8 head (50,257 x 256) and the int4 layers
+// of groups of 32 (their sums are scaled every 32 columns). Lane j computes exactly what qq_tile computes
+// for weight row n + j: the same int32 sums, t = fma(I_a, d_a * s_g(a), t) block by block, the zero points'
+// correction in qq_zero_corr's order (eight partial sums over g mod 8 added as vsum adds them, then the
+// rest one by one), y = t - corr; so the result is bitwise the other tiles' and AMX's.
 // Returns where it stopped: the rows [n, n1) left over (fewer than eight) go to the tiles.
+template <int BITS, bool SPLIT>
 static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs,
                     const float* X, int m, float* y, int ldy, int n0, int n1) {
-    const int K = L->k, NG = K / L->group, NS = P.NS, S = P.S;   // (no SPLIT: a span is one block, NA == NS)
+    const int K = L->k, NG = K / L->group, NS = P.NS, S = SPLIT ? 64 : P.S, NA = K / act_block(L->group);
+    const int NG8 = NG / 8 * 8;
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
     const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    (void)low4; (void)xs;
 #if !TL_VNNI
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
 #endif
     const int* const g0 = P.g0.data();
-    alignas(32) float sT[8 * 8], zT[8 * 8];   // (NG, 8): the block's weight scales and zero points - 128
+    const int* const g1 = P.g1.data();
+    thread_local std::vector<float> tb;   // (NG, 8) twice: the block's weight scales, its zero points (- 128)
+    tb.resize((size_t)16 * NG);
+    float* const sT = tb.data();
+    float* const zT = sT + (size_t)8 * NG;
     int n = n0;
     for (; n + 8 <= n1; n += 8) {
-        for (int g = 0; g < NG; ++g)
+        int g = 0;
+        for (; g + 8 <= NG; g += 8) {   // eight groups of the eight rows at a time, transposed in registers
+            __m256 sv[8], zv[8];
+            for (int j = 0; j < 8; ++j) {
+                sv[j] = vload_f16(L->scales + (int64_t)(n + j) * NG + g);
+                zv[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + (int64_t)(n + j) * NG + g))));
+                if (BITS == 8) zv[j] = _mm256_sub_ps(zv[j], _mm256_set1_ps(128.f));
+            }
+            transpose8(sv);
+            transpose8(zv);
+            for (int l = 0; l < 8; ++l) {
+                _mm256_storeu_ps(sT + (g + l) * 8, sv[l]);
+                _mm256_storeu_ps(zT + (g + l) * 8, zv[l]);
+            }
+        }
+        for (; g < NG; ++g)
             for (int j = 0; j < 8; ++j) {
                 sT[g * 8 + j] = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - 128.f;
+                zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 8 ? 128.f : 0.f);
             }
-        const uint8_t* w = codes + (int64_t)n * K;
+        const uint8_t* w = codes + (int64_t)n * row_bytes;
         for (int r = 0; r < m; ++r) {
             const int8_t* xr = xq + (int64_t)r * K;
+            const float* dr = xd + (int64_t)r * NA;
             __m256 t = _mm256_setzero_ps();
             for (int s = 0; s < NS; ++s) {
                 __m256i acc[8];
-#if TL_VNNI512   // 64 columns a weight row in one vpdpbusd on 512-bit vectors: half the instructions
-                __m512i acc5[8];
-                for (int j = 0; j < 8; ++j) acc5[j] = _mm512_setzero_si512();
-                for (int c = s * S; c < (s + 1) * S; c += 64) {
-                    if (r == 0)   // four blocks ahead (from cache or memory: 1.3x at two input rows)
-                        for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (int64_t)(32 + j) * K + c), _MM_HINT_T0);
-                    const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
+#if TL_VNNI512
+                if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
+                    __m512i a5[8];
+                    for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
+                    for (int c = s * S; c < (s + 1) * S; c += 64) {
+                        if (r == 0)   // four blocks ahead (from cache or memory)
+                            for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (32 + j) * row_bytes + c), _MM_HINT_T0);
+                        const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
 #pragma GCC unroll 8
+                        for (int j = 0; j < 8; ++j)
+                            a5[j] = _mm512_dpbusd_epi32(a5[j], _mm512_loadu_si512((const void*)(w + j * row_bytes + c)), x);
+                    }
                     for (int j = 0; j < 8; ++j)
-                        acc5[j] = _mm512_dpbusd_epi32(acc5[j], _mm512_loadu_si512((const void*)(w + (int64_t)j * K + c)), x);
-                }
-                for (int j = 0; j < 8; ++j)   // (the lanes' sums are exact integers: any order gives the same)
-                    acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[j]), _mm512_extracti64x4_epi64(acc5[j], 1));
-#else
-                for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-                for (int c = s * S; c < (s + 1) * S; c += 64) {
-                    if (r == 0)
-                        for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (int64_t)(32 + j) * K + c), _MM_HINT_T0);
-                    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
-#pragma GCC unroll 8
-                    for (int j = 0; j < 8; ++j) {
-                        const __m256i wa = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + c));
-                        const __m256i wb = _mm256_loadu_si256((const __m256i*)(w + (int64_t)j * K + c + 32));
-#if TL_VNNI   // unsigned codes c: sum c q here, less 128 sum q below
-                        acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
-#else         // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
-                        const __m256i fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
-                        const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(fa, fa), _mm256_sign_epi8(x0, fa));
-                        const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(fb, fb), _mm256_sign_epi8(x1, fb));
-                        acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
-                                                                           _mm256_madd_epi16(p1, ones)));
+                        acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(a5[j]), _mm512_extracti64x4_epi64(a5[j], 1));
+                } else
 #endif
+                {
+                    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+                    for (int c = s * S; c < (s + 1) * S; c += 64) {
+                        const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
+                        if (r == 0 && (BITS == 8 || L->streamed))   // (int4 layers in cache: not worth it)
+                            for (int j = 0; j < 8; ++j)
+                                for (int l = 0; l < BITS / 4; ++l)
+                                    _mm_prefetch((const char*)(at + (32 + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
+#pragma GCC unroll 8
+                        for (int j = 0; j < 8; ++j) {
+                            __m256i wa, wb;   // int4: low / high nibbles (even / odd columns); int8: two 32s
+                            if (BITS == 4) {
+                                const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                                wa = _mm256_and_si256(raw, low4);
+                                wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                            } else {
+                                wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                                wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
+                            }
+#if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
+                            acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
+#else
+                            if (BITS == 4) {
+                                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
+                                    _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
+                            } else {   // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
+                                const __m256i fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
+                                const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(fa, fa), _mm256_sign_epi8(x0, fa));
+                                const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(fb, fb), _mm256_sign_epi8(x1, fb));
+                                acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                                   _mm256_madd_epi16(p1, ones)));
+                            }
+#endif
+                        }
                     }
                 }
-#endif
-                __m256i I = hsum8_epi32(acc);
+                __m256i lo, hi;
+                hsum8_halves(acc, &lo, &hi);
+                if (SPLIT) {   // two 32-column blocks: lanes 0-3 the first, 4-7 the second
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s]),
+                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s + 1]),
+                                        _mm256_loadu_ps(sT + g1[s] * 8)), t);
+                } else {
+                    __m256i I = _mm256_add_epi32(lo, hi);
 #if TL_VNNI
-                I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NS + s]));
+                    if (BITS == 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + s]));
 #endif
-                const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(xd[(int64_t)r * NS + s]), _mm256_load_ps(sT + g0[s] * 8));
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), sc, t);
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_set1_ps(dr[s]),
+                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                }
             }
-            __m256 corr = _mm256_setzero_ps();
-            for (int g = 0; g < NG; ++g)
-                corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(sT + g * 8), _mm256_load_ps(zT + g * 8)),
-                                       _mm256_set1_ps(X[(int64_t)r * NG + g]), corr);
+            const float* Xr = X + (int64_t)r * NG;
+            __m256 part[8];   // qq_zero_corr's eight lanes (groups g mod 8), for the eight weight rows
+            for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
+            for (int g = 0; g < NG8; g += 8)
+                for (int l = 0; l < 8; ++l)
+                    part[l] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + (g + l) * 8), _mm256_loadu_ps(zT + (g + l) * 8)),
+                                              _mm256_set1_ps(Xr[g + l]), part[l]);
+            // vsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+            __m256 corr = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
+                                        _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
+            for (int g = NG8; g < NG; ++g)
+                corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + g * 8), _mm256_loadu_ps(zT + g * 8)),
+                                       _mm256_set1_ps(Xr[g]), corr);
             _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
         }
     }
     return n;
 }
 
-// m input rows: 4 x 2 tiles, then 2 x 2, then a last row against four weight rows at a time (streamed
-// weights: one weight row at a time, one sequential stream)
-// (int8 weights with few groups: qq_rows8 first)
+// qq_rows8 first for int8 weights and int4 ones in groups of 32 (SPLIT) at every row count, for int4 in
+// larger groups up to Q4_ROWS8_MAX rows: past it the 4 x 2 tiles, which unpack a weight row's codes once
+// for four input rows and scale once per group, were faster (Ouro-1.4B shape's 2048 x 2048 and 5632 x 2048,
+// group 128, one thread: qq_rows8 1.07-1.16x at 1-2 rows, 0.89-0.93x at 4; the shipped model's 768 x 256
+// group 32: 1.07x at 1 row to 1.22x at 7; the shipped head 1.66x at 5)
+constexpr int Q4_ROWS8_MAX = 2;
 template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,
              int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
-    if (BITS == 8 && !SPLIT && NG < 8) n0 = qq_rows8(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX) n0 = qq_rows8<BITS, SPLIT>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
     if (n0 >= n1) return;
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
@@ -791,7 +877,7 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
                 for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
                 X[(int64_t)r * NG + g] = t;
             }
-        const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 && NG < 8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
+        const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
         if (m >= amx_min && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
         thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
         qq_plan(L, AB == 32, plan);
