@@ -190,7 +190,31 @@ class Engine:
                             exit_gate=self.model.exit_gate is not None)
         if plan.params.constraint is not None:  # compiled now (cached by content): a bad one is a 400 here
             self.grammars.check(plan.params.constraint)
-        return plan
+        return self._with_thinking(plan)
+
+    def _with_thinking(self, plan: RequestPlan) -> RequestPlan:
+        """The plan's thinking block (engine/thinking.py): its tags, whether the prompt opened it, the budget."""
+        import dataclasses
+
+        from .thinking import ThinkTags, plan_thinking, resolve
+
+        p = plan.params
+        if p.thinking is None:   # the model's own tags, found once
+            if not hasattr(self, "_think_tags"):
+                self._think_tags = resolve(None, self.tokenizer)
+            tags = self._think_tags
+        else:
+            tags = resolve(p.thinking, self.tokenizer) if self.tokenizer is not None else None
+        if tags is None:
+            if p.max_thinking_tokens is not None:
+                raise ValidationError("max_thinking_tokens: this model does not think (its chat template and "
+                                      "tokenizer have no <think> block)", param="max_thinking_tokens")
+            return plan
+        if p.thinking is not None and not isinstance(p.thinking, (bool, ThinkTags)):
+            raise ValidationError("thinking: must be None, False or a ThinkTags", param="thinking")
+        return dataclasses.replace(plan, thinking=plan_thinking(tags, self.tokenizer, list(plan.prompt_ids),
+                                                                p.max_thinking_tokens))
+
 
     @property
     def grammars(self):

@@ -51,6 +51,11 @@ class SamplingParams:
     # constrained decoding (engine/constraint.py): a `Constraint` (JSON schema, JSON object, regex or grammar)
     # the output must match; each step's row is masked to the tokens it allows. None: free text
     constraint: Any = None
+    # thinking blocks (engine/thinking.py): `thinking` None (the model's own tags, if its chat template or
+    # tokenizer has them), False (none: the output is all answer) or a `ThinkTags` (these tags); and a budget:
+    # after `max_thinking_tokens` tokens inside the block its closing tag is forced, so the answer starts
+    thinking: Any = None
+    max_thinking_tokens: int | None = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -162,6 +167,10 @@ class SamplingParams:
                  f"must be an integer in 0..20 (alternatives per prompt token), got {k!r}")
             need(self.mode == "generate", "prompt_logprobs",
                  f"is not reported in mode {self.mode!r} yet; use mode generate")
+        if self.max_thinking_tokens is not None:
+            b = self.max_thinking_tokens
+            need(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 8192, "max_thinking_tokens",
+                 f"must be an integer in 0..8192 (tokens inside the thinking block), got {b!r}")
         k = self.kv_loops
         need(k in ("all", "last") or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_loops),
              "kv_loops", f'must be "all", "last" or an integer in 1..{max_loops}, got {k!r}')

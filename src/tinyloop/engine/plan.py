@@ -31,6 +31,7 @@ class RequestPlan:
     max_positions: int            # positions the sequence can reach (see plan_request)
     exit_rule: Any = None         # model.exits.ExitRule for loops="auto" (loops is then the ceiling)
     kv_loops: int | None = None   # core KV slots per layer (the loop-shared budget); None: one per loop
+    thinking: Any = None          # engine.thinking.ThinkPlan when the output has a thinking block (Engine.plan)
 
     @property
     def mode(self) -> str:

@@ -162,7 +162,8 @@ class Sampler:
     def _row(self, logits: torch.Tensor) -> torch.Tensor:
         """The row over the vocabulary, with the tokens the constraint forbids at -inf."""
         row = logits[: self.vocab_size]
-        return row if self.matcher is None else self.matcher.apply(row)
+        m = self.active_matcher
+        return row if m is None else m.apply(row)
 
     def _seen(self) -> torch.Tensor:
         """The ids the repetition penalty acts on (none without one: no full-vocabulary scan per token)."""
@@ -177,13 +178,20 @@ class Sampler:
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     @property
+    def active_matcher(self):
+        """The matcher, unless this position allows every token (a thinking block's free text:
+        engine/thinking.py)."""
+        m = self.matcher
+        return None if m is None or getattr(m, "free", False) else m
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with no penalties and no constraint: the token is the argmax of the raw logits."""
-        return self.params.greedy and not self.penalized and self.matcher is None
+        return self.params.greedy and not self.penalized and self.active_matcher is None
 
     def greedy_token(self, logits: torch.Tensor) -> int:
         if not self.penalized:  # argmax of the row (widening to float64 changes no order)
-            if self.matcher is not None:
+            if self.active_matcher is not None:
                 # the raw argmax, when the grammar allows it, is the masked argmax (the first maximum either
                 # way): the mask is applied only when it changes the answer
                 best = int(torch.argmax(logits[: self.vocab_size]))
@@ -197,7 +205,7 @@ class Sampler:
         """Pick the next token from one row of logits (does not record it: call `accept`)."""
         if self.params.greedy:
             return self.greedy_token(logits)
-        if self.matcher is not None and not self.penalized:
+        if self.active_matcher is not None and not self.penalized:
             # the distribution over the allowed tokens only (the masked one without its zeros: the same
             # cumulative sums, so the same draw up to rounding); cheaper than masking the full row even where
             # most tokens are allowed (inside a JSON string: ~0.25 against ~0.6 ms, docs/structured.md)

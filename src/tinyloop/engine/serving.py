@@ -144,6 +144,13 @@ class BatchEngine:
             p = params if (i == 0 or params.seed is None) else params.replace(seed=params.seed + i)
             # a constrained output's grammar state (its compiled grammar is cached: this is a copy)
             matcher = None if params.constraint is None else self.engine.grammars.matcher(params.constraint)
+            think = plan.thinking
+            if think is not None and (think.budget is not None or (matcher is not None and think.inside)):
+                # the budget, and a constraint held off until the answer (engine/thinking.py)
+                from .thinking import ThinkingMatcher
+
+                matcher = ThinkingMatcher(think, matcher, self.engine.tokenizer.token_bytes, cfg.vocab_size,
+                                          min(self.engine.eos_ids) if self.engine.eos_ids else 0)
             outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i)))
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)

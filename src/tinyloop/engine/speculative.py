@@ -157,14 +157,14 @@ class Speculator:
         self.head.add(list(plan.prompt_ids))
         self.penalties = _has_penalties(params)
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
-        plain_greedy = params.greedy and not self.penalties and params.logprobs is None and params.constraint is None
+        plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
             self.argmax = model.greedy_tokens if getattr(model, "executor", None) is not None else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # a greedy round in one native call: the fused head argmax, no grammar or early stop, chain rounds
         ex = getattr(model, "executor", None)
-        native = (native_round and ex is not None and self.argmax is not None and params.constraint is None
+        native = (native_round and ex is not None and self.argmax is not None and sampler.matcher is None
                   and draft_stop <= 0 and (model.state_seed is None or model.cfg.injection == "none"))
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         # an adaptive tree request takes a tree round or a chain round, whichever measures faster
