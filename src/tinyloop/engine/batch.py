@@ -33,6 +33,7 @@ class BatchRunner:
         self.last_argmax: dict[int, int] = {}          # {seq_id: token} of the last step's greedy sequences
         self.last_loops: dict[int, int] = {}  # seq_id -> core loops its last row ran (adaptive depth)
         self.last_scores: dict[int, tuple[int, list]] = {}  # prompt log-probabilities of the last step (`execute`)
+        self.last_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # embedding sequences' states of the last step
         # called as a long op without the GIL starts: the forward when the native executor runs it, the LM
         # head (see server/worker.py)
         self.before_forward = None
@@ -58,15 +59,19 @@ class BatchRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
                 extra: list[Rows] = (), score: dict[int, int] | None = None,
-                greedy: frozenset[int] | set[int] = frozenset()) -> dict[int, torch.Tensor]:
+                greedy: frozenset[int] | set[int] = frozenset(),
+                embed: frozenset[int] | set[int] = frozenset()) -> dict[int, torch.Tensor]:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
         for each chunk that needs logits, except the sequences in `greedy`, whose next token is the plain
         argmax: `last_argmax` gets {seq_id: token} for those (`LoopedTransformer.greedy_tokens`: the native
         executor keeps their logits to itself). `score`: {seq_id: alternatives} of sequences whose prompt is
         scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
-        too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}."""
+        too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}.
+        `embed`: sequences of embedding requests (engine/embedding.py): no logits; `last_hidden` gets
+        {seq_id: (chunk start, (n, dim) states)}, the coda's output through the final norm (what the head reads)."""
         self.kv.copy_pages(list(copies))
         self.last_scores = {}
+        self.last_hidden = {}
         # adaptive depth applies to generated tokens (one-row chunks past the prompt); prompts run the ceiling
         rows = [Rows(table=self._table(c.seq), start=c.start, n=c.n,
                      last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
@@ -89,7 +94,7 @@ class BatchRunner:
             self.before_forward()
         m.run(step)
         self.last_loops = {r.tag.seq.seq_id: r.last_loop for r in rows}
-        want = [r for r in rows if r.tag.needs_logits]
+        want = [r for r in rows if r.tag.needs_logits and r.tag.seq.seq_id not in embed]
         out, self.last_argmax = {}, {}
         also = [r for r in everything[len(rows):] if r.greedy]   # speculators' plain rows: the same head call
         if (want or also) and self.before_head is not None:
@@ -108,6 +113,8 @@ class BatchRunner:
         for r in rows:
             if score and r.tag.seq.seq_id in score:
                 self._score(r.tag, r.hidden, score[r.tag.seq.seq_id])
+            if embed and r.tag.seq.seq_id in embed:
+                self.last_hidden[r.tag.seq.seq_id] = (r.start, m.final_norm(r.hidden).float())
         return out
 
     def _score(self, chunk: ScheduledChunk, hidden: torch.Tensor, top: int) -> None:

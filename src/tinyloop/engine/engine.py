@@ -11,9 +11,11 @@ server uses.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,7 +32,16 @@ from .text import GenerationResult, StreamEvent, TextStream, TokenStream
 
 atexit.register(gc.unfreeze)
 
-__all__ = ["Engine", "GenerationResult", "StreamEvent", "attach_draft_exit_file"]
+__all__ = ["EmbeddingResult", "Engine", "GenerationResult", "StreamEvent", "attach_draft_exit_file"]
+
+
+@dataclass
+class EmbeddingResult:
+    """`Engine.embed`'s answer: one L2-normalized row per input, and what produced them."""
+    embeddings: torch.Tensor          # (inputs, dimensions) float32
+    prompt_tokens: list[int]          # tokens of each input
+    loops: int
+    pooling: str
 
 
 def attach_draft_exit_file(loaded: LoadedModel, draft_exit: str | Path | bool = True) -> Path | None:
@@ -215,7 +226,6 @@ class Engine:
         return dataclasses.replace(plan, thinking=plan_thinking(tags, self.tokenizer, list(plan.prompt_ids),
                                                                 p.max_thinking_tokens))
 
-
     @property
     def grammars(self):
         """This engine's grammar compiler (`constraint.Grammars`: llguidance's tokenizer, made on first use,
@@ -280,6 +290,57 @@ class Engine:
         finally:
             if not req.done:
                 core.abort(req)
+
+    # -- embeddings -------------------------------------------------------------------------
+    def plan_embedding(self, inputs: Any, *, loops: int | None = None, pooling: str | None = None):
+        """An embedding request checked and tokenized (`embedding.EmbeddingPlan`): `inputs` a string, token
+        ids, or a list of strings / token-id lists; `loops` the depth (default the model's default_loops);
+        `pooling` "mean" (default) or "last". ValidationError names the field (`input` for the inputs)."""
+        from .embedding import input_list, plan_embedding
+
+        items = input_list(inputs)
+        ids = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise ValidationError("input: this model has no tokenizer; give token ids", param="input")
+                ids.append(self.tokenizer.encode(item))
+            else:
+                ids.append(item)
+        return plan_embedding(ids, self.config, max_seq_len=self.max_seq_len, loops=loops, pooling=pooling)
+
+    def embed(self, inputs: Any, *, loops: int | None = None, pooling: str | None = None,
+              dimensions: int | None = None) -> "EmbeddingResult":
+        """Embeddings of `inputs` (see `plan_embedding`), all batched together on this engine's core (the
+        same continuous batch and KV pool as generation; engine/embedding.py): one L2-normalized float32 row
+        per input, its first `dimensions` components re-normalized when given."""
+        from .embedding import check_dimensions, truncate
+
+        dimensions = check_dimensions(dimensions, self.config.dim)
+        plan = self.plan_embedding(inputs, loops=loops, pooling=pooling)
+        # a pool for the longest input (at least): the core runs the inputs side by side as pages allow
+        core = self.core(dataclasses.replace(plan, inputs=(max(plan.inputs, key=len),)))
+        vectors: dict[int, torch.Tensor] = {}
+        failure: list[BaseException] = []
+
+        def emit(item: Any) -> None:
+            if isinstance(item, StreamEvent) and item.embedding is not None:
+                vectors[item.index] = item.embedding
+            elif isinstance(item, BaseException):
+                failure.append(item)
+
+        req = core.add(plan, emit)
+        try:
+            with torch.inference_mode():
+                while not req.done and not failure:
+                    core.step()
+        finally:
+            if not req.done:
+                core.abort(req)
+        if failure:
+            raise failure[0]
+        rows = torch.stack([vectors[i] for i in range(plan.n)])
+        return EmbeddingResult(truncate(rows, dimensions), [len(x) for x in plan.inputs], plan.loops, plan.pooling)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
         toks: list[int] = []

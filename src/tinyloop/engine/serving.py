@@ -33,6 +33,7 @@ from ..errors import RequestTimeout, ValidationError
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .batch import BatchRunner, cache_dtype
+from .embedding import EmbeddingPlan, EmbeddingStream
 from .plan import RequestPlan
 from .sampling import Sampler, one_thread
 from .scheduler import Scheduler, SchedulerError, Sequence
@@ -65,6 +66,7 @@ class Request:
     emit: Emit
     outputs: list[_Output]
     t0: float
+    embedding: bool = False                       # an embedding request (engine/embedding.py): one output per input
     deadline: float | None = None
     on_admit: Callable[[], None] | None = None    # called once, when the request first gets to run
     admitted: float | None = None                 # when it did (perf_counter)
@@ -135,8 +137,11 @@ class BatchEngine:
     # -- requests in ------------------------------------------------------------------------
     def add(self, plan: RequestPlan, emit: Emit, *, timeout_s: float | None = None,
             on_admit: Callable[[], None] | None = None, t0: float | None = None) -> Request:
-        """Queue a planned request (`Engine.plan` has checked it). ValidationError if it can never fit."""
+        """Queue a planned request (`Engine.plan` or `Engine.plan_embedding` has checked it). ValidationError
+        if it can never fit."""
         t0 = time.perf_counter() if t0 is None else t0
+        if isinstance(plan, EmbeddingPlan):
+            return self._add_embedding(plan, emit, t0, timeout_s, on_admit)
         cfg, params, n = self.model.cfg, plan.params, plan.n
         prompt = list(plan.prompt_ids)
         outputs = []
@@ -180,6 +185,36 @@ class BatchEngine:
         for o in outputs:
             if o.seq is not None:
                 self._outputs[o.seq.seq_id] = (req, o)
+        self.requests[req.req_id] = req
+        return req
+
+    def _add_embedding(self, plan: EmbeddingPlan, emit: Emit, t0: float, timeout_s: float | None,
+                       on_admit: Callable[[], None] | None) -> Request:
+        """An embedding request: one output per input, each a sequence that prefills its input at the plan's
+        loops and ends with its pooled state (no sampler, nothing generated; engine/embedding.py)."""
+        layout = SlotLayout(self.model.cfg, plan.loops)
+        outputs, seqs = [], []
+        for i, ids in enumerate(plan.inputs):
+            o = _Output(i, None, EmbeddingStream(plan, i, t0))
+            # every position is computed (mean pooling needs each one's state), the blocks named for later requests
+            o.seq = Sequence(self.sched.new_seq_id(), list(ids), 0, layout.n_slots, loops=plan.loops,
+                             slot_cols=layout.columns(), prefix_salt=("loops", plan.loops, "window", 0),
+                             prefix_reads=False)
+            outputs.append(o)
+            seqs.append(o.seq)
+        req = Request(self._next_id, plan, emit, outputs, t0, deadline=None if not timeout_s else t0 + timeout_s,
+                      on_admit=on_admit, embedding=True)
+        self._next_id += 1
+        try:
+            for s in seqs:
+                self.sched.add(s)
+        except SchedulerError as exc:
+            for s in seqs:
+                self.sched.finish(s, "abort")
+            raise ValidationError(f"input: {exc}; shorten the input or lower loops", param="input",
+                                  code="kv_capacity_exceeded") from None
+        for o in outputs:
+            self._outputs[o.seq.seq_id] = (req, o)
         self.requests[req.req_id] = req
         return req
 
@@ -241,7 +276,8 @@ class BatchEngine:
             return
         try:
             logits = self.runner.execute(out.chunks, out.copies, [o.pending for _, o in spec],
-                                         score=self._scoring(out.chunks), greedy=self._greedy(out.chunks))
+                                         score=self._scoring(out.chunks), greedy=self._greedy(out.chunks),
+                                         embed=self._embedding(out.chunks))
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             log.exception("batch step failed")
             reqs = [self._outputs[c.seq.seq_id][0] for c in out.chunks if c.seq.seq_id in self._outputs]
@@ -251,6 +287,14 @@ class BatchEngine:
         for sid, (first, entries) in self.runner.last_scores.items():
             if sid in self._outputs:
                 self._outputs[sid][0].scores[first:first + len(entries)] = entries
+        for sid, (start, states) in self.runner.last_hidden.items():
+            entry = self._outputs.get(sid)
+            if entry is not None:
+                try:
+                    entry[1].stream.pooler.add(start, states)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    log.exception("embedding request %d failed", entry[0].req_id)
+                    self.fail(entry[0], exc)
         argmax = self.runner.last_argmax
         with one_thread():   # one row at a time: no OpenMP wake-ups (sampling.one_thread)
             for chunk in out.chunks:
@@ -276,8 +320,12 @@ class BatchEngine:
             if entry is None:  # its request failed on a sibling choice just now
                 continue
             req, o = entry
-            if req.params.max_tokens == 0:  # prompt scoring only: nothing is generated
-                self._finish(req, o, "length")
+            if req.params.max_tokens == 0:  # prompt scoring only (or an embedding): nothing is generated
+                try:
+                    self._finish(req, o, "length")
+                except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
+                    log.exception("request %d failed", req.req_id)
+                    self.fail(req, exc)
                 continue
             try:
                 quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
@@ -313,14 +361,18 @@ class BatchEngine:
             for o in entry[0].outputs:
                 o.stream.prompt_logprobs = entry[0].scores
 
+    def _embedding(self, chunks) -> set[int]:
+        """This step's sequences of embedding requests: their states are pooled, no logits computed."""
+        return {c.seq.seq_id for c in chunks if (e := self._outputs.get(c.seq.seq_id)) is not None and e[0].embedding}
+
     def _greedy(self, chunks) -> set[int]:
         """The sequences whose next token is the plain argmax of the head (one choice, greedy, no penalties,
         constraint or logprobs): the runner returns their tokens, not their logits."""
         ids = set()
         for c in chunks:
             entry = self._outputs.get(c.seq.seq_id)
-            if entry is not None and len(entry[0].outputs) == 1 and entry[1].sampler.plain_greedy \
-                    and entry[0].plan.params.logprobs is None and entry[0].params.max_tokens > 0:
+            if entry is not None and entry[0].params.max_tokens > 0 and len(entry[0].outputs) == 1 \
+                    and entry[1].sampler.plain_greedy and entry[0].plan.params.logprobs is None:
                 ids.add(c.seq.seq_id)
         return ids
 

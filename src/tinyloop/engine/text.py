@@ -36,6 +36,9 @@ class StreamEvent:
     loops: list[int] | None = None
     # on the final event, when a stop string (SamplingParams.stop) ended the output: which one
     stop_sequence: str | None = None
+    # an embedding request's output (engine/embedding.py), on its final event: the pooled, L2-normalized
+    # state, float32 (dim,)
+    embedding: Any = None
 
 
 @dataclass

@@ -17,7 +17,7 @@ from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
-from . import access, anthropic, docs_ui, errors, lmstudio, native, openai, openai_responses, playground
+from . import access, anthropic, docs_ui, embeddings, errors, lmstudio, native, openai, openai_responses, playground
 from . import openapi as server_openapi
 from .errors import APIError
 from .generation import ServerState, served_names
@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     app.include_router(lmstudio.router)
     app.include_router(anthropic.router)   # Anthropic's Messages API (/v1/messages)
     app.include_router(openai_responses.router)   # OpenAI's Responses API (/v1/responses)
+    app.include_router(embeddings.router)   # OpenAI's embeddings (/v1/embeddings), on the same engine core
     app.include_router(native.router)
     app.include_router(playground.router)
     app.include_router(docs_ui.router)   # /docs with Swagger UI's files served from here (no CDN)

@@ -315,7 +315,9 @@ class EngineWorker:
                 if item.token_ids and not handle.got_token:
                     handle.got_token = True
                     m.ttft.observe(time.perf_counter() - handle.submitted)
-                if item.finish_reason is not None:
+                if item.embedding is not None:   # an embedding request's input (one per event): its tokens only
+                    m.prompt_tokens.inc((item.stats or {}).get("prompt_tokens", 0))
+                elif item.finish_reason is not None:
                     stats = item.stats or {}
                     m.generated_tokens.inc(stats.get("completion_tokens", 0))
                     m.generations.labels(item.finish_reason).inc()

@@ -1,0 +1,159 @@
+"""OpenAI's embeddings route: `POST /v1/embeddings` (docs/embeddings.md).
+
+A thin translation onto the engine core: the body is checked and tokenized into one embedding plan
+(`Engine.plan_embedding`: every input of the request, the depth and the pooling), queued to the engine
+owner as any request is (`EngineWorker.submit`: the same queue, limits, timeouts and abort on disconnect),
+and run by the same continuous batch as generation (engine/embedding.py): each input prefills at the
+request's `loops` and ends with its pooled state. What comes back is encoded as OpenAI encodes it: a list
+of floats, or (`encoding_format: "base64"`, what the openai SDK sends by default) the little-endian float32
+bytes in base64; `dimensions` keeps the first d components, re-normalized.
+
+TinyLoop's fields: `loops` (the state after that many loops; a model name ending in `@loops=K` asks for K
+too) and `pooling` ("mean", the default, or "last"); the response says both (`loops`, `pooling`).
+
+Errors take OpenAI's shape; a malformed body (a wrong type, an unknown or missing field) is a 400 naming the
+field, as OpenAI answers (no 422 here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.embedding import check_dimensions, to_base64, truncate
+from ..errors import ValidationError
+from .access import note
+from .anthropic import AnthropicErrors, param_of
+from .errors import APIError, from_engine_failure, register_shape
+from .generation import DISCONNECT_POLL_S
+from .openai import state_of
+from .schemas import Int, check_timeout, model_loops
+
+router = APIRouter()
+PATH = "/v1/embeddings"
+_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+class EmbeddingsErrors:
+    """errors.ErrorShape of this route: OpenAI's error body; a malformed body is a 400 naming the field."""
+
+    @staticmethod
+    def status(err: APIError) -> int:
+        return 400 if err.status == 422 else err.status
+
+    @staticmethod
+    def body(err: APIError) -> dict[str, Any]:
+        return err.body()
+
+    @staticmethod
+    def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
+        err = AnthropicErrors.from_pydantic(errors)   # the field's name and message, read from pydantic's errors
+        if err.param is None:   # not JSON at all
+            return APIError(400, err.message, code="invalid_json")
+        kinds = [e.get("type", "") for e in errors if param_of(e.get("loc", ())) == err.param]
+        code = next((_CODES[k] for k in kinds if k in _CODES), None) or \
+            ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
+        message = err.message
+        if code == "unknown_parameter":
+            message = f"{err.param}: unknown parameter; this route takes OpenAI's embeddings fields (model, input, " \
+                      "encoding_format, dimensions, user) and TinyLoop's loops, pooling and timeout_s"
+        return APIError(400, message, param=err.param, code=code)
+
+
+register_shape(PATH, EmbeddingsErrors)
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body, plus TinyLoop's `loops`, `pooling` and `timeout_s`. `input`, `loops` and
+    `pooling` are taken as any JSON value and checked by the engine (a 400 naming the field either way)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(description="one of the server's model names, echoed into the response")
+    input: Any = Field(description="a string, a list of strings, a list of token ids, or a list of token-id lists; "
+                                   "none empty, each within the context length")
+    encoding_format: Any = Field(None, description='"float" (the default) or "base64" (little-endian float32)')
+    dimensions: Int | None = Field(None, description="keep the first d components, re-normalized (1..the model's "
+                                                     "width)")
+    user: str | None = Field(None, description="accepted; no effect")
+    loops: Any = Field(None, description="TinyLoop: the state after this many loops (1..max_loops; default the "
+                                         "model's default_loops)")
+    pooling: Any = Field(None, description='TinyLoop: "mean" (the default: the mean over the input\'s positions) '
+                                           'or "last" (the last position); L2-normalized either way')
+    timeout_s: float | None = Field(None, description="TinyLoop: fail if not started within this many seconds")
+
+    def requested_loops(self) -> Any:
+        """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
+        suffix = model_loops(self.model)
+        if suffix is None:
+            return self.loops
+        if self.loops is not None and self.loops != suffix:
+            raise ValidationError(f"loops: the body asks for {self.loops!r}, the model name {self.model!r} for "
+                                  f"{suffix!r}; give one", param="loops")
+        return suffix
+
+    def encoding(self) -> str:
+        fmt = "float" if self.encoding_format is None else self.encoding_format
+        if fmt not in ("float", "base64"):
+            raise ValidationError(f'encoding_format: must be "float" or "base64", got {fmt!r}', param="encoding_format")
+        return fmt
+
+
+async def collect_vectors(handle, request: Request) -> list:
+    """Wait for every input's vector (in input order); abort the request if the client goes away meanwhile."""
+    vectors: dict[int, Any] = {}
+    done = False
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while True:
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise APIError(499, "client closed the request", code="client_closed")
+            try:
+                item = await handle.next(DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(item, BaseException):
+                done = True
+                raise from_engine_failure(item, handle)
+            if item is None:
+                done = True
+                raise APIError(500, "the engine ended an embedding request without its vectors", code="engine_error")
+            if item.embedding is not None:
+                vectors[item.index] = item.embedding
+                if len(vectors) == handle.plan.n:
+                    done = handle.delivered = True
+                    return [vectors[i] for i in range(handle.plan.n)]
+    finally:
+        if not done:
+            handle.abort()
+
+
+@router.post(PATH, include_in_schema=False)
+async def embeddings(body: EmbeddingRequest, request: Request):
+    state = state_of(request)
+    state.check_model(body.model)
+    check_timeout(body.timeout_s)
+    fmt = body.encoding()
+    loops = body.requested_loops()
+    engine = state.worker.require_engine()
+    dimensions = check_dimensions(body.dimensions, engine.config.dim)
+    plan = await anyio.to_thread.run_sync(lambda: engine.plan_embedding(body.input, loops=loops, pooling=body.pooling))
+    note(mode="embedding", loops=plan.loops, n=plan.n, prompt_tokens=plan.n_prompt)
+    handle = state.worker.submit(plan, timeout_s=body.timeout_s)
+    handle.client_timeout = body.timeout_s is not None   # its expiry is then the client's 408, not a 504
+    vectors = await collect_vectors(handle, request)
+    data = []
+    for i, v in enumerate(vectors):
+        v = truncate(v, dimensions)
+        data.append({"object": "embedding", "index": i, "embedding": to_base64(v) if fmt == "base64" else v.tolist()})
+    return JSONResponse({"object": "list", "data": data, "model": body.model,
+                         "usage": {"prompt_tokens": plan.n_prompt, "total_tokens": plan.n_prompt},
+                         "loops": plan.loops, "pooling": plan.pooling})
