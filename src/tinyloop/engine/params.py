@@ -56,6 +56,9 @@ class SamplingParams:
     # after `max_thinking_tokens` tokens inside the block its closing tag is forced, so the answer starts
     thinking: Any = None
     max_thinking_tokens: int | None = None
+    # OpenAI's logit_bias: {token id: bias in -100..100}, added to the row's logits before the penalties and
+    # whatever picks the token (greedy or sampling); -100 bans a token, +100 all but forces it. None: none
+    logit_bias: dict[int, float] | None = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -171,6 +174,16 @@ class SamplingParams:
             b = self.max_thinking_tokens
             need(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 8192, "max_thinking_tokens",
                  f"must be an integer in 0..8192 (tokens inside the thinking block), got {b!r}")
+        if self.logit_bias:
+            bias = self.logit_bias
+            need(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+            bad = [t for t in bias if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                   or (vocab_size is not None and t >= vocab_size)]
+            top = f"0..{vocab_size - 1}" if vocab_size is not None else "0 or more"
+            need(not bad, "logit_bias", f"token ids {bad[:5]} are outside the vocabulary {top}")
+            off = [v for v in bias.values() if isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not -100 <= v <= 100]
+            need(not off, "logit_bias", f"biases must be numbers in -100..100, got {off[:5]}")
         k = self.kv_loops
         need(k in ("all", "last") or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_loops),
              "kv_loops", f'must be "all", "last" or an integer in 1..{max_loops}, got {k!r}')

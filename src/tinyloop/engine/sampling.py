@@ -1,9 +1,9 @@
 """Sampling as pure functions over one row of logits, plus a small per-request `Sampler`.
 
-Order: repetition penalty (prompt + output) -> presence/frequency penalties (output) -> temperature ->
-top-k -> top-p -> draw. Greedy (temperature 0) takes the argmax after the penalties. Draws use the
-request's own `torch.Generator` and inverse-CDF sampling, so a seeded request gives the same tokens
-whatever else the engine runs.
+Order: logit bias (OpenAI's `logit_bias`) -> repetition penalty (prompt + output) -> presence/frequency
+penalties (output) -> temperature -> top-k -> top-p -> draw. Greedy (temperature 0) takes the argmax after the
+bias and penalties. Draws use the request's own `torch.Generator` and inverse-CDF sampling, so a seeded
+request gives the same tokens whatever else the engine runs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,27 @@ import torch
 from .params import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None,
+                     cols: torch.Tensor | None = None) -> torch.Tensor:
+    """OpenAI's `logit_bias`: bias[t] added to token t's logit (a token the constraint forbids stays -inf).
+    `cols`: the token id of each entry of `logits` (a draft head's subset of the vocabulary); None: entry t is
+    token t."""
+    if not bias:
+        return logits
+    keys = torch.tensor(sorted(bias), dtype=torch.long)
+    vals = torch.tensor([float(bias[k]) for k in keys.tolist()], dtype=logits.dtype)
+    if cols is None:
+        ids = keys
+    else:   # the entries whose token has a bias, and which bias
+        cols = cols.to("cpu", torch.long)
+        at = torch.searchsorted(keys, cols).clamp(max=keys.numel() - 1)
+        hit = keys[at] == cols
+        ids, vals = hit.nonzero().flatten(), vals[at[hit]]
+    out = logits.clone()
+    out.index_add_(0, ids.to(out.device), vals.to(out.device))
+    return out
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -59,8 +80,9 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
                      counts: torch.Tensor) -> torch.Tensor:
-    """Penalties only (what greedy takes the argmax of). logits: (V,)."""
-    x = apply_repetition_penalty(logits.double(), seen, params.repetition_penalty)
+    """Logit bias and penalties only (what greedy takes the argmax of). logits: (V,)."""
+    x = apply_logit_bias(logits.double(), params.logit_bias)
+    x = apply_repetition_penalty(x, seen, params.repetition_penalty)
     return apply_presence_frequency(x, counts, params.presence_penalty, params.frequency_penalty)
 
 
@@ -174,8 +196,10 @@ class Sampler:
 
     @property
     def penalized(self) -> bool:
+        """Penalties or a logit bias: the row is changed before the token is picked (no raw-argmax shortcut)."""
         p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+            or bool(p.logit_bias)
 
     @property
     def active_matcher(self):
@@ -186,7 +210,7 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalties and no constraint: the token is the argmax of the raw logits."""
+        """Greedy with no penalties, logit bias or constraint: the token is the argmax of the raw logits."""
         return self.params.greedy and not self.penalized and self.active_matcher is None
 
     def greedy_token(self, logits: torch.Tensor) -> int:

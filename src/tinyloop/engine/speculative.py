@@ -66,7 +66,7 @@ from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs
 from .params import SamplingParams
-from .sampling import Sampler, apply_presence_frequency, apply_repetition_penalty, draw
+from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, draw
 from .tree import DraftTree, ancestor_mask, beam_step
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
@@ -112,7 +112,8 @@ class NativeTreeRound(NativeRound):
 
 
 def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    """Penalties or a logit bias: no exact-argmax shortcut or native round (they read the raw head)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
 
 
 class Speculator:
@@ -272,13 +273,14 @@ class Speculator:
 
     # -- draft choices ----------------------------------------------------------------------
     def _penalised(self, lg: torch.Tensor) -> torch.Tensor:
-        """(n,) draft logits with the request's penalties as of the round's start (float64)."""
+        """(n,) draft logits with the request's logit bias and penalties as of the round's start (float64)."""
         x = lg.double()
         if not self.penalties:
             return x
         ids = self.head.ids[: self.head.n] if self.head.ids is not None else slice(None)
         seen = self.sampler.seen[ids].nonzero().flatten()
         p = self.params
+        x = apply_logit_bias(x, p.logit_bias, self._draft_cols())
         x = apply_repetition_penalty(x, seen, p.repetition_penalty)
         return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
 
