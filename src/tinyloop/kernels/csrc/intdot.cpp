@@ -1,0 +1,486 @@
+// Integer dot products against int8 activations: the vector tiles (qq_tile, qq_rows8) and the dispatch to
+// them or to the AMX tiles (amx.cpp). Every kernel computes the same canonical reduction (below), so a row's
+// result is bitwise the same whatever kernel, tile or batch produced it.
+#include "intdot.h"
+#include "amx.h"
+#include "threads.h"
+#include <algorithm>
+#include <vector>
+
+#if TL_SIMD
+namespace {
+constexpr int CHUNK = 32;   // output rows per unit of work the threads share (as matmul.cpp's)
+
+// x is quantized per block of AB columns (`act_block`: the
+// weight group, or 256 columns of a longer one; 32 where the group is not whole 64s) to q = round(x / d),
+// d = max|x| / 127 (`quantize_q8`), as llama.cpp's q8_K blocks do; the integer sums of a block then need
+// one conversion to float and one multiply, not one per 32 columns.
+// - int4: 32 code bytes hold 64 columns, even columns in the low nibbles, odd ones in the high; q is
+//   stored per 64 columns evens first, then odds, so one 32-byte load and two masks meet two loads of q.
+//   maddubs takes the codes c (unsigned) against q; its int16 pair sums (<= 2 * 15 * 127) are added
+//   across up to 256 columns (4 steps of 2: <= 30480) before madd widens them to int32.
+// - int8: c - 128 fits a signed byte; maddubs takes |c - 128| (unsigned) against q with the sign of c - 128
+//   moved onto it (a pair of products stays within int16: 128 * 127 * 2 < 32768), widened at once.
+// Then, with c' = c (int4) or c - 128 (int8) and z' = z (int4) or z - 128 (int8):
+//   sum_k (c - z) s x ~= sum_a s_a d_a (sum_{k in a} c' q) - sum_g s_g z'_g X_g,  X_g = sum_{a in g} d_a sum q.
+// With 32-column blocks (SPLIT, int4 only: int8 weights take int8 activations where their groups are whole
+// 64s) a 64-column step holds two of them: the low four int32 lanes of its sums are the first block's, the
+// high four the second's, and the scales are applied as two halves. K is a multiple of 64.
+// (act_block: intdot.h)
+
+// What every tile of one call shares, computed once per call (no division in the loops below): per span
+// of S columns (SPLIT: 64, two 32-column blocks; else one activation block), the weight group of its
+// first and of its second half.
+struct QQPlan {
+    int S = 0, NS = 0;
+    std::vector<int> g0, g1;      // (NS) weight group of the span's first / second half
+};
+
+static void qq_plan(const tl_linear* L, bool split, QQPlan& P) {
+    const int K = L->k, G = L->group, AB = act_block(G);
+    P.S = split ? 64 : AB;
+    P.NS = K / P.S;
+    P.g0.resize(P.NS);
+    P.g1.resize(P.NS);
+    for (int s = 0, g = 0, gend = G; s < P.NS; ++s) {   // groups are whole spans or (SPLIT) whole halves
+        const int c0 = s * P.S;
+        while (c0 >= gend) { ++g; gend += G; }
+        P.g0[s] = g;
+        P.g1[s] = split && c0 + 32 >= gend ? g + 1 : g;
+    }
+}
+
+// The canonical reduction every integer kernel computes (the tiles below and the AMX tiles: amx.cpp), so
+// that an output is bitwise the same whichever kernel, tile shape, row count or position in a batch
+// produced it: per activation block a (AB columns, in order) the exact int32 sum I_a = sum c' q, then
+//   t = fma(float(I_a), d_a * s_g(a), t)   (fp32, t = 0 before the first block),
+// and y = t - qq_zero_corr(...), the zero points' correction summed eight groups at a time in this fixed
+// order. Integer sums are exact whatever order forms them (no overflow: |I_a| <= 256 * 128 * 127 < 2^31).
+template <int BITS>
+static inline float qq_zero_corr(const float* sj, const uint8_t* zp, const float* Xr, int NG) {
+    __m256 cv = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= NG; g += 8) {
+        __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
+        if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
+        cv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sj + g), z), _mm256_loadu_ps(Xr + g), cv);
+    }
+    float corr = vsum(cv);
+    for (; g < NG; ++g) corr = fmaf(sj[g] * ((float)zp[g] - (BITS == 4 ? 0.f : 128.f)), Xr[g], corr);
+    return corr;
+}
+
+// MR input rows against NR weight rows at a time, rows [n0, n1) of W. Per 64 columns: one load (int4) or
+// two (int8) of each weight row, unpacked once for the MR rows, whose codes come straight from L1
+// (memory operands). A span's integer sums are scaled once: (weight scale x activation scale) per
+// (row, weight row), the weight scales taken from a row's f16 scales converted once per tile. MR x NR
+// accumulators and their float totals must fit the 16 vector registers (with SPLIT, whose sums are
+// scaled every step, the totals alone): 4 x 2 and 2 x 2 tiles, 1 x 4 or a streamed 1 x 1.
+template <int BITS, int MR, int NR, bool SPLIT>
+void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* X, float* y,
+             int ldy, int n0, int n1) {
+    constexpr int NO = MR * NR, NQ = (NO + 3) / 4;   // outputs of the tile, in groups of four
+    const int K = L->k, NG = K / L->group, NS = P.NS, NA = K / act_block(L->group);
+    const int S = SPLIT ? 64 : P.S;   // (a constant with SPLIT: one step a span, its sums scaled at once)
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    (void)ones; (void)flip; (void)ones8;
+    constexpr int SF_LOCAL = 512;             // groups a weight row may have with its scales on the stack
+    float sf_local[NR * SF_LOCAL];            // (NR, NG) the tile's weight scales as fp32
+    float* sf = sf_local;
+    if (NG > SF_LOCAL) {                      // (a thread_local costs a lookup per call: only when needed)
+        thread_local std::vector<float> sf_heap;
+        sf_heap.resize((size_t)NR * NG);
+        sf = sf_heap.data();
+    }
+    const int* const g0 = P.g0.data();
+    const int* const g1 = P.g1.data();
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+            const uint16_t* sc = L->scales + (int64_t)(n + j) * NG;
+            int g = 0;
+            for (; g + 8 <= NG; g += 8) _mm256_storeu_ps(&sf[(size_t)j * NG + g], vload_f16(sc + g));
+            for (; g < NG; ++g) sf[(size_t)j * NG + g] = f16_to_f32(sc[g]);
+        }
+        __m128 tot[NQ];   // output o = r * NR + j in lane o % 4 of tot[o / 4]
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; ++q) tot[q] = _mm_setzero_ps();
+        const uint8_t* row = codes + (int64_t)n * row_bytes;
+        for (int s = 0; s < NS; ++s) {
+            const int c0 = s * S;
+            __m256i acc[MR][NR];
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_si256();
+#if TL_VNNI
+            __m256i qsum[MR];   // int8: per row, the sum of its activation codes (four bytes a lane)
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) qsum[r] = _mm256_setzero_si256();
+#endif
+            for (int c = c0; c < c0 + S; c += 64) {
+                const uint8_t* at = row + (int64_t)c * BITS / 8;   // row n's 64 columns at c
+                if (L->streamed) {   // from memory
+                    if (NR == 1)     // one row after the other: one stream, 4 KB ahead
+                        for (int l = 0; l < BITS / 4; ++l) _mm_prefetch((const char*)(at + 4096 + 64 * l), _MM_HINT_T0);
+                    else             // the next NR rows' lines, in order
+#pragma GCC unroll 4
+                        for (int j = 0; j < NR; ++j)
+                            for (int l = 0; l < BITS / 4; ++l)
+                                _mm_prefetch((const char*)(at + (NR + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                }
+#if TL_VNNI
+                if (BITS == 8)   // the sum of each row's codes, for the shift of c by 128 (below)
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r)
+                        qsum[r] = dpbusd(dpbusd(qsum[r], ones8, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
+                                         ones8, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32)));
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {   // unsigned codes against signed activations, int32 sums
+                    __m256i wa, wb;
+                    if (BITS == 4) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wa = _mm256_and_si256(raw, low4);
+                        wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    } else {
+                        wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r)
+                        acc[r][j] = dpbusd(dpbusd(acc[r][j], wa, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
+                                           wb, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32)));
+                }
+#else
+#pragma GCC unroll 4
+                for (int j = 0; j < NR; ++j) {
+                    __m256i wa, wb;   // int4: low / high nibbles; int8: the two 32s with their sign flipped
+                    if (BITS == 4) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                        wa = _mm256_and_si256(raw, low4);
+                        wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    } else {
+                        wa = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes)), flip);
+                        wb = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32)), flip);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r) {
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c));
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c + 32));
+                        if (BITS == 4) {
+                            acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_add_epi16(
+                                _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)));
+                        } else {
+                            const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(x0, wa));
+                            const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(x1, wb));
+                            acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                                     _mm256_madd_epi16(p1, ones)));
+                        }
+                    }
+                }
+#endif
+            }
+            // the span's exact int32 sums, one per activation block (SPLIT: two), each scaled and added in
+            // block order: the canonical reduction (qq_zero_corr says it)
+            __m256i s32[NQ * 4];
+#pragma GCC unroll 8
+            for (int o = 0; o < NQ * 4; ++o) {
+                if (o >= NO) { s32[o] = _mm256_setzero_si256(); continue; }
+                const int r = o / NR, j = o % NR;
+#if TL_VNNI   // int8: sum (c - 128) q = sum c q - 128 sum q, lane for lane
+                s32[o] = BITS == 4 ? acc[r][j] : _mm256_sub_epi32(acc[r][j], _mm256_slli_epi32(qsum[r], 7));
+#else
+                s32[o] = BITS == 4 ? _mm256_madd_epi16(acc[r][j], ones) : acc[r][j];
+#endif
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < NQ; ++q) {
+                // lanes: each output's sum of int32 lanes 0-3, then of lanes 4-7 (exact integers)
+                const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s32[4 * q], s32[4 * q + 1]),
+                                                    _mm256_hadd_epi32(s32[4 * q + 2], s32[4 * q + 3]));
+                const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+                alignas(16) float sc0[4], sc1[4];
+                for (int l = 0; l < 4; ++l) {
+                    const int o = 4 * q + l < NO ? 4 * q + l : NO - 1, r = o / NR, j = o % NR;
+                    const float* dr = xd + (int64_t)r * NA;
+                    const float* sj = &sf[(size_t)j * NG];
+                    sc0[l] = SPLIT ? dr[2 * s] * sj[g0[s]] : dr[s] * sj[g0[s]];
+                    sc1[l] = SPLIT ? dr[2 * s + 1] * sj[g1[s]] : 0.f;
+                }
+                if (SPLIT) {
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_load_ps(sc0), tot[q]);
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_load_ps(sc1), tot[q]);
+                } else {
+                    tot[q] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(lo, hi)), _mm_load_ps(sc0), tot[q]);
+                }
+            }
+        }
+        alignas(16) float tv[NQ * 4];
+        for (int q = 0; q < NQ; ++q) _mm_store_ps(tv + 4 * q, tot[q]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j)
+                y[(int64_t)r * ldy + n + j] = tv[r * NR + j] - qq_zero_corr<BITS>(&sf[(size_t)j * NG],
+                    L->zeros + (int64_t)(n + j) * NG, X + (int64_t)r * NG, NG);
+    }
+    if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, xd, X, y, ldy, n, n1);
+}
+
+// x (m, K) -> int8 codes xq (m, K) (int4 weights: each 64 columns evens first, then odds; int8: in column
+// order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB)
+void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, bool nibbles) {
+    for (int r = 0; r < m; ++r)
+        for (int a = 0; a < K / AB; ++a) {
+            const float* v = x + (int64_t)r * K + a * AB;
+            float id;
+            const float d = q8_scale(v, AB, &id);
+            int8_t* q = xq + (int64_t)r * K;
+            int sum = 0;
+            for (int i = 0; i < AB; ++i) {
+                const int c = a * AB + i, e = (int)nearbyintf(v[i] * id);
+                q[nibbles ? (c & ~63) + (c & 1) * 32 + (c & 63) / 2 : c] = (int8_t)e;
+                sum += e;
+            }
+            xd[(int64_t)r * (K / AB) + a] = d;
+            xs[(int64_t)r * (K / AB) + a] = (float)sum;
+        }
+}
+
+// an 8 x 8 float transpose in registers: a[i] lane j <- a[j] lane i (exact: values are only moved)
+static inline void transpose8(__m256* a) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        a[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// The eight int32 vectors a[0..7] -> their lane sums, a[j]'s in lane j: of lanes 0-3 (lo) and of lanes 4-7
+// (hi) apart, or all eight (exact integers either way).
+static inline void hsum8_halves(const __m256i* a, __m256i* lo, __m256i* hi) {
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    *lo = _mm256_permute2x128_si256(h0, h1, 0x20);
+    *hi = _mm256_permute2x128_si256(h0, h1, 0x31);
+}
+
+// Eight weight rows at a time against each input row in turn (the block's 8 x K codes stay in L1 from the
+// first input row on): the int32 sums of each activation block for the eight rows reduced together (a
+// transposed reduction), then scaled, offset by the zero points and stored as one vector. The 4 x 2 tiles'
+// epilogue (horizontal sums, scales gathered and the zero-point correction, per output: qq_tile) costs more
+// than their products where outputs are many and short: the int8 head (50,257 x 256) and the int4 layers
+// of groups of 32 (their sums are scaled every 32 columns). Lane j computes exactly what qq_tile computes
+// for weight row n + j: the same int32 sums, t = fma(I_a, d_a * s_g(a), t) block by block, the zero points'
+// correction in qq_zero_corr's order (eight partial sums over g mod 8 added as vsum adds them, then the
+// rest one by one), y = t - corr; so the result is bitwise the other tiles' and AMX's.
+// Returns where it stopped: the rows [n, n1) left over (fewer than eight) go to the tiles.
+template <int BITS, bool SPLIT>
+static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs,
+                    const float* X, int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group, NS = P.NS, S = SPLIT ? 64 : P.S, NA = K / act_block(L->group);
+    const int NG8 = NG / 8 * 8;
+    const int64_t row_bytes = (int64_t)K * BITS / 8;
+    const uint8_t* codes = (const uint8_t*)L->w;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    (void)low4; (void)xs;
+#if !TL_VNNI
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+#endif
+    const int* const g0 = P.g0.data();
+    const int* const g1 = P.g1.data();
+    thread_local std::vector<float> tb;   // (NG, 8) twice: the block's weight scales, its zero points (- 128)
+    tb.resize((size_t)16 * NG);
+    float* const sT = tb.data();
+    float* const zT = sT + (size_t)8 * NG;
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        int g = 0;
+        for (; g + 8 <= NG; g += 8) {   // eight groups of the eight rows at a time, transposed in registers
+            __m256 sv[8], zv[8];
+            for (int j = 0; j < 8; ++j) {
+                sv[j] = vload_f16(L->scales + (int64_t)(n + j) * NG + g);
+                zv[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + (int64_t)(n + j) * NG + g))));
+                if (BITS == 8) zv[j] = _mm256_sub_ps(zv[j], _mm256_set1_ps(128.f));
+            }
+            transpose8(sv);
+            transpose8(zv);
+            for (int l = 0; l < 8; ++l) {
+                _mm256_storeu_ps(sT + (g + l) * 8, sv[l]);
+                _mm256_storeu_ps(zT + (g + l) * 8, zv[l]);
+            }
+        }
+        for (; g < NG; ++g)
+            for (int j = 0; j < 8; ++j) {
+                sT[g * 8 + j] = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
+                zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 8 ? 128.f : 0.f);
+            }
+        const uint8_t* w = codes + (int64_t)n * row_bytes;
+        for (int r = 0; r < m; ++r) {
+            const int8_t* xr = xq + (int64_t)r * K;
+            const float* dr = xd + (int64_t)r * NA;
+            __m256 t = _mm256_setzero_ps();
+            for (int s = 0; s < NS; ++s) {
+                __m256i acc[8];
+#if TL_VNNI512
+                if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
+                    __m512i a5[8];
+                    for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
+                    for (int c = s * S; c < (s + 1) * S; c += 64) {
+                        if (r == 0)   // four blocks ahead (from cache or memory)
+                            for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (32 + j) * row_bytes + c), _MM_HINT_T0);
+                        const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
+#pragma GCC unroll 8
+                        for (int j = 0; j < 8; ++j)
+                            a5[j] = _mm512_dpbusd_epi32(a5[j], _mm512_loadu_si512((const void*)(w + j * row_bytes + c)), x);
+                    }
+                    for (int j = 0; j < 8; ++j)
+                        acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(a5[j]), _mm512_extracti64x4_epi64(a5[j], 1));
+                } else
+#endif
+                {
+                    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+                    for (int c = s * S; c < (s + 1) * S; c += 64) {
+                        const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
+                        if (r == 0 && (BITS == 8 || L->streamed))   // (int4 layers in cache: not worth it)
+                            for (int j = 0; j < 8; ++j)
+                                for (int l = 0; l < BITS / 4; ++l)
+                                    _mm_prefetch((const char*)(at + (32 + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
+#pragma GCC unroll 8
+                        for (int j = 0; j < 8; ++j) {
+                            __m256i wa, wb;   // int4: low / high nibbles (even / odd columns); int8: two 32s
+                            if (BITS == 4) {
+                                const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                                wa = _mm256_and_si256(raw, low4);
+                                wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                            } else {
+                                wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
+                                wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
+                            }
+#if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
+                            acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
+#else
+                            if (BITS == 4) {
+                                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
+                                    _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
+                            } else {   // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
+                                const __m256i fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
+                                const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(fa, fa), _mm256_sign_epi8(x0, fa));
+                                const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(fb, fb), _mm256_sign_epi8(x1, fb));
+                                acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                                   _mm256_madd_epi16(p1, ones)));
+                            }
+#endif
+                        }
+                    }
+                }
+                __m256i lo, hi;
+                hsum8_halves(acc, &lo, &hi);
+                if (SPLIT) {   // two 32-column blocks: lanes 0-3 the first, 4-7 the second
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s]),
+                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s + 1]),
+                                        _mm256_loadu_ps(sT + g1[s] * 8)), t);
+                } else {
+                    __m256i I = _mm256_add_epi32(lo, hi);
+#if TL_VNNI
+                    if (BITS == 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + s]));
+#endif
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_set1_ps(dr[s]),
+                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                }
+            }
+            const float* Xr = X + (int64_t)r * NG;
+            __m256 part[8];   // qq_zero_corr's eight lanes (groups g mod 8), for the eight weight rows
+            for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
+            for (int g = 0; g < NG8; g += 8)
+                for (int l = 0; l < 8; ++l)
+                    part[l] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + (g + l) * 8), _mm256_loadu_ps(zT + (g + l) * 8)),
+                                              _mm256_set1_ps(Xr[g + l]), part[l]);
+            // vsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+            __m256 corr = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
+                                        _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
+            for (int g = NG8; g < NG; ++g)
+                corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + g * 8), _mm256_loadu_ps(zT + g * 8)),
+                                       _mm256_set1_ps(Xr[g]), corr);
+            _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
+        }
+    }
+    return n;
+}
+
+// qq_rows8 first for int8 weights and int4 ones in groups of 32 (SPLIT) at every row count, for int4 in
+// larger groups up to Q4_ROWS8_MAX rows: past it the 4 x 2 tiles, which unpack a weight row's codes once
+// for four input rows and scale once per group, were faster (Ouro-1.4B shape's 2048 x 2048 and 5632 x 2048,
+// group 128, one thread: qq_rows8 1.07-1.16x at 1-2 rows, 0.89-0.93x at 4; the shipped model's 768 x 256
+// group 32: 1.07x at 1 row to 1.22x at 7; the shipped head 1.66x at 5)
+constexpr int Q4_ROWS8_MAX = 2;
+template <int BITS, bool SPLIT>
+void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,
+             int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
+    if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX) n0 = qq_rows8<BITS, SPLIT>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    if (n0 >= n1) return;
+    int mt = 0;
+    for (; mt + 4 <= m; mt += 4)
+        qq_tile<BITS, 4, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
+    if (mt + 3 == m)   // three rows in one pass (2 x 2 then a lone row read the weights twice: 1.8x one row)
+        qq_tile<BITS, 3, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1), mt += 3;
+    for (; mt + 2 <= m; mt += 2)
+        qq_tile<BITS, 2, 2, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
+    // a lone row of streamed weights: one sequential stream reads at the bandwidth; a last row after tiles
+    // finds its chunk's weights in cache (the tiles above just read them): four weight rows at a time
+    if (mt < m && L->streamed && mt == 0)
+        qq_tile<BITS, 1, 1, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
+    else if (mt < m)
+        qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
+                                   y + (int64_t)mt * ldy, ldy, n0, n1);
+}
+}  // namespace
+
+void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
+    const int K = L->k, AB = act_block(L->group), NA = K / AB, NG = K / L->group, APG = L->group / AB;
+    int8_t* xq = (int8_t*)scratch;                       // m * k bytes (scratch holds m * k floats)
+    float* xd = scratch + (int64_t)m * K;                // then 2 * m * k / 32 floats (<= m * k / 8)
+    float* xs = xd + (int64_t)m * NA;
+    float* X = xs + (int64_t)m * NA;                     // then m * k / group (<= m * k / 32) floats
+    quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4);
+    for (int r = 0; r < m; ++r)
+        for (int g = 0; g < NG; ++g) {
+            float t = 0.f;
+            for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
+            X[(int64_t)r * NG + g] = t;
+        }
+    const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
+    if (m >= amx_min && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+    thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
+    qq_plan(L, AB == 32, plan);
+    const QQPlan& P = plan;
+    tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
+        const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
+        if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+        else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+        else qq_rows<4, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    });
+}
+#endif

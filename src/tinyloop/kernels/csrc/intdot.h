@@ -1,0 +1,47 @@
+// Integer dot products against int8 activations (intdot.cpp): the layers that take them, the activations'
+// int8 round trip, and their rows.
+#pragma once
+#include "tinyloop.h"
+#include "vec.h"
+
+// the layers the integer kernels take (the executor sets act_q8 where these hold)
+static inline bool int8_activations(const tl_linear* L) {
+#if TL_SIMD
+    return L->act_q8 && L->k % 64 == 0 && L->group % 32 == 0
+           && (L->kind == TL_Q4 || (L->kind == TL_Q8 && L->group % 64 == 0));
+#else
+    (void)L;
+    return false;
+#endif
+}
+
+// the activation block of a layer with groups of G: the group, or 256 columns of a longer one; 32 where
+// the group is not whole 64s
+static inline int act_block(int G) {
+    if (G % 64) return 32;
+    for (int a = 256; a >= 64; a -= 64)
+        if (G % a == 0) return a;
+    return 64;
+}
+
+#if TL_SIMD
+// the int8 scale of n activations: d = max |v| / 127 (and 1 / d, 0 for an all-zero block)
+static inline float q8_scale(const float* v, int n, float* id) {
+    float amax = 0.f;
+    for (int i = 0; i < n; ++i) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    const float d = amax / 127.f;
+    *id = d > 0 ? 1.f / d : 0.f;
+    return d;
+}
+
+// n activations -> round(v / d) * d, what the integer dot products compute with
+static inline void q8_roundtrip(const float* v, int n, float* out) {
+    float id;
+    const float d = q8_scale(v, n, &id);
+    for (int i = 0; i < n; ++i) out[i] = nearbyintf(v[i] * id) * d;
+}
+
+// y[:, 0:n] (row stride ldy) for a layer with int8_activations(L): x quantized per activation block, then the
+// integer tiles or AMX. scratch: m * k + m * k / 8 floats. Runs on the pool.
+void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch);
+#endif
