@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-MLP_KINDS = ("gelu", "swiglu")
-INJECTIONS = ("none", "add", "concat-adapter")
+MLP_KINDS = ("gelu", "swiglu", "relu2")   # relu2: w_down(relu(w_up(x))^2) (Parcae)
+INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
 # Where a block's norms sit (f = attention or MLP, n1/n2 its two norms):
 #   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
 #   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
@@ -47,6 +47,8 @@ class ModelConfig:
     #   none           - loop 0 starts from e, later loops see only the state
     #   add            - every loop's input is state + e (state starts at 0)
     #   concat-adapter - every loop's input is Linear(2*dim -> dim)(cat(state, e)) (Huginn-style)
+    #   diagonal       - every loop's input is state * exp(-softplus(dt) * exp(A_log)) + softplus(dt) * (e B^T)
+    #                    (Parcae: per-channel decay and step dt, B (dim, dim); state starts at 0)
     injection: str = "add"
     # RMSNorm at the end of every loop (keeps the state's scale fixed). Without it the loops form a
     # tied-weight pre-norm residual stack (Universal-Transformer style) whose updates accumulate.
@@ -63,6 +65,16 @@ class ModelConfig:
     # state is zeros): N(0, std) truncated at +-3 std, times embed_scale. 0: the family has no such rule.
     state_init_std: float = 0.0
     eos_token_ids: tuple[int, ...] = ()  # more ids that end generation, besides eos_token_id
+    # Parcae's pieces (docs/models.md):
+    prelude_norm: bool = False          # an RMSNorm ends the prelude (its output is the loop input e)
+    state_proj: bool = False            # Linear(dim -> dim) on the state after the last loop, before the coda (C)
+    qk_norm: bool = False               # parameter-free RMSNorm of each q and k head after RoPE
+    logit_softcap: float = 0.0          # logits -> c * tanh(logits / c) when c > 0
+    # Blocks (numbered prelude 0.., then core, then coda) whose attention values get a per-token value
+    # embedding: v + 2 * sigmoid(Linear(ve_gate_channels -> n_kv_heads)(x[:ve_gate_channels])) * ve[token],
+    # the gate per kv head, ve an Embedding(vocab, n_kv_heads * head_dim) of the block's own
+    value_embeds: tuple[int, ...] = ()
+    ve_gate_channels: int = 32
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +84,8 @@ class ModelConfig:
         if self.n_heads > 0 and not explicit_head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "value_embeds", tuple(sorted({int(i) for i in self.value_embeds})))
+        n_blocks = self.n_prelude + self.n_core + self.n_coda
         checks = [
             (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
             (explicit_head_dim or self.dim % self.n_heads == 0,
@@ -91,6 +105,10 @@ class ModelConfig:
             (self.state_init_std >= 0, "state_init_std must be >= 0"),
             (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
             (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
+            (self.logit_softcap >= 0, "logit_softcap must be >= 0"),
+            (all(0 <= i < n_blocks for i in self.value_embeds), f"value_embeds must name blocks 0..{n_blocks - 1}"),
+            (not self.value_embeds or 0 < self.ve_gate_channels <= self.dim,
+             "ve_gate_channels must be in 1..dim"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -105,6 +123,11 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if d["head_dim"] == self.dim // self.n_heads:
             del d["head_dim"]  # the default: headers of models with square attention stay as they were
+        for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
+            if d[name] == default:
+                del d[name]  # (fields added for Parcae: other families' headers stay as they were)
+        if "value_embeds" in d:
+            d["value_embeds"] = list(self.value_embeds)
         return d
 
     @classmethod
@@ -113,6 +136,8 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
+        if "value_embeds" in d:
+            d = {**d, "value_embeds": tuple(d["value_embeds"])}
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.name not in d and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
@@ -135,6 +160,11 @@ class ModelConfig:
         block = attn + mlp + norms * d + qk_bias
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         total = n_blocks * block + self.vocab_size * d  # embedding
+        total += len(self.value_embeds) * (self.vocab_size * hd + self.ve_gate_channels) * self.n_kv_heads
+        total += d if self.prelude_norm else 0
+        total += d * d if self.state_proj else 0
+        if self.injection == "diagonal":
+            total += d * d + 2 * d
         if self.head_norm or self.post_loop_norm:
             total += d  # the final norm
         if self.exit_gate:
@@ -146,6 +176,11 @@ class ModelConfig:
         if not self.tie_embeddings:
             total += self.vocab_size * d
         return total
+
+
+# Fields that headers leave out at their default value (so files written before them read the same)
+_LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
+                          "value_embeds": (), "ve_gate_channels": 32}
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -29,7 +29,14 @@ HUGINN_LIKE = BASE.replace(norm_placement="sandwich-residual", qk_bias=True, emb
 NANBEIGE_LIKE = BASE.replace(n_heads=6, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
                              norm_placement="pre", loop_norm=True, head_norm=False, tie_embeddings=False,
                              default_loops=2)
-FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE, "nanbeige-like": NANBEIGE_LIKE}
+# Parcae: pre-norm ReLU^2 blocks, a prelude norm, the diagonal injection from a zero state, the projection C
+# after the loops, parameter-free q/k norms after RoPE, gated value embeddings in a prelude, a core and a
+# coda block (the core's and coda's ride in the loop input), a logit soft-cap, GQA 4:2
+PARCAE_LIKE = BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False, head_norm=True,
+                           prelude_norm=True, state_proj=True, qk_norm=True, value_embeds=(0, 2, 3),
+                           logit_softcap=30.0, state_init_std=math.sqrt(2 / (5 * BASE.dim)), default_loops=4)
+FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE, "nanbeige-like": NANBEIGE_LIKE,
+            "parcae-like": PARCAE_LIKE}
 
 
 def model_of(name: str):
@@ -38,6 +45,11 @@ def model_of(name: str):
         with torch.no_grad():
             for blk in [*m.prelude, *m.core, *m.coda]:
                 blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    if m.injection is not None:  # per-channel decays away from 1/2 (their init is zeros)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(6)
+            m.injection.A_log.normal_(0, 0.5, generator=g)
+            m.injection.dt_bias.normal_(0, 1, generator=g)
     return m
 
 
@@ -74,14 +86,19 @@ def hand_written(m, toks, loops):
         c, s = cos[:, None], sin[:, None]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
-    def attn(blk, x):
+    def attn(blk, x, idx):
         a = blk.attn
         q = (x @ a.wq.weight.T).view(T, H, D)
         k = (x @ a.wk.weight.T).view(T, Hkv, D)
         v = (x @ a.wv.weight.T).view(T, Hkv, D)
+        if idx in cfg.value_embeds:
+            gate = 2 * torch.sigmoid(x[:, :cfg.ve_gate_channels] @ a.ve_gate.weight.T)       # (T, Hkv)
+            v = v + gate[..., None] * m.value_embeds[str(idx)].weight[toks[0]].view(T, Hkv, D)
         if a.qk_bias is not None:
             q, k = q + a.qk_bias[:H], k + a.qk_bias[H:]
         q, k = rope(q), rope(k)
+        if cfg.qk_norm:
+            q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
         s = torch.einsum("thd,uhd->htu", q, k) / math.sqrt(D)
         s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
@@ -89,34 +106,50 @@ def hand_written(m, toks, loops):
 
     def mlp(blk, x):
         w = blk.mlp
+        if cfg.mlp == "relu2":
+            return F.relu(x @ w.w_up.weight.T) ** 2 @ w.w_down.weight.T
         return (F.silu(x @ w.w_gate.weight.T) * (x @ w.w_up.weight.T)) @ w.w_down.weight.T
 
-    def block(blk, x):
+    def block(blk, x, idx):
         if cfg.norm_placement == "pre":
-            x = x + attn(blk, n(x, blk.attn_norm))
+            x = x + attn(blk, n(x, blk.attn_norm), idx)
             return x + mlp(blk, n(x, blk.mlp_norm))
         if cfg.norm_placement == "sandwich":
-            x = x + n(attn(blk, n(x, blk.attn_norm)), blk.attn_out_norm)
+            x = x + n(attn(blk, n(x, blk.attn_norm), idx), blk.attn_out_norm)
             return x + n(mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
-        x = n(x + attn(blk, n(x, blk.attn_norm)), blk.attn_out_norm)
+        x = n(x + attn(blk, n(x, blk.attn_norm), idx), blk.attn_out_norm)
         return n(x + mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
 
+    P, C = cfg.n_prelude, cfg.n_core
     e = m.embed.weight[toks[0]] * cfg.embed_scale
-    for blk in m.prelude:
-        e = block(blk, e)
+    for i, blk in enumerate(m.prelude):
+        e = block(blk, e, i)
+    if cfg.prelude_norm:
+        e = n(e, m.prelude_norm)
     h = e if cfg.injection == "none" else torch.zeros_like(e)
     for _ in range(loops):
-        x = torch.cat([h, e], -1) @ m.adapter.weight.T if cfg.injection == "concat-adapter" else h
-        for blk in m.core:
-            x = block(blk, x)
+        if cfg.injection == "concat-adapter":
+            x = torch.cat([h, e], -1) @ m.adapter.weight.T
+        elif cfg.injection == "diagonal":
+            inj = m.injection
+            dt = F.softplus(inj.dt_bias)
+            x = h * torch.exp(-dt * torch.exp(inj.A_log)) + dt * (e @ inj.B.weight.T)
+        else:
+            x = h
+        for j, blk in enumerate(m.core):
+            x = block(blk, x, P + j)
         h = n(x, m.core_norm) if cfg.loop_norm else x
     if cfg.post_loop_norm:
         h = n(h, m.norm)
-    for blk in m.coda:
-        h = block(blk, h)
+    if cfg.state_proj:
+        h = h @ m.state_proj.weight.T
+    for i, blk in enumerate(m.coda):
+        h = block(blk, h, P + C + i)
     if cfg.head_norm:
         h = n(h, m.norm)
-    return h @ m.head_weight.T
+    logits = h @ m.head_weight.T
+    c = cfg.logit_softcap
+    return logits if c == 0 else c * torch.tanh(logits / c)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -122,9 +122,12 @@ class AttentionContext(Protocol):
 
 class Attention(nn.Module):
     """Projections, RoPE and the output projection; which keys each query sees (and where new keys are
-    stored) is the step context's business: `ctx.attend(slot, q, k, v)`."""
+    stored) is the step context's business: `ctx.attend(slot, q, k, v)`. With `value_embed` (Parcae) the
+    block's value embedding of each token `ve` (B, T, n_kv_heads * head_dim) is added to v through a gate
+    read from the first `ve_gate_channels` of the block's (normed) input; with `cfg.qk_norm` q and k are
+    RMS-normed per head after RoPE (no weights, torch's default epsilon)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -134,8 +137,12 @@ class Attention(nn.Module):
         self.wqkv: nn.Module | None = None  # set by model.fast.fuse_projections (wq, wk, wv removed)
         # q and k biases (n_heads + n_kv_heads, head_dim), added after the projection, before RoPE
         self.qk_bias = nn.Parameter(torch.zeros(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_bias else None
+        self.qk_norm = cfg.qk_norm
+        self.ve_channels = cfg.ve_gate_channels
+        self.ve_gate = nn.Linear(cfg.ve_gate_channels, cfg.n_kv_heads, bias=False) if value_embed else None
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None,
+                ve: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None:
@@ -148,7 +155,15 @@ class Attention(nn.Module):
         if self.qk_bias is not None:
             qk = qk + self.qk_bias
         qk = apply_rope_full(qk, cos_full, sin_signed)                          # one RoPE over q and k
-        out = ctx.attend(slot, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:])  # (B, T, H, D)
+        if self.qk_norm:
+            qk = F.rms_norm(qk, (D,))
+        v = qkv[:, :, H + Hkv:]
+        if self.ve_gate is not None:
+            if ve is None:
+                raise ValueError("this block adds value embeddings: it needs its tokens' (the loop input's)")
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_channels]))    # (B, T, Hkv), in (0, 2)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, Hkv, D).to(v.dtype)
+        out = ctx.attend(slot, qk[:, :, :H], qk[:, :, H:], v)                   # (B, T, H, D)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return self.wo(out.reshape(B, T, H * D))
@@ -170,6 +185,8 @@ class MLP(nn.Module):
             return self.w_down(F.silu(gate) * up)
         if self.kind == "swiglu":
             return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.kind == "relu2":
+            return self.w_down(torch.square(F.relu(self.w_up(x))))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 
@@ -181,26 +198,52 @@ def _norm(x: torch.Tensor, n: RMSNorm) -> torch.Tensor:
 class Block(nn.Module):
     """Attention then MLP, each a residual branch; where the norms sit is `cfg.norm_placement`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.placement = cfg.norm_placement
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, value_embed)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
         sandwich = cfg.norm_placement != "pre"
         self.attn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
         self.mlp_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
 
-    def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: "StepContext", slot: int | None,
+                ve: torch.Tensor | None = None) -> torch.Tensor:
         if self.placement == "pre":
-            x = x + self.attn(_norm(x, self.attn_norm), ctx, slot)
+            x = x + self.attn(_norm(x, self.attn_norm), ctx, slot, ve)
             return x + self.mlp(_norm(x, self.mlp_norm))
+        if ve is not None:
+            raise ValueError("value embeddings are implemented for pre-norm blocks only")
         if self.placement == "sandwich":
             x = x + _norm(self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)
             return x + _norm(self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)
         x = _norm(x + self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)  # sandwich-residual
         return _norm(x + self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)
+
+
+class DiagonalInjection(nn.Module):
+    """Parcae's loop input: state * exp(-softplus(dt_bias) * exp(A_log)) + softplus(dt_bias) * (e B^T), a
+    per-channel decay of the state plus the prelude output through B (dim, dim), scaled per channel."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(dim))
+        self.dt_bias = nn.Parameter(torch.zeros(dim))
+        self.B = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        f = torch.promote_types(self.dt_bias.dtype, torch.float32)   # (16-bit files: in fp32)
+        dt = F.softplus(self.dt_bias.to(f))
+        decay = torch.exp(-dt * torch.exp(self.A_log.to(f)))
+        return h * decay.to(h.dtype) + dt.to(h.dtype) * linear_as(self.B, e)
+
+
+def linear_as(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A bias-free float `nn.Linear` in x's dtype (16-bit weights under fp32 activations are widened)."""
+    w = lin.weight
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
 
 
 class StepContext:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .cache import KVCache
 from .paged import PagedStep, Rows
-from .layers import Block, RMSNorm, Rotary, StepContext, init_weights
+from .layers import Block, DiagonalInjection, RMSNorm, Rotary, StepContext, init_weights, linear_as
 
 
 class LoopedTransformer(nn.Module):
@@ -27,11 +27,23 @@ class LoopedTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
-        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
-        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        ve = set(cfg.value_embeds)   # blocks numbered prelude, core, coda
+        P, C = cfg.n_prelude, cfg.n_core
+        self.prelude = nn.ModuleList(Block(cfg, i in ve) for i in range(P))
+        self.core = nn.ModuleList(Block(cfg, P + j in ve) for j in range(C))
+        self.coda = nn.ModuleList(Block(cfg, P + C + i in ve) for i in range(cfg.n_coda))
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim)
+                                           for i in cfg.value_embeds}) if ve else None
+        # The core's and coda's value embeddings ride in the loop input e after its first dim columns (looked
+        # up once, with the prelude, from the tokens): a draft's (e, h) state carries them to later loops.
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.ve_cols = {i: cfg.dim + n * kv for n, i in enumerate(i for i in cfg.value_embeds if i >= P)}
+        self.loop_input_width = cfg.dim + len(self.ve_cols) * kv
+        self.prelude_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.prelude_norm else None
         self.core_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.loop_norm else None  # ends every loop
         self.adapter = nn.Linear(2 * cfg.dim, cfg.dim, bias=False) if cfg.injection == "concat-adapter" else None
+        self.injection = DiagonalInjection(cfg.dim) if cfg.injection == "diagonal" else None
+        self.state_proj = nn.Linear(cfg.dim, cfg.dim, bias=False) if cfg.state_proj else None  # after the loops
         # the final norm: before the head (head_norm) and/or ending the recurrence (post_loop_norm)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
@@ -90,19 +102,38 @@ class LoopedTransformer(nn.Module):
                            cache=cache, start=start, tree_mask=tree_mask)
 
     def embed_prelude(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """tokens: (B, T) -> e: (B, T, dim), the input every loop receives."""
+        """tokens: (B, T) -> e: (B, T, loop_input_width), the input every loop receives: the prelude's
+        output (dim wide), then the value embeddings of the core's and coda's blocks that have them."""
         x = self.embed(tokens)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         for i, blk in enumerate(self.prelude):
-            x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None)
+            ve = self.value_embeds[str(i)](tokens) if blk.attn.ve_gate is not None else None
+            x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None, ve)
+        if self.prelude_norm is not None:
+            x = self.prelude_norm(x)
+        if self.ve_cols:
+            x = torch.cat([x] + [self.value_embeds[str(i)](tokens).to(x.dtype) for i in self.ve_cols], dim=-1)
         return x
+
+    def _ve(self, e: torch.Tensor | None, block: int) -> torch.Tensor | None:
+        """Block `block`'s value embeddings from the loop input e (None: the block has none)."""
+        c = self.ve_cols.get(block)
+        if c is None:
+            return None
+        if e is None:
+            raise ValueError(f"block {block} adds value embeddings: pass the loop input e")
+        return e[..., c:c + self.cfg.n_kv_heads * self.cfg.head_dim]
 
     def init_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The state loop 0 starts from: e itself (no injection), else zeros, or with `state_seed` the
         family's random rule per position (`positions` (T,) of e's (B, T, dim) rows; default 0..T-1)."""
+        if e.shape[-1] != self.cfg.dim:   # value embeddings ride along (`ve_cols`): the state is the first dim
+            e = e[..., :self.cfg.dim]
+            if self.cfg.injection == "none":
+                return e.clone()
         if self.cfg.injection == "none":
             return e
         std = self.cfg.state_init_std
@@ -120,27 +151,38 @@ class LoopedTransformer(nn.Module):
 
     def core_loop(self, h: torch.Tensor, e: torch.Tensor, loop_idx: int, ctx: StepContext) -> torch.Tensor:
         """One application of the shared core (loop `loop_idx`), writing that loop's cache slots."""
+        full, e = e, e[..., :self.cfg.dim] if self.ve_cols else e
         if self.cfg.injection == "add":
             x = h + e
         elif self.cfg.injection == "concat-adapter":
             x = self.adapter(torch.cat([h, e], dim=-1))
+        elif self.cfg.injection == "diagonal":
+            x = self.injection(h, e)
         else:
             x = h
+        P = self.cfg.n_prelude
         for j, blk in enumerate(self.core):
-            x = blk(x, ctx, ctx.slots.core(loop_idx, j) if ctx.slots is not None else None)
+            ve = self._ve(full, P + j) if self.ve_cols else None
+            x = blk(x, ctx, ctx.slots.core(loop_idx, j) if ctx.slots is not None else None, ve)
         self.core_loop_tokens += h.shape[0] * h.shape[1]
         return x if self.core_norm is None else self.core_norm(x)
 
-    def run_coda(self, h: torch.Tensor, ctx) -> torch.Tensor:
+    def run_coda(self, h: torch.Tensor, ctx, e: torch.Tensor | None = None) -> torch.Tensor:
         """The coda blocks (the final norm and head are `logits`); with `post_loop_norm` the final norm
-        first ends the recurrence."""
+        first ends the recurrence, with `state_proj` a projection of the state does. `e`, the loop input, is
+        read only by coda blocks with value embeddings."""
         x = self.norm(h) if self.cfg.post_loop_norm else h
+        if self.state_proj is not None:
+            x = linear_as(self.state_proj, x)
+        base = self.cfg.n_prelude + self.cfg.n_core
         for i, blk in enumerate(self.coda):
-            x = blk(x, ctx, ctx.slots.coda(i) if ctx.slots is not None else None)
+            ve = self._ve(e, base + i) if self.ve_cols else None
+            x = blk(x, ctx, ctx.slots.coda(i) if ctx.slots is not None else None, ve)
         return x
 
-    def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
-        x = self.run_coda(h, ctx)
+    def coda_logits(self, h: torch.Tensor, ctx: StepContext, *, last_only: bool = False,
+                    e: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.run_coda(h, ctx, e)
         if last_only:
             x = x[:, -1:]
         return self.logits(x)
@@ -155,9 +197,12 @@ class LoopedTransformer(nn.Module):
             return self.executor.logits(x)   # the same, natively
         x = self.final_norm(x)
         if self.head_linear is not None:
-            return self.head_linear(x)
-        w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
-        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+            out = self.head_linear(x)
+        else:
+            w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
+            out = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+        c = self.cfg.logit_softcap
+        return out if c == 0 else c * torch.tanh(out / c)
 
     def greedy_tokens(self, x: torch.Tensor) -> list[int]:
         """The greedy token of each row of x (T, dim): the argmax of `logits` over the vocabulary (the first
@@ -179,7 +224,7 @@ class LoopedTransformer(nn.Module):
             h = self.init_state(e, ctx.positions)
             for r in range(loops):
                 h = self.core_loop(h, e, r, ctx)
-            return self.coda_logits(h, ctx, last_only=last_only)
+            return self.coda_logits(h, ctx, last_only=last_only, e=e)
 
     # -- a serving step ---------------------------------------------------------------------
     def run(self, step: PagedStep) -> None:
@@ -196,7 +241,8 @@ class LoopedTransformer(nn.Module):
         with self._decode_threads(step.n):
             self._run(step)
 
-    def _adaptive_exits(self, step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+    def _adaptive_exits(self, step: PagedStep, v, loop: int, h_in: torch.Tensor, h_out: torch.Tensor,
+                        e_in: torch.Tensor | None = None) -> None:
         """Rows with an exit rule whose criterion holds after `loop` leave the step's later loops (their
         `last_loop` drops to loop + 1) and their skipped slots get the fallback keys (`model.exits`)."""
         from .exits import gate_survival, kl_divergence, should_exit
@@ -221,7 +267,7 @@ class LoopedTransformer(nn.Module):
             kl = None
             if rule.needs_distribution_after(loop):  # the read-out on this loop's state: coda, norm, head
                 members = [r for _, r in group]
-                x = self.run_coda(h_out[:, idx], step.view(members))
+                x = self.run_coda(h_out[:, idx], step.view(members), e_in[:, idx] if e_in is not None else None)
                 logp = torch.log_softmax(self.logits(x)[0, :, :self.cfg.vocab_size].double(), dim=-1)
                 prev = [r.exit_logp for r in members]
                 kl = torch.full((len(members),), float("inf"), dtype=torch.float64)
@@ -255,7 +301,7 @@ class LoopedTransformer(nn.Module):
                     h = e.clone()  # h is updated in place below; e must stay
         if e is None:
             dtype = self.act_dtype or self.embed.weight.dtype
-            e = torch.empty(1, N, dim, dtype=dtype, device=step.device)
+            e = torch.empty(1, N, self.loop_input_width, dtype=dtype, device=step.device)
             h = torch.empty(1, N, dim, dtype=dtype, device=step.device)
             if fresh:
                 e = fv.put(e, e_f)
@@ -269,9 +315,9 @@ class LoopedTransformer(nn.Module):
             if not members:
                 continue
             v = step.view(members)
-            h_in = v.take(h)
-            h_out = self.core_loop(h_in, v.take(e), loop, v)
-            self._adaptive_exits(step, v, loop, h_in, h_out)
+            h_in, e_in = v.take(h), v.take(e)
+            h_out = self.core_loop(h_in, e_in, loop, v)
+            self._adaptive_exits(step, v, loop, h_in, h_out, e_in)
             h = v.put(h, h_out)
             for r in members:
                 if r.capture and loop == r.last_loop - 1:
@@ -284,7 +330,8 @@ class LoopedTransformer(nn.Module):
         for members in readouts.values():
             v = step.view(members)
             ro = members[0].readout
-            x = self.run_coda(v.take(h), v) if ro == "coda" else ro[0].blocks(v.take(h), v, ro[1])
+            x = self.run_coda(v.take(h), v, v.take(e) if self.ve_cols else None) if ro == "coda" \
+                else ro[0].blocks(v.take(h), v, ro[1])
             for r, a in zip(members, v.local):
                 r.hidden = x[0, a:a + r.n]
 
