@@ -532,3 +532,37 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     for a, t in zip(alone, together):
         assert [x for e in t for x in e.token_ids] == [x for e in a for x in e.token_ids]
     assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0
+
+
+PARCAE_LIKE = BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False, prelude_norm=True,
+                           state_proj=True, qk_norm=True, value_embeds=(0, 2, 3), logit_softcap=30.0)
+
+
+@pytest.mark.parametrize("feature", [dict(mlp="relu2"), dict(injection="diagonal"), dict(prelude_norm=True),
+                                     dict(state_proj=True), dict(qk_norm=True), dict(value_embeds=(1,)),
+                                     dict(logit_softcap=15.0)])
+def test_parcae_features_are_refused_by_name(feature):
+    """Each of Parcae's features the C++ code lacks is refused when the executor is made (so the engine
+    warns and serves the model in PyTorch), named in the message."""
+    from tinyloop.kernels.executor import Unsupported
+
+    with pytest.raises(Unsupported, match="not implemented natively"):
+        NativeExecutor(varied_model(BASE.replace(**feature), seed=1))
+
+
+def test_parcae_like_model_is_served_by_pytorch_with_the_same_tokens():
+    from conftest import core_ids, reference_ids
+    from tinyloop.engine import SamplingParams
+    from tinyloop.kernels.executor import Unsupported
+    from tinyloop.model.fast import prepare_for_decode
+
+    m = varied_model(PARCAE_LIKE, seed=1)
+    with pytest.raises(Unsupported, match="the relu2 MLP, the diagonal injection, a prelude norm"):
+        prepare_for_decode(copy.deepcopy(m), executor="native")
+    served = copy.deepcopy(m)
+    with pytest.warns(UserWarning, match="does not run this model .*value embeddings, a logit soft-cap"):
+        prepare_for_decode(served, executor="auto")
+    assert served.executor is None
+    params = SamplingParams(max_tokens=10, loops=3, ignore_eos=True)
+    prompt = [5, 17, 300, 42, 7]
+    assert core_ids(served, prompt, params) == reference_ids(m, prompt, params)

@@ -104,9 +104,28 @@ def _vec(t: torch.Tensor | None, keep: list) -> int | None:
     return t.data_ptr()
 
 
+def unsupported_features(cfg) -> list[str]:
+    """The config's features the C++ code does not implement (Parcae's): a model with any of them is served
+    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
+    out = []
+    if cfg.mlp not in ("swiglu", "gelu"):
+        out.append(f"the {cfg.mlp} MLP")
+    if cfg.injection not in _INJECTIONS:
+        out.append(f"the {cfg.injection} injection")
+    for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
+                        ("qk_norm", "q/k norms"), ("value_embeds", "value embeddings"),
+                        ("logit_softcap", "a logit soft-cap")):
+        if getattr(cfg, field, None):
+            out.append(what)
+    return out
+
+
 class NativeExecutor:
     def __init__(self, model, threads: int | None = None):
         cfg = model.cfg
+        missing = unsupported_features(cfg)
+        if missing:
+            raise Unsupported(f"not implemented natively: {', '.join(missing)}")
         if model.embed.weight.device.type != "cpu":
             raise Unsupported("the native executor runs on the CPU")
         if cfg.dim % 8 or cfg.head_dim % 8:
