@@ -311,6 +311,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.app import serve
     from .server.settings import Settings
 
+    if getattr(args, "reasoning_parser", None):   # as the environment variable (replicas read it too)
+        os.environ["TINYLOOP_REASONING_PARSER"] = args.reasoning_parser
     settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
     if str(settings.model_path or os.environ.get("TINYLOOP_MODEL_PATH", "")).startswith("hf:"):
         from .errors import ModelFileError
@@ -475,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's names in the API (the first is its id; requests naming another get 404). "
                    "Default: $TINYLOOP_SERVED_MODEL_NAME, else the file's stem and \"tinyloop\"")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--reasoning-parser", choices=["auto", "none", "think"],
+                   help="split <think> blocks from the answer (reasoning_content): auto (default: models whose chat "
+                   "template or tokenizer has the tags), none, or think (any model); $TINYLOOP_REASONING_PARSER")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'tinyloop[ray]'; docs/scale-out.md)")
     r.add_argument("--replicas", type=int, help="engine replicas, each one model copy and one batch "
                    "(default: none, one process without Ray)")

@@ -28,6 +28,8 @@ Environment (see docs/server.md):
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
     TINYLOOP_RESPONSES_STORE_SIZE  /v1/responses kept in memory for GET and previous_response_id, the least
                             recently used first out (default 1000; 0 keeps none)
+    TINYLOOP_REASONING_PARSER  thinking blocks split from the answer: "auto" (default: models whose template or
+                            tokenizer has <think> tags), "none" (never), "think" (<think>...</think> for any model)
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def _switch_env(env: dict[str, str], name: str, default: bool) -> bool:
     if value in TRUE or value in FALSE:
         return value in TRUE
     raise SystemExit(f"tinyloop serve: {name} must be 1 or 0 (or true/false, yes/no, on/off), got {env[name]!r}")
+
+
+REASONING_PARSERS = ("auto", "none", "think")
+
+
+def _reasoning_env(env: dict[str, str]) -> str:
+    value = env.get("TINYLOOP_REASONING_PARSER", "").strip().lower() or "auto"
+    if value not in REASONING_PARSERS:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_REASONING_PARSER must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {env['TINYLOOP_REASONING_PARSER']!r}")
+    return value
 
 
 def kv_cache_mode_from_env(env: dict[str, str]) -> tuple[str, list[str]]:
@@ -146,6 +159,7 @@ class Settings:
     cors_origins: list[str] = field(default_factory=list)
     log_format: str = "text"                # text | json
     responses_store_size: int = 1000        # stored /v1/responses (an in-memory LRU; 0: none)
+    reasoning_parser: str = "auto"          # auto | none | think (docs/server.md, "Reasoning")
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -190,5 +204,6 @@ class Settings:
             cors_origins=[o.strip() for o in env.get("TINYLOOP_CORS_ORIGINS", "").split(",") if o.strip()],
             log_format=_log_format_env(env),
             responses_store_size=_store_size_env(env),
+            reasoning_parser=_reasoning_env(env),
             warnings=warnings,
         )

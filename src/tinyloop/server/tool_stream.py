@@ -9,6 +9,12 @@ together (`assemble`), so a streamed answer concatenates to the non-streamed one
 What is held back: a name until its string is complete; text that may be the start of a `<tool_call>` tag;
 whitespace that may turn out to lead up to a call (Hermes content is stripped); a JSON string escape that is
 not complete yet (the generic format's `response`).
+
+A `<tool_call>` block holds JSON (`{"name": ..., "arguments": {...}}`, Hermes) or XML, the format of Nanbeige's and
+Qwen3-Coder's templates (`<function=NAME>` then `<parameter=P>\nvalue\n</parameter>` per argument, then
+`</function>`): each block is read as what its first character says, whatever the template's style. An XML
+call's arguments go out as JSON, one parameter at a time once its `</parameter>` is read: a value is the raw
+text for a parameter whose schema type is "string", else JSON if it parses as JSON, else the text.
 """
 
 from __future__ import annotations
@@ -186,13 +192,158 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class ToolCallParser:
-    """One choice's output under tools, read delta by delta. `style`: "hermes" (free text, then
-    `<tool_call>` blocks of JSON) or "generic" (one JSON object: `{"tool_calls": [...]}` or
-    `{"response": "..."}`)."""
+XML_FUNCTION, XML_PARAM, XML_PARAM_END, XML_FUNCTION_END = "<function=", "<parameter=", "</parameter>", "</function>"
 
-    def __init__(self, style: str):
+
+class _XmlCall:
+    """One `<tool_call>` block in the XML format, read from its text as it comes; the arguments as JSON.
+    `types`: function name -> {parameter: its schema's "type"} (a string parameter's value is its raw text)."""
+
+    def __init__(self, types: dict[str, dict[str, Any]]):
+        self.types = types
+        self.text = ""
+        self.at = 0                       # how far the text is read
+        self.index: int | None = None
+        self.name: str | None = None
+        self.param: str | None = None     # the parameter whose value is being read
+        self.value_at = 0
+        self.pending: list[str] = []      # argument fragments not sent yet
+        self.n_params = 0
+        self.closed = self.broken = False
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        self._read(final=False)
+
+    def end(self) -> None:
+        """The block closed (`</tool_call>`): a value or the function left open ends here."""
+        self._read(final=True)
+        if self.param is not None:
+            self._value(self.text[self.value_at:])
+        if self.name is not None and not self.closed:
+            self._close()
+
+    def _value(self, raw: str) -> None:
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        kind = self.types.get(self.name or "", {}).get(self.param)
+        value: Any = raw
+        if kind != "string":
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw
+        key = json.dumps(self.param, ensure_ascii=False)
+        self.pending.append(("{" if not self.n_params else ", ") + key + ": " + json.dumps(value, ensure_ascii=False))
+        self.n_params += 1
+        self.param = None
+
+    def _close(self) -> None:
+        self.pending.append("}" if self.n_params else "{}")
+        self.closed = True
+
+    def _read(self, final: bool) -> None:
+        while not (self.closed or self.broken):
+            rest = self.text[self.at:]
+            if self.name is None:
+                head = rest.lstrip()
+                if not head.startswith(XML_FUNCTION):
+                    if not XML_FUNCTION.startswith(head) or final:
+                        self.broken = bool(head) or final
+                    return
+                end = head.find(">")
+                if end == -1:
+                    return
+                self.name = head[len(XML_FUNCTION):end].strip()
+                self.at += len(rest) - len(head) + end + 1
+                continue
+            if self.param is not None:   # a value: up to </parameter> (or a next parameter / the function's end)
+                stops = [i for i in (rest.find(XML_PARAM_END), rest.find(XML_PARAM), rest.find(XML_FUNCTION_END))
+                         if i != -1]
+                if not stops:
+                    return
+                cut = min(stops)
+                self._value(rest[:cut])
+                self.value_at = 0
+                self.at += cut + (len(XML_PARAM_END) if rest.startswith(XML_PARAM_END, cut) else 0)
+                continue
+            head = rest.lstrip()
+            skipped = len(rest) - len(head)
+            if head.startswith(XML_PARAM):
+                end = head.find(">")
+                if end == -1:
+                    return
+                self.param = head[len(XML_PARAM):end].strip()
+                self.at += skipped + end + 1
+                self.value_at = self.at
+                continue
+            if head.startswith(XML_FUNCTION_END):
+                self.at += skipped + len(XML_FUNCTION_END)
+                self._close()
+                return
+            if not head or any(t.startswith(head) for t in (XML_PARAM, XML_FUNCTION_END)):
+                return   # may be a tag still coming
+            nxt = head.find("<", 1)   # stray text between parameters: skipped
+            if nxt == -1:
+                self.at = len(self.text)
+                return
+            self.at += skipped + nxt
+
+    def deltas(self, next_index: Callable[[], int]) -> list[Delta]:
+        out: list[Delta] = []
+        if self.index is None:
+            if self.name is None:
+                return out
+            self.index = next_index()
+            out.append({"tool_calls": [{"index": self.index, "id": new_call_id(), "type": "function",
+                                        "function": {"name": self.name, "arguments": ""}}]})
+        if self.pending:
+            out.append(_args(self.index, "".join(self.pending)))
+            self.pending = []
+        return out
+
+
+class _Block:
+    """A `<tool_call>` block whose format (JSON or XML) its first character has not told yet."""
+
+    def __init__(self, parser: "ToolCallParser"):
+        self.parser, self.held, self.reader = parser, "", None
+
+    def feed(self, text: str) -> None:
+        if self.reader is not None:
+            self.reader.feed(text)
+            return
+        self.held += text
+        head = self.held.lstrip()
+        if not head:
+            return
+        if head[0] == "<":
+            self.reader = _XmlCall(self.parser.types)
+            self.parser.calls.append(self.reader)
+        else:
+            self.reader = JsonScanner(lambda p, a: self.parser.calls[-1].start(p, a),
+                                      lambda p, a: self.parser.calls[-1].end(p, a))
+            self.parser.calls.append(_Call(self.reader))
+        self.reader.feed(self.held)
+
+    def end(self) -> None:
+        if isinstance(self.reader, _XmlCall):
+            self.reader.end()
+
+
+class ToolCallParser:
+    """One choice's output under tools, read delta by delta. `style`: "hermes" or "xml" (free text, then
+    `<tool_call>` blocks of JSON or XML calls) or "generic" (one JSON object: `{"tool_calls": [...]}` or
+    `{"response": "..."}`). `tools`: the functions' definitions (their parameters' types read XML values)."""
+
+    def __init__(self, style: str, tools: list | None = None):
         self.style = style
+        self.types = {}
+        for f in tools or []:
+            params = (f.get("parameters") if isinstance(f, dict) else getattr(f, "parameters", None)) or {}
+            name = f.get("name") if isinstance(f, dict) else f.name
+            self.types[name] = {k: (v or {}).get("type") for k, v in (params.get("properties") or {}).items()
+                                if isinstance(v, dict)}
         self.calls: list[_Call] = []
         self.named = 0
         if style == "generic":
@@ -201,7 +352,7 @@ class ToolCallParser:
             self.said = 0                  # how much of its body (JSON text) was sent, decoded
         else:
             self.buf, self.read = "", 0    # the text not handled yet, and how far it has been read
-            self.block: JsonScanner | None = None   # the open <tool_call> block's scanner
+            self.block: _Block | None = None   # the open <tool_call> block
             self.content_sent = self.seen_call = False
             self.ws = ""                   # whitespace held back: it may lead up to a call
 
@@ -270,10 +421,9 @@ class ToolCallParser:
             self.read += len(tag)
             if self.block is None:      # a call opens
                 self.seen_call, self.ws = True, ""
-                self.block = JsonScanner(lambda p, a: self.calls[-1].start(p, a),
-                                         lambda p, a: self.calls[-1].end(p, a))
-                self.calls.append(_Call(self.block))
+                self.block = _Block(self)
             else:                       # it closes
+                self.block.end()
                 out += self._calls()
                 self.block = None
         self.buf, self.read = self.buf[self.read:], 0   # only what is not read yet is kept
@@ -322,7 +472,7 @@ def assemble(deltas: list[Delta]) -> tuple[str | None, list[dict[str, Any]]]:
     return content, [calls[i] for i in sorted(calls)]
 
 
-def parse(style: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse(style: str, text: str, tools: list | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole output at once: the deltas of one feed and the flush, put together."""
-    parser = ToolCallParser(style)
+    parser = ToolCallParser(style, tools)
     return assemble(parser.feed(text) + parser.finish())
