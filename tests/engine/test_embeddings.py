@@ -244,3 +244,27 @@ def test_the_shipped_model_natively(shipped_model_path):
                 want = reference(slow.model, slow.tokenizer.encode(t), loops, pooling)
                 assert (v.double() - want).abs().max() < TOL_INT4
                 assert float(v.double() @ want) > 0.999
+
+
+def test_timeout_fails_only_a_request_that_has_not_started(engine):
+    from tinyloop.errors import RequestTimeout
+
+    core = BatchEngine(engine, max_num_seqs=1, max_batched_tokens=4, page_size=4)
+    gen, queued = [], []
+    core.add(engine.plan(inputs(4)[0], SamplingParams(max_tokens=30, ignore_eos=True)), gen.append)
+    core.add(plan_embedding(inputs(8), CFG, max_seq_len=CFG.max_seq_len), queued.append, timeout_s=1e-9)
+    core.step()
+    assert isinstance(queued[0], RequestTimeout) and queued[-1] is None
+    # a running one is not cut short when its deadline passes: its vectors come out whole
+    xs = inputs(40, 9, seed=7)
+    events = []
+    req = core.add(plan_embedding(xs, CFG, max_seq_len=CFG.max_seq_len), events.append, timeout_s=1000)
+    while req.admitted is None:
+        core.step()
+    req.deadline = 0.0
+    while core.has_work:
+        core.step()
+    assert events[-1] is None and not any(isinstance(e, BaseException) for e in events)
+    got = vectors([e for e in events if e is not None])
+    for v, ids in zip(got, xs):
+        assert (v.double() - reference(engine.model, ids, CFG.default_loops)).abs().max() < TOL64

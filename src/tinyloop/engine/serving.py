@@ -451,6 +451,8 @@ class BatchEngine:
         for req in list(self.requests.values()):
             if req.deadline is None or now < req.deadline:
                 continue
+            if req.embedding and req.admitted is not None:   # its inputs are running: their vectors are not cut short
+                continue
             if not req.started:
                 self.fail(req, RequestTimeout(f"the request waited {now - req.t0:.1f} s without starting "
                                               f"(timeout {req.deadline - req.t0:g} s); retry later"))
