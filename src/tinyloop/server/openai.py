@@ -15,6 +15,7 @@ from .generation import MergedHandle, ServerState, collect_all, new_id, now, str
 from .logprobs import chat_content, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer, ToolChatFramer
+from .reasoning import Answer, thinking_budget
 from .structured import ToolPlan, message_of
 
 router = APIRouter()
@@ -49,16 +50,29 @@ async def get_model(model_id: str, request: Request):
     return model_card(state)
 
 
-def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams) -> tuple[Chat, SamplingParams,
-                                                                                     ToolPlan | None]:
+def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams, *,
+                reasoning: str = "auto") -> tuple[Chat, SamplingParams, ToolPlan | None]:
     """A chat request's conversation as the engine renders it, its sampling params with the constraint its
-    tools add, and its tool plan (their prompt, constraint and parsing; None without tools): what every chat
-    route submits (/v1 and /api/v0 chat completions, and Anthropic's Messages API translated onto them)."""
+    tools add and its thinking budget, and its tool plan (their prompt, constraint and parsing; None without
+    tools): what every chat route submits (/v1 and /api/v0 chat completions, and Anthropic's Messages API
+    translated onto them). `reasoning`: the server's TINYLOOP_REASONING_PARSER (server/reasoning.py)."""
     template = getattr(engine.tokenizer, "chat_template", None)
     tools = body.tool_plan(template)
     if tools is not None:
-        params = params.replace(constraint=tools.constraint())
-    return body.prompt(template, tools), params, tools
+        params = params.replace(constraint=tools.constraint(engine.tokenizer))
+    return body.prompt(template, tools), thinking_params(engine, body, params, reasoning), tools
+
+
+def thinking_params(engine, body: ChatCompletionRequest, params: SamplingParams, reasoning: str) -> SamplingParams:
+    """The thinking block's tags (the server's reasoning parser: auto, none, think) and budget
+    (max_thinking_tokens, else reasoning_effort's, which has no effect on a model that does not think)."""
+    from ..engine.thinking import THINK, resolve
+
+    thinking = {"none": False, "think": THINK}.get(reasoning)
+    budget = thinking_budget(body.max_thinking_tokens, getattr(body, "reasoning_effort", None))
+    if body.max_thinking_tokens is None and budget is not None and resolve(thinking, engine.tokenizer) is None:
+        budget = None
+    return params.replace(thinking=thinking, max_thinking_tokens=budget)
 
 
 def messages_error(exc: ValidationError) -> ValidationError:
@@ -80,7 +94,7 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     engine = state.worker.require_engine()
     tools = None
     if chat:
-        prompt, params, tools = chat_inputs(engine, body, params)
+        prompt, params, tools = chat_inputs(engine, body, params, reasoning=state.settings.reasoning_parser)
         prompts = [prompt]
     else:
         prompts = body.prompt_inputs(engine.config.vocab_size)
@@ -101,11 +115,14 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     echo = [(p if isinstance(p, str) else engine.tokenizer.decode(p), list(h.plan.prompt_ids))
             for p, h in zip(prompts, handles)] if not chat and body.echo else None
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    # how a chat answer is read: reasoning apart (a model that thinks) and tool calls (server/reasoning.py)
+    thinking = handles[0].plan.thinking if chat else None
+    answer = Answer(tools, thinking) if tools is not None or thinking is not None else None
     extras = state.lmstudio_extras if extended else None
     tokenizer = engine.tokenizer if params.logprobs is not None else None
     if body.wants_stream():
-        framer = ToolChatFramer(plan=tools, id=rid, created=created, model=body.model, extras=extras, n=n,
-                                include_usage=body.include_usage(), tokenizer=tokenizer) if tools is not None else \
+        framer = ToolChatFramer(plan=answer, id=rid, created=created, model=body.model, extras=extras, n=n,
+                                include_usage=body.include_usage(), tokenizer=tokenizer) if answer is not None else \
             ChatFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
                        extras=extras, n=n, tokenizer=tokenizer) if chat else \
             CompletionFramer(id=rid, created=created, model=body.model, include_usage=body.include_usage(),
@@ -118,7 +135,7 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
         for i, result in enumerate(results):
             if chat:
                 message, finish = ({"role": "assistant", "content": result.text}, result.finish_reason) \
-                    if tools is None else message_of(tools, result.text, result.finish_reason)
+                    if answer is None else answer.message(result.text, result.finish_reason)
                 choices.append({"index": i, "message": message, "finish_reason": finish})
                 if tokenizer is not None:
                     choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}

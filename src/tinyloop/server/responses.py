@@ -88,6 +88,8 @@ class AssistantMessage(Closed):
     role: Literal["assistant"]
     content: str | None                  # null when the answer is tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a model that thinks: its thinking block (docs/server.md, "Reasoning")
+    reasoning: str | None = None          # the same, under vLLM's newer name
 
 
 class FunctionCallDelta(Closed):
@@ -272,6 +274,8 @@ class ChatDelta(Closed):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None   # with tools: id and name first, then the arguments in fragments
+    reasoning_content: str | None = None   # a model that thinks: its thinking block's text, as it comes
+    reasoning: str | None = None           # the same, under vLLM's newer name
 
 
 class ChatChunkChoice(Closed):

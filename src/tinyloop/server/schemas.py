@@ -366,9 +366,14 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (default with tools), "required", '
                                            'or {"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool | None = Field(None, description="allow more than one call per answer (default true)")
+    # reasoning (docs/server.md, "Reasoning"); reasoning_effort is OpenAI's, above
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the model's chat "
+                                                        "template (enable_thinking: false turns thinking off)")
+    max_thinking_tokens: Int | None = rng(lo=0, hi=8192, description="tokens the thinking block may hold; then "
+                                          "its closing tag is forced and the answer starts (models that think)")
 
     def tool_plan(self, template: str | None) -> ToolPlan | None:
-        plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, template)
+        plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, template, self.chat_template_kwargs)
         if plan is not None and self.response_format is not None and self.response_format.type != "text":
             raise ValidationError("response_format: give tools or a response_format, not both (or tool_choice "
                                   '"none")', param="response_format")
@@ -376,6 +381,8 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def prompt(self, template: str | None = None, tools: ToolPlan | None = None) -> Chat:
         chat = render_chat(self.messages, template)
+        if self.chat_template_kwargs:
+            chat = Chat(chat.messages, template_kwargs=self.chat_template_kwargs)
         return tools.chat(chat) if tools is not None else chat
 
 

@@ -205,6 +205,9 @@ class NativeFramer(Framer):
         return [frame(e), DONE]
 
 
+from .reasoning import chunk_delta  # noqa: E402 - after the framers it builds on
+
+
 class ToolChatFramer(ChatFramer):
     """Chat chunks under tools: each choice's text goes through its own `ToolCallParser` as it comes
     (server/tool_stream.py), and what that makes (content, a call's id and name, its arguments' fragments)
@@ -233,7 +236,7 @@ class ToolChatFramer(ChatFramer):
         for d in deltas:
             if "tool_calls" in d:
                 self.called.add(i)
-            out.append(self._with_held(self._delta(d, index=i), i))
+            out.append(self._with_held(self._delta(chunk_delta(d), index=i), i))
         return out
 
     def _with_held(self, choice: dict[str, Any], i: int) -> dict[str, Any]:

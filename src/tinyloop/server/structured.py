@@ -116,7 +116,7 @@ class ToolPlan:
 
     @classmethod
     def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
-           template: str | None) -> "ToolPlan | None":
+           template: str | None, template_kwargs: dict | None = None) -> "ToolPlan | None":
         """None when the request uses no tools (none given, or tool_choice "none")."""
         if choice is not None and not tools and choice != "none":
             raise ValidationError("tool_choice: needs tools", param="tool_choice")
@@ -136,24 +136,24 @@ class ToolPlan:
                 raise ValidationError(f"tool_choice: no tool is named {picked!r} (tools: {', '.join(names)})",
                                       param="tool_choice")
             fns = [f for f in fns if f.name == picked]
-        style = "hermes" if template and "<tool_call>" in template else "generic"
+        style = tool_style(template, template_kwargs)
         # parallel calls: OpenAI's default (true) for templates that know tools; one call unless asked in the
         # generic format, as llama.cpp does (a base model asked for "one or more" rarely stops at one)
-        return cls(fns, picked, (style == "hermes") if parallel is None else parallel, style)
+        return cls(fns, picked, (style != "generic") if parallel is None else parallel, style)
 
     # -- what the model sees ---------------------------------------------------------------------------------
     def openai_tools(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools]
 
     def chat(self, chat: Chat) -> Chat:
-        if self.style == "hermes":  # the template renders them (transformers' `tools` variable)
-            return Chat(chat.messages, tools=tuple(self.openai_tools()))
+        if self.style != "generic":  # the template renders them (transformers' `tools` variable)
+            return Chat(chat.messages, tools=tuple(self.openai_tools()), template_kwargs=chat.template_kwargs)
         which = "one of them" if not self.parallel else "one or more of them"
         answer = ', or {"response": <your answer>} to answer without calling a function' \
             if self.choice == "auto" else ""
         listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.openai_tools())
         system = {"role": "system", "content": GENERIC_PROMPT.format(which=which, answer=answer, tools=listing)}
-        return Chat((system, *chat.messages))
+        return Chat((system, *chat.messages), template_kwargs=chat.template_kwargs)
 
     def _call_schema(self, f: FunctionDef) -> dict[str, Any]:
         """One call: the function's name and arguments under its parameters schema, which holds only the
@@ -168,9 +168,14 @@ class ToolPlan:
         items = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return {"type": "array", "items": items, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
 
-    def constraint(self) -> Constraint | None:
+    def constraint(self, tokenizer=None) -> Constraint | None:
         """Generic: the reply's JSON schema. Hermes: `required`/named are one or more <tool_call> blocks
-        (a Lark grammar around each call's schema); `auto` is free text."""
+        (a Lark grammar around each call's schema); `auto` is free text. XML: the same blocks of XML calls.
+        `tokenizer`: the model's; a tag that is one token of its own is written as that token (llguidance
+        counts added tokens as special: a quoted tag would allow the token and then refuse it)."""
+        self._tags = {t: t for t in (OPEN_TAG, CLOSE_TAG) if _one_token(tokenizer, t)}
+        if self.style == "xml":
+            return None if self.choice == "auto" else Constraint("grammar", self._xml_grammar(), param="tools")
         if self.style == "hermes":
             if self.choice == "auto":
                 return None
@@ -178,7 +183,7 @@ class ToolPlan:
             # the JSON written as response_format's is (no free whitespace): llguidance's options in the schema
             one = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS})
             repeat = ' ("\\n" call)*' if self.parallel else ""
-            lark = f'start: call{repeat}\ncall: "<tool_call>\\n" %json {one} "\\n</tool_call>"\n'
+            lark = f'start: call{repeat}\ncall: {self._tag(OPEN_TAG)} "\\n" %json {one} "\\n" {self._tag(CLOSE_TAG)}\n'
             return Constraint("grammar", lark, param="tools")
         reply = {"type": "object", "properties": {"tool_calls": self._calls_schema()},
                  "required": ["tool_calls"], "additionalProperties": False}
@@ -188,15 +193,87 @@ class ToolPlan:
             reply = {"anyOf": [reply, answer]}
         return Constraint.json_schema(reply, param="tools")
 
+    def _xml_grammar(self) -> str:
+        """`required` / named calls in the XML format (Nanbeige's template): per function its `<function=NAME>`,
+        then each declared parameter as `<parameter=P>\nvalue\n</parameter>\n` in the schema's order (the required
+        ones always, the others optional). A string's value is free text up to `</parameter>` (its `enum`, `const`
+        or `pattern`, if any, held too); any other value is JSON under its schema, as the template writes it."""
+        rules, calls = ["TEXT: /(.|\\n)*/"], []
+        for i, f in enumerate(self.tools):
+            params = f.parameters or {"type": "object", "properties": {}}
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            parts = []
+            for j, (name, schema) in enumerate(props.items()):
+                rule = f"p{i}_{j}"
+                value = _xml_value(f.name, name, schema if isinstance(schema, dict) else {}, rule, rules)
+                rules.append(f"{rule}: {json.dumps(f'<parameter={name}>' + chr(10))} {value}")
+                parts.append(rule if name in required else f"{rule}?")
+            calls.append(f"f{i}")
+            head = f"{self._tag(OPEN_TAG)} {json.dumps(f'{chr(10)}<function={f.name}>{chr(10)}')}"
+            rules.append(f"f{i}: {head} {' '.join(parts)} \"</function>\\n\" {self._tag(CLOSE_TAG)}")
+        repeat = ' ("\\n" call)*' if self.parallel else ""
+        return "\n".join([f"start: call{repeat}", f"call: {' | '.join(calls)}", *rules]) + "\n"
+
+    def _tag(self, text: str) -> str:
+        """A tag in a Lark grammar: the token itself where it is one, else its text."""
+        return text if text in getattr(self, "_tags", {}) else json.dumps(text)
+
     # -- what comes back -------------------------------------------------------------------------------------
     def parser(self) -> ToolCallParser:
         """Reads one choice's output as it is generated (server/tool_stream.py): streamed deltas and the
         non-streamed message both come from it."""
-        return ToolCallParser(self.style)
+        return ToolCallParser(self.style, self.tools)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) of one choice's whole output."""
-        return parse(self.style, text)
+        return parse(self.style, text, self.tools)
+
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+
+
+def _one_token(tokenizer, text: str) -> bool:
+    if tokenizer is None:
+        return False
+    try:
+        return len(tokenizer.encode(text, add_special_tokens=False)) == 1
+    except TypeError:
+        return False   # TinyLoop's GPT-2 tokenizer: no added tokens
+
+
+STRING_OK = {"type", "enum", "const", "pattern", "description", "title", "default", "examples"}
+
+
+def _xml_value(fn: str, name: str, schema: dict[str, Any], rule: str, rules: list[str]) -> str:
+    """The grammar of one XML parameter's value, with its closing `\n</parameter>\n`."""
+    end = json.dumps("\n</parameter>\n")
+    if schema.get("type") != "string":
+        return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})} {end}"
+    extra = sorted(set(schema) - STRING_OK)
+    if extra:
+        raise ValidationError(f"tools: {fn}'s parameter {name!r}: the XML tool format writes a string as free text, "
+                              f"so {', '.join(extra)} cannot be held to; remove it, or use tool_choice \"auto\"",
+                              param="tools", code="unsupported_schema")
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return "(" + " | ".join(json.dumps(str(v)) for v in values) + f") {end}"
+    if "pattern" in schema:
+        rules.append(f"{rule.upper()}V: /{schema['pattern'].removeprefix('^').removesuffix('$')}/")
+        return f"{rule.upper()}V {end}"
+    rules.append(f"{rule}v[lazy]: TEXT {end}")
+    return f"{rule}v"
+
+
+def tool_style(template: str | None, template_kwargs: dict | None = None) -> str:
+    """The tool format a chat template speaks: "xml" (`<tool_call>` blocks of `<function=NAME>`: Nanbeige,
+    Qwen3-Coder; Nanbeige's `tool_call_format: "json"` template switch makes it "hermes"), "hermes" (JSON in
+    `<tool_call>` blocks) or "generic" (no tool format: the JSON reply)."""
+    if not template or "<tool_call>" not in template:
+        return "generic"
+    if "<function=" in template and (template_kwargs or {}).get("tool_call_format") != "json":
+        return "xml"
+    return "hermes"
 
 
 def _loads(text: str) -> Any:
