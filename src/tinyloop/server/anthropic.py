@@ -31,7 +31,9 @@ from .generation import collect, now, stream
 from .anthropic_schemas import (CountTokensRequest, DocumentBlock, ImageBlock, MessagesRequest,
                                 RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolChoiceAny, ToolChoiceAuto,
                                 ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock)
+from .anthropic_schemas import ThinkingAdaptive, ThinkingDisabled
 from .openai import chat_inputs, messages_error, state_of
+from .reasoning import Answer
 from .schemas import ChatCompletionRequest
 from .sse import Framer
 
@@ -303,6 +305,8 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
+    if isinstance(body.thinking, ThinkingDisabled):   # the template's switch (Nanbeige's, Qwen3's)
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                       stop=body.stop_sequences, stream=body.stream, **body.knobs())
@@ -320,10 +324,27 @@ async def plan(request: Request, body: CountTokensRequest):
         chat = to_chat(body)
         params = chat.sampling_params()
         engine = state.worker.require_engine()
-        prompt, params, tools = chat_inputs(engine, chat, params)
+        prompt, params, tools = chat_inputs(engine, chat, params, reasoning=state.settings.reasoning_parser)
+        params = thinking_of(body, engine, params)
     except ValidationError as exc:
         raise renamed(exc) from None
     return state, chat, prompt, params, tools
+
+
+def thinking_of(body: CountTokensRequest, engine, params):
+    """`thinking`: enabled -> its budget_tokens as the thinking budget, disabled -> no thinking (the template's
+    enable_thinking false, and a budget of 0 in case the template has no such switch); no effect on a model
+    that does not think."""
+    from ..engine.thinking import MAX_THINKING_TOKENS, resolve
+
+    th = body.thinking
+    if th is None or isinstance(th, ThinkingAdaptive) or resolve(params.thinking, engine.tokenizer) is None:
+        return params
+    if isinstance(th, ThinkingDisabled):
+        return params.replace(max_thinking_tokens=0)
+    if not 0 <= th.budget_tokens <= MAX_THINKING_TOKENS:
+        raise _invalid("thinking.budget_tokens", f"must be in 0..{MAX_THINKING_TOKENS}, got {th.budget_tokens}")
+    return params.replace(max_thinking_tokens=th.budget_tokens)
 
 
 # -- the answer as content blocks ----------------------------------------------------------------------------------
@@ -363,6 +384,13 @@ class Blocks:
 
     def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
+        thought = delta.get("reasoning_content")
+        if thought:   # a model that thinks: its block (server/reasoning.py) as a thinking block
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.content[self.index]["thinking"] += thought
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                "delta": {"type": "thinking_delta", "thinking": thought}}))
         text = delta.get("content")
         if text:
             if self.open != "text":
@@ -538,12 +566,14 @@ async def create_message(body: MessagesRequest, request: Request):
         handle = await state.submit(ids, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
     except ValidationError as exc:
         raise renamed(exc) from None
+    # the answer as the chat route reads it: thinking apart, tool calls (server/reasoning.py)
+    answer = Answer(tools, handle.plan.thinking) if tools is not None or handle.plan.thinking is not None else None
     if body.stream:
-        framer = MessagesFramer(id=new_message_id(), model=body.model, tools=tools, n_prompt=handle.plan.n_prompt,
+        framer = MessagesFramer(id=new_message_id(), model=body.model, tools=answer, n_prompt=handle.plan.n_prompt,
                                 context_bound=context_bound)
         return await stream(handle, framer, state.settings.keepalive_s)
     (result,) = await collect(handle, request)
-    return message_of(body, tools, result, context_bound)
+    return message_of(body, answer, result, context_bound)
 
 
 @router.post(PREFIX + "/count_tokens", include_in_schema=False)

@@ -42,6 +42,7 @@ from .anthropic import AnthropicErrors, deltas_of, param_of
 from .errors import APIError, register_shape
 from .generation import collect, stream as sse_stream
 from .openai import chat_inputs, messages_error, state_of
+from .reasoning import Answer, thinking_budget
 from .openai_responses_schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
                                        FunctionCallOutputItem, FunctionTool, ItemReference, MessageItem,
                                        NamespaceTool, ReasoningItem, ResponsesRequest)
@@ -363,6 +364,16 @@ def check_unsupported(body: ResponsesRequest) -> None:
                            code="unsupported_parameter")
 
 
+def effort_of(body: ResponsesRequest, engine, params):
+    """`reasoning.effort` as the thinking budget (server/reasoning.py; no effect on a model that does not think)."""
+    from ..engine.thinking import resolve
+
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort is None or params.max_thinking_tokens is not None or resolve(params.thinking, engine.tokenizer) is None:
+        return params
+    return params.replace(max_thinking_tokens=thinking_budget(None, effort, "reasoning.effort"))
+
+
 def to_chat(body: ResponsesRequest, model: str, items: list[tuple[str | None, dict[str, Any]]],
             max_tokens: int) -> ChatCompletionRequest:
     """The chat completion request a Responses request means."""
@@ -399,6 +410,16 @@ class Items:
 
     def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
+        thought = delta.get("reasoning_content")
+        if thought:   # a model that thinks: its block as a reasoning item (its text as reasoning_text)
+            if self.open is None or self.output[self.open]["type"] != "reasoning":
+                item = {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+                out += self._start(item)
+            item = self.output[self.open]
+            item["content"][0]["text"] += thought
+            out.append(("response.reasoning_text.delta", {"item_id": item["id"], "output_index": self.open,
+                                                          "content_index": 0, "delta": thought}))
         text = delta.get("content")
         if text:
             if self.open is None or self.output[self.open]["type"] != "message":
@@ -436,7 +457,10 @@ class Items:
         item = self.output[at]
         item["status"] = status
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(("response.reasoning_text.done", {"item_id": item["id"], "output_index": at, "content_index": 0,
+                                                         "text": item["content"][0]["text"]}))
+        elif item["type"] == "message":
             part = item["content"][0]
             out += [("response.output_text.done", {"item_id": item["id"], "output_index": at, "content_index": 0,
                                                    "text": part["text"], "logprobs": []}),
@@ -571,7 +595,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         items = [(None, item) for item in (previous.context if previous is not None else ())] + given
         chat = to_chat(body, model, items, limit)
         params = chat.sampling_params()
-        prompt, params, tools = chat_inputs(engine, chat, params)
+        prompt, params, tools = chat_inputs(engine, chat, params, reasoning=state.settings.reasoning_parser)
+        params = effort_of(body, engine, params)
         if params.max_tokens > limit:
             raise ValidationError(f"max_output_tokens: {params.max_tokens} > {limit}, the most this server "
                                   "generates (TINYLOOP_MAX_TOKENS)", param="max_output_tokens")
@@ -582,6 +607,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         handle = await state.submit(ids, params, n=1, timeout_s=body.timeout_s, max_tokens_given=True)
     except ValidationError as exc:
         raise renamed(exc) from None
+    # the answer as the chat route reads it: reasoning apart, tool calls (server/reasoning.py)
+    tools = Answer(tools, handle.plan.thinking) if tools is not None or handle.plan.thinking is not None else None
     namespaces = {f.name: ns for f, ns in function_tools(body) if ns is not None}
     tools_shown = [{**t.model_dump(), "strict": True if t.strict is None else t.strict}
                    if isinstance(t, FunctionTool) else t.model_dump() for t in body.tools or []]
