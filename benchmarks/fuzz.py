@@ -63,6 +63,7 @@ OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/api/v0/chat/comple
 NATIVE_MODES = {"/generate": "generate", "/generate/speculative": "speculative",
                 "/generate/tree_speculative": "tree_speculative"}
 ERROR_KEYS = {"message", "type", "param", "code", "request_id"}
+VOCAB = 50257   # the fuzzed model's vocabulary (GPT-2's)
 
 
 # -- the oracle: which 400s a schema-valid request may get ------------------------------------------------
@@ -91,6 +92,9 @@ def explained_rejection(path: str, body: Any, error: dict, default_loops: int) -
         mode = _given(body, "mode", "generate")
     else:
         mode = "generate"
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and param == "logit_bias" and any(int(k) >= VOCAB for k in bias if k.isdigit()):
+        return "a logit_bias token id outside the vocabulary (a key pattern cannot state the vocabulary's size)"
     if path.endswith("/chat/completions") and body.get("top_logprobs") and not body.get("logprobs") \
             and param == "top_logprobs":
         return "top_logprobs without logprobs: true"

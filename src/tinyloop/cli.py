@@ -313,6 +313,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "reasoning_parser", None):   # as the environment variable (replicas read it too)
         os.environ["TINYLOOP_REASONING_PARSER"] = args.reasoning_parser
+    if getattr(args, "strict_model_names", False):   # as the environment variable (replicas read it too)
+        os.environ["TINYLOOP_STRICT_MODEL_NAMES"] = "1"
     settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
     if str(settings.model_path or os.environ.get("TINYLOOP_MODEL_PATH", "")).startswith("hf:"):
         from .errors import ModelFileError
@@ -474,8 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
     s.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the model's names in the API (the first is its id; requests naming another get 404). "
-                   "Default: $TINYLOOP_SERVED_MODEL_NAME, else the file's stem and \"tinyloop\"")
+                   help="the model's names in the API: GET /v1/models lists the first (its id). Default: "
+                   "$TINYLOOP_SERVED_MODEL_NAME, else the file's stem and \"tinyloop\"")
+    s.add_argument("--strict-model-names", action="store_true",
+                   help="answer 404 model_not_found to a request whose model is not one of those names (default: "
+                   "any name is accepted and echoed); $TINYLOOP_STRICT_MODEL_NAMES=1")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--reasoning-parser", choices=["auto", "none", "think"],
                    help="split <think> blocks from the answer (reasoning_content): auto (default: models whose chat "
@@ -494,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .store.commands import add_commands  # pull, list, rm
     add_commands(sub)
+
+    from .chat_cli import add_command as add_chat  # chat: a terminal conversation (torch once the model loads)
+    add_chat(sub)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")
     t.add_argument("files", nargs="+", help="text files (.txt or .txt.gz)")

@@ -64,15 +64,24 @@ def test_tokenize_takes_the_names_other_servers_use(tiny_server):
 
 def test_response_format_types(tiny_server):
     """text and json_object run (issue 27: structured output, tests/server/test_structured.py); json_schema
-    without its schema is a 400 naming response_format; another type is a 422."""
+    without its schema is a 400 naming response_format; another type, or a key OpenAI's response_format does not
+    have, is a 400 naming it (as OpenAI answers: no 422 on its routes)."""
     body = {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for fmt in ({"type": "json_object"}, {"type": "text"}):
         r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": fmt})
         assert r.status_code == 200, r.text
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "json_schema"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
-    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": {"type": "xml"}})
-    assert r.status_code == 422, r.text
+    for fmt, param, code in (({"type": "xml"}, "response_format.type", "invalid_value"),
+                             ({"type": "json_object", "schema": {"type": "object"}}, "response_format.schema",
+                              "unknown_parameter"),
+                             ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}},
+                              "response_format.json_schema.foo", "unknown_parameter"),
+                             ({"type": "text", "json_schema": {"name": "x", "schema": {}}},
+                              "response_format.json_schema", "invalid_value")):
+        r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**body, "response_format": fmt})
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == (param, code), (fmt, r.text)
 
 
 def test_max_seq_len_setting_is_checked(tiny_model_path):
@@ -93,5 +102,8 @@ def test_undecodable_and_too_deep_bodies_get_the_malformed_json_error(tiny_serve
     for body in (b"\xff\xfe{", ("[" * 5000 + "]" * 5000).encode()):
         r = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body,
                        headers={"content-type": "application/json"})
+        err = r.json()["error"]   # OpenAI's routes: a 400 (as OpenAI answers), the native ones a 422
+        assert r.status_code == 400 and err["code"] == "invalid_json" and "not valid JSON" in err["message"], r.text
+        r = httpx.post(f"{tiny_server.url}/generate", content=body, headers={"content-type": "application/json"})
         err = r.json()["error"]
         assert r.status_code == 422 and err["code"] == "invalid_type" and "not valid JSON" in err["message"], r.text

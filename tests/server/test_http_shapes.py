@@ -46,8 +46,10 @@ def test_chat_shape(tiny_server):
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", body["id"]) and body["object"] == "chat.completion"
     assert body["model"] == "tinyloop" and abs(body["created"] - time.time()) < 60 and isinstance(body["created"], int)
     (choice,) = body["choices"]
-    assert set(choice) == {"index", "message", "finish_reason"} and choice["index"] == 0
-    assert set(choice["message"]) == {"role", "content"} and choice["message"]["role"] == "assistant"
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason"} and choice["index"] == 0
+    assert choice["logprobs"] is None   # OpenAI's schema: required, null when not asked for (refusal too)
+    assert set(choice["message"]) == {"role", "content", "refusal"} and choice["message"]["role"] == "assistant"
+    assert choice["message"]["refusal"] is None
     assert body["usage"]["completion_tokens"] == 5 and choice["finish_reason"] == "length"
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
     # prompt rendering: "User: Hi\nAssistant:"
@@ -60,7 +62,8 @@ def test_completion_shape_and_prompt_forms(tiny_server, tokenizer):
     base = {"model": "tinyloop", "max_tokens": 4, "temperature": 0}
     a = post(tiny_server, "/v1/completions", {**base, "prompt": "The cat"}).json()
     assert set(a) == {"id", "object", "created", "model", "choices", "usage"} and a["object"] == "text_completion"
-    assert a["id"].startswith("cmpl-") and set(a["choices"][0]) == {"text", "index", "finish_reason"}
+    assert a["id"].startswith("cmpl-") and set(a["choices"][0]) == {"text", "index", "logprobs", "finish_reason"}
+    assert a["choices"][0]["logprobs"] is None
     ids = tokenizer.encode("The cat")
     b = post(tiny_server, "/v1/completions", {**base, "prompt": ids}).json()
     c = post(tiny_server, "/v1/completions", {**base, "prompt": ["The cat", "ignored"]}).json()
@@ -93,14 +96,15 @@ def test_chat_sse_bytes(tiny_server):
     frames = data_frames(r.content)
     assert frames[-1] == b"[DONE]"
     chunks = [json.loads(f) for f in frames[:-1]]
-    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                       "finish_reason": None}
     for c in chunks:
         assert set(c) == {"id", "object", "created", "model", "choices"} and c["object"] == "chat.completion.chunk"
         assert c["id"] == chunks[0]["id"] and c["model"] == "tinyloop"
     middle = chunks[1:-1]
     assert middle and all(set(c["choices"][0]["delta"]) == {"content"} and c["choices"][0]["delta"]["content"]
                           for c in middle)  # no empty deltas
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     full = post(tiny_server, "/v1/chat/completions", {**body, "stream": False}).json()
     assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == full["choices"][0]["message"]["content"]
     # include_usage: every chunk has "usage": null, then one usage chunk with no choices before [DONE]
@@ -176,10 +180,13 @@ def test_errors(tiny_server):
     e = assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 300}), 400)
     assert e["code"] == "context_length_exceeded"
     assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": [70000]}), 400, "prompt")
-    assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop"}), 422, "messages")
-    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "max_tokens": "lots"}), 422, "max_tokens")
+    # a malformed body: 400 on OpenAI's routes (as OpenAI and vLLM answer), 422 on the native ones
+    assert_error(post(tiny_server, "/v1/chat/completions", {"model": "tinyloop"}), 400, "messages")
+    assert_error(post(tiny_server, "/v1/chat/completions", {**chat, "max_tokens": "lots"}), 400, "max_tokens")
     assert_error(post(tiny_server, "/generate", {"prompt": "Hi", "temprature": 0.5}), 422, "temprature")
     r = httpx.post(tiny_server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert assert_error(r, 400)["code"] == "invalid_json"
+    r = httpx.post(tiny_server.url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert_error(r, 422)
     assert_error(httpx.get(tiny_server.url + "/v1/nothing-here"), 404)
     assert_error(httpx.get(tiny_server.url + "/v1/models/other-model"), 404, "model")

@@ -1,6 +1,6 @@
 """What a vLLM user tripped on (issue 27, item 5): TinyLoop's knobs on /v1, unknown fields refused by name,
-clean 400s for bad `loops` and for a prompt that alone fills the context, model names (404
-`model_not_found`, `--served-model-name`, `@loops=K`), /docs without a CDN, route labels, the access line
+clean 400s for bad `loops` and for a prompt that alone fills the context, model names (any name echoed; under
+--strict-model-names 404 `model_not_found`; `--served-model-name`, `@loops=K`), /docs without a CDN, route labels, the access line
 of a batch, tiny and expired `timeout_s`, /health while no replica serves, and per-token depth under
 `loops: "auto"`."""
 
@@ -77,15 +77,32 @@ def test_model_names(tiny_server, tiny_model_path):
     for name in ("tiny", "tinyloop", str(tiny_model_path), "tinyloop@loops=2", "tiny@loops=auto"):
         r = post(tiny_server, "/v1/completions", {**TEXT, "model": name})
         assert r.status_code == 200 and r.json()["model"] == name, (name, r.text)
-    for name in ("gpt-4o", "tiny2", "tiny@loops=2x"):
-        err = assert_error(post(tiny_server, "/v1/chat/completions", {**CHAT, "model": name}), 404, "model")
-        assert err["code"] == "model_not_found" and "'tiny'" in err["message"]
-    with ServerThread(Settings(model_path=tiny_model_path, served_model_names=["org/llm", "llm"])) as srv:
+    # one model served: any name is accepted and echoed (the seed API: clients hard-code model names), a
+    # depth suffix still read; /v1/models/{id} answers for the listed names only
+    for name in ("gpt-4o", "tiny2", "tiny@loops=2x", "gpt-4o@loops=2"):
+        r = post(tiny_server, "/v1/chat/completions", {**CHAT, "model": name})
+        assert r.status_code == 200 and r.json()["model"] == name, (name, r.text)
+    assert_error(post(tiny_server, "/v1/chat/completions", {**CHAT, "model": "gpt-4o@loops=99"}), 400, "loops")
+    assert_error(httpx.get(tiny_server.url + "/v1/models/gpt-4o"), 404, "model")
+    same = {**CHAT, "temperature": 0, "max_tokens": 6}
+    assert post(tiny_server, "/v1/chat/completions", {**same, "model": "gpt-4o@loops=2"}).json()["choices"] == \
+        post(tiny_server, "/v1/chat/completions", {**same, "loops": 2}).json()["choices"]
+    # --strict-model-names: one of the served names (--served-model-name), else 404 model_not_found
+    settings = Settings(model_path=tiny_model_path, served_model_names=["org/llm", "llm"], strict_model_names=True)
+    with ServerThread(settings) as srv:
         assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["org/llm"]
         assert httpx.get(srv.url + "/v1/models/llm").status_code == 200
         assert post(srv, "/v1/completions", {**TEXT, "model": "llm@loops=2"}).status_code == 200
-        assert_error(post(srv, "/v1/completions", {**TEXT, "model": "tinyloop"}), 404, "model")
+        for name in ("tinyloop", "gpt-4o", "llm2", "llm@loops=2x"):
+            err = assert_error(post(srv, "/v1/chat/completions", {**CHAT, "model": name}), 404, "model")
+            assert err["code"] == "model_not_found" and "'org/llm'" in err["message"]
         assert httpx.get(srv.url + "/health").json()["model_id"] == "org/llm"
+        doc = httpx.get(srv.url + "/openapi.json").json()["components"]["schemas"]
+        assert doc["ChatCompletionRequest"]["properties"]["model"]["pattern"].startswith("^(org/llm|llm)")
+    assert "pattern" not in httpx.get(tiny_server.url + "/openapi.json").json()["components"]["schemas"][
+        "ChatCompletionRequest"]["properties"]["model"]
+    assert Settings.from_env({"TINYLOOP_STRICT_MODEL_NAMES": "1"}).strict_model_names
+    assert not Settings.from_env({}).strict_model_names
     with pytest.raises(SystemExit, match="@loops="):
         Settings.from_env({"TINYLOOP_SERVED_MODEL_NAME": "a@loops=2"})
 

@@ -137,6 +137,51 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+def pydantic_error(errs: list[dict[str, Any]], status: int = 422) -> APIError:
+    """A malformed body (pydantic's errors) as one error naming the first bad field (`messages[0].role`).
+    At 422 (the native routes) the code is `invalid_type`; at 400 (OpenAI's routes) it says what is wrong:
+    `missing_required_parameter`, `unknown_parameter`, `invalid_type`, `invalid_value` or `invalid_json`."""
+    first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = f"{param}: {first.get('msg', 'invalid')}"
+    kind = first.get("type", "")
+    code = "invalid_type" if status == 422 else _CODES.get(kind) or \
+        ("invalid_type" if kind.endswith("_type") else "invalid_value")
+    if kind == "json_invalid":
+        param, msg = None, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        code = "invalid_type" if status == 422 else "invalid_json"
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return APIError(status, msg, param=param, code=code)
+
+
+class OpenAIErrors:
+    """ErrorShape of OpenAI's chat and text completion routes (/v1 and their /api/v0 mirrors): OpenAI's error
+    body, and a malformed body (a missing `model`, `messages: null`, a wrong `response_format.type`) a 400
+    naming the field, as OpenAI and vLLM answer (the openai SDK raises BadRequestError for it, another class
+    for a 422). The native routes keep 422."""
+
+    @staticmethod
+    def status(err: APIError) -> int:
+        return 400 if err.status == 422 else err.status
+
+    @staticmethod
+    def body(err: APIError) -> dict[str, Any]:
+        return err.body()
+
+    @staticmethod
+    def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
+        return pydantic_error(errors, 400)
+
+
+OPENAI_BODY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/api/v0/chat/completions", "/api/v0/completions")
+for _route in OPENAI_BODY_ROUTES:
+    register_shape(_route, OpenAIErrors)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
@@ -152,14 +197,7 @@ def install(app: FastAPI) -> None:
         shape = shape_for(request.url.path)
         if shape is not None:
             return error_response(shape.from_pydantic(list(errs)), request.url.path)
-        first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        msg = f"{param}: {first.get('msg', 'invalid')}"
-        if first.get("type") == "json_invalid":
-            param, msg = None, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-        if len(errs) > 1:
-            msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-        return error_response(APIError(422, msg, param=param, code="invalid_type"))
+        return error_response(pydantic_error(list(errs)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -169,8 +207,9 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 400 and detail == "There was an error parsing the body":
             # FastAPI's answer to a body json.loads cannot take (not UTF-8, nested too deeply): the same
             # error as any other malformed JSON
+            bad = shape_for(path) is not None
             return error_response(APIError(422, "request body is not valid JSON: not UTF-8, or nested too deeply",
-                                           code="invalid_type"), path)
+                                           code="invalid_json" if bad else "invalid_type"), path)
         return error_response(APIError(exc.status_code, detail, code=codes.get(exc.status_code),
                                        headers=getattr(exc, "headers", None)), path)
 

@@ -76,8 +76,11 @@ class ServerState:
         return self.names[0]
 
     def check_model(self, name: str) -> None:
-        """A request's `model` must be one of this server's names (a `@loops=K` suffix aside): else 404
-        `model_not_found`, as vLLM and OpenAI answer."""
+        """A request's `model`: with one model served, any string (echoed into the response; the seed API's
+        rule: clients that hard-code a model name work). Under `--strict-model-names` it must be one of this
+        server's names (a `@loops=K` suffix aside), else 404 `model_not_found`, as vLLM and OpenAI answer."""
+        if not self.settings.strict_model_names:
+            return
         if LOOPS_SUFFIX.sub("", name) not in self.names:
             shown = ", ".join(repr(n) for n in self.names[:2])
             raise APIError(404, f"model {name!r} not found; this server serves {shown} (GET /v1/models)",

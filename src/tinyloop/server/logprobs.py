@@ -37,6 +37,12 @@ def chat_content(tokenizer, ids: list[int], lps: list) -> list[dict[str, Any]]:
     return out
 
 
+def chat_logprobs(content: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's (or chunk's) `logprobs` object: the content tokens', and `refusal` null (OpenAI's schema
+    requires both; these models write no separate refusal)."""
+    return {"content": content, "refusal": None}
+
+
 def completion_logprobs(tokenizer, ids: list[int], lps: list, offset: int = 0) -> dict[str, Any]:
     """`offset`: the character offset of the first token in the returned text. An entry None (the first
     prompt token's, with echo) gives null logprob and alternatives."""

@@ -13,7 +13,7 @@ from ..engine.constraint import Constraint
 from ..errors import ValidationError
 from .schemas import (DEFAULT_MAX_TOKENS, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S, ChatMessage,
                       ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, StopStrings, TokenIds, _seed,
-                      check_knobs, check_timeout, rng)
+                      check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
 
 
 class GenerateRequest(BaseModel):
@@ -41,6 +41,7 @@ class GenerateRequest(BaseModel):
     repetition_penalty: float = rng(param_default("repetition_penalty"), lo=0.5, hi=2)
     presence_penalty: float = rng(param_default("presence_penalty"), lo=-2, hi=2)
     frequency_penalty: float = rng(param_default("frequency_penalty"), lo=-2, hi=2)
+    logit_bias: dict[str, float] | None = logit_bias_field()   # OpenAI's: {"token id": bias}, every mode
     sample_seed: Int = Field(0, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
     stream: bool = False
     stop: NonEmptyStr | StopStrings | TokenIds | None = Field(
@@ -85,7 +86,8 @@ class GenerateRequest(BaseModel):
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
             max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), **self.speculative_params())
+            prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
+            **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}

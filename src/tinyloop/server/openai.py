@@ -12,7 +12,7 @@ from ..errors import ValidationError
 from .access import note
 from .errors import APIError
 from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
-from .logprobs import chat_content, completion_logprobs, completion_tail, join
+from .logprobs import chat_content, chat_logprobs, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from .sse import ChatFramer, CompletionFramer, ToolChatFramer
 from .reasoning import Answer, thinking_budget
@@ -136,12 +136,14 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
             if chat:
                 message, finish = ({"role": "assistant", "content": result.text}, result.finish_reason) \
                     if answer is None else answer.message(result.text, result.finish_reason)
-                choices.append({"index": i, "message": message, "finish_reason": finish})
+                message["refusal"] = None   # OpenAI's schema: required, null (these models refuse nothing apart)
+                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
                 if tokenizer is not None:
-                    choices[-1]["logprobs"] = {"content": chat_content(tokenizer, result.token_ids, result.logprobs)}
+                    choices[-1]["logprobs"] = chat_logprobs(chat_content(tokenizer, result.token_ids, result.logprobs))
                 continue
             head, ids = echo[p] if echo else ("", [])
-            choices.append({"text": head + result.text, "index": p * n + i, "finish_reason": result.finish_reason})
+            choices.append({"text": head + result.text, "index": p * n + i, "logprobs": None,
+                            "finish_reason": result.finish_reason})
             if tokenizer is not None:
                 lp = completion_tail(tokenizer, result.token_ids, result.logprobs, result.stop_logprob, len(head),
                                      len(head) + len(result.text))

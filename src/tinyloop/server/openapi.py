@@ -26,9 +26,11 @@ from . import responses as R
 from .access import REQUEST_ID_HEADER
 
 ERROR_TEXT = {
-    400: "invalid value (out of range, over the context length or KV capacity, conflicting fields)",
+    400: "invalid value (out of range, over the context length or KV capacity, conflicting fields); on OpenAI's "
+         "routes a malformed body too (wrong types, missing or unknown fields, invalid JSON: no 422 there)",
     401: "API key missing or wrong (when TINYLOOP_API_KEY is set)",
-    404: "no such model (the `model` of a request is not one the server serves: code model_not_found)",
+    404: "no such model (/v1/models/{id}; under --strict-model-names, a request's `model` the server does not "
+         "serve: code model_not_found)",
     408: "the request's own timeout_s ran out while it was still queued",
     413: "request body over TINYLOOP_MAX_BODY_BYTES",
     422: "malformed body: wrong types, missing or unknown fields, invalid JSON",
@@ -39,7 +41,7 @@ ERROR_TEXT = {
     504: "the server's default time limit (TINYLOOP_REQUEST_TIMEOUT_S) ran out while the request was still queued",
 }
 GENERATE_ERRORS = (400, 401, 408, 413, 422, 429, 500, 501, 503, 504)
-OPENAI_ERRORS = (*GENERATE_ERRORS, 404)   # and a model name this server does not serve
+OPENAI_ERRORS = (*(s for s in GENERATE_ERRORS if s != 422), 404)   # a malformed body is a 400 (errors.OpenAIErrors)
 TOKEN_ERRORS = (400, 401, 413, 422, 503)
 
 CHAT_SSE = (R.ChatChunk, "chat.completion.chunk events")
@@ -92,17 +94,20 @@ def limits_of(state) -> dict[str, Any] | None:
         return None
     cfg = worker.engine.config
     return {"max_tokens": state.settings.max_tokens, "max_loops": cfg.max_loops, "vocab_max": cfg.vocab_size - 1,
-            "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
+            "model_ids": list(state.names), "model_names": model_name_pattern(state)}
 
 
-def model_name_pattern(names: list[str]) -> str:
-    """The `model` a request may name: one of the server's names, with an optional `@loops=K` suffix."""
-    return "^(" + "|".join(re.escape(n) for n in names) + ")(@loops=(auto|-?[0-9]+))?$"
+def model_name_pattern(state) -> str | None:
+    """The `model` a request may name under --strict-model-names: one of the server's names, with an optional
+    `@loops=K` suffix. None (any string) otherwise."""
+    if not state.settings.strict_model_names:
+        return None
+    return "^(" + "|".join(re.escape(n) for n in state.names) + ")(@loops=(auto|-?[0-9]+))?$"
 
 
 def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
     if isinstance(node, dict):
-        if node.pop("x-model-names", None):
+        if node.pop("x-model-names", None) and limits["model_names"] is not None:
             node["pattern"] = limits["model_names"]
         name = node.pop("x-limit", None)
         if name is not None:
@@ -170,7 +175,7 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
 def install(app, state) -> None:
     """Serve the document built above (cached once the model is loaded: the limits are then final)."""
     defaults = {"max_tokens": state.settings.max_tokens, "max_loops": 64, "vocab_max": 50256,
-                "model_ids": list(state.names), "model_names": model_name_pattern(state.names)}
+                "model_ids": list(state.names), "model_names": model_name_pattern(state)}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:

@@ -87,6 +87,7 @@ class ToolCallOut(Closed):
 class AssistantMessage(Closed):
     role: Literal["assistant"]
     content: str | None                  # null when the answer is tool calls
+    refusal: None                        # OpenAI's schema requires it: always null here
     tool_calls: list[ToolCallOut] | None = None
     reasoning_content: str | None = None  # a model that thinks: its thinking block (docs/server.md, "Reasoning")
     reasoning: str | None = None          # the same, under vLLM's newer name
@@ -116,6 +117,7 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(Closed):
     content: list[TokenLogprob]
+    refusal: None                        # OpenAI's schema requires it: always null here
 
 
 class TextLogprobs(Closed):
@@ -130,14 +132,14 @@ class ChatChoice(Closed):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: ChatLogprobs | None = None   # with logprobs: true
+    logprobs: ChatLogprobs | None        # null unless logprobs: true
 
 
 class TextChoice(Closed):
     text: str
     index: int
     finish_reason: FinishReason
-    logprobs: TextLogprobs | None = None   # with logprobs: k
+    logprobs: TextLogprobs | None        # null unless logprobs: k
 
 
 class ChatCompletion(Closed):
@@ -282,7 +284,7 @@ class ChatChunkChoice(Closed):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
-    logprobs: ChatLogprobs | None = None
+    logprobs: ChatLogprobs | None        # null unless logprobs: true
     loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
@@ -290,7 +292,7 @@ class TextChunkChoice(Closed):
     text: str
     index: int
     finish_reason: FinishReason | None
-    logprobs: TextLogprobs | None = None
+    logprobs: TextLogprobs | None        # null unless logprobs: k
     loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
 
 
@@ -298,7 +300,7 @@ class _Chunk(Closed):
     id: str
     created: int
     model: str
-    usage: Usage | None = None          # with stream_options.include_usage: null, then the usage chunk
+    usage: Usage | None = None          # include_usage: chat chunks null, then the usage chunk; text: only that one
     stats: Stats | None = None          # /api/v0: on the chunk that carries finish_reason
     model_info: ModelInfo | None = None
     runtime: Runtime | None = None

@@ -34,7 +34,6 @@ OPENAI_TEMPERATURE = 1.0
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "functions": (None, []),   # tools: chat only (a text completion has no tool calls)
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "function_call": (None, "none"),
-    "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),  # echo: /v1/completions takes it
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
@@ -116,8 +115,56 @@ def _unsupported_schema() -> dict[str, Any]:
 
 
 class StreamOptions(BaseModel):
-    model_config = STRICT
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="accepted; no effect (no obfuscation padding is sent)")
+
+
+TOKEN_ID_KEY = re.compile(r"(0|[1-9][0-9]{0,9})")
+MAX_BIAS = 100
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` ({"50256": -100}: token id strings -> bias in -100..100) as the engine takes it
+    ({50256: -100.0}); a key that is not a token id, or a bias out of range, is a 400 naming `logit_bias` (ids
+    outside the vocabulary are checked by the engine, SamplingParams.validate)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise ValidationError(f"logit_bias: keys are token ids as decimal strings (\"50256\"), got {key!r}",
+                                  param="logit_bias")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ValidationError(f"logit_bias: biases must be in -{MAX_BIAS}..{MAX_BIAS}, got {value} for token {key}",
+                                  param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def logit_bias_field() -> Any:
+    return Field(None, description='token id (a decimal string) -> bias in -100..100, added to that token\'s logit '
+                                   'before sampling or greedy (-100 bans a token, 100 all but forces it)',
+                 json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
+                                    "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}})
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to resemble. Accepted and checked; it does not
+    change the output (it only ever makes OpenAI's answer faster) and is not used to draft here."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], doc(minItems=1)]
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+NO_EFFECT = "accepted; no effect"
 
 
 class ContentPart(BaseModel):
@@ -241,8 +288,9 @@ class OpenAIRequest(LoopKnobs):
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_closed_schema)
 
-    model: str = Field(description='one of the server\'s model names (GET /v1/models; else 404 model_not_found), '
-                                   'echoed into the response; a name ending in "@loops=K" (K a depth or "auto") '
+    model: str = Field(description='any name, echoed into the response (under --strict-model-names one of the '
+                                   'server\'s names, GET /v1/models, else 404 model_not_found); a name ending in '
+                                   '"@loops=K" (K a depth or "auto") '
                                    'asks for that depth when the body names no loops (harnesses that fix the '
                                    'rest of the body: docs/evaluation.md)', json_schema_extra={"x-model-names": True})
     max_tokens: Int | None = rng(lo=1, hi_limit="max_tokens")
@@ -264,13 +312,21 @@ class OpenAIRequest(LoopKnobs):
     kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
     timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
     response_format: ResponseFormat | None = None
-    user: str | None = None
-    # OpenAI's bookkeeping fields: accepted, no effect here
-    metadata: dict[str, str] | None = Field(None, description="accepted; no effect")
-    store: bool | None = Field(None, description="accepted; no effect (nothing is stored)")
-    service_tier: str | None = Field(None, description="accepted; no effect")
+    logit_bias: dict[str, float] | None = logit_bias_field()
+    # OpenAI's bookkeeping fields: accepted, no effect here (docs/server.md)
+    user: str | None = Field(None, description=NO_EFFECT)
+    metadata: dict[str, str] | None = Field(None, description=NO_EFFECT)
+    store: bool | None = Field(None, description="false (or null) only: chat completions are not stored here "
+                                                 "(true is a 400; /v1/responses stores)",
+                               json_schema_extra={"enum": [False, None]})
+    service_tier: str | None = Field(None, description=NO_EFFECT)
+    safety_identifier: str | None = Field(None, description=NO_EFFECT)
+    prompt_cache_key: str | None = Field(None, description="accepted; no effect (the prefix cache is automatic)")
 
     def check_unsupported(self) -> None:
+        if self.store:
+            raise ValidationError("store: chat completions are not stored by this server (leave store false; "
+                                  "/v1/responses stores responses)", param="store", code="unsupported_parameter")
         for name, value in (self.model_extra or {}).items():
             if name not in UNSUPPORTED:
                 raise ValidationError(f"{name}: unknown field; this route takes OpenAI's fields and TinyLoop's "
@@ -311,7 +367,8 @@ class OpenAIRequest(LoopKnobs):
             exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
-            logprobs=self.logprobs_param(), constraint=self.constraint(), **self.extension_params())
+            logprobs=self.logprobs_param(), constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
+            **self.extension_params())
 
     def constraint(self) -> Constraint | None:
         """What the output must match (`response_format`; chat's `tools` add theirs: server/tools.py)."""
@@ -342,7 +399,17 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = Field(None, description="return each output token's log-probability (docs/server.md)")
     top_logprobs: Int | None = rng(lo=0, hi=20, description="alternatives per token, 0..20; needs logprobs: true")
 
+    # accepted OpenAI fields (docs/server.md): text output only; the rest have no effect on this server
+    modalities: list[Literal["text"]] | None = Field(None, description='["text"] only (the models write text)')
+    reasoning_effort: ReasoningEffort | None = Field(None, description="a thinking budget (max_thinking_tokens "
+                                                     "wins; docs/server.md): no effect on models that do not think")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description=NO_EFFECT)
+    prediction: Prediction | None = Field(None, description="accepted (type content); it does not change the output")
+
     def logprobs_param(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValidationError(f"top_logprobs: must be in 0..20 (alternatives per token), got {self.top_logprobs}",
+                                  param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise ValidationError("top_logprobs: needs logprobs: true", param="top_logprobs")
         return _or(self.top_logprobs, 0) if self.logprobs else None

@@ -5,6 +5,8 @@ Environment (see docs/server.md):
     TINYLOOP_MODEL_PATH     model file (default: the model shipped in the package)
     TINYLOOP_SERVED_MODEL_NAME  the model's names in the API, comma-separated (`--served-model-name`); the
                             first is its id. Default: the file's stem and "tinyloop" (and its path)
+    TINYLOOP_STRICT_MODEL_NAMES  1: a request's `model` must be one of those names, else 404 model_not_found
+                            (`--strict-model-names`); default 0: any name is accepted and echoed (the seed API)
     TINYLOOP_MAX_SEQ_LEN    cap on prompt_tokens + max_tokens (default: the model's max_seq_len)
     TINYLOOP_KV_INT8        1 -> KV cache mode "int8"
     TINYLOOP_KV_INT4        1 -> "int4"; with TINYLOOP_KV_H_MODE=1 -> "int4-h"
@@ -141,6 +143,7 @@ def _store_size_env(env: dict[str, str]) -> int:
 class Settings:
     model_path: Path | None = None          # None -> modelfile.resolve_model_path(None)
     served_model_names: list[str] = field(default_factory=list)  # [] -> the file's stem, "tinyloop", its path
+    strict_model_names: bool = False        # True: a request naming another model is a 404 (else any name goes)
     max_seq_len: int | None = None
     kv_cache_mode: str = "fp16"
     commit: str | None = None
@@ -186,6 +189,7 @@ class Settings:
         return cls(
             model_path=Path(path) if path else None,
             served_model_names=names,
+            strict_model_names=_switch_env(env, "TINYLOOP_STRICT_MODEL_NAMES", False),
             max_seq_len=max_seq_len,
             kv_cache_mode=mode,
             commit=env.get("TINYLOOP_COMMIT") or None,

@@ -10,7 +10,7 @@ import json
 from typing import Any, Callable
 
 from ..engine import StreamEvent
-from .logprobs import chat_content
+from .logprobs import chat_content, chat_logprobs
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -73,18 +73,22 @@ class Framer:
 
 
 class ChatFramer(Framer):
+    """Chat chunks, as OpenAI sends them: every choice with `logprobs` (null unless asked for) and, under
+    `stream_options.include_usage`, `"usage": null` on every chunk before the usage chunk (the chat chunk's
+    schema has it nullable; the text completion's does not: CompletionFramer leaves it out)."""
     object = "chat.completion.chunk"
+    usage_null = True
 
     def _chunk(self, choice: dict[str, Any], **more: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                "choices": [choice] if choice is not None else []}
-        if self.include_usage:
+        if self.include_usage and self.usage_null:
             out["usage"] = None
         out.update(more)
         return out
 
     def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def open(self) -> list[bytes]:
         return [frame(self._chunk(self._delta({"role": "assistant"}, index=i))) for i in range(self.n)]
@@ -110,7 +114,7 @@ class ChatFramer(Framer):
         return self._held.get(ev.index) or []
 
     def _logprobs(self, ev: StreamEvent) -> dict[str, Any]:
-        return {"content": chat_content(self.tokenizer, ev.token_ids, ev.logprobs)}
+        return chat_logprobs(chat_content(self.tokenizer, ev.token_ids, ev.logprobs))
 
     def close(self, ev: StreamEvent) -> list[bytes]:
         """The final chunk of one choice; after the last choice, the usage chunk (if asked) and [DONE]."""
@@ -133,8 +137,11 @@ class ChatFramer(Framer):
 
 class CompletionFramer(ChatFramer):
     """Text completion chunks. `echo`: per prompt, (its text, its ids): each choice's first chunk starts with
-    the prompt's text (and, with logprobs, the prompt tokens' logprobs, from the engine's prompt scores)."""
+    the prompt's text (and, with logprobs, the prompt tokens' logprobs, from the engine's prompt scores).
+    Every choice has `logprobs` (null unless asked for); no `usage` key until the usage chunk (OpenAI's
+    schema has no null there)."""
     object = "text_completion"
+    usage_null = False
 
     def __init__(self, *, echo: list[tuple[str, list[int]]] | None = None, **kw: Any):
         super().__init__(**kw)
@@ -142,7 +149,7 @@ class CompletionFramer(ChatFramer):
         self.echoed: set[int] = set()
 
     def _delta(self, delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
-        return {"text": delta.get("content", ""), "index": index, "finish_reason": finish}
+        return {"text": delta.get("content", ""), "index": index, "logprobs": None, "finish_reason": finish}
 
     def event(self, ev: StreamEvent) -> list[bytes]:
         from .logprobs import completion_logprobs, completion_tail, join
@@ -243,7 +250,7 @@ class ToolChatFramer(ChatFramer):
         """`choice` with the logprobs and depths of the tokens not yet accounted for."""
         unsent = self._unsent.pop(i, None)
         if unsent:
-            choice["logprobs"] = {"content": chat_content(self.tokenizer, *unsent)}
+            choice["logprobs"] = chat_logprobs(chat_content(self.tokenizer, *unsent))
         if self._held.get(i):
             choice["loops"] = self._held.pop(i)
         return choice

@@ -34,7 +34,7 @@ STRICT = ConfigDict(strict=True)
 class JSONSchemaFormat(BaseModel):
     """OpenAI's `response_format.json_schema`: the output is held to `schema` token by token (always, whatever
     `strict` says: the grammar cannot be broken, only cut short by max_tokens)."""
-    model_config = ConfigDict(strict=True, populate_by_name=True)
+    model_config = ConfigDict(strict=True, populate_by_name=True, extra="forbid")
     name: str = Field("response", description="the schema's name (OpenAI requires one; not used)")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="a JSON schema (docs/structured.md: what is "
@@ -44,12 +44,16 @@ class JSONSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """`text` (default), `json_object` (any JSON object) or `json_schema` (docs/structured.md)."""
-    model_config = ConfigDict(strict=True, json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]}})
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]},
+        "else": {"not": {"required": ["json_schema"]}}})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
     def constraint(self) -> Constraint | None:
+        if self.type != "json_schema" and "json_schema" in self.model_fields_set:
+            raise ValidationError(f"response_format.json_schema: only with type json_schema (type is {self.type!r})",
+                                  param="response_format.json_schema")
         if self.type == "text":
             return None
         if self.type == "json_object":
