@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Build the tiny Ouro / Huginn / Nanbeige reference fixtures (tests/fixtures/reference/) by RUNNING the reference code.
+"""Build the tiny Ouro / Huginn / Nanbeige / Parcae reference fixtures (tests/fixtures/reference/) by RUNNING the reference code.
 
     python3 -m venv /tmp/refvenv
-    /tmp/refvenv/bin/pip install torch==2.13.0 transformers==4.57.6 tokenizers safetensors jinja2
+    /tmp/refvenv/bin/pip install torch==2.13.0 transformers==4.57.6 tokenizers safetensors jinja2 einops
     /tmp/refvenv/bin/python scripts/make_reference_fixtures.py --ref-dir REF_DIR \
         [--out tests/fixtures/reference] [--corpus data/corpus]
 
@@ -18,7 +18,10 @@ generation_config.json, *.safetensors (+ index), tokenizer.json, tokenizer_confi
 special_tokens_map.json, plus the recorded reference.json and reference_logits.safetensors.
 
 For each family (OUT/ouro-tiny, OUT/huginn-tiny; OUT/nanbeige-tiny is built by reference_fixtures/nanbeige.py,
-whose docstring says how it differs: per-loop cache checks, both norm rules, its template as its own file):
+whose docstring says how it differs: per-loop cache checks, both norm rules, its template as its own file;
+OUT/parcae-tiny and OUT/parcae-tiny-tokenizer by reference_fixtures/parcae.py: no remote code, the reference
+is the sandyresearch/parcae checkout REF_DIR/parcae put on sys.path, a pickled pytorch_model.bin, the
+tokenizer as a repository of its own):
   * a tiny config with the family's real key names (written by the family's own config class);
   * seeded random weights (own generator, not the reference init), large enough that the loop count changes
     the next-token argmax; Ouro as one model.safetensors with an untied lm_head, Huginn as two shards plus
@@ -55,16 +58,17 @@ from reference_fixtures.common import (PINNED_TRANSFORMERS, REPO, corpus_text, l
 from reference_fixtures.huginn import make_huginn  # noqa: E402
 from reference_fixtures.nanbeige import make_nanbeige  # noqa: E402
 from reference_fixtures.ouro import make_ouro  # noqa: E402
+from reference_fixtures.parcae import make_parcae  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref-dir", required=True, type=Path, help="the families' reference code: ouro/, huginn/, nanbeige/ (tests/fixtures/reference/README.md says where to get it)")
+    ap.add_argument("--ref-dir", required=True, type=Path, help="the families' reference code: ouro/, huginn/, nanbeige/, parcae/ (tests/fixtures/reference/README.md says where to get it)")
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "reference")
     ap.add_argument("--corpus", type=Path, default=None, help="default: REF_DIR/../corpus")
     ap.add_argument("--seed", type=int, default=1234, help="first weight seed tried")
     ap.add_argument("--min-gap", type=float, default=0.05, help="smallest acceptable greedy top-1/top-2 gap")
-    ap.add_argument("--only", choices=["ouro", "huginn", "nanbeige"], default=None)
+    ap.add_argument("--only", choices=["ouro", "huginn", "nanbeige", "parcae"], default=None)
     args = ap.parse_args()
 
     if transformers.__version__ != PINNED_TRANSFORMERS:
@@ -81,7 +85,8 @@ def main() -> int:
         f"tokenizer corpus {len(text.encode())} bytes")
     with tempfile.TemporaryDirectory(prefix="tinyloop-ref-") as tmp:
         work = Path(tmp)
-        for fam, make in (("ouro", make_ouro), ("huginn", make_huginn), ("nanbeige", make_nanbeige)):
+        for fam, make in (("ouro", make_ouro), ("huginn", make_huginn), ("nanbeige", make_nanbeige),
+                          ("parcae", make_parcae)):
             if args.only and args.only != fam:
                 continue
             for seed in range(args.seed, args.seed + 50):

@@ -12,6 +12,12 @@ Families (recognised by `config.json`'s `model_type`, never by a name):
                   times, the final norm ending every loop (or only the last, `skip_loop_final_norm`), GQA with
                   an explicit `head_dim` (q wider than the hidden size), half-split RoPE, an untied head; the
                   options its code has but the released checkpoints leave off are refused by name
+    parcae        SandyResearch Parcae (140M-1.3B): its config.json has no model_type; it is recognised by
+                  `_class_name` "ParcaeConfig" / `model_class_name` "Parcae". Prelude, a recurrent block
+                  entered through the diagonal injection from a zero state, the projection C, coda; pre-norm
+                  ReLU^2 blocks, a prelude norm, q/k norms after interleaved RoPE, gated value embeddings, a
+                  logit soft-cap; weights in a pickled `pytorch_model.bin`, read with
+                  torch.load(weights_only=True) only; the tokenizer is a repository of its own (`tokenizer`)
 
 Tensors stream shard by shard (`safetensors.safe_open`), each one cast to the target dtype as it is read,
 so the model is held once. Huginn's fused projections are split into TinyLoop's names and its
@@ -23,6 +29,7 @@ snapshot's EOS ids are embedded. Nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -37,7 +44,16 @@ from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 
-FAMILIES = ("ouro", "huginn_raven", "nanbeige")
+FAMILIES = ("ouro", "huginn_raven", "nanbeige", "parcae")
+
+
+def family_of(hf: dict[str, Any]) -> Any:
+    """The family a config.json describes: its `model_type`, or "parcae" for Parcae's configs, which have none
+    (the reference's ParcaeConfig writes `_class_name` and `model_class_name` instead)."""
+    if hf.get("model_type") is None and (hf.get("_class_name") == "ParcaeConfig"
+                                         or hf.get("model_class_name") == "Parcae"):
+        return "parcae"
+    return hf.get("model_type")
 
 
 class ConvertError(ValueError):
@@ -139,6 +155,75 @@ def nanbeige_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfi
                        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(hf.get("rope_theta", 10000.0)),
                        mlp="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)), injection="none",
                        norm_placement="pre", loop_norm=not skip, head_norm=skip,
+                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+
+
+# Parcae: what TinyLoop runs of the reference's options (parcae_lm/models/{config,parcae/config}.py); each
+# other value changes the forward, so it is refused by name.
+PARCAE_VALUES = {"block_class_name": ("TransformerPreNormBlock",), "norm_class_name": ("RMSNorm",),
+                 "mlp_class_name": ("BaseMLP",), "nonlin_name": ("ReLU2",), "injection_type": ("diagonal",),
+                 "use_fused_head": ("pytorch", "cce"), "state_init": ("like-init", "zero"),
+                 "mup_model_scaling_factor": (1,)}
+PARCAE_OFF = ("bias", "qk_bias", "clip_qkv", "use_abacus")
+# Initialisation schemes whose inference-time scales are 1 (no embedding scale, no logit scale) and whose
+# embedding std (the like-init state's) is sqrt(2 / (5 dim)): the reference's factor table
+PARCAE_INITS = ("scaled-zero", "scaled", "scaled-geiping", "scaled-stuck", "small")
+
+
+def _parcae_has_ve(i: int, n: int) -> bool:
+    return i % 2 == (n - 1) % 2   # the reference's rule: alternate layers, the last one always
+
+
+def parcae_value_embeds(hf: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    """(blocks with a value-embedding table, blocks with a gate, blocks that use one: both), blocks numbered
+    prelude, core, coda. The tables follow the prelude + core + coda count; the gates the attention's layer
+    id (the coda's counted after mean_recurrence unrolled core steps) against n_layer = core layers x
+    mean_backprop_depth, as the reference builds them; a table or gate alone is never read."""
+    P, C, K = hf["n_layers_in_prelude"], hf["n_layers_in_recurrent_block"], hf["n_layers_in_coda"]
+    n_eff, n_layer, R = P + C + K, C * hf.get("mean_backprop_depth", 8), hf.get("mean_recurrence", 32)
+    layer_id = [*range(P), *(P + j for j in range(C)), *(P + C * R + i for i in range(K))]
+    tables = [b for b in range(n_eff) if _parcae_has_ve(b, n_eff)]
+    gates = [b for b in range(n_eff) if _parcae_has_ve(layer_id[b], n_layer)]
+    return tables, gates, sorted(set(tables) & set(gates))
+
+
+def parcae_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
+    bad = [f"{k} = {hf.get(k, '(default)')!r}" for k, ok in PARCAE_VALUES.items() if hf.get(k, ok[0]) not in ok]
+    bad += [f"{k} = {hf[k]!r}" for k in PARCAE_OFF if hf.get(k)]
+    init = hf.get("init_strategy", "scaled")
+    if init not in PARCAE_INITS:
+        bad.append(f"init_strategy = {init!r} (its embedding/logit scales are not read)")
+    rope = hf.get("rope_settings") or {}
+    if not rope.get("use_rope", True) or rope.get("rope_condense_ratio", 1) != 1:
+        bad.append(f"rope_settings = {rope!r}")
+    d, H = hf["n_embd"], hf["num_attention_heads"]
+    ffn = hf.get("intermediate_size") or 4 * d
+    if hf.get("num_key_value_heads") not in (None, H):
+        bad.append(f"num_key_value_heads = {hf['num_key_value_heads']!r} (the reference's recurrent block "
+                   "has all heads; grouped heads in the prelude and coda only are not supported)")
+    if hf.get("recurrent_num_attention_heads") not in (None, H):
+        bad.append(f"recurrent_num_attention_heads = {hf['recurrent_num_attention_heads']!r}")
+    for k, same in (("recurrent_embedding_dimension", d), ("recurrent_intermediation_embedding_dimension", ffn)):
+        if hf.get(k, same) != same:
+            bad.append(f"{k} = {hf[k]!r} (a recurrent block wider or narrower than the prelude's)")
+    _need(not bad, src, f"{'; '.join(bad)}: not supported (TinyLoop runs the released Parcae configs: pre-norm "
+                        "RMSNorm blocks with a ReLU2 BaseMLP, the diagonal injection, one width throughout)")
+    steps = int(hf.get("mean_recurrence", 32))
+    vocab = hf.get("padded_vocab_size")
+    if not vocab:
+        m = hf.get("padding_multiple", 512)
+        vocab = -(-hf["vocab_size"] // m) * m   # the reference pads the vocabulary to a multiple
+    softcap = hf.get("logit_softcap")
+    return ModelConfig(dim=d, n_heads=H, n_kv_heads=H, ffn_dim=ffn, n_prelude=hf["n_layers_in_prelude"],
+                       n_core=hf["n_layers_in_recurrent_block"], n_coda=hf["n_layers_in_coda"], vocab_size=vocab,
+                       default_loops=steps, max_loops=max(64, 4 * steps), max_seq_len=hf.get("block_size", 4096),
+                       norm_eps=hf.get("norm_eps", 1e-5), rope_theta=float(rope.get("rope_base", 50000)),
+                       mlp="relu2", tie_embeddings=bool(hf.get("tie_embeddings", False)), injection="diagonal",
+                       loop_norm=False, post_loop_norm=False, head_norm=True, norm_placement="pre",
+                       prelude_norm=bool(hf.get("prelude_norm", False)), state_proj=True,
+                       qk_norm=bool(hf.get("qk_norm", False)), logit_softcap=float(softcap or 0.0),
+                       value_embeds=tuple(parcae_value_embeds(hf)[2]),
+                       state_init_std=math.sqrt(2 / (5 * d)) if hf.get("state_init", "like-init") == "like-init" else 0.0,
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
@@ -254,6 +339,82 @@ def nanbeige_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
     return True
 
 
+PARCAE_LAYER = {"norm_1.weight": "attn_norm.weight", "norm_2.weight": "mlp_norm.weight",
+                "attn.c_v.weight": "attn.wv.weight", "attn.c_proj.weight": "attn.wo.weight",
+                "mlp.fc.weight": "mlp.w_up.weight"}
+PARCAE_TOP = {"transformer.wte.weight": "embed.weight", "transformer.ln_f.weight": "norm.weight",
+              "transformer.ln_prelude.weight": "prelude_norm.weight", "transformer.C.weight": "state_proj.weight",
+              "transformer.adapter.A_log": "injection.A_log", "transformer.adapter.dt_bias": "injection.dt_bias",
+              "transformer.adapter.B": "injection.B.weight"}
+
+
+def parcae_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit, tables: tuple = (),
+                  gates: tuple = ()) -> bool:
+    """Parcae's state dict -> TinyLoop's names. q and k rows go from interleaved RoPE pairs to half-split
+    ones (as Huginn's: the q/k norm is over the whole head, so it is unchanged by the permutation); the
+    ReLU2's 0.5 (`relu(x)^2 * 0.5`) is folded into the MLP's output projection (exact: a power of two);
+    value-embedding tables and gates that the reference builds but never reads (one without the other:
+    `tables`, `gates`, `parcae_value_embeds`) are dropped."""
+    for prefix in ("module.", "_orig_mod.", "model."):   # what the reference's loader strips
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    used = set(cfg.value_embeds)
+    parts = name.split(".")
+    P, C = cfg.n_prelude, cfg.n_core
+    if name in PARCAE_TOP:
+        emit(PARCAE_TOP[name], t)
+    elif name == "lm_head.weight":
+        if not cfg.tie_embeddings:
+            emit("lm_head.weight", t)
+    elif name == "freqs_cis":
+        _check_freqs_cis(cfg, name, t)
+    elif parts[0] == "value_embeds" and len(parts) == 3 and parts[2] == "weight" and parts[1].isdigit():
+        if int(parts[1]) in used:
+            emit(f"value_embeds.{parts[1]}.weight", t)
+        elif int(parts[1]) not in tables:
+            return False
+    elif name.startswith("transformer.") and len(parts) >= 5 and parts[1] in ("prelude", "core_block", "coda") \
+            and parts[2].isdigit():
+        i = int(parts[2])
+        group, block = {"prelude": ("prelude", i), "core_block": ("core", P + i), "coda": ("coda", P + C + i)}[parts[1]]
+        base, rest = f"{group}.{i}", ".".join(parts[3:])
+        H, D = cfg.n_heads, cfg.head_dim
+        if rest in ("attn.c_q.weight", "attn.c_k.weight"):
+            if tuple(t.shape) != (H * D, cfg.dim):
+                raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{H * D}, {cfg.dim}]")
+            emit(f"{base}.attn.{'wq' if rest == 'attn.c_q.weight' else 'wk'}.weight",
+                 t.reshape(H, D, -1)[:, _half_split(cfg)].reshape(H * D, -1))
+        elif rest == "mlp.proj.weight":
+            emit(f"{base}.mlp.w_down.weight", t * 0.5)
+        elif rest == "attn.ve_gate.weight":
+            if block in used:
+                emit(f"{base}.attn.ve_gate.weight", t)
+            elif block not in gates:
+                return False
+        elif rest in PARCAE_LAYER:
+            emit(f"{base}.{PARCAE_LAYER[rest]}", t)
+        else:
+            return False
+    else:
+        return False
+    return True
+
+
+def _check_freqs_cis(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
+    """Parcae's stored RoPE table (1, L, 1, D/2, 2) of cos and sin (fp32 angles) must be the one rope_base
+    and the head width give (TinyLoop recomputes it): a zeroed or other-theta buffer would not run as saved."""
+    D = cfg.head_dim
+    if t.dim() != 5 or tuple(t.shape[2:]) != (1, D // 2, 2) or t.shape[0] != 1:
+        raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [1, L, 1, {D // 2}, 2]")
+    n = min(t.shape[1], 64)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None]
+    want = torch.stack([ang.cos(), ang.sin()], dim=-1)
+    if not torch.allclose(t[0, :n, 0].double(), want, rtol=0, atol=1e-3):
+        raise ConvertError(f"{name} is not the RoPE table of rope_base {cfg.rope_theta:g} and head width {D}; "
+                           "the checkpoint would not run as saved")
+
+
 def _check_inv_freq(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
     """A stored RoPE `inv_freq` must be the one `rope_theta` and `head_dim` give (the reference computes it
     in fp32: rel. error ~1e-7; bf16 storage rounds to 2^-9 relative): a zeroed buffer (a loader bug that
@@ -282,6 +443,49 @@ def shard_files(src: Path) -> list[Path]:
                        "checkpoints are read; pickled .bin files are refused)")
 
 
+PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "model.pt")   # Parcae's (the reference's loaders' names)
+
+
+def pickle_file(src: Path) -> Path | None:
+    for n in PICKLE_NAMES:
+        if (src / n).exists():
+            return src / n
+    return None
+
+
+def iter_pickled(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A torch.save'd state dict, read with torch.load(weights_only=True) only: tensors and plain
+    containers, no code. Anything that needs more (a pickled class, a function) is refused. Memory-mapped
+    where the file is torch's zip format, so the model is held once."""
+    import pickle
+
+    from tqdm import tqdm
+
+    def load(mmap: bool):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            sd = load(True)
+        except RuntimeError as exc:   # an old (non-zip) torch.save file cannot be mapped
+            if "mmap" not in str(exc):
+                raise
+            sd = load(False)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConvertError(f"{path}: refused: it cannot be read with torch.load(weights_only=True), which "
+                           f"loads only tensors and plain containers ({first}); TinyLoop runs no code from a "
+                           "checkpoint: save its state dict again (torch.save(model.state_dict())) or as "
+                           "safetensors") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ConvertError(f"{path}: not a state dict (a flat mapping of names to tensors)")
+    bar = tqdm(total=len(sd), desc="convert", unit="tensor", disable=not progress)
+    for key in list(sd):
+        yield key, sd.pop(key)
+        bar.update(1)
+    bar.close()
+
+
 def iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm import tqdm
@@ -307,10 +511,14 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any]) -> HFTokenizer:
+def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any], *, default_eos: str | None = None,
+                   missing: str = "the tokenizer is embedded in the model file") -> HFTokenizer:
+    """The tokenizer of the directory `src` (tokenizer.json, tokenizer_config.json, chat template). EOS ids:
+    the union of config.json's, generation_config.json's and the tokenizer's eos token; `default_eos`, the
+    family's eos token, where none of them names one."""
     tj = src / "tokenizer.json"
     if not tj.exists():
-        raise ConvertError(f"{src}: no tokenizer.json (the tokenizer is embedded in the model file)")
+        raise ConvertError(f"{src}: no tokenizer.json ({missing})")
     tc = _read_json(src / "tokenizer_config.json", required=False)
     template = tc.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -328,6 +536,9 @@ def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any]) -> HFToke
     eos = _ids(hf.get("eos_token_id")) + _ids(gen.get("eos_token_id"))
     if eos_token is not None and probe.token_to_id(eos_token) is not None:
         eos.append(probe.token_to_id(eos_token))
+    if not eos and default_eos is not None and probe.token_to_id(default_eos) is not None:
+        eos_token = default_eos
+        eos.append(probe.token_to_id(default_eos))
     eos = list(dict.fromkeys(eos))  # the union, first seen first
     if not eos:
         raise ConvertError(f"{src}: no eos token id in config.json, generation_config.json or tokenizer_config.json")
@@ -339,17 +550,17 @@ def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any]) -> HFToke
 
 
 # -- the whole conversion -----------------------------------------------------------------------------
-CONFIGS = {"ouro": ouro_config, "huginn_raven": huginn_config, "nanbeige": nanbeige_config}
-TENSORS = {"ouro": ouro_tensor, "huginn_raven": huginn_tensor, "nanbeige": nanbeige_tensor}
+CONFIGS = {"ouro": ouro_config, "huginn_raven": huginn_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
+TENSORS = {"ouro": ouro_tensor, "huginn_raven": huginn_tensor, "nanbeige": nanbeige_tensor, "parcae": parcae_tensor}
 
 
 def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
     """A checkpoint's config.json -> ModelConfig, or ConvertError saying why the architecture is not
     supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any."""
-    family = hf.get("model_type")
+    family = family_of(hf)
     if family not in FAMILIES:
         raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
-                           f"reads ({', '.join(FAMILIES)})")
+                           f"reads ({', '.join(FAMILIES)}; Parcae's configs are recognised by _class_name)")
     try:
         return CONFIGS[family](hf, src, eos)
     except KeyError as exc:
@@ -358,10 +569,14 @@ def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
         raise ConvertError(f"{src / 'config.json'}: {exc}") from None
 
 
+PARCAE_TOKENIZER = "SandyResearch/parcae-tokenizer"
+
+
 def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progress: bool = True,
-            provenance: dict[str, Any] | None = None) -> Path:
+            provenance: dict[str, Any] | None = None, tokenizer: str | Path | None = None) -> Path:
     """Convert the snapshot `src` into the model file `out` (atomically); `provenance` is added to the
-    header's (`tinyloop pull` records the repository and commit there)."""
+    header's (`tinyloop pull` records the repository and commit there). `tokenizer`: a directory holding the
+    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own)."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise ConvertError(f"{src}: not a directory (give a local Hugging Face snapshot)")
@@ -369,9 +584,17 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
         raise ConvertError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     hf = _read_json(src / "config.json")
     gen = _read_json(src / "generation_config.json", required=False)
-    family = hf.get("model_type")
+    family = family_of(hf)
     model_config(hf, src, [0])  # the architecture is refused before the tokenizer and the weights are read
-    tokenizer = load_tokenizer(src, hf, gen)
+    tok_dir = Path(tokenizer) if tokenizer is not None else src
+    if tokenizer is not None and not tok_dir.is_dir():
+        raise ConvertError(f"{tok_dir}: not a directory (give the tokenizer's: tokenizer.json and its config)")
+    if family == "parcae":
+        tokenizer = load_tokenizer(tok_dir, hf, gen, default_eos="<|eos|>", missing=(
+            f"Parcae's tokenizer is a repository of its own, {PARCAE_TOKENIZER}: download it and pass its "
+            "directory with --tokenizer"))
+    else:
+        tokenizer = load_tokenizer(tok_dir, hf, gen)
     cfg = model_config(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConvertError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
@@ -381,7 +604,8 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
     header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
                                                        "source_dtype": hf.get("torch_dtype"),
                                                        "converter_version": __version__, **(provenance or {})})
-    files = shard_files(src)
+    pickled = pickle_file(src) if family == "parcae" else None
+    files = [] if pickled is not None else shard_files(src)
     # Streamed: the file's layout is known from the config, so each tensor is cast and written at its place
     # as it is read (one tensor in memory at a time, one shard mapped), then the file is moved into place.
     # The file has the run-time layout (q/k/v and gate/up fused): the writer puts each projection at its rows.
@@ -397,7 +621,10 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
             writer.add(name, t)
 
         convert_one = TENSORS[family]
-        for name, t in iter_tensors(files, progress):
+        if family == "parcae":   # the value-embedding tables and gates the checkpoint holds, used or not
+            tables, gates, _ = parcae_value_embeds(hf)
+            convert_one = functools.partial(parcae_tensor, tables=tuple(tables), gates=tuple(gates))
+        for name, t in (iter_pickled(pickled, progress) if pickled is not None else iter_tensors(files, progress)):
             if not convert_one(cfg, name, t, lambda n, x, src_name=name: _emit_named(emit, src_name, n, x)):
                 raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family}")
         missing = sorted(set(expected) - writer.written)
