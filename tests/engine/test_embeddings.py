@@ -206,9 +206,9 @@ def test_bad_requests_name_the_field(engine, kw, param):
     assert err.value.param == param
 
 
-@pytest.mark.parametrize("value, code", [("", "invalid_value"), ([], "invalid_value"), (5, "invalid_type"),
-                                         (None, "invalid_type"), ([1, "a"], "invalid_type"), ([[1], "a", 3], "invalid_type"),
-                                         ([[1, 2.5]], "invalid_type"), ([True], "invalid_type")])
+@pytest.mark.parametrize("value, code", [
+    ("", "invalid_value"), ([], "invalid_value"), (5, "invalid_type"), (None, "invalid_type"), ([1, "a"], "invalid_type"),
+    ([[1], "a", 3], "invalid_type"), ([[1, 2.5]], "invalid_type"), ([True], "invalid_type")])
 def test_engine_inputs_refused(tiny_engine, value, code):
     with pytest.raises(ValidationError) as err:
         tiny_engine.plan_embedding(value)

@@ -106,7 +106,8 @@ def test_dimensions_truncate_then_renormalize(client):
     full = vec(client.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float").data[0])
     for d in (1, 7, 32, 64):
         for fmt in ("float", "base64"):
-            short = vec(client.embeddings.create(model=MODEL, input=TEXTS[1], dimensions=d, encoding_format=fmt).data[0])
+            r = client.embeddings.create(model=MODEL, input=TEXTS[1], dimensions=d, encoding_format=fmt)
+            short = vec(r.data[0])
             assert short.shape == (d,) and abs(float(short.norm()) - 1) < 1e-6
             assert (short - full[:d] / full[:d].norm()).abs().max() < 1e-6
 
