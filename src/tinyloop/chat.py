@@ -22,6 +22,11 @@ ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 ASSISTANT_CUE = "Assistant:"
 
 
+# the variables and functions the renderer itself gives a template: template_kwargs cannot replace them
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now"})
+
+
 class ChatTemplateError(ValueError):
     """A template that cannot render this conversation (its own `raise_exception`, or a Jinja error)."""
 
@@ -88,7 +93,7 @@ def render_template(source: str, chat: Chat, *, bos_token: str | None = None, eo
     from jinja2 import TemplateError
 
     try:
-        env = dict(chat.template_kwargs)
+        env = {k: v for k, v in chat.template_kwargs.items() if k not in RESERVED}
         if chat.tools:
             env["tools"] = [dict(t) for t in chat.tools]
         env.update(messages=[dict(m) for m in chat.messages], bos_token=bos_token or "", eos_token=eos_token or "",
@@ -98,3 +103,5 @@ def render_template(source: str, chat: Chat, *, bos_token: str | None = None, eo
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:   # a variable of a wrong type
+        raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
