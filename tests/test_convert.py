@@ -288,3 +288,159 @@ def test_nanbeige_convert_then_quantize(tmp_path):
     for executor in (None, "torch"):  # None: native where its library builds
         got = Engine.load(q, executor=executor).logits(ref["prompt"]["ids"], loops=2)
         assert (got - want).abs().max() <= 0.05 * want.abs().max(), executor
+
+
+# -- Parcae ------------------------------------------------------------------------------------------------
+# The snapshot (config.json with _class_name ParcaeConfig and no model_type, a pickled pytorch_model.bin) and
+# the tokenizer, a repository of its own (SandyResearch/parcae-tokenizer on the Hub), as two directories.
+# The 1e-4 tolerance as above: here the reference moves by <= 6e-6 between float32 and float64 and its
+# cached forward by <= 6.2e-6 from its full one (reference.json `checks`); TinyLoop measured <= 7e-6 from it;
+# the smallest prompt top-1/top-2 gap of the recorded runs is 0.02 (softcap 4: 0.0199), 200x the tolerance.
+PARCAE = FIXTURES / "parcae-tiny"
+PARCAE_TOK = FIXTURES / "parcae-tiny-tokenizer"
+
+
+def parcae_engine(tmp_path: Path, src: Path = PARCAE, **load) -> Engine:
+    return Engine.load(convert(src, tmp_path / "p.tinyloop", dtype="float32", progress=False, tokenizer=PARCAE_TOK),
+                       **load)
+
+
+def test_parcae_logits_and_cached_greedy_match_the_reference_code(tmp_path):
+    ref = reference("parcae-tiny")
+    logits = load_file(str(PARCAE / ref["logits"]["file"]))
+    engine = parcae_engine(tmp_path)
+    cfg = engine.config
+    assert (cfg.injection, cfg.mlp, cfg.state_proj, cfg.prelude_norm, cfg.qk_norm) == ("diagonal", "relu2", True, True, True)
+    assert list(cfg.value_embeds) == ref["value_embeds"]["used_by_blocks"] == [1, 3, 5]   # a prelude, core, coda block
+    ids = ref["prompt"]["ids"]
+    for k in ref["loops"]:
+        run = ref["runs"][str(k)]
+        err = (engine.logits(ids, loops=k) - logits[run["logits_key"]]).abs().max().item()
+        assert err <= 1e-4, f"parcae loops {k}: max abs logit error {err:.2e}"
+        out = engine.generate(ids, SamplingParams(max_tokens=len(run["greedy_ids"]), loops=k, temperature=0,
+                                                  ignore_eos=True))
+        assert out.token_ids == run["greedy_ids"], f"parcae loops {k}"
+    assert len({tuple(ref["runs"][str(k)]["greedy_ids"]) for k in ref["loops"]}) == len(ref["loops"])
+    assert all(ref["checks"]["generate_matches_greedy"].values())   # the reference's own cached generate agrees
+    k = ref["default_loops"]
+    for mode, K in (("speculative", 1), ("tree_speculative", 2)):   # drafts carry the value embeddings in e
+        out = engine.generate(ids, SamplingParams(max_tokens=8, mode=mode, verify_loops=k, draft_loops=1,
+                                                  draft_ahead=3, k_branches=K, temperature=0, ignore_eos=True))
+        assert out.token_ids == ref["runs"][str(k)]["greedy_ids"], mode
+
+
+def test_parcae_greedy_equal_on_the_pytorch_path_either_way(tmp_path):
+    """The native executor refuses Parcae's features (the engine warns and serves it in PyTorch); asked for
+    the PyTorch path directly, the same tokens."""
+    ref = reference("parcae-tiny")
+    path = convert(PARCAE, tmp_path / "p.tinyloop", dtype="float32", progress=False, tokenizer=PARCAE_TOK)
+    for executor in (None, "torch"):
+        engine = Engine.load(path, executor=executor)
+        assert engine.model.executor is None
+        for k in (1, ref["default_loops"]):
+            run = ref["runs"][str(k)]
+            out = engine.generate(ref["prompt"]["ids"], SamplingParams(max_tokens=8, loops=k, temperature=0,
+                                                                       ignore_eos=True))
+            assert out.token_ids == run["greedy_ids"], (executor, k)
+
+
+def test_parcae_logit_softcap_matches_the_reference(tmp_path):
+    ref = reference("parcae-tiny")
+    src = tmp_path / "snap"
+    shutil.copytree(PARCAE, src)
+    edit_config(src, logit_softcap=ref["softcap"]["logit_softcap"])
+    engine = parcae_engine(tmp_path, src)
+    assert engine.config.logit_softcap == 15.0
+    logits = load_file(str(PARCAE / ref["logits"]["file"]))
+    for k in ref["softcap"]["loops"]:
+        run = ref["runs"][f"softcap_{k}"]
+        err = (engine.logits(ref["prompt"]["ids"], loops=k) - logits[run["logits_key"]]).abs().max().item()
+        assert err <= 1e-4, f"softcap loops {k}: {err:.2e}"
+        out = engine.generate(ref["prompt"]["ids"], SamplingParams(max_tokens=8, loops=k, temperature=0, ignore_eos=True))
+        assert out.token_ids == run["greedy_ids"], k
+
+
+def test_parcae_random_initial_state(tmp_path):
+    """From the reference's own like-init draw (recorded), the same logits; the converted rule (state_seed)
+    is the reference's distribution: N(0, std) truncated at 3 std, times the embedding scale."""
+    ref = reference("parcae-tiny")
+    logits = load_file(str(PARCAE / ref["logits"]["file"]))
+    engine = parcae_engine(tmp_path)
+    rule = ref["state_init"]
+    assert engine.config.state_init_std == pytest.approx(rule["std"], rel=1e-12) and rule["embed_scale"] == 1.0
+    m, ids = engine.model, torch.tensor([ref["prompt"]["ids"]])
+    x0 = logits[ref["state_runs"]["initial_state_key"]]
+    m.init_state = lambda e, positions=None: x0[None].to(e.dtype).clone()
+    for k in ref["state_runs"]["loops"]:
+        with torch.no_grad():
+            got = m(ids, loops=k)[0]
+        err = (got - logits[f"state_loops_{k}"]).abs().max().item()
+        assert err <= 1e-4, f"like-init state, loops {k}: {err:.2e}"
+    seeded = parcae_engine(tmp_path / "s", state_seed=3)
+    zero = logits["loops_4"]
+    assert (seeded.logits(ref["prompt"]["ids"], loops=4) - zero).abs().max() > 1e-2   # a random start differs
+
+
+def test_parcae_tokenizer_and_eos(tmp_path):
+    ref = reference("parcae-tiny")
+    engine = parcae_engine(tmp_path)
+    tok = engine.tokenizer
+    for case in ref["tokenizer_checks"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+        assert tok.decode(case["ids"]) == case["decoded"]
+        det = tok.detokenizer()
+        assert "".join(det.add(i) for i in case["ids"]) + det.flush() == case["decoded"]
+    assert engine.eos_ids == set(ref["eos"]["stop_on"]) == {1}
+    assert tok.bos_token == "<|bos|>" and engine.config.default_loops == ref["default_loops"]
+
+
+def test_parcae_without_its_tokenizer_or_with_a_pickle_needing_code_is_refused(tmp_path):
+    with pytest.raises(ConvertError, match=r"no tokenizer.json .*SandyResearch/parcae-tokenizer.*--tokenizer"):
+        convert(PARCAE, tmp_path / "x.tinyloop", progress=False)
+    src = tmp_path / "snap"
+    shutil.copytree(PARCAE, src)
+    sd = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save({**sd, "step": Path("/not/a/tensor")}, src / "pytorch_model.bin")   # a pickled object
+    with pytest.raises(ConvertError, match=r"refused: it cannot be read with torch.load\(weights_only=True\)"):
+        convert(src, tmp_path / "x.tinyloop", progress=False, tokenizer=PARCAE_TOK)
+    torch.save([sd["transformer.wte.weight"]], src / "pytorch_model.bin")
+    with pytest.raises(ConvertError, match="not a state dict"):
+        convert(src, tmp_path / "x.tinyloop", progress=False, tokenizer=PARCAE_TOK)
+    torch.save({**sd, "freqs_cis": torch.zeros_like(sd["freqs_cis"])}, src / "pytorch_model.bin")
+    with pytest.raises(ConvertError, match="freqs_cis is not the RoPE table"):
+        convert(src, tmp_path / "x.tinyloop", progress=False, tokenizer=PARCAE_TOK)
+    (src / "pytorch_model.bin").unlink()
+    with pytest.raises(ConvertError, match="no model.safetensors"):
+        convert(src, tmp_path / "x.tinyloop", progress=False, tokenizer=PARCAE_TOK)
+    assert not (tmp_path / "x.tinyloop").exists()
+
+
+@pytest.mark.parametrize("key,value", [("nonlin_name", "GELU"), ("mlp_class_name", "GatedMLP"),
+                                       ("injection_type", "linear"), ("norm_class_name", "LayerNorm"),
+                                       ("block_class_name", "SandwichBlock"), ("state_init", "normal"),
+                                       ("num_key_value_heads", 2), ("recurrent_embedding_dimension", 64),
+                                       ("recurrent_num_attention_heads", 2), ("init_strategy", "takase"),
+                                       ("qk_bias", True), ("bias", True), ("clip_qkv", 8.0),
+                                       ("mup_model_scaling_factor", 2), ("use_fused_head", "full-triton"),
+                                       ("rope_settings", {"use_rope": True, "rope_condense_ratio": 2,
+                                                          "rope_base": 50000})])
+def test_parcae_options_the_released_configs_leave_off_are_refused_by_name(tmp_path, key, value):
+    src = tmp_path / "snap"
+    src.mkdir()
+    cfg = json.loads((PARCAE / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, key: value}))   # refused before anything else is read
+    with pytest.raises(ConvertError, match=key):
+        convert(src, tmp_path / "x.tinyloop", progress=False, tokenizer=PARCAE_TOK)
+    assert not (tmp_path / "x.tinyloop").exists()
+
+
+def test_parcae_cli_convert_then_quantize(tmp_path):
+    out, q = tmp_path / "p.tinyloop", tmp_path / "p-int8.tinyloop"
+    assert cli_main(["convert", str(PARCAE), str(out), "--tokenizer", str(PARCAE_TOK), "--dtype", "bfloat16",
+                     "--quiet"]) == 0
+    assert cli_main(["quantize", str(out), str(q), "--bits", "8", "--method", "rtn", "--quiet"]) == 0
+    ref = reference("parcae-tiny")
+    want = load_file(str(PARCAE / ref["logits"]["file"]))["loops_4"]
+    for path in (out, q):
+        got = Engine.load(path).logits(ref["prompt"]["ids"], loops=4)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max(), path.name

@@ -233,7 +233,8 @@ def _convert(args: argparse.Namespace) -> int:
     from .tools.convert import ConvertError, convert
 
     try:
-        out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet and sys.stderr.isatty())
+        out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet and sys.stderr.isatty(),
+                      tokenizer=args.tokenizer)
     except (ConvertError, ModelFileError) as exc:  # ModelFileError: the output could not be written
         return _fail(str(exc))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
@@ -402,16 +403,21 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="default: %(default)s")
     n.set_defaults(func=_init)
 
-    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro, Huginn or Nanbeige -> a .tinyloop file",
+    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro, Huginn, Nanbeige or Parcae -> a "
+                        ".tinyloop file",
                         description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
                         "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
                         "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants), Huginn-0125 "
-                        "(model_type 'huginn_raven') or Nanbeige4.2 (model_type 'nanbeige'). It downloads nothing "
-                        "(tinyloop pull does); see docs/models.md.")
+                        "(model_type 'huginn_raven'), Nanbeige4.2 (model_type 'nanbeige') or Parcae (a "
+                        "ParcaeConfig config.json and pytorch_model.bin, read with torch.load(weights_only=True); "
+                        "its tokenizer comes from --tokenizer). It downloads nothing (tinyloop pull does); see "
+                        "docs/models.md.")
     cv.add_argument("src", help="the snapshot directory")
     cv.add_argument("out", help="the .tinyloop file to write")
     cv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     cv.add_argument("--quiet", action="store_true", help="no progress bar")
+    cv.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (tokenizer.json and its config), "
+                    "when SRC_DIR has none: Parcae's is the repository SandyResearch/parcae-tokenizer")
     cv.set_defaults(func=_convert)
 
     qz = sub.add_parser("quantize", help="quantize a model file's block weights (GPTQ or round-to-nearest)")

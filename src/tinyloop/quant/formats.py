@@ -32,8 +32,9 @@ _SUFFIXES = ("qweight", "scales", "zeros")
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear weights of the blocks (attention and MLP projections) and the injection adapter."""
-    if len(shape) != 2 or not name.endswith(".weight"):
+    """Linear weights of the blocks (attention and MLP projections) and the injection adapter (not the small
+    value-embedding gates, Linear(32 -> kv heads), which stay as stored)."""
+    if len(shape) != 2 or not name.endswith(".weight") or name.endswith(".ve_gate.weight"):
         return False
     return name.startswith(_BLOCK_PREFIXES) or name == "adapter.weight"
 
