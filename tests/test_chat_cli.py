@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyloop.chat_cli import DIM, RESET, ChatREPL, ChatSettings, CommandError, Renderer, build_messages
+from tinyloop.chat_cli import DIM, ERASE, RESET, ChatREPL, ChatSettings, CommandError, Renderer, build_messages
 
 FIXTURE = Path(__file__).parent / "fixtures" / "reference" / "nanbeige-tiny"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]")
@@ -143,7 +143,8 @@ def test_a_session_on_the_shipped_model(session):
     assert re.search(STATS, again).groups() == ("6", "3", "length")
     assert "/show" not in again and "history        4 messages" in chat.line("/show")   # two turns kept
 
-    for bad, says in [("/loops 0", "error: loops: must be"), ("/loops many", 'error: /loops: give an integer or "auto"'),
+    for bad, says in [("/loops 0", "error: loops: must be"),
+                      ("/loops many", 'error: /loops: give an integer or "auto"'),
                       ("/temperature hot", "error: /temperature: give a number"),
                       ("/show-thinking maybe", "error: /show-thinking: give on or off"),
                       ("/think on", "error: /think: this model does not think"),
@@ -251,11 +252,11 @@ def test_thinking_is_labelled_without_a_terminal_and_hidden_on_request():
     out = io.StringIO()
     feed_all(Renderer(out.write, tty=False), THOUGHT)
     assert out.getvalue() == "Thinking:\nLet me think.\n\nAnswer:\nThe answer.\n"
-    for tty in (True, False):
+    for tty, shown in ((True, f"{DIM}Thinking...{RESET}{ERASE}The answer.\n"), (False, "The answer.\n")):
         out = io.StringIO()
         view = Renderer(out.write, tty=tty, show_thinking=False)
         feed_all(view, THOUGHT)
-        assert out.getvalue() == "The answer.\n" and view.thinking == "Let me think."
+        assert out.getvalue() == shown and view.thinking == "Let me think."
     out = io.StringIO()   # stopped inside the thinking: the attribute is reset
     feed_all(Renderer(out.write, tty=True), THOUGHT[:1])
     assert out.getvalue() == f"{DIM}Let me{RESET}\n"
@@ -327,7 +328,7 @@ def test_a_thinking_model_through_its_template(nanbeige):
 
     r2, out2, _ = repl(nanbeige, show_thinking=False)
     r2.answer("Hi")
-    assert out2.getvalue().startswith(f"\n{DIM}(the answer ended inside its thinking: ")   # nothing else shown
+    assert out2.getvalue().startswith(f"{DIM}Thinking...{RESET}{ERASE}\n{DIM}(the answer ended inside its thinking: ")
 
 
 def test_commands_change_the_settings(nanbeige):

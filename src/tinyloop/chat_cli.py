@@ -1,4 +1,4 @@
-"""`tinyloop chat [MODEL]`: a conversation in the terminal, as `ollama run` has it (docs/cli.md).
+"""`tinyloop chat [MODEL]`: a conversation in the terminal, as `ollama run` has it (docs/chat.md).
 
 Each turn goes through the same path as the HTTP chat route: the conversation is a `chat.Chat` rendered by the
 model's own chat template (`Engine.encode_prompt`), planned by `Engine.plan` (which says whether the output has
@@ -27,6 +27,7 @@ from .chat import Chat
 from .errors import ValidationError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"     # SGR 2 (faint) and SGR 0
+ERASE = "\r\x1b[K"                   # back to the line's start, the line cleared (EL)
 PROMPT, MORE = ">>> ", "... "
 MAX_ANSWER_TOKENS = 2048              # without --max-tokens: the rest of the context, at most this many
 PLAIN_STOP = "\nUser:"                # models without a template: "Role: content" lines (docs/server.md)
@@ -86,12 +87,13 @@ def template_kwargs(settings: ChatSettings, template: str | None) -> dict:
 class Renderer:
     """Thinking and answer deltas (the `ReasoningParser`'s: {"reasoning_content": ...} / {"content": ...}) to
     the terminal. Thinking is shown dimmed (SGR 2) on a terminal, under a "Thinking:" label otherwise (then the
-    answer under "Answer:"), or not at all; the answer as it comes, its leading whitespace dropped.
-    `answer` and `thinking` collect the text either way."""
+    answer under "Answer:"), or not at all (on a terminal a dimmed "Thinking..." stands in for it, erased when
+    the answer starts); the answer as it comes, its leading whitespace dropped. `answer` and `thinking` collect
+    the text either way."""
 
     def __init__(self, write: Callable[[str], Any], *, tty: bool, show_thinking: bool = True):
         self.write, self.tty, self.show = write, tty, show_thinking
-        self.state = "start"          # "start" | "think" (thinking shown) | "answer"
+        self.state = "start"          # "start" | "think" (shown) | "hidden" (the stand-in shown) | "answer"
         self.answer = ""
         self.thinking = ""
 
@@ -99,7 +101,12 @@ class Renderer:
         if delta.get("reasoning_content"):
             text = delta["reasoning_content"]
             self.thinking += text
-            if not self.show or self.state == "answer":
+            if self.state == "answer":
+                return
+            if not self.show:
+                if self.tty and self.state == "start":
+                    self.write(f"{DIM}Thinking...{RESET}")
+                    self.state = "hidden"
                 return
             if self.state == "start":
                 self.write(DIM if self.tty else "Thinking:\n")
@@ -113,6 +120,8 @@ class Renderer:
                     return
             if self.state == "think":
                 self.write(RESET + "\n\n" if self.tty else "\n\nAnswer:\n")
+            elif self.state == "hidden":
+                self.write(ERASE)
             self.state = "answer"
             self.answer += text
             self.write(text)
@@ -121,6 +130,8 @@ class Renderer:
         """The end of the output (or its interruption): the dim attribute reset, a newline."""
         if self.state == "think" and self.tty:
             self.write(RESET)
+        elif self.state == "hidden":
+            self.write(ERASE)
         self.write("\n")
 
 
@@ -484,7 +495,7 @@ def add_command(sub) -> None:
     from .cli import _loops_arg
     from .quant.kv_formats import KV_FORMATS
 
-    c = sub.add_parser("chat", help="chat with a model in the terminal (as `ollama run`; docs/cli.md)",
+    c = sub.add_parser("chat", help="chat with a model in the terminal (as `ollama run`; docs/chat.md)",
                        description="A conversation with the model through its own chat template: answers "
                        "stream as they are generated, the thinking of models that think is shown dimmed (or "
                        "hidden), and /commands change the depth, temperature and more (/help lists them). "
