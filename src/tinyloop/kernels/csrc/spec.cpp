@@ -1,0 +1,283 @@
+// Greedy speculation rounds in one call each (engine/speculative.py): a chain round (tl_spec_round) and the
+// depth-aligned passes of a pipeline round (tl_spec_pipeline), built from the decode step's pieces (step.h).
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <vector>
+#include "tinyloop.h"
+#include "step.h"
+#include "vec.h"
+
+using namespace tl_step;
+
+// ---- one greedy speculation round in one call (engine/speculative.py Speculator._chain_round) ----------
+// The draft: k tokens, each its own tl_decode pass (prelude + loops 0..d-1 + the draft read-out) and the
+// draft head's argmax over its rows (the reduced draft vocabulary) feeding the next; then the last drafted
+// token's loops 0..d-1 (no read-out); then the verification, loops d..V-1 of all k+1 positions from the
+// draft's states, the coda and the full head's argmax. The rounds of Python between these passes are what
+// this call removes; the math and the order of every pass are the stepwise path's.
+namespace {
+int64_t round_extra(const tl_model* m, const tl_round* R) {
+    const int64_t n = R->k + 1, dim = m->dim;
+    const int64_t hn = std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
+    return 4 * n * dim + hn + 2 * n * dim + n * (dim / 8) + 64;
+}
+}  // namespace
+
+extern "C" int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
+    return round_extra(m, R) + tl_scratch_floats(m, R->k + 2, max_ctx);
+}
+
+static double now_ms() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R,
+                             float* scratch, int64_t scratch_len) {
+    const int k = R->k, d = R->d, V = R->V;
+    const int64_t dim = m->dim, n = k + 1;
+    if (k < 0 || d < 1 || d >= V) return 10;
+    // the draft's rows: a reduced draft head, or (null) the model's own head over the whole vocabulary
+    const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
+    const int draft_cols = R->draft_head ? DH->n : R->vocab;
+    const int max_ctx = base->pos + k + 1;
+    const int64_t extra = round_extra(m, R);
+    if (extra + tl_scratch_floats(m, k + 2, max_ctx) > scratch_len) return 1;
+    float* es = scratch;                 // (n, dim) prelude outputs of the round's positions
+    float* hs = es + n * dim;            // (n, dim) their states after loop d-1
+    float* hid = hs + n * dim;           // (2n, dim) read-outs
+    float* logits = hid + 2 * n * dim;
+    float* hsc = logits + std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
+    float* dec = scratch + extra;
+    const int64_t dec_len = scratch_len - extra;
+    const double t0 = now_ms();
+    double t1 = t0;
+    R->tokens[0] = base->token;
+    if (k == 0 && !R->last_h && !R->backlog_h) {   // no draft and no exit state wanted: a plain token
+        tl_row row = *base;
+        row.loops = V;
+        row.first_loop = 0;
+        row.exit_kind = TL_EXIT_NONE;
+        row.readout = 0;
+        row.state_e = row.state_h = nullptr;
+        row.out_e = row.out_h = nullptr;
+        int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
+        if (rc) return rc;
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+        if (rc) return 20 + rc;
+        R->draft_ms = 0;
+        R->verify_ms = now_ms() - t0;
+        return 0;
+    }
+    for (int j = 0; j <= k; ++j) {
+        if (j == k) t1 = now_ms();   // the drafts are done; the last draft's loops count with the verification
+        tl_row rows[2];
+        rows[0] = *base;
+        rows[0].token = R->tokens[j];
+        rows[0].pos = base->pos + j;
+        rows[0].loops = d;
+        rows[0].first_loop = 0;
+        rows[0].exit_kind = TL_EXIT_NONE;
+        rows[0].readout = j < k ? R->draft_readout : -1;
+        rows[0].state_e = rows[0].state_h = nullptr;
+        rows[0].out_e = es + j * dim;
+        rows[0].out_h = hs + j * dim;
+        int M = 1;
+        if (j == 0 && R->backlog_h) {    // position pos-1's draft-exit entry, due since the last round
+            rows[1] = rows[0];
+            rows[1].pos = base->pos - 1;
+            rows[1].first_loop = rows[1].loops = d;
+            rows[1].readout = R->draft_readout;
+            rows[1].state_e = rows[1].state_h = R->backlog_h;
+            rows[1].out_e = rows[1].out_h = nullptr;
+            M = 2;
+        }
+        int rc = tl_decode(m, kv, rows, M, hid, dec, dec_len);
+        if (rc) return rc;
+        if (j == k) break;
+        const float* x = hid;
+        if (R->draft_norm) {
+            rmsnorm(hid, R->draft_norm, hsc, 1, (int)dim, R->draft_eps);
+            x = hsc;
+        }
+        tl_linear_rows(DH, x, 1, logits, DH->n, hsc + dim);
+        const int32_t col = argmax(logits, draft_cols);
+        R->tokens[j + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+    }
+    std::vector<tl_row> vr(n);
+    for (int j = 0; j < n; ++j) {
+        vr[j] = *base;
+        vr[j].token = R->tokens[j];
+        vr[j].pos = base->pos + j;
+        vr[j].first_loop = d;
+        vr[j].loops = V;
+        vr[j].exit_kind = TL_EXIT_NONE;
+        vr[j].readout = 0;
+        vr[j].state_e = es + j * dim;
+        vr[j].state_h = hs + j * dim;
+        vr[j].out_e = vr[j].out_h = nullptr;
+    }
+    int rc = tl_decode(m, kv, vr.data(), (int)n, hid, dec, dec_len);
+    if (rc) return rc;
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+    if (rc) return 20 + rc;
+    if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
+    const double t2 = now_ms();
+    R->draft_ms = t1 - t0;
+    R->verify_ms = t2 - t1;
+    return 0;
+}
+
+// ---- greedy speculation as a pipeline of depth-aligned passes (memory-bound models) ----------------------
+// Every pass runs each in-flight position through its own next loop, all rows in one pass over the core's
+// weights (each row's keys in its own loop's slots). The newest position, once through loop d-1, is read
+// out by the draft (exit or coda, draft head argmax) and its draft enters at loop 0 the pass after; the
+// oldest, once through loop V-1, is read out by the coda and the head: its greedy token is emitted and
+// checked against the draft after it. A mismatch ends the round (the later positions are dropped: the
+// caller's committed length does not cover them); so does the k-th draft's verification. Position q at
+// loop l reads loop l's keys of q-1, written one pass earlier (q-1 runs a loop ahead), so each position
+// sees exactly the keys plain decoding gives it.
+namespace {
+void embed_row(const tl_model* m, int token, float* x) {
+    const int64_t o = (int64_t)token * m->dim;
+    for (int i = 0; i < m->dim; ++i) {
+        float v = m->embed_kind == TL_F32 ? ((const float*)m->embed)[o + i]
+                : m->embed_kind == TL_F16 ? f16_to_f32(((const uint16_t*)m->embed)[o + i])
+                : bf16_to_f32(((const uint16_t*)m->embed)[o + i]);
+        x[i] = m->embed_scale != 1.0f ? v * m->embed_scale : v;
+    }
+}
+
+// one row's read-out `ro` (0: the coda after the final norm where it ends the recurrence; i > 0: a draft
+// exit) of state h into out (dim)
+void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, const float* h, float* out,
+              Buffers& B) {
+    const int dim = m->dim;
+    if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, B.x, 1, dim, m->norm_eps);
+    else memcpy(B.x, h, sizeof(float) * dim);
+    if (ro == 0) {
+        const tl_block* coda = m->blocks + m->n_prelude + m->n_core;
+        for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, row, 1, m->n_prelude + i, B.x, B);
+    } else {
+        const tl_readout* x = &m->readouts[ro - 1];
+        for (int i = 0; i < x->n_blocks; ++i) block(m, &x->blocks[i], kv, row, 1, x->slots[i], B.x, B);
+    }
+    memcpy(out, B.x, sizeof(float) * dim);
+}
+}  // namespace
+
+extern "C" int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
+    const int64_t n = R->k + 1, dim = m->dim;
+    return 2 * n * dim + 4 * dim + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
+           + 2 * dim + dim / 8 + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
+}
+
+extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R,
+                                float* scratch, int64_t scratch_len) {
+    const int k = R->k, d = R->d, V = R->V;
+    const int64_t dim = m->dim, n = k + 1;
+    if (k < 1 || d < 1 || d >= V) return 10;
+    if (tl_pipeline_scratch_floats(m, R, base->pos + k + 1) > scratch_len) return 1;
+    const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
+    const int draft_cols = R->draft_head ? DH->n : R->vocab;
+    float* es = scratch;                 // (n, dim) prelude outputs
+    float* hs = es + n * dim;            // (n, dim) states
+    float* tmp = hs + n * dim;           // (4 dim) read-outs, normed rows
+    float* logits = tmp + 4 * dim;
+    float* hsc = logits + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
+    int64_t total;
+    Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + 2 * dim + dim / 8 + 64, &total);
+    const double t0 = now_ms();
+    std::vector<tl_row> rows(n);
+    std::vector<int> loop(n, 0), slots(n);
+    auto row_at = [&](int j) {
+        tl_row r = *base;
+        r.token = R->tokens[j];
+        r.pos = base->pos + j;
+        r.first_loop = 0;
+        r.loops = V;
+        r.exit_kind = TL_EXIT_NONE;
+        r.state_e = r.state_h = nullptr;
+        r.out_e = r.out_h = nullptr;
+        return r;
+    };
+    auto enter = [&](int j) {   // embedding and prelude of position j; its state for loop 0
+        rows[j] = row_at(j);
+        embed_row(m, R->tokens[j], B.x);
+        for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, &rows[j], 1, i, B.x, B);
+        memcpy(es + j * dim, B.x, sizeof(float) * dim);
+        if (m->injection == 0) memcpy(hs + j * dim, B.x, sizeof(float) * dim);
+        else memset(hs + j * dim, 0, sizeof(float) * dim);
+        loop[j] = 0;
+    };
+    if (R->backlog_h) {   // position pos-1's draft-exit entry, due since the last (chain) round
+        tl_row r = row_at(0);
+        r.pos = base->pos - 1;
+        read_out(m, kv, &r, R->draft_readout, R->backlog_h, tmp, B);
+    }
+    R->tokens[0] = base->token;
+    enter(0);
+    int oldest = 0, newest = 0, emitted = 0, row_loops = 0;
+    const tl_block* core = m->blocks + m->n_prelude;
+    const int core_slot0 = m->n_prelude + m->n_coda;
+    for (;;) {
+        const int M = newest - oldest + 1;
+        tl_row* pr = &rows[oldest];
+        for (int r = 0; r < M; ++r) {   // the core's input of each row at its loop
+            const float* e = es + (oldest + r) * dim;
+            const float* h = hs + (oldest + r) * dim;
+            float* x = B.x + r * dim;
+            if (m->injection == 0) memcpy(x, h, sizeof(float) * dim);
+            else if (m->injection == 1) for (int64_t i = 0; i < dim; i += TL_W) vstore(x + i, vadd(vload(h + i), vload(e + i)));
+            else {
+                memcpy(B.a + r * 2 * dim, h, sizeof(float) * dim);
+                memcpy(B.a + r * 2 * dim + dim, e, sizeof(float) * dim);
+            }
+        }
+        if (m->injection == 2) tl_linear_rows(&m->adapter, B.a, M, B.x, dim, B.lin);
+        for (int jj = 0; jj < m->n_core; ++jj) {
+            for (int r = 0; r < M; ++r) slots[r] = core_slot0 + loop[oldest + r] * m->n_core + jj;
+            block(m, &core[jj], kv, pr, M, 0, B.x, B, slots.data());
+        }
+        if (m->loop_norm) rmsnorm(B.x, m->core_norm, hs + oldest * dim, M, (int)dim, m->norm_eps);
+        else memcpy(hs + oldest * dim, B.x, sizeof(float) * M * dim);
+        for (int j = oldest; j <= newest; ++j) ++loop[j];
+        row_loops += M;
+        bool stop = false;
+        if (loop[oldest] == V) {   // verified: the coda, the head, the greedy token
+            read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B);
+            int32_t y;
+            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc);
+            if (rc) return 20 + rc;
+            R->verify[emitted++] = y;
+            if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds
+            else stop = true;                                            // a correction, or the last draft's bonus
+        }
+        if (stop) break;
+        if (loop[newest] == d) {   // drafted: the draft read-out, the draft head's argmax, the next position
+            const bool more = newest < k;
+            if (more || R->draft_readout > 0) {   // (the last draft's exit entry is written too: no backlog)
+                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B);
+            }
+            if (more) {
+                const float* x = tmp;
+                if (R->draft_norm) {
+                    rmsnorm(tmp, R->draft_norm, tmp + dim, 1, (int)dim, R->draft_eps);
+                    x = tmp + dim;
+                }
+                tl_linear_rows(DH, x, 1, logits, DH->n, hsc);
+                const int32_t col = argmax(logits, draft_cols);
+                R->tokens[newest + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+                ++newest;
+                enter(newest);
+            }
+        }
+    }
+    R->n_emitted = emitted;
+    R->row_loops = row_loops;
+    R->draft_ms = 0;
+    R->verify_ms = now_ms() - t0;
+    return 0;
+}
