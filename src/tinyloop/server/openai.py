@@ -65,12 +65,12 @@ def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams, *,
 
 def thinking_params(engine, body: ChatCompletionRequest, params: SamplingParams, reasoning: str) -> SamplingParams:
     """The thinking block's tags (the server's reasoning parser: auto, none, think) and budget
-    (max_thinking_tokens, else reasoning_effort's, which has no effect on a model that does not think)."""
+    (max_thinking_tokens, else reasoning_effort's); neither has an effect on a model that does not think."""
     from ..engine.thinking import THINK, resolve
 
     thinking = {"none": False, "think": THINK}.get(reasoning)
     budget = thinking_budget(body.max_thinking_tokens, getattr(body, "reasoning_effort", None))
-    if body.max_thinking_tokens is None and budget is not None and resolve(thinking, engine.tokenizer) is None:
+    if budget is not None and resolve(thinking, engine.tokenizer) is None:
         budget = None
     return params.replace(thinking=thinking, max_thinking_tokens=budget)
 

@@ -437,7 +437,8 @@ class ChatCompletionRequest(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the model's chat "
                                                         "template (enable_thinking: false turns thinking off)")
     max_thinking_tokens: Int | None = rng(lo=0, hi=8192, description="tokens the thinking block may hold; then "
-                                          "its closing tag is forced and the answer starts (models that think)")
+                                          "its closing tag is forced and the answer starts (no effect on a model "
+                                          "that does not think)")
 
     def tool_plan(self, template: str | None) -> ToolPlan | None:
         plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, template, self.chat_template_kwargs)
