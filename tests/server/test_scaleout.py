@@ -143,7 +143,7 @@ def test_health_auth_metrics(cluster, reference):
 @pytest.mark.parametrize("path,body,status", [
     ("/v1/completions", {"model": "tinyloop", "prompt": "Hi", "loops": 0}, 400),
     ("/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 600}, 400),
-    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "wizard", "content": "x"}]}, 422),
+    ("/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/generate", {"prompt": "Hi", "bogus": 1}, 422),
 ])
 def test_errors_are_the_single_process_errors(cluster, reference, path, body, status):
