@@ -314,14 +314,16 @@ class ChatREPL:
 
     def describe(self) -> str:
         s, cfg = self.settings, self.engine.config
-        think = ("the template's default" if s.think is None else "on" if s.think else "off") if self.thinks \
-            else "the model does not think"
+        think = "the model does not think"
+        if self.thinks:
+            think = ("the template's default" if s.think is None else "on" if s.think else "off") + \
+                f"; {'shown' if s.show_thinking else 'hidden'}"
         return "\n".join([
             f"model          {self.engine.path}",
             f"loops          {s.loops if s.loops is not None else cfg.default_loops} (1..{cfg.max_loops} or auto)",
             f"temperature    {s.temperature:g}",
             f"max tokens     {s.max_tokens or f'auto (the rest of the {self.engine.max_seq_len}-token context)'}",
-            f"thinking       {think}; {'shown' if s.show_thinking else 'hidden'}",
+            f"thinking       {think}",
             f"verbose        {'on' if s.verbose else 'off'}",
             f"system         {s.system!r}" if s.system else "system         none",
             f"history        {len(self.history)} messages"])
