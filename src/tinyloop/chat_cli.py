@@ -492,9 +492,8 @@ def run_chat(args) -> int:
     return repl.run()
 
 
-def add_command(sub) -> None:
-    """The `chat` subcommand (registered by cli.build_parser)."""
-    from .cli import _loops_arg
+def add_command(sub, loops_arg: Callable[[str], int | str]) -> None:
+    """The `chat` subcommand (registered by cli.build_parser, which passes its `--loops` parser)."""
     from .quant.kv_formats import KV_FORMATS
 
     c = sub.add_parser("chat", help="chat with a model in the terminal (as `ollama run`; docs/chat.md)",
@@ -504,7 +503,7 @@ def add_command(sub) -> None:
                        "Ctrl-C stops an answer; Ctrl-D, /bye or Ctrl-C twice at the prompt quits.")
     c.add_argument("model", nargs="?", help="a .tinyloop file, a packaged model's name or a pulled hf: name "
                    "(default: $TINYLOOP_MODEL_PATH or the shipped model)")
-    c.add_argument("--loops", type=_loops_arg, help="an integer, or \"auto\"; default: the model's default_loops")
+    c.add_argument("--loops", type=loops_arg, help="an integer, or \"auto\"; default: the model's default_loops")
     c.add_argument("--temperature", type=float, default=0.7, help="default: %(default)s (0: greedy)")
     c.add_argument("--top-k", type=int, default=0, help="default: %(default)s (off)")
     c.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s (off)")

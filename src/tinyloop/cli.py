@@ -507,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub)
 
     from .chat_cli import add_command as add_chat  # chat: a terminal conversation (torch once the model loads)
-    add_chat(sub)
+    add_chat(sub, _loops_arg)
 
     t = sub.add_parser("train", help="train a looped LM on text files and write a .tinyloop file")
     t.add_argument("files", nargs="+", help="text files (.txt or .txt.gz)")
