@@ -550,7 +550,8 @@ def test_parcae_features_are_refused_by_name(feature):
         NativeExecutor(varied_model(BASE.replace(**feature), seed=1))
 
 
-def test_parcae_like_model_is_served_by_pytorch_with_the_same_tokens():
+def test_parcae_like_model_is_served_by_pytorch_with_the_same_tokens(monkeypatch):
+    monkeypatch.delenv("TINYLOOP_EXECUTOR", raising=False)   # "auto" here even in the suite's torch run
     from conftest import core_ids, reference_ids
     from tinyloop.engine import SamplingParams
     from tinyloop.kernels.executor import Unsupported
