@@ -29,41 +29,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.embedding import check_dimensions, to_base64, truncate
 from ..errors import ValidationError
 from .access import note
-from .anthropic import AnthropicErrors, param_of
-from .errors import APIError, from_engine_failure, register_shape
+from .errors import APIError, OpenAIFieldErrors, from_engine_failure, register_shape
 from .generation import DISCONNECT_POLL_S
 from .openai import state_of
 from .schemas import Int, check_timeout, model_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"
-_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 
 
-class EmbeddingsErrors:
+class EmbeddingsErrors(OpenAIFieldErrors):
     """errors.ErrorShape of this route: OpenAI's error body; a malformed body is a 400 naming the field."""
 
-    @staticmethod
-    def status(err: APIError) -> int:
-        return 400 if err.status == 422 else err.status
-
-    @staticmethod
-    def body(err: APIError) -> dict[str, Any]:
-        return err.body()
-
-    @staticmethod
-    def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
-        err = AnthropicErrors.from_pydantic(errors)   # the field's name and message, read from pydantic's errors
-        if err.param is None:   # not JSON at all
-            return APIError(400, err.message, code="invalid_json")
-        kinds = [e.get("type", "") for e in errors if param_of(e.get("loc", ())) == err.param]
-        code = next((_CODES[k] for k in kinds if k in _CODES), None) or \
-            ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
-        message = err.message
-        if code == "unknown_parameter":
-            message = f"{err.param}: unknown parameter; this route takes OpenAI's embeddings fields (model, input, " \
-                      "encoding_format, dimensions, user) and TinyLoop's loops, pooling and timeout_s"
-        return APIError(400, message, param=err.param, code=code)
+    TAKES = ("OpenAI's embeddings fields (model, input, encoding_format, dimensions, user) and TinyLoop's loops, "
+             "pooling and timeout_s")
 
 
 register_shape(PATH, EmbeddingsErrors)

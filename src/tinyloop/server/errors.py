@@ -177,6 +177,36 @@ class OpenAIErrors:
         return pydantic_error(errors, 400)
 
 
+class OpenAIFieldErrors(OpenAIErrors):
+    """OpenAI's shape for the routes translated onto the chat route's plan (Responses, embeddings): a malformed
+    body is a 400 naming the field, its name read from pydantic's location as the Messages API reads it
+    (anthropic.param_of), with OpenAI's codes; an unknown field's message says what the route takes (TAKES).
+    A route whose schema tags its unions rewrites the locations first (`locations`)."""
+
+    TAKES = "its documented fields"
+    CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+    @staticmethod
+    def locations(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return errors
+
+    @classmethod
+    def from_pydantic(cls, errors: list[dict[str, Any]]) -> APIError:
+        from .anthropic import AnthropicErrors, param_of   # (anthropic.py imports this module)
+
+        errors = cls.locations(errors)
+        err = AnthropicErrors.from_pydantic(errors)   # the field's name and message, read from pydantic's errors
+        if err.param is None:   # not JSON at all
+            return APIError(400, err.message, code="invalid_json")
+        kinds = [e.get("type", "") for e in errors if param_of(e.get("loc", ())) == err.param]
+        code = next((cls.CODES[k] for k in kinds if k in cls.CODES), None) or \
+            ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
+        message = err.message
+        if code == "unknown_parameter":
+            message = f"{err.param}: unknown parameter; this route takes {cls.TAKES}"
+        return APIError(400, message, param=err.param, code=code)
+
+
 OPENAI_BODY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/api/v0/chat/completions", "/api/v0/completions")
 for _route in OPENAI_BODY_ROUTES:
     register_shape(_route, OpenAIErrors)

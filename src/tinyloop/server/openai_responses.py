@@ -38,8 +38,8 @@ import anyio
 from fastapi import APIRouter, Query, Request
 
 from ..errors import ValidationError
-from .anthropic import AnthropicErrors, deltas_of, param_of
-from .errors import APIError, register_shape
+from .anthropic import deltas_of
+from .errors import APIError, OpenAIFieldErrors, register_shape
 from .generation import collect, stream as sse_stream
 from .openai import chat_inputs, messages_error, state_of
 from .reasoning import Answer, thinking_budget
@@ -55,7 +55,6 @@ DEFAULT_STORE_SIZE = 1000
 
 
 # -- errors: OpenAI's shape, a malformed body a 400 ------------------------------------------------------------
-_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 _FORMAT_TAGS = {"text", "json_object", "json_schema"}   # text.format's tagged union puts its tag after "format"
 
 
@@ -63,32 +62,14 @@ def _untagged(loc) -> tuple:
     return tuple(p for k, p in enumerate(loc) if not (k and loc[k - 1] == "format" and p in _FORMAT_TAGS))
 
 
-class ResponsesErrors:
-    """errors.ErrorShape of the Responses API: OpenAI's error body; a malformed body is a 400 naming the field
-    (the field's name read from pydantic's location as the Messages API reads it: anthropic.param_of)."""
+class ResponsesErrors(OpenAIFieldErrors):
+    """errors.ErrorShape of the Responses API: OpenAI's error body; a malformed body is a 400 naming the field."""
+
+    TAKES = "OpenAI's Responses fields and TinyLoop's knobs (docs/server.md)"
 
     @staticmethod
-    def status(err: APIError) -> int:
-        return 400 if err.status == 422 else err.status
-
-    @staticmethod
-    def body(err: APIError) -> dict[str, Any]:
-        return err.body()
-
-    @staticmethod
-    def from_pydantic(errors: list[dict[str, Any]]) -> APIError:
-        errors = [{**e, "loc": _untagged(e.get("loc", ()))} for e in errors]
-        err = AnthropicErrors.from_pydantic(errors)
-        if err.param is None:   # not JSON at all
-            return APIError(400, err.message, code="invalid_json")
-        kinds = [e.get("type", "") for e in errors if param_of(e["loc"]) == err.param]
-        code = next((_CODES[k] for k in kinds if k in _CODES), None) or \
-            ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
-        message = err.message
-        if code == "unknown_parameter":
-            message = f"{err.param}: unknown parameter; this route takes OpenAI's Responses fields and TinyLoop's " \
-                      "knobs (docs/server.md)"
-        return APIError(400, message, param=err.param, code=code)
+    def locations(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**e, "loc": _untagged(e.get("loc", ()))} for e in errors]
 
 
 register_shape(PREFIX, ResponsesErrors)
