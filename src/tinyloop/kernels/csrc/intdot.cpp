@@ -50,6 +50,20 @@ static void qq_plan(const tl_linear* L, bool split, QQPlan& P) {
     }
 }
 
+// a weight row's 64 columns at `at` as two vectors of unsigned codes: int4 the low and the high nibbles (the
+// even and the odd columns), int8 the two 32s
+template <int BITS>
+static inline void load_codes(const uint8_t* at, __m256i low4, __m256i* wa, __m256i* wb) {
+    if (BITS == 4) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)at);
+        *wa = _mm256_and_si256(raw, low4);
+        *wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    } else {
+        *wa = _mm256_loadu_si256((const __m256i*)at);
+        *wb = _mm256_loadu_si256((const __m256i*)(at + 32));
+    }
+}
+
 // The canonical reduction every integer kernel computes (the tiles below and the AMX tiles: amx.cpp), so
 // that an output is bitwise the same whichever kernel, tile shape, row count or position in a batch
 // produced it: per activation block a (AB columns, in order) the exact int32 sum I_a = sum c' q, then
@@ -142,14 +156,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {   // unsigned codes against signed activations, int32 sums
                     __m256i wa, wb;
-                    if (BITS == 4) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
-                        wa = _mm256_and_si256(raw, low4);
-                        wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    } else {
-                        wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
-                        wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
-                    }
+                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
 #pragma GCC unroll 4
                     for (int r = 0; r < MR; ++r)
                         acc[r][j] = dpbusd(dpbusd(acc[r][j], wa, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
@@ -364,15 +371,8 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
 #pragma GCC unroll 8
                         for (int j = 0; j < 8; ++j) {
-                            __m256i wa, wb;   // int4: low / high nibbles (even / odd columns); int8: two 32s
-                            if (BITS == 4) {
-                                const __m256i raw = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
-                                wa = _mm256_and_si256(raw, low4);
-                                wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                            } else {
-                                wa = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes));
-                                wb = _mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32));
-                            }
+                            __m256i wa, wb;
+                            load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
 #if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
                             acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
 #else
