@@ -106,7 +106,7 @@ class FP16Linear(nn.Module):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         if self._packed is None:
-            from ..kernels.executor import linear_forward
+            from ..kernels.layers import linear_forward
 
             y = linear_forward(self, x2)
             if self.bias is not None:

@@ -51,7 +51,7 @@ def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> 
 
 def _kernel_call(kind: str, x: torch.Tensor, bufs: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     if kind == "native":
-        from ..kernels.executor import linear_forward
+        from ..kernels.layers import linear_forward
         return linear_forward(_NativeView(bufs, group_size), x)
     if kind == "int4pack_cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, bufs["packed"], group_size, bufs["sz"])
@@ -213,7 +213,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "native":  # fp32 activations in and out (the native executor's layers)
-            from ..kernels.executor import linear_forward
+            from ..kernels.layers import linear_forward
             return linear_forward(self, x).to(x.dtype)
         x2 = x.reshape(-1, self.in_features)                      # (M, K)
         if self.kind == "int4pack_cpu":  # the hot path (CPU decode): no per-call dict of buffers

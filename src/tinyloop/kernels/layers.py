@@ -1,0 +1,105 @@
+"""One layer through the native library: a weight tensor or a layer module described as the library reads it
+(`tensor_desc`, `linear_desc`: pointers to the module's own tensors, no copies) and run alone
+(`linear_forward`: QuantLinear's and FP16Linear's "native" kind on the PyTorch path). The executor
+(kernels/executor.py) describes whole models from the same descriptors."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.nn as nn
+
+from . import lib as L
+
+_CALL = threading.RLock()  # the library's thread pool serves one call at a time (engine cores share it)
+_FLOAT_KINDS = {torch.float32: L.TL_F32, torch.float16: L.TL_F16, torch.bfloat16: L.TL_BF16}
+_QUANT_KINDS = {8: L.TL_Q8, 4: L.TL_Q4, 2: L.TL_Q2}
+
+
+class Unsupported(ValueError):
+    """A model (or layer) the native executor does not run; the PyTorch path serves it."""
+
+
+def q8_activations() -> bool:
+    """Whether int8 and int4 layers quantize their activations to int8 for integer dot products (llama.cpp's
+    q4 x q8 and q8 x q8; `TINYLOOP_NATIVE_Q8=0` keeps fp32 activations, exact to the dequantized weights)."""
+    v = os.environ.get("TINYLOOP_NATIVE_Q8", "1").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"TINYLOOP_NATIVE_Q8 must be 1 or 0, got {v!r}")
+    return v in ("1", "true", "yes", "on")
+
+
+def default_threads() -> int:
+    n = os.environ.get("TINYLOOP_NATIVE_THREADS")
+    if n:
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"TINYLOOP_NATIVE_THREADS must be a positive integer, got {n!r}")
+        return int(n)
+    return max(1, torch.get_num_threads())
+
+
+def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
+    """A float weight tensor (n, k) as a layer: the LM head (the embedding when tied)."""
+    if w.dtype not in _FLOAT_KINDS or w.device.type != "cpu" or w.dim() != 2:
+        raise Unsupported(f"{w.dtype} weights on {w.device}")
+    w = w.detach().contiguous()
+    keep.append(w)
+    d = L.TlLinear()
+    d.kind, (d.n, d.k), d.w, d.group = _FLOAT_KINDS[w.dtype], w.shape, w.data_ptr(), 0
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
+def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
+    """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
+    that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;
+    quant.linear.QuantLinear of kind "native": bits, group size and the portable codes, scales, zeros)."""
+    if type(mod) is nn.Linear:
+        if mod.bias is not None:
+            raise Unsupported("a linear layer with a bias")
+        return tensor_desc(mod.weight, keep)
+    native = getattr(mod, "native_weights", None)
+    w = native() if native is not None else None
+    if isinstance(w, torch.Tensor):
+        return tensor_desc(w, keep)
+    if not isinstance(w, dict):
+        raise Unsupported(f"a {type(mod).__name__} layer ({getattr(mod, 'kind', '')})")
+    d = L.TlLinear()
+    d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
+    d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
+    d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
+    # int4 and int8 weights take int8 activations (integer dot products, scaled per group or 256 columns)
+    # where the rows are whole 64s and the groups whole 32s (int4) or 64s (int8); matmul.cpp says why
+    d.act_q8 = int(d.k % 64 == 0 and (d.kind == L.TL_Q4 and d.group % 32 == 0
+                                      or d.kind == L.TL_Q8 and d.group % 64 == 0) and q8_activations())
+    keep.append(w)
+    if d.k % 8:
+        raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")
+    return d
+
+
+def _forward(d: L.TlLinear, x: torch.Tensor, threads: int) -> torch.Tensor:
+    lib = L.load()
+    x2 = x.reshape(-1, d.k).float().contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, d.n, dtype=torch.float32)
+    scratch = torch.empty(M * d.k + M * (d.k // 8) + 16 if d.kind >= L.TL_Q8 else 16, dtype=torch.float32)
+    with _CALL:
+        lib.tl_set_threads(threads)
+        rc = lib.tl_linear_forward(d, x2.data_ptr(), M, y.data_ptr(), scratch.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native linear failed (code {rc})")
+    return y.reshape(*x.shape[:-1], d.n)
+
+
+def linear_forward(mod, x: torch.Tensor) -> torch.Tensor:
+    """x (..., k) -> (..., n) fp32 through the library (QuantLinear's "native" kind)."""
+    d = getattr(mod, "_tl_desc", None)
+    if d is None:
+        d = linear_desc(mod, [])
+        if isinstance(mod, nn.Module):
+            mod._tl_desc = d      # the buffers it points at live as long as the module
+    return _forward(d, x, default_threads())
