@@ -518,7 +518,7 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     tokens stay plain greedy decoding's, and the stats say how many rounds went that way."""
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine.serving import BatchEngine, run_to_completion
-    from tinyloop.engine.speculative import ALONE_UP_TO
+    from tinyloop.engine.native_rounds import ALONE_UP_TO
     from tinyloop.modelfile import LoadedModel
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")

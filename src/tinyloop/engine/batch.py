@@ -4,7 +4,7 @@ It builds step metadata only (which tokens, at which positions, through which pa
 loops) and calls `LoopedTransformer.run`; the model owns every piece of the forward pass and the paged
 pool (`model.paged`) owns where keys go and which keys each row sees. Speculative sequences add their
 own `Rows` (a draft step, a verification) to the same step, or a whole greedy round that the native
-executor runs in one call (`speculative.NativeRound`).
+executor runs in one call (`native_rounds.NativeRound`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ from .embedding import EmbeddingPlan, EmbeddingStream
 from .plan import RequestPlan
 from .sampling import Sampler, one_thread
 from .scheduler import Scheduler, SchedulerError, Sequence
-from .speculative import NativeRound, Speculator, speculative_layout
+from .native_rounds import NativeRound
+from .speculative import Speculator, speculative_layout
 from .text import StreamEvent
 
 log = logging.getLogger("tinyloop.engine")

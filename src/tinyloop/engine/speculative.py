@@ -67,56 +67,17 @@ from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, draw
-from .tree import DraftTree, ancestor_mask, beam_step
+from .native_rounds import ALONE_UP_TO, NativeRound
+from .tree_rounds import TreeRounds
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
 PREFILL_CHUNK = 256     # prompt positions per prefill pass
-ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
-                        # plain row in the shared batched step costs less than a round of its own
-
-
-class NativeRound:
-    """A whole greedy round for the native executor (`NativeExecutor.spec_round`: a chain round, or the
-    pipeline of depth-aligned passes): the speculator yields it like a `Rows`, the batch runner runs it in
-    the same engine step, and `result` holds its tokens and times when the generator resumes."""
-
-    def __init__(self, spec: "Speculator", k: int):
-        self.spec, self.k = spec, k
-        self.result: dict | None = None
-
-    def run(self, kv) -> None:
-        sp, head = self.spec, self.spec.head
-        norm = head.norm
-        if norm == sp.model.final_norm:   # the model's own norm before the head (identity unless head_norm)
-            norm = sp.model.norm if sp.model.cfg.head_norm else None
-        self.result = sp.model.executor.spec_round(
-            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
-            head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
-            None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
-            sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline)
-
-
-class NativeTreeRound(NativeRound):
-    """A whole greedy tree round (K > 1) for the native executor (`NativeExecutor.tree_round`), run like a
-    `NativeRound`."""
-
-    def run(self, kv) -> None:
-        sp, head = self.spec, self.spec.head
-        norm = head.norm
-        if norm == sp.model.final_norm:
-            norm = sp.model.norm if sp.model.cfg.head_norm else None
-        self.result = sp.model.executor.tree_round(
-            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
-            sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
-            None if head.ids is None else head.ids[: head.n], norm)
-
-
 def _has_penalties(p: SamplingParams) -> bool:
     """Penalties or a logit bias: no exact-argmax shortcut or native round (they read the raw head)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
 
 
-class Speculator:
+class Speculator(TreeRounds):
     """One speculative sequence of the engine core: its rounds as a generator of model passes.
 
     `passes()` yields either a `model.paged.Rows` (a pass over this sequence's pool pages, for the core
@@ -417,34 +378,6 @@ class Speculator:
         self.stats["batched_rounds"] += 1
         return [y]
 
-    def _native_tree_round(self, depth: int):
-        """A greedy tree round (K > 1) as one native call (`tl_tree_round`): the same beam, verification and
-        walk as `_tree_round`, then the accepted path's entries moved into place. In a crowded batch, a
-        plain row of the shared step instead."""
-        self._time_last_chain()
-        if self.running is not None and self.running() > ALONE_UP_TO:
-            return (yield from self._crowded_row())
-        L = self.length
-        call = NativeTreeRound(self, depth)
-        yield call
-        res = call.result
-        out, path = res["emitted"], res["path"]
-        for y in out:
-            self.sampler.accept(y)
-        if any(node != i for i, node in enumerate(path)):
-            self.kv.copy_positions(self.table, [L + node for node in path[1:]], L + 1)
-            self.stats["compactions"] += 1
-        self.length = L + len(out)
-        st = self.stats
-        st["draft_s"] += res["draft_ms"] / 1000
-        st["verify_s"] += res["verify_ms"] / 1000
-        st["draft_tokens"] += len(res["tokens"]) - 1
-        st["proposed"] += depth
-        st["accepted"] += len(out) - 1
-        st["draft_passes"] += depth + 1
-        st["verify_positions"] += len(res["tokens"])
-        return out
-
     def _accept_chain(self, toks: list[int], x: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
         """toks = [pending, x1..xn]; row j of x (coda output) scores the token after toks[j].
         Accepts a prefix of the drafts plus one verifier token."""
@@ -483,85 +416,6 @@ class Speculator:
             out.append(y)
             return out
         raise AssertionError("unreachable")
-
-    def _tree_round(self, depth: int):
-        sampler, K = self.sampler, self.K
-        L = self.length
-        t0 = time.perf_counter()
-        tree = DraftTree()
-        tree.add(self.pending, -1, 0.0)
-        es, hs = [], []
-        frontier, greedy_path = [0], [0]
-        for t in range(1, depth + 2):
-            first = frontier[0]
-            rows = range(first, first + len(frontier))
-            kw = {"positions": torch.tensor([L + t - 1] * len(frontier))}
-            if K > 1:  # (a one-node-wide tree is the causal chain)
-                kw["tree_mask"] = ancestor_mask(tree.parents, rows)
-                kw["tree_key_positions"] = torch.tensor([L + dd for dd in tree.depths])
-            readout = self.draft_readout if t <= depth else self.exit_readout  # the exit's entries are due
-            draft = self._draft([tree.tokens[i] for i in frontier], L + first, readout, **kw)
-            yield draft
-            es.append(draft.out_state[0])
-            hs.append(draft.out_state[1])
-            if t > depth:
-                break
-            lg = self.head.logits(draft.hidden)
-            logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
-            if sampler.matcher is not None:  # each node's children: what the grammar allows after its path
-                paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in frontier]  # below the root
-                logp = sampler.matcher.mask_after(paths, logp, self._draft_cols())
-            rows_, cols, scores = beam_step(logp, torch.tensor([tree.scores[i] for i in frontier]), K)
-            toks = self.head.tokens(cols)
-            frontier = [tree.add(tok, frontier[r], s) for r, tok, s in zip(rows_, toks, scores)]
-            greedy_path.append(frontier[0])  # beam_step puts the greedy child of the greedy node first
-        t1 = time.perf_counter()
-        n_nodes = len(tree)
-        kw = {"positions": torch.tensor([L + dd for dd in tree.depths])}
-        if K > 1:
-            kw["tree_mask"] = ancestor_mask(tree.parents)
-            kw["tree_key_positions"] = kw["positions"]
-        verify = self._verify(torch.cat(es), torch.cat(hs), L, **kw)
-        yield verify
-        out, path = self._accept_tree(tree, verify.hidden, greedy_path)
-        if any(node != i for i, node in enumerate(path)):
-            self.kv.copy_positions(self.table, [L + node for node in path[1:]], L + 1)
-            self.stats["compactions"] += 1
-        self.length = L + len(out)
-        st = self.stats
-        st["draft_s"] += t1 - t0
-        st["verify_s"] += time.perf_counter() - t1
-        st["draft_tokens"] += n_nodes - 1
-        st["proposed"] += depth
-        st["accepted"] += len(out) - 1
-        return out
-
-    def _accept_tree(self, tree: DraftTree, x: torch.Tensor, greedy_path: list[int]) -> tuple[list[int], list[int]]:
-        """Greedy walk from the root while the verifier's token is a child. Returns (tokens, path nodes)."""
-        logits: dict[int, int | torch.Tensor] = {}
-
-        def score(nodes: list[int]) -> None:  # the LM head over a batch of nodes
-            rows = x[torch.tensor(nodes, device=x.device)]
-            picks = self.argmax(rows) if self.argmax is not None else list(self._full_logits(rows))
-            for node, pick in zip(nodes, picks):
-                logits[node] = pick
-
-        score(greedy_path)  # the draft's greedy chain first: usually the only head call
-        out, path, node = [], [0], 0
-        while True:
-            if node not in logits:
-                score(tree.best_chain(node))
-            pick = logits[node]  # a token, or a logits row (penalties depend on the accepted prefix)
-            y = pick if isinstance(pick, int) else self.sampler.greedy_token(pick)
-            if not isinstance(pick, int):
-                self._logprob(pick, y)
-            self.sampler.accept(y)
-            out.append(y)
-            child = tree.children[node].get(y)
-            if child is None:
-                return out, path
-            path.append(child)
-            node = child
 
     def finish(self, run_stats: dict[str, Any]) -> None:
         st = self.stats

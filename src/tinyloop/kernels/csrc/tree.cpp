@@ -1,4 +1,4 @@
-// One greedy tree-speculation round in one call (engine/speculative.py Speculator._tree_round, K > 1).
+// One greedy tree-speculation round in one call (engine/tree_rounds.py TreeRounds._tree_round, K > 1).
 // Node 0 is the pending token at position L = base->pos, storage index L; node i is stored at L + i and sits
 // at position L + depth(i). Pass t (1 .. depth) drafts the frontier's K nodes (the root alone first) in one
 // tl_decode call of tree rows (prelude + loops 0..d-1 + the draft read-out, states kept), scores their

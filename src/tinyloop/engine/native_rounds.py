@@ -1,0 +1,49 @@
+"""Greedy speculation rounds that the native executor runs whole, one call each: the speculator yields one
+like a `model.paged.Rows`, the batch runner runs it in the same engine step, and its `result` holds the
+round's tokens and times when the generator resumes (engine/speculative.py, engine/tree_rounds.py)."""
+
+from __future__ import annotations
+
+ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
+                        # plain row in the shared batched step costs less than a round of its own
+
+
+def draft_norm(sp):
+    """The norm the draft head reads: the draft head's own, or (where it is the model's final norm) the
+    model's norm before the head, None unless head_norm."""
+    norm = sp.head.norm
+    if norm == sp.model.final_norm:
+        norm = sp.model.norm if sp.model.cfg.head_norm else None
+    return norm
+
+
+class NativeRound:
+    """A whole greedy round for the native executor (`NativeExecutor.spec_round`: a chain round, or the
+    pipeline of depth-aligned passes): the speculator yields it like a `Rows`, the batch runner runs it in
+    the same engine step, and `result` holds its tokens and times when the generator resumes."""
+
+    def __init__(self, spec: "Speculator", k: int):
+        self.spec, self.k = spec, k
+        self.result: dict | None = None
+
+    def run(self, kv) -> None:
+        sp, head = self.spec, self.spec.head
+        norm = draft_norm(sp)
+        self.result = sp.model.executor.spec_round(
+            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
+            head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
+            None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
+            sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline)
+
+
+class NativeTreeRound(NativeRound):
+    """A whole greedy tree round (K > 1) for the native executor (`NativeExecutor.tree_round`), run like a
+    `NativeRound`."""
+
+    def run(self, kv) -> None:
+        sp, head = self.spec, self.spec.head
+        norm = draft_norm(sp)
+        self.result = sp.model.executor.tree_round(
+            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
+            sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
+            None if head.ids is None else head.ids[: head.n], norm)
