@@ -17,8 +17,6 @@ field, as OpenAI answers (no 422 here).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import anyio
@@ -29,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.embedding import check_dimensions, to_base64, truncate
 from ..errors import ValidationError
 from .access import note
-from .errors import APIError, OpenAIFieldErrors, from_engine_failure, register_shape
-from .generation import DISCONNECT_POLL_S
+from .errors import OpenAIFieldErrors, register_shape
+from .generation import gather
 from .openai import state_of
 from .schemas import Int, check_timeout, model_loops
 
@@ -87,32 +85,13 @@ class EmbeddingRequest(BaseModel):
 async def collect_vectors(handle, request: Request) -> list:
     """Wait for every input's vector (in input order); abort the request if the client goes away meanwhile."""
     vectors: dict[int, Any] = {}
-    done = False
-    next_check = time.monotonic() + DISCONNECT_POLL_S
-    try:
-        while True:
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + DISCONNECT_POLL_S
-                if await request.is_disconnected():
-                    raise APIError(499, "client closed the request", code="client_closed")
-            try:
-                item = await handle.next(DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                continue
-            if isinstance(item, BaseException):
-                done = True
-                raise from_engine_failure(item, handle)
-            if item is None:
-                done = True
-                raise APIError(500, "the engine ended an embedding request without its vectors", code="engine_error")
-            if item.embedding is not None:
-                vectors[item.index] = item.embedding
-                if len(vectors) == handle.plan.n:
-                    done = handle.delivered = True
-                    return [vectors[i] for i in range(handle.plan.n)]
-    finally:
-        if not done:
-            handle.abort()
+
+    def take(item) -> list | None:
+        if item.embedding is not None:
+            vectors[item.index] = item.embedding
+        return [vectors[i] for i in range(handle.plan.n)] if len(vectors) == handle.plan.n else None
+
+    return await gather(handle, request, take, "an embedding request without its vectors")
 
 
 @router.post(PATH, include_in_schema=False)

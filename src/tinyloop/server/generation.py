@@ -9,7 +9,7 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 from fastapi import Request
@@ -121,14 +121,10 @@ class ServerState:
         return handle
 
 
-async def collect(handle: RequestHandle, request: Request) -> list[Result]:
-    """Wait for a whole generation (every one of its `n` choices, in index order); abort it if the client
-    goes away meanwhile."""
-    toks: dict[int, list[int]] = {}
-    parts: dict[int, list[str]] = {}
-    lps: dict[int, list] = {}
-    scores: dict[int, list] = {}
-    results: dict[int, Result] = {}
+async def gather(handle: RequestHandle, request: Request, take: Callable[[Any], Any], what: str) -> Any:
+    """Read a non-streamed request's events, each handed to `take`, until `take` returns its result (the
+    request is then delivered); abort the request if the client goes away meanwhile or anything fails.
+    `what`: the request's kind, for the error when the engine ends it early."""
     done = False
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
@@ -146,25 +142,42 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
                 raise from_engine_failure(item, handle)
             if item is None:
                 done = True
-                raise APIError(500, "the engine ended a request without a result", code="engine_error")
-            toks.setdefault(item.index, []).extend(item.token_ids)
-            parts.setdefault(item.index, []).append(item.text)
-            lps.setdefault(item.index, []).extend(item.logprobs or [])
-            if item.prompt_logprobs is not None:
-                scores[item.index] = item.prompt_logprobs
-            if item.finish_reason is not None:
-                results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
-                                             item.finish_reason, item.stats or {},
-                                             lps.get(item.index) if handle.plan.params.logprobs is not None else None,
-                                             scores.get(item.index), item.stop_logprob, item.stop_sequence)
-                if len(results) == handle.plan.n:
-                    done = handle.delivered = True
-                    add_completion_tokens(sum(r.stats.get("completion_tokens", 0) for r in results.values()))
-                    note(finish_reason=results[0].finish_reason)  # a batch of prompts: its requests' sum
-                    return [results[i] for i in range(handle.plan.n)]
+                raise APIError(500, f"the engine ended {what}", code="engine_error")
+            out = take(item)
+            if out is not None:
+                done = handle.delivered = True
+                return out
     finally:
         if not done:
             handle.abort()
+
+
+async def collect(handle: RequestHandle, request: Request) -> list[Result]:
+    """Wait for a whole generation (every one of its `n` choices, in index order); abort it if the client
+    goes away meanwhile."""
+    toks: dict[int, list[int]] = {}
+    parts: dict[int, list[str]] = {}
+    lps: dict[int, list] = {}
+    scores: dict[int, list] = {}
+    results: dict[int, Result] = {}
+
+    def take(item) -> list[Result] | None:
+        toks.setdefault(item.index, []).extend(item.token_ids)
+        parts.setdefault(item.index, []).append(item.text)
+        lps.setdefault(item.index, []).extend(item.logprobs or [])
+        if item.prompt_logprobs is not None:
+            scores[item.index] = item.prompt_logprobs
+        if item.finish_reason is not None:
+            results[item.index] = Result(toks.get(item.index, []), "".join(parts.get(item.index, [])),
+                                         item.finish_reason, item.stats or {},
+                                         lps.get(item.index) if handle.plan.params.logprobs is not None else None,
+                                         scores.get(item.index), item.stop_logprob, item.stop_sequence)
+        return [results[i] for i in range(handle.plan.n)] if len(results) == handle.plan.n else None
+
+    out = await gather(handle, request, take, "a request without a result")
+    add_completion_tokens(sum(r.stats.get("completion_tokens", 0) for r in out))
+    note(finish_reason=out[0].finish_reason)  # a batch of prompts: its requests' sum
+    return out
 
 
 async def collect_all(handles: list[RequestHandle], request: Request) -> list[list[Result]]:
