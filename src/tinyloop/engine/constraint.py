@@ -246,21 +246,7 @@ class Matcher:
         the current state, refuses the token (a path the grammar refuses itself: its whole row). The state is
         walked down each path and rolled back. A row with nothing allowed is left as it is (the verifier
         refuses whatever it proposes)."""
-        out = scores.clone()
-        for r, path in enumerate(paths):
-            walked = 0
-            for tok in path:
-                if tok == self.eos or not self.allows(tok):
-                    break
-                self.accept(tok)
-                walked += 1
-            allowed = self.mask() if cols is None else self.mask()[cols]
-            if walked < len(path):
-                allowed = torch.zeros_like(allowed)
-            self.rollback(walked)
-            if bool(allowed.any()):
-                out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
-        return out
+        return mask_paths(self, paths, scores, cols)
 
     def _wait(self) -> None:
         """Wait for this position's mask to be in the bitmask (the worker's fill)."""
@@ -272,3 +258,25 @@ class Matcher:
     def accepting(self) -> bool:
         self._wait()
         return self.ll.is_accepting()
+
+
+def mask_paths(m, paths: list[list[int]], scores: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    """`Matcher.mask_after` for any matcher with its interface (`accept`, `allows`, `mask`, `rollback`, `eos`;
+    a ThinkingMatcher's too): each path walked from the current state, its row masked by what the state then
+    allows (a path the matcher refuses itself: its whole row; a state that is `free`, nothing), rolled back."""
+    out = scores.clone()
+    for r, path in enumerate(paths):
+        walked = 0
+        for tok in path:
+            if tok == m.eos or not m.allows(tok):
+                break
+            m.accept(tok)
+            walked += 1
+        if walked < len(path):
+            allowed = torch.zeros(out.shape[-1], dtype=torch.bool)
+        else:
+            allowed = None if getattr(m, "free", False) else m.mask() if cols is None else m.mask()[cols]
+        m.rollback(walked)
+        if allowed is not None and bool(allowed.any()):
+            out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
+    return out

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from .constraint import mask_paths
+
 # reasoning_effort (OpenAI's values) -> max_thinking_tokens
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
 MAX_THINKING_TOKENS = 8192   # as max_tokens (SamplingParams.validate)
@@ -220,21 +222,7 @@ class ThinkingMatcher:
         """As `Matcher.mask_after`: each path walked from the current state, the row masked, rolled back."""
         if self.phase == "answer" and self.inner is not None:
             return self.inner.mask_after(paths, scores, cols)
-        out = scores.clone()
-        for r, path in enumerate(paths):
-            walked = 0
-            for tok in path:
-                if tok == self.eos or not self.allows(tok):
-                    break
-                self.accept(tok)
-                walked += 1
-            allowed = None if self.free and walked == len(path) else self.mask() if cols is None else self.mask()[cols]
-            if walked < len(path):
-                allowed = torch.zeros(out.shape[-1], dtype=torch.bool)
-            self.rollback(walked)
-            if allowed is not None and bool(allowed.any()):
-                out[r] = out[r].masked_fill(~allowed.to(out.device), float("-inf"))
-        return out
+        return mask_paths(self, paths, scores, cols)
 
     @property
     def accepting(self) -> bool:
