@@ -146,13 +146,9 @@ class _Call:
             self.closed = True
 
     def deltas(self, next_index: Callable[[], int]) -> list[Delta]:
-        out: list[Delta] = []
-        if self.index is None:
-            if self.name is None:
-                return out
-            self.index = next_index()
-            out.append({"tool_calls": [{"index": self.index, "id": new_call_id(), "type": "function",
-                                        "function": {"name": self.name, "arguments": ""}}]})
+        out = _opening(self, next_index)
+        if out is None:
+            return []
         if self.args is None:
             if self.closed:   # a complete call that gave no arguments: an empty object, as OpenAI has it
                 self.args = [0, 0]
@@ -164,6 +160,18 @@ class _Call:
             out.append(_args(self.index, self.scanner.text[start + self.sent:stop]))
             self.sent = stop - start
         return out
+
+
+def _opening(call, next_index: Callable[[], int]) -> list[Delta] | None:
+    """A streamed call's opening delta (its index, id and name) the first time its name is known, [] after;
+    None while the name is still unknown."""
+    if call.index is not None:
+        return []
+    if call.name is None:
+        return None
+    call.index = next_index()
+    return [{"tool_calls": [{"index": call.index, "id": new_call_id(), "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]}]
 
 
 def _args(index: int, fragment: str) -> Delta:
@@ -290,13 +298,9 @@ class _XmlCall:
             self.at += skipped + nxt
 
     def deltas(self, next_index: Callable[[], int]) -> list[Delta]:
-        out: list[Delta] = []
-        if self.index is None:
-            if self.name is None:
-                return out
-            self.index = next_index()
-            out.append({"tool_calls": [{"index": self.index, "id": new_call_id(), "type": "function",
-                                        "function": {"name": self.name, "arguments": ""}}]})
+        out = _opening(self, next_index)
+        if out is None:
+            return []
         if self.pending:
             out.append(_args(self.index, "".join(self.pending)))
             self.pending = []
