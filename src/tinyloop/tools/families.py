@@ -208,29 +208,43 @@ def _half_split(cfg: ModelConfig) -> torch.Tensor:
 Emit = Callable[[str, torch.Tensor], None]
 
 
-def ouro_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
-    parts = name.split(".")
+LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
+               "self_attn.q_proj.weight": "attn.wq.weight", "self_attn.k_proj.weight": "attn.wk.weight",
+               "self_attn.v_proj.weight": "attn.wv.weight", "self_attn.o_proj.weight": "attn.wo.weight",
+               "mlp.gate_proj.weight": "mlp.w_gate.weight", "mlp.up_proj.weight": "mlp.w_up.weight",
+               "mlp.down_proj.weight": "mlp.w_down.weight"}
+
+
+OURO_LAYER = {**LLAMA_LAYER, "input_layernorm_2.weight": "attn_out_norm.weight",   # the sandwich norms
+              "post_attention_layernorm_2.weight": "mlp_out_norm.weight"}
+
+
+def _llama_top(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
+    """The top-level tensors of a Llama-shaped checkpoint (Ouro's, Nanbeige's): the embedding and an untied
+    head; False for any other name."""
     if name == "model.embed_tokens.weight":
         emit("embed.weight", t)
     elif name == "lm_head.weight":
         if not cfg.tie_embeddings:
             emit("lm_head.weight", t)
+    else:
+        return False
+    return True
+
+
+def ouro_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
+    parts = name.split(".")
+    if _llama_top(cfg, name, t, emit):
+        pass
     elif name == "model.norm.weight":
         emit("core_norm.weight", t)  # ends every step; with head_norm off it is the only final norm
     elif name.startswith("model.early_exit_gate."):
         emit("exit_gate." + parts[-1], t)
     elif name.startswith("model.layers.") and len(parts) >= 5:
         i, rest = parts[2], ".".join(parts[3:])
-        table = {"input_layernorm.weight": "attn_norm.weight", "input_layernorm_2.weight": "attn_out_norm.weight",
-                 "post_attention_layernorm.weight": "mlp_norm.weight",
-                 "post_attention_layernorm_2.weight": "mlp_out_norm.weight",
-                 "self_attn.q_proj.weight": "attn.wq.weight", "self_attn.k_proj.weight": "attn.wk.weight",
-                 "self_attn.v_proj.weight": "attn.wv.weight", "self_attn.o_proj.weight": "attn.wo.weight",
-                 "mlp.gate_proj.weight": "mlp.w_gate.weight", "mlp.up_proj.weight": "mlp.w_up.weight",
-                 "mlp.down_proj.weight": "mlp.w_down.weight"}
-        if rest not in table:
+        if rest not in OURO_LAYER:
             return False
-        emit(f"core.{i}.{table[rest]}", t)
+        emit(f"core.{i}.{OURO_LAYER[rest]}", t)
     else:
         return False
     return True
@@ -280,20 +294,10 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
     return True
 
 
-LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight",
-               "self_attn.q_proj.weight": "attn.wq.weight", "self_attn.k_proj.weight": "attn.wk.weight",
-               "self_attn.v_proj.weight": "attn.wv.weight", "self_attn.o_proj.weight": "attn.wo.weight",
-               "mlp.gate_proj.weight": "mlp.w_gate.weight", "mlp.up_proj.weight": "mlp.w_up.weight",
-               "mlp.down_proj.weight": "mlp.w_down.weight"}
-
-
 def nanbeige_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
     parts = name.split(".")
-    if name == "model.embed_tokens.weight":
-        emit("embed.weight", t)
-    elif name == "lm_head.weight":
-        if not cfg.tie_embeddings:
-            emit("lm_head.weight", t)
+    if _llama_top(cfg, name, t, emit):
+        pass
     elif name == "model.norm.weight":
         # the same norm ends every loop (loop_norm) or, with skip_loop_final_norm, only the last (head_norm)
         emit("core_norm.weight" if cfg.loop_norm else "norm.weight", t)
