@@ -161,6 +161,16 @@ def on_off(value: str, name: str) -> bool:
     return ON_OFF[v]
 
 
+def int_or_auto(value: str, name: str) -> int | str:
+    """A command's integer argument, or "auto"."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise CommandError(f'{name}: give an integer or "auto", got {value!r}') from None
+
+
 @contextmanager
 def _interrupt_flag():
     """Ctrl-C as a flag while an answer streams (checked between the engine's steps), the usual
@@ -259,13 +269,7 @@ class ChatREPL:
         elif name == "/loops":
             if not arg:
                 raise CommandError(f"/loops: give a depth in 1..{self.engine.config.max_loops} or auto")
-            if arg == "auto":
-                value: int | str = "auto"
-            else:
-                try:
-                    value = int(arg)
-                except ValueError:
-                    raise CommandError(f'/loops: give an integer or "auto", got {arg!r}') from None
+            value = int_or_auto(arg, "/loops")
             self._check(loops=value)
             s.loops = value
             self.note(f"(loops: {value})")
@@ -278,13 +282,10 @@ class ChatREPL:
             s.temperature = value
             self.note(f"(temperature: {value:g})")
         elif name == "/max-tokens":
-            if arg == "auto":
+            value = int_or_auto(arg, "/max-tokens")
+            if value == "auto":
                 s.max_tokens = None
             else:
-                try:
-                    value = int(arg)
-                except ValueError:
-                    raise CommandError(f'/max-tokens: give an integer or "auto", got {arg!r}') from None
                 self._check(max_tokens=value)
                 s.max_tokens = value
             self.note(f"(max tokens: {s.max_tokens or 'auto'})")
