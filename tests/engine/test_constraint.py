@@ -136,7 +136,7 @@ def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
     """Greedy under a constraint reads one bit when the raw argmax is allowed, else masks; sampling draws over
     the allowed tokens only, whether few or most are allowed. Both pick exactly what the fully masked row
     gives."""
-    from tinyloop.engine.sampling import Sampler, draw, make_generator
+    from tinyloop.engine.sampling import Sampler, choose
 
     c = Constraint.json_schema(SCHEMAS[0])
     V = engine.config.vocab_size
@@ -158,9 +158,8 @@ def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
         greedy.accept(greedy.sample(logits))
         s = sampled.matcher
         small = 4 * s.allowed_ids().numel() <= V
-        twin = make_generator(None)
-        twin.set_state(sampled.generator.get_state())
-        want = draw(torch.softmax(logits.masked_fill(~s.mask(), float("-inf")) / 0.8, -1), twin)
+        # the draw over the fully masked row, under the same noise
+        want = choose(logits.masked_fill(~s.mask(), float("-inf")), 1 / 0.8, sampled.key())
         n = len(applied)
         tok = sampled.sample(logits)
         assert tok == want and s.allows(tok) and len(applied) == n   # never the full row

@@ -425,6 +425,68 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # verification
 
 
+@pytest.mark.parametrize("draft_loops,with_exit", [(1, False), (2, True)])
+def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
+    """Sampling by shared noise (engine/sampling.py): speculation's output under temperature > 0 is plain
+    sampling's output for the seed, token for token: stepwise rows, whole rounds in one call (chain and
+    pipeline, their draws in the library), the policy's draft lengths, a crowded batch's plain rows, and the
+    PyTorch path; with top-p (draws in PyTorch over native rows) too. The plain sampled rows draw in the
+    head call (tl_head's keys) and equal the PyTorch path's draws."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    if with_exit:
+        ex = DraftExit.from_model(nat)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(3)
+            for p in ex.parameters():
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        attach_draft_exits(nat, {draft_loops: ex.eval()})
+    rounds = []
+    orig_round = nat.executor.spec_round
+    nat.executor.spec_round = lambda *a, **kw: (rounds.append(kw.get("noise")), orig_round(*a, **kw))[1]
+    prompt = [5, 17, 300, 42, 7, 9]
+    for extra in ({}, {"top_p": 0.9}):
+        plain_p = SamplingParams(max_tokens=24, loops=4, temperature=0.9, seed=11, **extra)
+        spec_p = SamplingParams(max_tokens=24, mode="speculative", verify_loops=4, draft_loops=draft_loops,
+                                draft_ahead=4, temperature=0.9, seed=11, **extra)
+        plain, _ = _ids(nat, prompt, plain_p, True)
+        assert plain == _ids(nat, prompt, plain_p, False)[0]
+        assert plain != _ids(nat, prompt, plain_p.replace(seed=12), True)[0]
+        torch_spec, st = _ids(nat, prompt, spec_p, False, draft_vocab=None, adaptive=False)
+        assert torch_spec == plain and 0 < st["acceptance_rate"] < 1
+        rounds.clear()
+        for kw in (dict(adaptive=False, native_round=False), dict(adaptive=False), dict(adaptive=False, pipeline=True),
+                   dict()):
+            got, st = _ids(nat, prompt, spec_p, True, draft_vocab=None, **kw)
+            assert got == plain, (extra, kw)
+        # the plain sampled rounds ran in one call each with their noise; top-p draws stay in PyTorch
+        assert bool(rounds) == (not extra) and all(r is not None and r[0] == 11 for r in rounds)
+
+
+def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():
+    """Six sampled speculative requests at once (past ALONE_UP_TO: their rounds become plain rows of the shared
+    step, drawn in its one head call) beside plain sampled ones: each answer is its seed's plain answer."""
+    from tinyloop.engine import Engine, SamplingParams
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+    from tinyloop.modelfile import LoadedModel
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    engine = Engine(LoadedModel(nat, None, {}, None))
+    items = []
+    for i in range(8):
+        knobs = dict(mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3) if i < 6 else dict(loops=4)
+        items.append(([5 + i, 17, 300, 42], SamplingParams(max_tokens=16, temperature=0.8, seed=40 + i,
+                                                            ignore_eos=True, **knobs)))
+    events = run_to_completion(BatchEngine(engine), items)
+    got = [[t for e in ev for t in e.token_ids] for ev in events]
+    want = [engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.8, seed=p.seed, loops=4,
+                                                ignore_eos=True)).token_ids for ids, p in items]
+    assert got == want
+    assert any(ev[-1].stats.get("batched_rounds") for ev in events[:6])
+
+
 def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):
     """Engine.generate from several threads at once (a core each) through one executor: each output equals
     the same request run alone."""

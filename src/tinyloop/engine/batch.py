@@ -59,12 +59,13 @@ class BatchRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] = (),
                 extra: list[Rows] = (), score: dict[int, int] | None = None,
-                greedy: frozenset[int] | set[int] = frozenset(),
+                greedy: frozenset[int] | set[int] | dict = frozenset(),
                 embed: frozenset[int] | set[int] = frozenset()) -> dict[int, torch.Tensor]:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
         for each chunk that needs logits, except the sequences in `greedy`, whose next token is the plain
         argmax: `last_argmax` gets {seq_id: token} for those (`LoopedTransformer.greedy_tokens`: the native
-        executor keeps their logits to itself). `score`: {seq_id: alternatives} of sequences whose prompt is
+        executor keeps their logits to itself); a dict maps a sequence to its draw's noise (key, 1 / T), or None
+        for the argmax (engine/sampling.py `choose`). `score`: {seq_id: alternatives} of sequences whose prompt is
         scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
         too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}.
         `embed`: sequences of embedding requests (engine/embedding.py): no logits; `last_hidden` gets
@@ -101,7 +102,10 @@ class BatchRunner:
             self.before_head()
         quick = [r for r in want if r.tag.seq.seq_id in greedy]
         if quick or also:
-            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick + also]))   # (k, dim) -> k tokens
+            noise = [greedy.get(r.tag.seq.seq_id) if isinstance(greedy, dict) else None for r in quick] + \
+                [r.noise for r in also]
+            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick + also]),   # (k, dim) -> k tokens
+                                   noise if any(x is not None for x in noise) else None)
             self.last_argmax = {r.tag.seq.seq_id: t for r, t in zip(quick, toks)}
             for r, t in zip(also, toks[len(quick):]):
                 r.argmax = t

@@ -2,8 +2,23 @@
 
 Order: logit bias (OpenAI's `logit_bias`) -> repetition penalty (prompt + output) -> presence/frequency
 penalties (output) -> temperature -> top-k -> top-p -> draw. Greedy (temperature 0) takes the argmax after the
-bias and penalties. Draws use the request's own `torch.Generator` and inverse-CDF sampling, so a seeded
-request gives the same tokens whatever else the engine runs.
+bias and penalties.
+
+**Sampling by shared noise.** A draw is a Gumbel-max: the token at output index n of a request with seed s is
+argmax_j (x_j / T + g_j) over the tokens top-k / top-p / the grammar keep, where x is the row after bias and
+penalties and g_j = -ln(-ln(u_j)) with u_j a counter-based hash of (s, n, j) (`noise_key`, `gumbel`). The
+argmax of logits plus independent Gumbel noise is an exact draw from softmax(x / T) over the kept tokens, so
+the distribution is the usual one. What the noise buys: the draw depends only on (seed, index, row), not on a
+generator's history, so
+- a seeded request gives the same tokens whatever else the engine runs (as before), and
+- speculation can be exact token for token under sampling too: a draft proposes the draft row's draw with the
+  same noise, the verifier draws its own at each position, and a draft is accepted when the two tokens agree.
+  The output *is* plain sampling's output for that seed (engine/speculative.py), the draft length may follow
+  measured speed without changing it, and sampled rounds run in one native call like greedy ones.
+The noise is defined in float32 operations each rounded alone (`_ln32`); the native library computes the
+same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). u has 23 random bits (an odd multiple of
+2^-24), so g is bounded by about 16.6: a token's probability is off by at most the chance of a larger draw
+(~6e-8), below float32 softmax's own rounding.
 """
 
 from __future__ import annotations
@@ -100,15 +115,84 @@ def distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
     return torch.softmax(x, dim=-1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse-CDF draw from a (V,) distribution with one uniform from `generator`."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    idx = min(idx, probs.shape[-1] - 1)
-    while probs[idx] == 0 and idx > 0:  # never land on a token of zero probability (rounding at the edge)
-        idx -= 1
-    return idx
+# -- sampling by shared noise ------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_MIX1, _MIX2, _GOLD = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
+
+
+def _f32(h: str) -> torch.Tensor:
+    return torch.tensor(float.fromhex(h), dtype=torch.float32)
+
+
+_C3, _C5, _C7, _C9 = _f32("0x1.555556p-2"), _f32("0x1.99999ap-3"), _f32("0x1.24924ap-3"), _f32("0x1.c71c72p-4")
+_SQRT2, _LN2, _TWO_M24 = _f32("0x1.6a09e6p+0"), _f32("0x1.62e430p-1"), _f32("0x1p-24")
+_ONE, _TWO, _HALF = _f32("0x1p+0"), _f32("0x1p+1"), _f32("0x1p-1")
+
+
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash (lowbias32), on a Python int."""
+    x ^= x >> 16
+    x = (x * _MIX1) & _M32
+    x ^= x >> 15
+    x = (x * _MIX2) & _M32
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without leaving int64's range."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32_t(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX2)
+    return x ^ (x >> 16)
+
+
+def _ln32(x: torch.Tensor) -> torch.Tensor:
+    """ln x of positive normal float32 values, as kernels/csrc/sample.cpp ln32 computes it (each operation
+    rounded alone): x = 2^e m, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh((m - 1) / (m + 1)) to t^9."""
+    b = x.view(torch.int32)
+    e = ((b >> 23) & 0xFF) - 127
+    m = ((b & 0x7FFFFF) | 0x3F800000).view(torch.float32)
+    big = m > _SQRT2
+    m = torch.where(big, m * _HALF, m)
+    e = e + big.to(torch.int32)
+    t = (m - _ONE) / (m + _ONE)
+    t2 = t * t
+    s = _C9 * t2
+    s = (((s + _C7) * t2 + _C5) * t2 + _C3) * t2 + _ONE
+    return e.to(torch.float32) * _LN2 + (t * s) * _TWO
+
+
+def noise_key(seed: int, n: int) -> int:
+    """The 32-bit key of output index n of a request seeded `seed` (kernels/csrc/sample.cpp tl_noise_key)."""
+    return _mix32(_mix32((seed & _M32) ^ _mix32(n & _M32)) ^ ((seed >> 32) & _M32))
+
+
+def gumbel(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel noise g(key, token) of the token ids `ids` (int64)."""
+    h = _mix32_t(_mul32(ids.to(torch.int64), _GOLD) ^ key)
+    v = (((h >> 9) << 1) | 1).to(torch.float32) * _TWO_M24   # an odd multiple of 2^-24: exact in float32
+    return -_ln32(-_ln32(v))
+
+
+def choose(x: torch.Tensor, inv_temp: float, key: int, ids: torch.Tensor | None = None) -> int:
+    """The entry of row x (its tokens `ids`, None: 0..n-1) drawn under the key: argmax of x * inv_temp + g in
+    float32 (excluded tokens are -inf). inv_temp is rounded to float32 first, as the native library takes it."""
+    from ..kernels.lib import loaded
+
+    lib = loaded()
+    if lib is not None:   # the same bits, ~20x faster (tests/kernels/test_sample.py)
+        row = x.to(torch.float32).contiguous().clone()
+        ids64 = None if ids is None else ids.to(torch.int64).contiguous()
+        return int(lib.tl_choose(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
+                                 inv_temp, key))
+    ids = torch.arange(x.shape[-1]) if ids is None else ids
+    scores = x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32) + gumbel(key, ids)
+    return int(torch.argmax(scores))
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -140,10 +224,9 @@ def one_thread():
         torch.set_num_threads(prev)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
-    return g
+def request_seed(seed: int | None) -> int:
+    """The seed a request draws with: its own, or fresh entropy (63 bits)."""
+    return seed if seed is not None else int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
 
 
 class Sampler:
@@ -155,7 +238,8 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.matcher = matcher
-        self.generator = make_generator(params.seed)
+        self.seed = request_seed(params.seed)
+        self.n_out = 0                  # tokens accepted so far: the output index of the next draw
         self._seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
         if prompt_ids:
             self._seen_mask[torch.tensor(prompt_ids)] = True
@@ -225,18 +309,44 @@ class Sampler:
         x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
         return int(torch.argmax(x))
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from one row of logits (does not record it: call `accept`)."""
+    def key(self, ahead: int = 0) -> int:
+        """The noise key of the draw `ahead` tokens after the next one (speculation's drafts)."""
+        return noise_key(self.seed, self.n_out + ahead)
+
+    @property
+    def inv_temp(self) -> float:
+        return 1.0 / self.params.temperature
+
+    @property
+    def plain_sampled(self) -> bool:
+        """Sampling from the raw row at a temperature (no top-k, top-p, penalties, bias or grammar): the draw
+        is `choose` over the raw logits, which the native head computes itself (`tl_head`'s keys)."""
+        p = self.params
+        return not p.greedy and not self.penalized and self.active_matcher is None \
+            and (p.top_k <= 0 or p.top_k >= self.vocab_size) and p.top_p >= 1.0
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row a draw takes x / T of: bias and penalties, then top-k and top-p as -inf (not divided)."""
+        p = self.params
+        x = processed_logits(self._row(logits), p, self._seen(), self.counts)
+        if (0 < p.top_k < x.shape[-1]) or p.top_p < 1.0:
+            keep = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
+            x = x.masked_fill(torch.isinf(keep) & ~torch.isinf(x), float("-inf"))
+        return x
+
+    def sample(self, logits: torch.Tensor, ahead: int = 0) -> int:
+        """Pick the next token from one row of logits (does not record it: call `accept`); `ahead`: the draw
+        that many tokens later (a speculative draft's, before the tokens between are accepted)."""
         if self.params.greedy:
             return self.greedy_token(logits)
-        if self.active_matcher is not None and not self.penalized:
-            # the distribution over the allowed tokens only (the masked one without its zeros: the same
-            # cumulative sums, so the same draw up to rounding); cheaper than masking the full row even where
-            # most tokens are allowed (inside a JSON string: ~0.25 against ~0.6 ms, docs/structured.md)
+        if self.active_matcher is not None and not self.penalized and self.params.top_k <= 0 \
+                and self.params.top_p >= 1.0:
+            # over the allowed tokens only (the masked row without its -inf entries: the same draw); cheaper
+            # than masking the full row even where most tokens are allowed (docs/structured.md)
             ids = self.matcher.allowed_ids()
             sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
-            return int(ids[draw(distribution(sub, self.params, _NONE, _NONE), self.generator)])
-        return draw(self.probs(logits), self.generator)
+            return int(ids[choose(sub, self.inv_temp, self.key(ahead), ids)])
+        return choose(self._scores(logits), self.inv_temp, self.key(ahead))
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """Log-probability of `token` and the `top` most likely tokens with theirs, under the distribution
@@ -255,6 +365,7 @@ class Sampler:
         return float(lp[token]), alts
 
     def accept(self, token: int) -> None:
+        self.n_out += 1
         self._pending.append(token)   # two tensor writes a token cost more than the greedy step's bookkeeping
         if self.matcher is not None:
             self.matcher.accept(token)

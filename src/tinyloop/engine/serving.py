@@ -329,7 +329,7 @@ class BatchEngine:
                     self.fail(req, exc)
                 continue
             try:
-                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy else None
+                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy or o.sampler.plain_sampled else None
                 tok = quick if quick is not None else o.sampler.sample(row)
                 lp = None
                 if req.plan.params.logprobs is not None:
@@ -366,15 +366,20 @@ class BatchEngine:
         """This step's sequences of embedding requests: their states are pooled, no logits computed."""
         return {c.seq.seq_id for c in chunks if (e := self._outputs.get(c.seq.seq_id)) is not None and e[0].embedding}
 
-    def _greedy(self, chunks) -> set[int]:
-        """The sequences whose next token is the plain argmax of the head (one choice, greedy, no penalties,
-        constraint or logprobs): the runner returns their tokens, not their logits."""
-        ids = set()
+    def _greedy(self, chunks) -> dict:
+        """The sequences whose next token the head picks itself (one choice, no penalties, constraint or
+        logprobs): greedy ones (None: the argmax) and plain sampled ones (their draw's noise, (key, 1 / T):
+        engine/sampling.py); the runner returns their tokens, not their logits."""
+        ids = {}
         for c in chunks:
             entry = self._outputs.get(c.seq.seq_id)
             if entry is not None and entry[0].params.max_tokens > 0 and len(entry[0].outputs) == 1 \
-                    and entry[1].sampler.plain_greedy and entry[0].plan.params.logprobs is None:
-                ids.add(c.seq.seq_id)
+                    and entry[0].plan.params.logprobs is None:
+                s = entry[1].sampler
+                if s.plain_greedy:
+                    ids[c.seq.seq_id] = None
+                elif s.plain_sampled:
+                    ids[c.seq.seq_id] = (s.key(), s.inv_temp)
         return ids
 
     def _bind_sibling(self, parent: Sequence, kid: Sequence) -> None:

@@ -43,10 +43,11 @@ The draft scores a reduced, frequency-ranked vocabulary (`draft_vocab` rows of t
 token of the prompt and output); verification always scores the full vocabulary, so exactness holds.
 Greedy output equals plain generation at V loops token for token in exact arithmetic; in floating point
 a batched pass can round differently from one-token passes (float64 tests see no difference; float32
-can flip only a near-tie). Sampling (chain) uses the standard speculative-sampling rule: a draft token x
-drawn from q is accepted with probability min(1, p(x)/q(x)), otherwise the token is drawn from
-norm(max(0, p - q)); all draws use the request's generator, and p includes the penalties over the
-accepted prefix exactly as plain generate defines them, so the output distribution is plain generate's.
+can flip only a near-tie). Sampling (chain) draws by shared noise (engine/sampling.py): the draft proposes
+its row's draw under the noise of the position it fills, the verifier draws its own token at each position
+with the same noise (penalties over the accepted prefix exactly as plain generate defines them), and the
+round walks on while the two agree, as greedy rounds do. The output is plain sampling's output for the
+request's seed, token for token, so its distribution is plain generate's.
 
 With `logprobs` asked for, each emitted token's log-probability is taken from the verifier's row that
 chose (or accepted) it, under the same `Sampler.logprobs` rule as plain generation, so under greedy they
@@ -66,7 +67,7 @@ from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs
 from .params import SamplingParams
-from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, draw
+from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
 from .native_rounds import ALONE_UP_TO, NativeRound
 from .tree_rounds import TreeRounds
 
@@ -121,13 +122,16 @@ class Speculator(TreeRounds):
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
-        if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
-            self.argmax = model.greedy_tokens if getattr(model, "executor", None) is not None else \
-                ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
-        # a greedy round in one native call: the fused head argmax, no grammar or early stop, chain rounds
         ex = getattr(model, "executor", None)
-        native = (native_round and ex is not None and self.argmax is not None and sampler.matcher is None
-                  and draft_stop <= 0 and (model.state_seed is None or model.cfg.injection == "none"))
+        if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
+            self.argmax = model.greedy_tokens if ex is not None else \
+                ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
+        # sampling from the raw rows at a temperature: the native head draws the tokens itself (tl_choose)
+        self.sampled_native = ex is not None and fast_head and sampler.plain_sampled and params.logprobs is None
+        # a round in one native call: the fused head argmax (or draw), no grammar or early stop
+        native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
+                  and sampler.matcher is None and draft_stop <= 0
+                  and (model.state_seed is None or model.cfg.injection == "none"))
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         # an adaptive tree request takes a tree round or a chain round, whichever measures faster
         self.shapes = TreeOrChain() if self.native_tree and adaptive else None
@@ -139,7 +143,7 @@ class Speculator(TreeRounds):
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
         both = self.native and pipeline is None
-        self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive and params.greedy,
+        self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive,
                                   costs=round_costs(model, self.d, self.V, self.exit is not None, self.pipeline and not both),
                                   pipeline_costs=round_costs(model, self.d, self.V, self.exit is not None, True)
                                   if both else None, prefer_pipeline=self.pipeline)
@@ -249,7 +253,11 @@ class Speculator(TreeRounds):
         """The token id of each draft-head column (None: the full vocabulary)."""
         return None if self.head.ids is None else self.head.ids[: self.head.n].cpu()
 
-    def _draft_greedy(self, lg: torch.Tensor) -> int:
+    def _draft_pick(self, lg: torch.Tensor, j: int) -> int:
+        """The draft's token at offset j of the round: the argmax of its row, or (sampling) the row's draw
+        under the noise of output index n_out + j, the verifier's noise there."""
+        if not self.params.greedy:   # the sampler's own rule (penalties, top-k/p, the grammar) on the full row
+            return self.sampler.sample(self.head.full_logits(lg, self.model.cfg.vocab_size), ahead=j)
         x = self._penalised(lg)
         if self.sampler.matcher is not None:  # under a constraint: only what the grammar allows here
             x = self.sampler.matcher.mask_after([[]], x[None], self._draft_cols())[0]
@@ -259,7 +267,7 @@ class Speculator(TreeRounds):
         sampler = self.sampler
         L = self.length
         t0 = time.perf_counter()
-        toks, es, hs, qs = [self.pending], [], [], []
+        toks, es, hs = [self.pending], [], []
         backlog, self.exit_backlog = self.exit_backlog, None
         matcher, drafted = sampler.matcher, 0
         for j in range(k):
@@ -275,12 +283,7 @@ class Speculator(TreeRounds):
             es.append(e)
             hs.append(h)
             lg = self.head.logits(draft.hidden)[0]
-            if self.params.greedy:
-                x = self._draft_greedy(lg)
-            else:  # q: the draft's distribution, masked at this draft position under a constraint
-                q = sampler.probs(self.head.full_logits(lg, self.model.cfg.vocab_size))
-                x = draw(q, sampler.generator)
-                qs.append(q)
+            x = self._draft_pick(lg, j)
             toks.append(x)
             if matcher is not None:  # the grammar follows the drafts (rolled back before verification)
                 if x == matcher.eos or not matcher.allows(x):
@@ -301,7 +304,7 @@ class Speculator(TreeRounds):
         if matcher is not None:
             matcher.rollback(drafted)   # verification accepts (and so advances the grammar) token by token
         yield verify
-        out = self._accept_chain(toks, verify.hidden, qs)
+        out = self._accept_chain(toks, verify.hidden)
         self.length = L + len(out)  # positions L .. L+len(out)-1 hold toks[0 .. len(out)-1]
         if self.exit is not None and len(out) == n + 1:
             self.exit_backlog = hs[-1]  # the last draft token was accepted: its exit entry is still due
@@ -370,7 +373,8 @@ class Speculator(TreeRounds):
         """A plain row of the shared step (past ALONE_UP_TO running sequences), its token from the step's
         one head call."""
         L = self.length
-        row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True)
+        row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True,
+                         noise=(self.sampler.key(), self.sampler.inv_temp) if not self.params.greedy else None)
         yield row
         y = row.argmax
         self.sampler.accept(y)
@@ -378,9 +382,10 @@ class Speculator(TreeRounds):
         self.stats["batched_rounds"] += 1
         return [y]
 
-    def _accept_chain(self, toks: list[int], x: torch.Tensor, qs: list[torch.Tensor]) -> list[int]:
-        """toks = [pending, x1..xn]; row j of x (coda output) scores the token after toks[j].
-        Accepts a prefix of the drafts plus one verifier token."""
+    def _accept_chain(self, toks: list[int], x: torch.Tensor) -> list[int]:
+        """toks = [pending, x1..xn]; row j of x (coda output) scores the token after toks[j]. The verifier's
+        token at each position (its argmax, or its draw under that position's noise), accepted drafts while
+        they agree, then the first disagreement (or the bonus token)."""
         sampler = self.sampler
         n = len(toks) - 1
         out: list[int] = []
@@ -389,31 +394,13 @@ class Speculator(TreeRounds):
         else:
             logits = self._full_logits(x)  # (n+1, vocab)
         for j in range(n + 1):
-            if self.params.greedy:
-                y = ys[j] if self.argmax is not None else sampler.greedy_token(logits[j])
-                if self.argmax is None:
-                    self._logprob(logits[j], y)
-                sampler.accept(y)
-                out.append(y)
-                if j < n and y == toks[j + 1]:
-                    continue
-                return out
-            p = sampler.probs(logits[j])
-            if j < n:
-                tok, q = toks[j + 1], qs[j]
-                u = float(torch.rand((), generator=sampler.generator, dtype=torch.float64))
-                if float(q[tok]) > 0 and u * float(q[tok]) < float(p[tok]):  # accept w.p. min(1, p/q)
-                    self._logprob(logits[j], tok)
-                    sampler.accept(tok)
-                    out.append(tok)
-                    continue
-                residual = (p - q).clamp_min(0.0)
-                y = draw(residual if float(residual.sum()) > 0 else p, sampler.generator)
-            else:
-                y = draw(p, sampler.generator)  # every draft accepted: the bonus token
-            self._logprob(logits[j], y)
+            y = ys[j] if self.argmax is not None else sampler.sample(logits[j])
+            if self.argmax is None:
+                self._logprob(logits[j], y)
             sampler.accept(y)
             out.append(y)
+            if j < n and y == toks[j + 1]:
+                continue
             return out
         raise AssertionError("unreachable")
 

@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("threads.cpp", "matmul.cpp", "intdot.cpp", "amx.cpp", "attention.cpp", "step.cpp", "spec.cpp", "tree.cpp")
+SOURCES = ("threads.cpp", "matmul.cpp", "intdot.cpp", "amx.cpp", "attention.cpp", "step.cpp", "spec.cpp", "tree.cpp",
+           "sample.cpp")
 ISAS = ("native", "avx2", "portable")
 
 

@@ -305,7 +305,7 @@ class NativeExecutor:
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
-                   pipeline: bool = False) -> dict:
+                   pipeline: bool = False, noise: tuple[int, int, float] | None = None) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
@@ -315,7 +315,9 @@ class NativeExecutor:
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
         the two phases' milliseconds. `pipeline` (k >= 1): the same round as depth-aligned passes
-        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written."""
+        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written.
+        `noise` (seed, n0, 1 / T): a sampled round, every token drawn under the noise of its output index
+        (n0 for the token after `pending`; engine/sampling.py)."""
         with _CALL:
             keep, readouts = [], {}
             t = _int64(table)
@@ -329,6 +331,8 @@ class NativeExecutor:
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             R = L.TlRound()
             R.k, R.d, R.V, R.draft_readout = k, d, V, ro
+            if noise is not None:
+                R.seed, R.n0, R.inv_temp = noise
             if k > 0:
                 if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
                     R.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
@@ -421,29 +425,35 @@ class NativeExecutor:
         self._head(x2, y, None)
         return y.reshape(*x.shape[:-1], self.head.n)
 
-    def argmax(self, x: torch.Tensor) -> list[int]:
+    def argmax(self, x: torch.Tensor, noise: list | None = None) -> list[int]:
         """`LoopedTransformer.greedy_tokens`: the argmax over the vocabulary of each row of x (T, dim)'s logits,
-        fused into the head call (the logits stay in a scratch buffer)."""
+        fused into the head call (the logits stay in a scratch buffer); a row whose noise[i] is (key, 1 / T)
+        is drawn instead (`tl_choose`)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()
         ids = torch.empty(x2.shape[0], dtype=torch.int32)
         with _CALL:
             if self._head_buf.numel() < x2.shape[0] * self.head.n:
                 self._head_buf = torch.empty(x2.shape[0] * self.head.n, dtype=torch.float32)
-            self._head(x2, self._head_buf, ids)
+            self._head(x2, self._head_buf, ids, noise)
         return ids.tolist()
 
     def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (..., k) @ w (n, k)^T for a float weight read as stored (a draft head's rows): fp32 (..., n)."""
         return _forward(tensor_desc(w, []), x, self.threads)
 
-    def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> None:
+    def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None, noise: list | None = None) -> None:
         M, k = x2.shape
         scratch = torch.empty(2 * M * k + M * (k // 8) + 16, dtype=torch.float32)
+        keys = temps = None
+        if noise is not None:
+            keys = torch.tensor([0 if z is None else z[0] for z in noise], dtype=torch.int64).to(torch.int32)
+            temps = torch.tensor([0.0 if z is None else z[1] for z in noise], dtype=torch.float32)
         with _CALL:
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_head(self.head, x2.data_ptr(), M, self.head_norm, self.head_eps,
                                   self.model.cfg.vocab_size, y.data_ptr(), None if ids is None else ids.data_ptr(),
-                                  scratch.data_ptr())
+                                  scratch.data_ptr(), None if keys is None else keys.data_ptr(),
+                                  None if temps is None else temps.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
 

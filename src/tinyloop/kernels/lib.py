@@ -68,7 +68,8 @@ class TlRound(ctypes.Structure):
                 ("draft_ids", _p), ("draft_norm", _p), ("draft_eps", ctypes.c_float), ("backlog_h", _p),
                 ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float), ("vocab", _i),
                 ("tokens", _p), ("verify", _p), ("last_h", _p), ("draft_ms", ctypes.c_double),
-                ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i)]
+                ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i), ("inv_temp", ctypes.c_float),
+                ("n0", _i), ("seed", ctypes.c_uint64)]
 
 
 class TlTree(ctypes.Structure):
@@ -99,8 +100,14 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_scratch_floats.restype = ctypes.c_int64
         lib.tl_linear_forward.argtypes = [P(TlLinear), _p, _i, _p, _p]
         lib.tl_linear_forward.restype = ctypes.c_int
-        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p]
+        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p, _p]
         lib.tl_head.restype = ctypes.c_int
+        lib.tl_noise_key.argtypes = [ctypes.c_uint64, ctypes.c_int64]
+        lib.tl_noise_key.restype = ctypes.c_uint32
+        lib.tl_gumbel.argtypes = [ctypes.c_uint32, _p, _i, _p]
+        lib.tl_gumbel.restype = None
+        lib.tl_choose.argtypes = [_p, _i, _p, ctypes.c_float, ctypes.c_uint32]
+        lib.tl_choose.restype = _i
         lib.tl_spec_round.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlRound), _p, ctypes.c_int64]
         lib.tl_spec_round.restype = ctypes.c_int
         lib.tl_round_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]
@@ -123,6 +130,12 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_isa.restype = ctypes.c_char_p
         _libs[isa] = lib
         return lib
+
+
+def loaded() -> ctypes.CDLL | None:
+    """A native library this process has loaded already (any build: their shared functions agree bit for bit),
+    or None; loads nothing."""
+    return next(iter(_libs.values()), None)
 
 
 _CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_executor", default=None)

@@ -28,6 +28,19 @@ extern "C" int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R,
     return round_extra(m, R) + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
+// the key and inverse temperature of the token at offset j of a round (after the pending token): greedy
+// rounds have none (inv_temp 0)
+static uint32_t round_key(const tl_round* R, int j) {
+    return R->inv_temp > 0.0f ? tl_noise_key(R->seed, (int64_t)R->n0 + j) : 0u;
+}
+
+// the draft head's pick of the token at offset j: its argmax, or its draw under the round's noise
+static int32_t draft_pick(const tl_round* R, float* logits, int cols, int j) {
+    const int32_t col = R->inv_temp > 0.0f ? tl_choose(logits, cols, R->draft_ids, R->inv_temp, round_key(R, j))
+                                           : argmax(logits, cols);
+    return R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+}
+
 static double now_ms() {
     timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -65,7 +78,9 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         row.out_e = row.out_h = nullptr;
         int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
         if (rc) return rc;
-        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+        const uint32_t key = round_key(R, 0);
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &key,
+                     &R->inv_temp);
         if (rc) return 20 + rc;
         R->draft_ms = 0;
         R->verify_ms = now_ms() - t0;
@@ -103,8 +118,7 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
             x = hsc;
         }
         tl_linear_rows(DH, x, 1, logits, DH->n, hsc + dim);
-        const int32_t col = argmax(logits, draft_cols);
-        R->tokens[j + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+        R->tokens[j + 1] = draft_pick(R, logits, draft_cols, j);
     }
     std::vector<tl_row> vr(n);
     for (int j = 0; j < n; ++j) {
@@ -121,7 +135,11 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     }
     int rc = tl_decode(m, kv, vr.data(), (int)n, hid, dec, dec_len);
     if (rc) return rc;
-    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc);
+    std::vector<uint32_t> keys(n);
+    std::vector<float> temps(n, R->inv_temp);
+    for (int j = 0; j < n; ++j) keys[j] = round_key(R, j);
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, keys.data(),
+                 temps.data());
     if (rc) return 20 + rc;
     if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
     const double t2 = now_ms();
@@ -249,7 +267,9 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         if (loop[oldest] == V) {   // verified: the coda, the head, the greedy token
             read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B);
             int32_t y;
-            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc);
+            const uint32_t key = round_key(R, oldest);
+            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &key,
+                                   &R->inv_temp);
             if (rc) return 20 + rc;
             R->verify[emitted++] = y;
             if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds
@@ -268,8 +288,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
                     x = tmp + dim;
                 }
                 tl_linear_rows(DH, x, 1, logits, DH->n, hsc);
-                const int32_t col = argmax(logits, draft_cols);
-                R->tokens[newest + 1] = R->draft_ids ? (int32_t)R->draft_ids[col] : col;
+                R->tokens[newest + 1] = draft_pick(R, logits, draft_cols, newest);
                 ++newest;
                 enter(newest);
             }

@@ -98,9 +98,17 @@ int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
 int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, float* scratch);
 
 // The LM head: the final norm (norm_w; null: none), logits (m, n), and each row's argmax over its first
-// `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats.
+// `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats. With inv_temp non-null, a
+// row r with inv_temp[r] > 0 is sampled instead: tl_choose with keys[r] (its logits become the scores).
 int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
-            float* logits, int32_t* argmax, float* scratch);
+            float* logits, int32_t* argmax, float* scratch, const uint32_t* keys, const float* inv_temp);
+
+// Sampling by shared noise (sample.cpp; engine/sampling.py): the key of output index n of a request seeded
+// `seed`; the Gumbel noise g(key, token) of tokens ids[0 .. n-1] (null: 0 .. n-1); and the token a row
+// draws: argmax_j x[j] * inv_temp + g(key, ids[j]) (inv_temp 0: the plain argmax), x overwritten by the scores.
+uint32_t tl_noise_key(uint64_t seed, int64_t n);
+void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out);
+int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key);
 
 // One greedy chain-speculation round (engine/speculative.py): k drafts from `base` (the pending token at
 // position base->pos; its table, stride, window), each prelude + loops 0..d-1 + read-out `draft_readout`
@@ -121,6 +129,9 @@ typedef struct {
     double draft_ms, verify_ms;   // out: wall time of the two phases (the pipeline: all in verify_ms)
     int32_t n_emitted;            // out (the pipeline): tokens in `verify`, the round's output
     int32_t row_loops;            // out (the pipeline): core loops run, summed over positions
+    // sampling (inv_temp > 0): every token of the round, draft or verified, is tl_choose's with the key of
+    // its output index, n0 + its offset in the round (the token after the pending one is index n0)
+    float inv_temp; int32_t n0; uint64_t seed;
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);

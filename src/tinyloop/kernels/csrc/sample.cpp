@@ -1,0 +1,130 @@
+// Sampling as a noisy argmax (engine/sampling.py, "Sampling by shared noise"): the token drawn at output
+// index n of a request with seed s is argmax_j (x_j / T + g(key(s, n), j)), g a Gumbel variate made from a
+// counter-based hash of (key, token id). The same (seed, index) gives the same token whatever else the step
+// holds, whichever path computes it (plain rows, speculation's drafts and verification), on every build.
+//
+// The noise is defined by float32 operations, each rounded on its own: separate multiplies and adds (no
+// fused multiply-add), a division, integer hashing. engine/sampling.py computes the same operations in
+// PyTorch; tests/kernels/test_sample.py checks the two bit for bit, on every build the host runs.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "tinyloop.h"
+#include "step.h"
+#include "vec.h"
+
+namespace {
+constexpr uint32_t MIX1 = 0x7feb352du, MIX2 = 0x846ca68bu, GOLD = 0x9e3779b9u;
+constexpr float C3 = 0x1.555556p-2f, C5 = 0x1.99999ap-3f, C7 = 0x1.24924ap-3f, C9 = 0x1.c71c72p-4f;
+constexpr float SQRT2 = 0x1.6a09e6p+0f, LN2 = 0x1.62e430p-1f, TWO_M24 = 0x1p-24f;
+
+inline uint32_t mix32(uint32_t x) {   // a 32-bit integer hash (lowbias32)
+    x ^= x >> 16; x *= MIX1; x ^= x >> 15; x *= MIX2; x ^= x >> 16;
+    return x;
+}
+
+// ln x for a positive normal float: x = 2^e m, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(t), t = (m-1)/(m+1),
+// by its series to t^9 (|t| <= 0.172: the next term is below 1e-9)
+inline float ln32(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    int32_t e = (int32_t)((b >> 23) & 0xffu) - 127;
+    const uint32_t mb = (b & 0x7fffffu) | 0x3f800000u;
+    float m;
+    memcpy(&m, &mb, 4);
+    if (m > SQRT2) { m = m * 0.5f; e = e + 1; }
+    const float t = (m - 1.0f) / (m + 1.0f);
+    const float t2 = t * t;
+    float s = C9 * t2;
+    s = s + C7; s = s * t2; s = s + C5; s = s * t2; s = s + C3; s = s * t2; s = s + 1.0f;
+    const float lnm = (t * s) * 2.0f;
+    return (float)e * LN2 + lnm;
+}
+
+inline float gumbel(uint32_t key, uint32_t tok) {
+    const uint32_t h = mix32((tok * GOLD) ^ key);
+    const float v = (float)(((h >> 9) << 1) | 1u) * TWO_M24;   // (0, 1), exactly: an odd multiple of 2^-24
+    return -ln32(-ln32(v));
+}
+
+#if TL_SIMD
+inline __m256i vmix32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)MIX1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)MIX2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+inline __m256 vln32(__m256 x) {   // ln32's operations, lane by lane
+    const __m256i b = _mm256_castps_si256(x);
+    __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xff)),
+                                 _mm256_set1_epi32(127));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffff)),
+                                                   _mm256_set1_epi32(0x3f800000)));
+    const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(SQRT2), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+    e = _mm256_sub_epi32(e, _mm256_castps_si256(big));   // the mask is -1 where big
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one));
+    const __m256 t2 = _mm256_mul_ps(t, t);
+    __m256 s = _mm256_mul_ps(_mm256_set1_ps(C9), t2);
+    s = _mm256_add_ps(s, _mm256_set1_ps(C7)); s = _mm256_mul_ps(s, t2);
+    s = _mm256_add_ps(s, _mm256_set1_ps(C5)); s = _mm256_mul_ps(s, t2);
+    s = _mm256_add_ps(s, _mm256_set1_ps(C3)); s = _mm256_mul_ps(s, t2);
+    s = _mm256_add_ps(s, one);
+    const __m256 lnm = _mm256_mul_ps(_mm256_mul_ps(t, s), _mm256_set1_ps(2.0f));
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(LN2)), lnm);
+}
+
+inline __m256 vgumbel(uint32_t key, __m256i tok) {
+    const __m256i h = vmix32(_mm256_xor_si256(_mm256_mullo_epi32(tok, _mm256_set1_epi32((int)GOLD)),
+                                              _mm256_set1_epi32((int)key)));
+    const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(TWO_M24));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return _mm256_xor_ps(vln32(_mm256_xor_ps(vln32(v), sign)), sign);
+}
+#endif
+
+// x[j] <- x[j] * inv_temp + g(key, token of j), j < n; the token of j is ids[j] (null: j)
+void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
+    int j = 0;
+#if TL_SIMD
+    const __m256 it = _mm256_set1_ps(inv_temp);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; j + 8 <= n; j += 8) {
+        __m256i tok;
+        if (ids) {
+            alignas(32) int32_t t[8];
+            for (int i = 0; i < 8; ++i) t[i] = (int32_t)ids[j + i];
+            tok = _mm256_load_si256((const __m256i*)t);
+        } else {
+            tok = _mm256_add_epi32(_mm256_set1_epi32(j), lane);
+        }
+        const __m256 g = vgumbel(key, tok);
+        _mm256_storeu_ps(x + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), it), g));
+    }
+#endif
+    for (; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
+}
+}  // namespace
+
+extern "C" uint32_t tl_noise_key(uint64_t seed, int64_t n) {
+    return mix32(mix32((uint32_t)seed ^ mix32((uint32_t)n)) ^ (uint32_t)(seed >> 32));
+}
+
+extern "C" void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out) {
+    for (int j = 0; j < n; ++j) out[j] = 0.0f;
+    add_noise(out, n, ids, 1.0f, key);
+}
+
+extern "C" int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key) {
+    if (inv_temp > 0.0f) add_noise(x, n, ids, inv_temp, key);
+    return tl_step::argmax(x, n);
+}

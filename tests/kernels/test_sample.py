@@ -1,0 +1,55 @@
+"""Sampling by shared noise: the native library's noise and draws (kernels/csrc/sample.cpp) against their
+definition in engine/sampling.py, bit for bit, on every build the host runs (the host's, AVX2 without VNNI/AMX,
+portable scalar). The noise is float32 operations each rounded alone, so the builds agree exactly, not
+within a tolerance: a sampled token must not depend on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyloop.engine import sampling
+
+kernels = pytest.importorskip("tinyloop.kernels.lib")
+BUILDS = ("native", "avx2", "portable")
+try:
+    for isa in BUILDS:
+        kernels.load(isa)
+except kernels.NativeBuildError as exc:
+    pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
+
+SEEDS = [(0, 0), (7, 3), (2**62 + 5, 123456), (12345678901234, 99), (2**63 - 1, 2**31 + 7)]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_keys_and_noise_equal_the_definition(isa):
+    lib = kernels.load(isa)
+    g = torch.Generator().manual_seed(0)
+    for seed, n in SEEDS:
+        key = sampling.noise_key(seed, n)
+        assert lib.tl_noise_key(seed, n) == key
+        for ids in (torch.arange(50_257), torch.randint(0, 2**31 - 1, (4_099,), generator=g)):
+            out = torch.empty(ids.numel(), dtype=torch.float32)
+            lib.tl_gumbel(key, ids.data_ptr(), ids.numel(), out.data_ptr())
+            assert torch.equal(out, sampling.gumbel(key, ids)), (isa, seed, n)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_draws_equal_the_definition(isa):
+    """tl_choose: argmax of x / T + g in float32, -inf entries never drawn, over a subset's token ids too."""
+    lib = kernels.load(isa)
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        n = int(torch.randint(1, 3000, (), generator=g))
+        x = torch.randn(n, generator=g) * 4
+        x[torch.rand(n, generator=g) < 0.3] = float("-inf")
+        x[0] = 1.0                                    # one finite entry at least
+        ids = None if trial % 2 else torch.randint(0, 50_257, (n,), generator=g)
+        inv_t = [1.0, 1 / 0.7, 1 / 1.9, 5.0][trial % 4]
+        key = sampling.noise_key(trial, trial * 3)
+        want = int(torch.argmax(x * torch.tensor(inv_t, dtype=torch.float32)
+                                + sampling.gumbel(key, torch.arange(n) if ids is None else ids)))
+        row = x.clone()
+        got = lib.tl_choose(row.data_ptr(), n, None if ids is None else ids.data_ptr(), inv_t, key)
+        assert got == want and torch.isfinite(x[got])
+        assert lib.tl_choose(x.clone().data_ptr(), n, None, 0.0, key) == int(torch.argmax(x))   # T = 0: argmax
