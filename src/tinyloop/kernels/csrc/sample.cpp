@@ -92,22 +92,74 @@ inline __m256 vgumbel(uint32_t key, __m256i tok) {
 }
 #endif
 
+// What lets a draw skip most of the row. g = -ln(-ln v) <= -ln(1 - v) (as -ln v >= 1 - v), and 1 - v is an
+// odd multiple of 2^-24 at least 2^e (e its float exponent), so g <= -e ln 2: an integer hash and an exponent
+// bound every token's noise. A token whose x / T plus that bound (and a margin far above the float error of
+// the computed g) stays below the score of the row's argmax cannot be drawn, and its noise is never computed.
+constexpr float BOUND_MARGIN = 1e-3f;
+
+inline float noise_bound(uint32_t key, uint32_t tok) {
+    const uint32_t h = mix32((tok * GOLD) ^ key);
+    const uint32_t odd_w = (1u << 24) - (((h >> 9) << 1) | 1u);   // (1 - v) * 2^24
+    const float fw = (float)odd_w;
+    uint32_t b;
+    memcpy(&b, &fw, 4);
+    return (float)(151 - (int32_t)(b >> 23)) * LN2 + BOUND_MARGIN;
+}
+
+#if TL_SIMD
+inline __m256 vnoise_bound(uint32_t key, __m256i tok) {
+    const __m256i h = vmix32(_mm256_xor_si256(_mm256_mullo_epi32(tok, _mm256_set1_epi32((int)GOLD)),
+                                              _mm256_set1_epi32((int)key)));
+    const __m256i odd_v = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
+    const __m256 fw = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_set1_epi32(1 << 24), odd_v));
+    const __m256i e = _mm256_sub_epi32(_mm256_set1_epi32(151), _mm256_srli_epi32(_mm256_castps_si256(fw), 23));
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(LN2)), _mm256_set1_ps(BOUND_MARGIN));
+}
+
+inline __m256i tokens8(const int64_t* ids, int j) {
+    if (!ids) return _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    alignas(32) int32_t t[8];
+    for (int i = 0; i < 8; ++i) t[i] = (int32_t)ids[j + i];
+    return _mm256_load_si256((const __m256i*)t);
+}
+#endif
+
+// x[j] <- x[j] * inv_temp + g(key, token of j) where token j could be drawn, -inf where it cannot (the row's
+// argmax unchanged), j < n; the token of j is ids[j] (null: j)
+void add_noise_pruned(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
+    const int j0 = tl_step::argmax(x, n);
+    const uint32_t t0 = ids ? (uint32_t)ids[j0] : (uint32_t)j0;
+    const float s0 = x[j0] * inv_temp + gumbel(key, t0);
+    if (!(s0 > -INFINITY && s0 < INFINITY)) {   // a NaN or an infinity: the whole row, no pruning
+        for (int j = 0; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
+        return;
+    }
+    int j = 0;
+#if TL_SIMD
+    const __m256 it = _mm256_set1_ps(inv_temp), vs0 = _mm256_set1_ps(s0), ninf = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) {
+        const __m256i tok = tokens8(ids, j);
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + j), it);
+        const __m256 can = _mm256_cmp_ps(_mm256_add_ps(t, vnoise_bound(key, tok)), vs0, _CMP_GE_OQ);
+        if (__builtin_expect(_mm256_movemask_ps(can) != 0, 0)) _mm256_storeu_ps(x + j, _mm256_add_ps(t, vgumbel(key, tok)));
+        else _mm256_storeu_ps(x + j, ninf);
+    }
+#endif
+    for (; j < n; ++j) {
+        const uint32_t tok = ids ? (uint32_t)ids[j] : (uint32_t)j;
+        const float t = x[j] * inv_temp;
+        x[j] = t + noise_bound(key, tok) >= s0 ? t + gumbel(key, tok) : -INFINITY;
+    }
+}
+
 // x[j] <- x[j] * inv_temp + g(key, token of j), j < n; the token of j is ids[j] (null: j)
 void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
     int j = 0;
 #if TL_SIMD
     const __m256 it = _mm256_set1_ps(inv_temp);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (; j + 8 <= n; j += 8) {
-        __m256i tok;
-        if (ids) {
-            alignas(32) int32_t t[8];
-            for (int i = 0; i < 8; ++i) t[i] = (int32_t)ids[j + i];
-            tok = _mm256_load_si256((const __m256i*)t);
-        } else {
-            tok = _mm256_add_epi32(_mm256_set1_epi32(j), lane);
-        }
-        const __m256 g = vgumbel(key, tok);
+        const __m256 g = vgumbel(key, tokens8(ids, j));
         _mm256_storeu_ps(x + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), it), g));
     }
 #endif
@@ -125,6 +177,6 @@ extern "C" void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* ou
 }
 
 extern "C" int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key) {
-    if (inv_temp > 0.0f) add_noise(x, n, ids, inv_temp, key);
+    if (inv_temp > 0.0f) add_noise_pruned(x, n, ids, inv_temp, key);
     return tl_step::argmax(x, n);
 }

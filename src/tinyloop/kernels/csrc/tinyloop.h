@@ -105,7 +105,8 @@ int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_
 
 // Sampling by shared noise (sample.cpp; engine/sampling.py): the key of output index n of a request seeded
 // `seed`; the Gumbel noise g(key, token) of tokens ids[0 .. n-1] (null: 0 .. n-1); and the token a row
-// draws: argmax_j x[j] * inv_temp + g(key, ids[j]) (inv_temp 0: the plain argmax), x overwritten by the scores.
+// draws: argmax_j x[j] * inv_temp + g(key, ids[j]) (inv_temp 0: the plain argmax); x is overwritten (the
+// scores of the tokens that could be drawn, -inf for the rest).
 uint32_t tl_noise_key(uint64_t seed, int64_t n);
 void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out);
 int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key);
