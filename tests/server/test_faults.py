@@ -37,17 +37,19 @@ def test_error_in_one_sequence_fails_that_request_alone(tiny_model_path, monkeyp
     with ServerThread(Settings(model_path=tiny_model_path)) as srv:
         greedy = [{"prompt": f"Request number {i} says", "max_tokens": 24, "loops": 1 + i % 3} for i in range(3)]
         alone = [_post(srv, "/generate", body).json()["tokens"] for body in greedy]  # references, run alone
-        real = Sampler.sample
+        real = Sampler.accept
         calls: dict[int, int] = {}
 
-        def sample(self, logits):  # the faulty request's sampler raises at its 4th token, mid-batch
+        # the faulty request's sampler raises at its 4th token, mid-batch (in `accept`, which every token
+        # passes: a plain sampled row's draw is made in the native head call, not by `Sampler.sample`)
+        def accept(self, token):
             if self.params.seed == FAULTY_SEED:
                 calls[id(self)] = calls.get(id(self), 0) + 1
                 if calls[id(self)] >= 4:
                     raise RuntimeError("injected sampler fault")
-            return real(self, logits)
+            return real(self, token)
 
-        monkeypatch.setattr(Sampler, "sample", sample)
+        monkeypatch.setattr(Sampler, "accept", accept)
         faulty = {"prompt": "This one breaks", "max_tokens": 24, "temperature": 1.0, "sample_seed": FAULTY_SEED}
         results: dict[str, httpx.Response] = {}
 

@@ -81,10 +81,10 @@ def test_access_log_lines_are_structured(keyed, json_log):
 def test_engine_log_lines_carry_the_request_id(keyed, json_log, monkeypatch):
     from tinyloop.engine.sampling import Sampler
 
-    def broken(self, logits):
+    def broken(self, token):   # (every token passes `accept`; a plain sampled draw skips `sample`)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Sampler, "sample", broken)
+    monkeypatch.setattr(Sampler, "accept", broken)
     r = httpx.post(keyed.url + "/generate", headers={**auth(), "X-Request-Id": "engine-log-1"},
                    json={"prompt": "Hi", "max_tokens": 3, "temperature": 1.0})
     assert r.status_code == 500

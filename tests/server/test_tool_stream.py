@@ -159,34 +159,22 @@ def test_streamed_tool_calls_equal_the_answer_and_come_token_by_token(which, cho
 
 
 def test_parallel_calls_stream_as_the_answer(hermes_server):
-    """Hermes `required` with parallel calls: answers of two or more calls, streamed and not, the same."""
+    """Hermes `required` with parallel calls: answers of two or more calls, streamed and not, the same. Eight
+    seeds are compared, then seeds are searched (non-streamed) for an answer with two calls or more (about 1
+    answer in 40 on this random model), which is compared too."""
     client, several = _client(hermes_server), 0
-    for seed in range(8):
+    for seed in range(200):
         kw = dict(model="tinyloop", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=240,
                   temperature=1.0, seed=seed)
         want = client.chat.completions.create(**kw).choices[0]
+        parallel = len(want.message.tool_calls or []) >= 2 and want.finish_reason == "tool_calls"
+        if seed >= 8 and not parallel:
+            continue
         got, _ = _streamed(client, **kw)
         calls = [(t.function.name, t.function.arguments) for t in want.message.tool_calls or []]
         assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls or []] == calls
         assert [t.index for t in getattr(got.message, "tool_calls", None) or []] == list(range(len(calls)))
-        several += len(calls) >= 2 and want.finish_reason == "tool_calls"
+        several += parallel
+        if several and seed >= 7:
+            break
     assert several
-
-
-def test_logprobs_under_tools_cover_every_token(tiny512_server):
-    client = _client(tiny512_server)
-    kw = dict(model="tinyloop", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0,
-              logprobs=True, top_logprobs=3)
-    r = client.chat.completions.create(**kw)
-    content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
-    text = b"".join(bytes(t.bytes) for t in content).decode()
-    call = r.choices[0].message.tool_calls[0] if r.choices[0].finish_reason == "tool_calls" else None
-    if call is not None:
-        assert json.loads(text)["tool_calls"][0]["arguments"] == json.loads(call.function.arguments)
-    chunks = list(client.chat.completions.create(stream=True, **kw))
-    with_lp = [c for c in chunks if c.choices and c.choices[0].logprobs]
-    assert len(with_lp) > 1   # they come with the chunks, not all at the end
-    streamed = [t for c in with_lp for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in streamed] == \
-        [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in content]

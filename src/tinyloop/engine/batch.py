@@ -13,7 +13,7 @@ import torch
 
 from ..model import LoopedTransformer
 from ..model.paged import PagedKV, PagedStep, Rows
-from .sampling import score_tokens
+from .sampling import head_tokens, score_tokens
 from .scheduler import ScheduledChunk
 
 SCORE_ROWS = 128  # prompt positions per LM-head call when scoring a prompt
@@ -104,8 +104,7 @@ class BatchRunner:
         if quick or also:
             noise = [greedy.get(r.tag.seq.seq_id) if isinstance(greedy, dict) else None for r in quick] + \
                 [r.noise for r in also]
-            toks = m.greedy_tokens(torch.stack([r.hidden[-1] for r in quick + also]),   # (k, dim) -> k tokens
-                                   noise if any(x is not None for x in noise) else None)
+            toks = head_tokens(m, torch.stack([r.hidden[-1] for r in quick + also]), noise)   # (k, dim) -> k tokens
             self.last_argmax = {r.tag.seq.seq_id: t for r, t in zip(quick, toks)}
             for r, t in zip(also, toks[len(quick):]):
                 r.argmax = t

@@ -195,6 +195,18 @@ def choose(x: torch.Tensor, inv_temp: float, key: int, ids: torch.Tensor | None 
     return int(torch.argmax(scores))
 
 
+def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
+    """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T) its draw. The
+    native executor does both inside the head call (the logits stay there); the PyTorch path draws with
+    `choose` over the logits."""
+    if noise is None or all(z is None for z in noise):
+        return model.greedy_tokens(x)
+    if model.executor is not None:
+        return model.executor.argmax(x, noise)
+    lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
+    return [int(lg[i].argmax()) if z is None else choose(lg[i], z[1], z[0]) for i, z in enumerate(noise)]
+
+
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Prompt scoring: for each row of `logits` (T, V), the log-probability of `targets[t]` under the raw
     distribution (log_softmax in float32: no temperature, penalties or truncation) and the `top` most

@@ -204,17 +204,12 @@ class LoopedTransformer(nn.Module):
         c = self.cfg.logit_softcap
         return out if c == 0 else c * torch.tanh(out / c)
 
-    def greedy_tokens(self, x: torch.Tensor, noise: list | None = None) -> list[int]:
+    def greedy_tokens(self, x: torch.Tensor) -> list[int]:
         """The greedy token of each row of x (T, dim): the argmax of `logits` over the vocabulary (the first
-        of equal maxima); where noise[i] is (key, 1 / T), row i's draw instead (engine/sampling.py `choose`).
-        The native executor fuses it into the head and keeps the logits to itself."""
+        of equal maxima). The native executor fuses it into the head and keeps the logits to itself."""
         if self.executor is not None:
-            return self.executor.argmax(x, noise)
-        from ..engine.sampling import choose
-
-        lg = self.logits(x)[..., :self.cfg.vocab_size].reshape(-1, self.cfg.vocab_size)
-        return [int(lg[i].argmax()) if noise is None or noise[i] is None else choose(lg[i], noise[i][1], noise[i][0])
-                for i in range(lg.shape[0])]
+            return self.executor.argmax(x)
+        return self.logits(x)[..., :self.cfg.vocab_size].argmax(dim=-1).reshape(-1).tolist()
 
     # -- whole pass -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loops: int | None = None, *, cache: KVCache | None = None,
