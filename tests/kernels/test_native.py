@@ -429,9 +429,8 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
 def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
     """Sampling by shared noise (engine/sampling.py): speculation's output under temperature > 0 is plain
     sampling's output for the seed, token for token: stepwise rows, whole rounds in one call (chain and
-    pipeline, their draws in the library), the policy's draft lengths, a crowded batch's plain rows, and the
-    PyTorch path; with top-p (draws in PyTorch over native rows) too. The plain sampled rows draw in the
-    head call (tl_head's keys) and equal the PyTorch path's draws."""
+    pipeline, their draws in the library), the policy's draft lengths, and the PyTorch path; with top-p too.
+    The plain sampled rows draw in the head call (tl_head's draws) and equal the PyTorch path's draws."""
     from tinyloop.engine import SamplingParams
     from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
@@ -461,8 +460,8 @@ def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
                    dict()):
             got, st = _ids(nat, prompt, spec_p, True, draft_vocab=None, **kw)
             assert got == plain, (extra, kw)
-        # the plain sampled rounds ran in one call each with their noise; top-p draws stay in PyTorch
-        assert bool(rounds) == (not extra) and all(r is not None and r[0] == 11 for r in rounds)
+        # the sampled rounds ran in one call each, with their seed and top-p
+        assert rounds and all(r is not None and r[0] == 11 and r[4] == extra.get("top_p", 1.0) for r in rounds)
 
 
 def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():

@@ -53,3 +53,36 @@ def test_draws_equal_the_definition(isa):
         got = lib.tl_choose(row.data_ptr(), n, None if ids is None else ids.data_ptr(), inv_t, key)
         assert got == want and torch.isfinite(x[got])
         assert lib.tl_choose(x.clone().data_ptr(), n, None, 0.0, key) == int(torch.argmax(x))   # T = 0: argmax
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_truncated_draws_equal_the_definition(isa):
+    """tl_draw with top-k and top-p against `truncate` + the draw in PyTorch: the same kept set (the float32
+    exp of the two may differ in the last bit, and the two sums in their order: a cut within 1e-5 of p is
+    skipped) and the same token."""
+    lib = kernels.load(isa)
+    g = torch.Generator().manual_seed(2)
+    checked = 0
+    for trial in range(60):
+        n = int(torch.randint(2, 6000, (), generator=g))
+        x = torch.randn(n, generator=g) * float(torch.rand((), generator=g) * 6 + 0.5)
+        top_k = [0, 1, 5, 40, n + 3][trial % 5]
+        top_p = [1.0, 0.9, 0.5, 0.95, 0.1][(trial // 5) % 5]
+        inv_t = [1.0, 1 / 0.7, 2.0][trial % 3]
+        key = sampling.noise_key(trial, 7)
+        y = x * torch.tensor(inv_t, dtype=torch.float32)
+        kept = sampling.truncate(y, top_k, top_p)
+        if top_p < 1.0:   # how close the cut's cumulative mass is to p
+            yk = sampling.truncate(y, top_k, 1.0)   # what top-p weighs: the tokens top-k kept
+            ws = torch.sort(torch.exp(yk - yk.max()).double(), descending=True).values
+            cum = torch.cumsum(ws, 0) / ws.sum()
+            if (cum - top_p).abs().min() < 1e-5:
+                continue
+        want = int(torch.argmax(kept + sampling.gumbel(key, torch.arange(n))))
+        s = kernels.TlSampling(key, inv_t, top_k, top_p)
+        assert lib.tl_draw(x.clone().data_ptr(), n, None, s) == want, (trial, top_k, top_p)
+        assert torch.isfinite(kept[want])
+        if 0 < top_k < n:
+            assert int(torch.isfinite(kept).sum()) <= top_k
+        checked += 1
+    assert checked > 40

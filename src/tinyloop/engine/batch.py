@@ -65,7 +65,7 @@ class BatchRunner:
         for each chunk that needs logits, except the sequences in `greedy`, whose next token is the plain
         argmax: `last_argmax` gets {seq_id: token} for those (`LoopedTransformer.greedy_tokens`: the native
         executor keeps their logits to itself); a dict maps a sequence to its draw's noise (key, 1 / T), or None
-        for the argmax (engine/sampling.py `choose`). `score`: {seq_id: alternatives} of sequences whose prompt is
+        for the argmax (engine/sampling.py `draw_row`). `score`: {seq_id: alternatives} of sequences whose prompt is
         scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
         too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}.
         `embed`: sequences of embedding requests (engine/embedding.py): no logits; `last_hidden` gets

@@ -34,7 +34,7 @@ class NativeRound:
             head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=None if sp.params.greedy else (sp.sampler.seed, sp.sampler.n_out, sp.sampler.inv_temp))
+            noise=None if sp.params.greedy else (sp.sampler.seed, sp.sampler.n_out, *sp.sampler.draw_params()[1:]))
 
 
 class NativeTreeRound(NativeRound):

@@ -195,16 +195,58 @@ def choose(x: torch.Tensor, inv_temp: float, key: int, ids: torch.Tensor | None 
     return int(torch.argmax(scores))
 
 
+def truncate(y: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """top-k and top-p on float32 scores y (x / T): dropped tokens become -inf. top-k keeps the scores at least
+    the k-th largest; top-p then keeps, in descending order of score (ties by index), the tokens whose
+    probability mass before them is below p (the first always), probabilities exp(y - max) in float32 over
+    their sum in double (kernels/csrc/sample.cpp `truncate`, which the library's draws use: it may differ in
+    the last bits of that sum, so at a cut that falls within rounding of p)."""
+    n = y.shape[-1]
+    if 0 < top_k < n:
+        y = y.masked_fill(y < torch.topk(y, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        mx = y.max()
+        if torch.isfinite(mx):
+            w = torch.exp(y - mx)
+            w = torch.where(torch.isinf(y), torch.zeros_like(w), w)
+            order = torch.sort(y, descending=True, stable=True).indices
+            ws = w[order].double()
+            before = torch.cumsum(ws, 0) - ws
+            drop = before >= float(torch.tensor(top_p, dtype=torch.float32)) * ws.sum()
+            drop[0] = False
+            y = y.clone()
+            y[order[drop]] = float("-inf")
+    return y
+
+
+def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: float = 1.0,
+             ids: torch.Tensor | None = None) -> int:
+    """The entry of row x drawn under `key` at 1 / T with top-k and top-p (`truncate`): what the native
+    head's draws compute (`tl_draw`, called here when the library is loaded)."""
+    if (top_k <= 0 or top_k >= x.shape[-1]) and top_p >= 1.0:
+        return choose(x, inv_temp, key, ids)
+    from ..kernels.lib import TlSampling, loaded
+
+    lib = loaded()
+    if lib is not None:
+        row = x.to(torch.float32).contiguous().clone()
+        ids64 = None if ids is None else ids.to(torch.int64).contiguous()
+        return int(lib.tl_draw(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
+                               TlSampling(0 if key is None else key, inv_temp, top_k, top_p)))
+    y = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
+    return choose(y, 1.0, key, ids)
+
+
 def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
-    """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T) its draw. The
-    native executor does both inside the head call (the logits stay there); the PyTorch path draws with
-    `choose` over the logits."""
+    """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
+    its draw. The native executor does both inside the head call (the logits stay there); the PyTorch path
+    draws with `draw_row` over the logits."""
     if noise is None or all(z is None for z in noise):
         return model.greedy_tokens(x)
     if model.executor is not None:
         return model.executor.argmax(x, noise)
     lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
-    return [int(lg[i].argmax()) if z is None else choose(lg[i], z[1], z[0]) for i, z in enumerate(noise)]
+    return [int(lg[i].argmax()) if z is None else draw_row(lg[i], *z) for i, z in enumerate(noise)]
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -331,20 +373,14 @@ class Sampler:
 
     @property
     def plain_sampled(self) -> bool:
-        """Sampling from the raw row at a temperature (no top-k, top-p, penalties, bias or grammar): the draw
-        is `choose` over the raw logits, which the native head computes itself (`tl_head`'s keys)."""
-        p = self.params
-        return not p.greedy and not self.penalized and self.active_matcher is None \
-            and (p.top_k <= 0 or p.top_k >= self.vocab_size) and p.top_p >= 1.0
+        """Sampling from the raw row (temperature, top-k, top-p; no penalties, bias or grammar): the draw is
+        `draw_row` over the raw logits, which the native head computes itself (`tl_head`'s draws)."""
+        return not self.params.greedy and not self.penalized and self.active_matcher is None
 
-    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The row a draw takes x / T of: bias and penalties, then top-k and top-p as -inf (not divided)."""
+    def draw_params(self, ahead: int = 0) -> tuple[int, float, int, float]:
+        """(key, 1 / T, top_k, top_p) of the draw `ahead` tokens after the next one (`draw_row`, `tl_draw`)."""
         p = self.params
-        x = processed_logits(self._row(logits), p, self._seen(), self.counts)
-        if (0 < p.top_k < x.shape[-1]) or p.top_p < 1.0:
-            keep = top_p_filter(top_k_filter(x / p.temperature, p.top_k), p.top_p)
-            x = x.masked_fill(torch.isinf(keep) & ~torch.isinf(x), float("-inf"))
-        return x
+        return self.key(ahead), self.inv_temp, p.top_k if 0 < p.top_k < self.vocab_size else 0, p.top_p
 
     def sample(self, logits: torch.Tensor, ahead: int = 0) -> int:
         """Pick the next token from one row of logits (does not record it: call `accept`); `ahead`: the draw
@@ -358,7 +394,8 @@ class Sampler:
             ids = self.matcher.allowed_ids()
             sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
             return int(ids[choose(sub, self.inv_temp, self.key(ahead), ids)])
-        return choose(self._scores(logits), self.inv_temp, self.key(ahead))
+        x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
+        return draw_row(x, *self.draw_params(ahead))
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """Log-probability of `token` and the `top` most likely tokens with theirs, under the distribution

@@ -368,8 +368,8 @@ class BatchEngine:
 
     def _greedy(self, chunks) -> dict:
         """The sequences whose next token the head picks itself (one choice, no penalties, constraint or
-        logprobs): greedy ones (None: the argmax) and plain sampled ones (their draw's noise, (key, 1 / T):
-        engine/sampling.py); the runner returns their tokens, not their logits."""
+        logprobs): greedy ones (None: the argmax) and plain sampled ones (their draw's parameters, (key, 1 / T,
+        top_k, top_p): engine/sampling.py); the runner returns their tokens, not their logits."""
         ids = {}
         for c in chunks:
             entry = self._outputs.get(c.seq.seq_id)
@@ -379,7 +379,7 @@ class BatchEngine:
                 if s.plain_greedy:
                     ids[c.seq.seq_id] = None
                 elif s.plain_sampled:
-                    ids[c.seq.seq_id] = (s.key(), s.inv_temp)
+                    ids[c.seq.seq_id] = s.draw_params()
         return ids
 
     def _bind_sibling(self, parent: Sequence, kid: Sequence) -> None:

@@ -374,7 +374,7 @@ class Speculator(TreeRounds):
         one head call."""
         L = self.length
         row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True,
-                         noise=(self.sampler.key(), self.sampler.inv_temp) if not self.params.greedy else None)
+                         noise=self.sampler.draw_params() if not self.params.greedy else None)
         yield row
         y = row.argmax
         self.sampler.accept(y)

@@ -316,7 +316,7 @@ class NativeExecutor:
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
         the two phases' milliseconds. `pipeline` (k >= 1): the same round as depth-aligned passes
         (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written.
-        `noise` (seed, n0, 1 / T): a sampled round, every token drawn under the noise of its output index
+        `noise` (seed, n0, 1 / T, top_k, top_p): a sampled round, every token drawn under the noise of its output index
         (n0 for the token after `pending`; engine/sampling.py)."""
         with _CALL:
             keep, readouts = [], {}
@@ -331,8 +331,9 @@ class NativeExecutor:
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             R = L.TlRound()
             R.k, R.d, R.V, R.draft_readout = k, d, V, ro
+            R.top_p = 1.0
             if noise is not None:
-                R.seed, R.n0, R.inv_temp = noise
+                R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise
             if k > 0:
                 if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
                     R.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
@@ -427,8 +428,8 @@ class NativeExecutor:
 
     def argmax(self, x: torch.Tensor, noise: list | None = None) -> list[int]:
         """`LoopedTransformer.greedy_tokens`: the argmax over the vocabulary of each row of x (T, dim)'s logits,
-        fused into the head call (the logits stay in a scratch buffer); a row whose noise[i] is (key, 1 / T)
-        is drawn instead (`tl_choose`)."""
+        fused into the head call (the logits stay in a scratch buffer); a row whose noise[i] is (key, 1 / T,
+        top_k, top_p) is drawn instead (`tl_draw`)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()
         ids = torch.empty(x2.shape[0], dtype=torch.int32)
         with _CALL:
@@ -444,16 +445,15 @@ class NativeExecutor:
     def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None, noise: list | None = None) -> None:
         M, k = x2.shape
         scratch = torch.empty(2 * M * k + M * (k // 8) + 16, dtype=torch.float32)
-        keys = temps = None
-        if noise is not None:
-            keys = torch.tensor([0 if z is None else z[0] for z in noise], dtype=torch.int64).to(torch.int32)
-            temps = torch.tensor([0.0 if z is None else z[1] for z in noise], dtype=torch.float32)
+        draws = None
+        if noise is not None:   # (key, 1 / T, top_k, top_p) per row, None: the argmax
+            draws = (L.TlSampling * M)(*[L.TlSampling(0, 0.0, 0, 1.0) if z is None else L.TlSampling(*z)
+                                         for z in noise])
         with _CALL:
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_head(self.head, x2.data_ptr(), M, self.head_norm, self.head_eps,
                                   self.model.cfg.vocab_size, y.data_ptr(), None if ids is None else ids.data_ptr(),
-                                  scratch.data_ptr(), None if keys is None else keys.data_ptr(),
-                                  None if temps is None else temps.data_ptr())
+                                  scratch.data_ptr(), draws)
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
 

@@ -63,13 +63,17 @@ class TlRow(ctypes.Structure):
                 ("tree_n", _i), ("store", _i), ("tree_base", _i), ("tree_keys", _p), ("tree_pos", _p)]
 
 
+class TlSampling(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_uint32), ("inv_temp", ctypes.c_float), ("top_k", _i), ("top_p", ctypes.c_float)]
+
+
 class TlRound(ctypes.Structure):
     _fields_ = [("k", _i), ("d", _i), ("V", _i), ("draft_readout", _i), ("draft_head", ctypes.POINTER(TlLinear)),
                 ("draft_ids", _p), ("draft_norm", _p), ("draft_eps", ctypes.c_float), ("backlog_h", _p),
                 ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float), ("vocab", _i),
                 ("tokens", _p), ("verify", _p), ("last_h", _p), ("draft_ms", ctypes.c_double),
                 ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i), ("inv_temp", ctypes.c_float),
-                ("n0", _i), ("seed", ctypes.c_uint64)]
+                ("n0", _i), ("seed", ctypes.c_uint64), ("top_k", _i), ("top_p", ctypes.c_float)]
 
 
 class TlTree(ctypes.Structure):
@@ -100,7 +104,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_scratch_floats.restype = ctypes.c_int64
         lib.tl_linear_forward.argtypes = [P(TlLinear), _p, _i, _p, _p]
         lib.tl_linear_forward.restype = ctypes.c_int
-        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p, _p]
+        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p]
         lib.tl_head.restype = ctypes.c_int
         lib.tl_noise_key.argtypes = [ctypes.c_uint64, ctypes.c_int64]
         lib.tl_noise_key.restype = ctypes.c_uint32
@@ -108,6 +112,8 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_gumbel.restype = None
         lib.tl_choose.argtypes = [_p, _i, _p, ctypes.c_float, ctypes.c_uint32]
         lib.tl_choose.restype = _i
+        lib.tl_draw.argtypes = [_p, _i, _p, P(TlSampling)]
+        lib.tl_draw.restype = _i
         lib.tl_spec_round.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlRound), _p, ctypes.c_int64]
         lib.tl_spec_round.restype = ctypes.c_int
         lib.tl_round_scratch_floats.argtypes = [P(TlModel), P(TlRound), _i]

@@ -113,7 +113,7 @@ class Rows:
     exit_logp: Any = None                 # the kl rule's log-probabilities after the previous loop (V,)
     greedy: bool = False                  # the batch runner takes the last row's greedy token (`argmax`) in the
                                           # step's one head call with the other sequences'
-    noise: tuple[int, float] | None = None   # with greedy: (key, 1 / temperature), the token drawn instead
+    noise: tuple | None = None            # with greedy: (key, 1 / T, top_k, top_p), the token drawn instead
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None

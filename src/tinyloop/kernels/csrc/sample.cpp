@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <algorithm>
+#include <vector>
 #include "tinyloop.h"
 #include "step.h"
 #include "vec.h"
@@ -165,6 +167,57 @@ void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key
 #endif
     for (; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
 }
+
+// top-k and top-p on scores y (x / T), in place: a dropped token's score becomes -inf. top-k keeps the
+// scores at least the k-th largest; top-p then keeps, in descending order of score (ties by index), the
+// tokens whose probability mass before them is below p (the first always). Probabilities are exp(y - max)
+// in float32 over their sum in double. engine/sampling.py `truncate` is the same rule in PyTorch.
+void truncate(float* y, int n, int top_k, float top_p) {
+    thread_local std::vector<float> tmp;
+    thread_local std::vector<int32_t> cand;
+    if (top_k > 0 && top_k < n) {
+        tmp.assign(y, y + n);
+        std::nth_element(tmp.begin(), tmp.begin() + (top_k - 1), tmp.end(), std::greater<float>());
+        const float kth = tmp[top_k - 1];
+        for (int j = 0; j < n; ++j)
+            if (y[j] < kth) y[j] = -INFINITY;
+    }
+    if (!(top_p < 1.0f)) return;
+    float mx = -INFINITY;
+    for (int j = 0; j < n; ++j) mx = y[j] > mx ? y[j] : mx;
+    if (!(mx > -INFINITY && mx < INFINITY)) return;   // nothing finite to weigh (or an infinity): no cut
+    tmp.resize(n);
+    double Z = 0.0;
+    int j = 0;
+#if TL_SIMD
+    const vf vmx = vset1(mx);
+    for (; j + TL_W <= n; j += TL_W) vstore(&tmp[j], vexp(vsub(vload(y + j), vmx)));
+#endif
+    for (; j < n; ++j) tmp[j] = expf(y[j] - mx);
+    for (j = 0; j < n; ++j) Z += y[j] > -INFINITY ? tmp[j] : 0.0;
+    const double target = (double)top_p * Z;
+    // the nucleus from the largest scores down: widen the window below the maximum until its mass is enough
+    for (float width = 4.0f;; width *= 2.0f) {
+        const bool all = !(width < 1e30f);
+        cand.clear();
+        for (j = 0; j < n; ++j)
+            if (y[j] > -INFINITY && (all || y[j] >= mx - width)) cand.push_back(j);
+        std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) { return y[a] > y[b]; });
+        double before = 0.0;
+        size_t keep = cand.size();
+        for (size_t i = 0; i < cand.size(); ++i) {
+            if (i > 0 && before >= target) { keep = i; break; }
+            before += tmp[cand[i]];
+        }
+        if (keep < cand.size() || all) {   // the cut falls inside the window: drop the rest of the row
+            std::vector<char> kept(n, 0);
+            for (size_t i = 0; i < keep; ++i) kept[cand[i]] = 1;
+            for (j = 0; j < n; ++j)
+                if (!kept[j]) y[j] = -INFINITY;
+            return;
+        }
+    }
+}
 }  // namespace
 
 extern "C" uint32_t tl_noise_key(uint64_t seed, int64_t n) {
@@ -179,4 +232,15 @@ extern "C" void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* ou
 extern "C" int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key) {
     if (inv_temp > 0.0f) add_noise_pruned(x, n, ids, inv_temp, key);
     return tl_step::argmax(x, n);
+}
+
+extern "C" int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sampling* s) {
+    if (!(s->inv_temp > 0.0f)) return tl_step::argmax(x, n);
+    if ((s->top_k > 0 && s->top_k < n) || s->top_p < 1.0f) {
+        for (int j = 0; j < n; ++j) x[j] = x[j] * s->inv_temp;
+        truncate(x, n, s->top_k, s->top_p);
+        add_noise_pruned(x, n, ids, 1.0f, s->key);
+        return tl_step::argmax(x, n);
+    }
+    return tl_choose(x, n, ids, s->inv_temp, s->key);
 }

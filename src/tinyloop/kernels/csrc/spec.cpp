@@ -28,16 +28,21 @@ extern "C" int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R,
     return round_extra(m, R) + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
-// the key and inverse temperature of the token at offset j of a round (after the pending token): greedy
-// rounds have none (inv_temp 0)
-static uint32_t round_key(const tl_round* R, int j) {
-    return R->inv_temp > 0.0f ? tl_noise_key(R->seed, (int64_t)R->n0 + j) : 0u;
+// how the token at offset j of a round (after the pending token) is picked: greedy rounds take the argmax
+// (inv_temp 0), sampled ones draw under the key of its output index
+static tl_sampling round_draw(const tl_round* R, int j) {
+    tl_sampling s;
+    s.key = R->inv_temp > 0.0f ? tl_noise_key(R->seed, (int64_t)R->n0 + j) : 0u;
+    s.inv_temp = R->inv_temp;
+    s.top_k = R->top_k;
+    s.top_p = R->top_p;
+    return s;
 }
 
 // the draft head's pick of the token at offset j: its argmax, or its draw under the round's noise
 static int32_t draft_pick(const tl_round* R, float* logits, int cols, int j) {
-    const int32_t col = R->inv_temp > 0.0f ? tl_choose(logits, cols, R->draft_ids, R->inv_temp, round_key(R, j))
-                                           : argmax(logits, cols);
+    const tl_sampling s = round_draw(R, j);
+    const int32_t col = tl_draw(logits, cols, R->draft_ids, &s);
     return R->draft_ids ? (int32_t)R->draft_ids[col] : col;
 }
 
@@ -78,9 +83,8 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         row.out_e = row.out_h = nullptr;
         int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
         if (rc) return rc;
-        const uint32_t key = round_key(R, 0);
-        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &key,
-                     &R->inv_temp);
+        const tl_sampling s = round_draw(R, 0);
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &s);
         if (rc) return 20 + rc;
         R->draft_ms = 0;
         R->verify_ms = now_ms() - t0;
@@ -135,11 +139,9 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     }
     int rc = tl_decode(m, kv, vr.data(), (int)n, hid, dec, dec_len);
     if (rc) return rc;
-    std::vector<uint32_t> keys(n);
-    std::vector<float> temps(n, R->inv_temp);
-    for (int j = 0; j < n; ++j) keys[j] = round_key(R, j);
-    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, keys.data(),
-                 temps.data());
+    std::vector<tl_sampling> draws(n);
+    for (int j = 0; j < n; ++j) draws[j] = round_draw(R, j);
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, draws.data());
     if (rc) return 20 + rc;
     if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
     const double t2 = now_ms();
@@ -267,9 +269,8 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         if (loop[oldest] == V) {   // verified: the coda, the head, the greedy token
             read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B);
             int32_t y;
-            const uint32_t key = round_key(R, oldest);
-            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &key,
-                                   &R->inv_temp);
+            const tl_sampling s = round_draw(R, oldest);
+            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s);
             if (rc) return 20 + rc;
             R->verify[emitted++] = y;
             if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds

@@ -346,7 +346,7 @@ int32_t tl_step::argmax(const float* x, int n) {
 // `argmax` non-null each row's argmax over its first `vocab` logits. scratch: m * k * 2 + m * k / 8 floats.
 extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const float* norm_w, float eps,
                        int32_t vocab, float* logits, int32_t* argmax_out, float* scratch,
-                       const uint32_t* keys, const float* inv_temp) {
+                       const tl_sampling* draws) {
     if (L->k % TL_W || vocab > L->n) return 1;
     const float* xin = x;
     if (norm_w) {
@@ -356,9 +356,8 @@ extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const floa
     tl_linear_rows(L, xin, m, logits, L->n, scratch + (int64_t)m * L->k);
     if (argmax_out)
         for (int r = 0; r < m; ++r)
-            argmax_out[r] = inv_temp && inv_temp[r] > 0.0f
-                ? tl_choose(logits + (int64_t)r * L->n, vocab, nullptr, inv_temp[r], keys[r])
-                : argmax(logits + (int64_t)r * L->n, vocab);
+            argmax_out[r] = draws ? tl_draw(logits + (int64_t)r * L->n, vocab, nullptr, &draws[r])
+                                  : argmax(logits + (int64_t)r * L->n, vocab);
     return 0;
 }
 

@@ -98,15 +98,20 @@ int64_t tl_scratch_floats(const tl_model* m, int32_t n_rows, int32_t max_ctx);
 int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, float* scratch);
 
 // The LM head: the final norm (norm_w; null: none), logits (m, n), and each row's argmax over its first
-// `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats. With inv_temp non-null, a
-// row r with inv_temp[r] > 0 is sampled instead: tl_choose with keys[r] (its logits become the scores).
+// `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats. With `draws` non-null, row r
+// is drawn by tl_draw with draws[r] instead (its logits are overwritten).
+// A row's sampling: the key of its draw, 1 / T (0: the argmax), top-k (0: off) and top-p (1: off).
+typedef struct tl_sampling { uint32_t key; float inv_temp; int32_t top_k; float top_p; } tl_sampling;
 int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
-            float* logits, int32_t* argmax, float* scratch, const uint32_t* keys, const float* inv_temp);
+            float* logits, int32_t* argmax, float* scratch, const tl_sampling* draws);
 
 // Sampling by shared noise (sample.cpp; engine/sampling.py): the key of output index n of a request seeded
 // `seed`; the Gumbel noise g(key, token) of tokens ids[0 .. n-1] (null: 0 .. n-1); and the token a row
 // draws: argmax_j x[j] * inv_temp + g(key, ids[j]) (inv_temp 0: the plain argmax); x is overwritten (the
 // scores of the tokens that could be drawn, -inf for the rest).
+// tl_draw: a row's token under its tl_sampling: x / T, what top-k and top-p drop set to -inf, then the draw as
+// tl_choose's (engine/sampling.py `truncate`); x is overwritten.
+int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sampling* s);
 uint32_t tl_noise_key(uint64_t seed, int64_t n);
 void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out);
 int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key);
@@ -130,9 +135,9 @@ typedef struct {
     double draft_ms, verify_ms;   // out: wall time of the two phases (the pipeline: all in verify_ms)
     int32_t n_emitted;            // out (the pipeline): tokens in `verify`, the round's output
     int32_t row_loops;            // out (the pipeline): core loops run, summed over positions
-    // sampling (inv_temp > 0): every token of the round, draft or verified, is tl_choose's with the key of
-    // its output index, n0 + its offset in the round (the token after the pending one is index n0)
-    float inv_temp; int32_t n0; uint64_t seed;
+    // sampling (inv_temp > 0): every token of the round, draft or verified, is tl_draw's with the key of its
+    // output index, n0 + its offset in the round (the token after the pending one is index n0)
+    float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);

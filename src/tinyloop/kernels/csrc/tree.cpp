@@ -123,7 +123,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, rows.data(), F, hid, dec, dec_len);
         if (rc) return rc;
         if (t > depth) break;
-        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr, nullptr);
+        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr);
         if (rc) return 20 + rc;
         // log-softmax of each frontier row (float64, as the Python path) plus the node's score
         total.assign((size_t)F * cols, 0.0);
@@ -182,7 +182,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     auto score_chain = [&](const std::vector<int>& chain) -> int {
         const int c = (int)chain.size();
         for (int j = 0; j < c; ++j) memcpy(es + (int64_t)j * dim, hid + (int64_t)chain[j] * dim, sizeof(float) * dim);
-        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc, nullptr, nullptr);
+        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc, nullptr);
         for (int j = 0; j < c && !r; ++j) pick[chain[j]] = picks[j];
         return r;
     };
