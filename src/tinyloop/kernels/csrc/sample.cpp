@@ -171,52 +171,80 @@ void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key
 // top-k and top-p on scores y (x / T), in place: a dropped token's score becomes -inf. top-k keeps the
 // scores at least the k-th largest; top-p then keeps, in descending order of score (ties by index), the
 // tokens whose probability mass before them is below p (the first always). Probabilities are exp(y - max)
-// in float32 over their sum in double. engine/sampling.py `truncate` is the same rule in PyTorch.
-void truncate(float* y, int n, int top_k, float top_p) {
-    thread_local std::vector<float> tmp;
-    thread_local std::vector<int32_t> cand;
-    if (top_k > 0 && top_k < n) {
-        tmp.assign(y, y + n);
-        std::nth_element(tmp.begin(), tmp.begin() + (top_k - 1), tmp.end(), std::greater<float>());
-        const float kth = tmp[top_k - 1];
-        for (int j = 0; j < n; ++j)
-            if (y[j] < kth) y[j] = -INFINITY;
-    }
-    if (!(top_p < 1.0f)) return;
+// in float32 over their sum in double. engine/sampling.py `truncate` is the same rule in PyTorch (its sums
+// run in sorted order, these bucket by bucket: a cut within rounding of p may fall differently).
+//
+// No sort of the row: scores are bucketed by their distance below the maximum (1/16 wide, the last bucket
+// open), the bucket that holds the k-th score or the p cut is found from the buckets' counts or masses, and
+// only that bucket's tokens are ordered. Every token of a nearer bucket scores higher than every token of a
+// farther one, so the kept set is the sorted rule's.
+constexpr int N_BUCKETS = 1024;
+constexpr float BUCKETS_PER_UNIT = 16.0f;
+
+inline int bucket(float mx, float y) {
+    const float d = (mx - y) * BUCKETS_PER_UNIT;
+    return d < (float)(N_BUCKETS - 1) ? (int)d : N_BUCKETS - 1;
+}
+
+float row_max(const float* y, int n) {
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) mx = y[j] > mx ? y[j] : mx;
-    if (!(mx > -INFINITY && mx < INFINITY)) return;   // nothing finite to weigh (or an infinity): no cut
-    tmp.resize(n);
-    double Z = 0.0;
+    return mx;
+}
+
+void truncate(float* y, int n, int top_k, float top_p) {
+    thread_local std::vector<float> w;
+    thread_local std::vector<int32_t> in_cut;
+    float mx = row_max(y, n);
+    if (!(mx > -INFINITY && mx < INFINITY)) return;   // nothing finite, or an infinity: no cut
+    if (top_k > 0 && top_k < n) {
+        int32_t count[N_BUCKETS] = {0};
+        for (int j = 0; j < n; ++j)
+            if (y[j] > -INFINITY) ++count[bucket(mx, y[j])];
+        int b = 0, before = 0;
+        while (b < N_BUCKETS - 1 && before + count[b] < top_k) before += count[b++];
+        if (before + count[b] >= top_k) {   // the k-th largest is in bucket b
+            w.clear();
+            for (int j = 0; j < n; ++j)
+                if (y[j] > -INFINITY && bucket(mx, y[j]) == b) w.push_back(y[j]);
+            const int r = top_k - before - 1;
+            std::nth_element(w.begin(), w.begin() + r, w.end(), std::greater<float>());
+            const float kth = w[r];
+            for (int j = 0; j < n; ++j)
+                if (y[j] < kth) y[j] = -INFINITY;
+        }
+    }
+    if (!(top_p < 1.0f)) return;
+    w.resize(n);
     int j = 0;
 #if TL_SIMD
     const vf vmx = vset1(mx);
-    for (; j + TL_W <= n; j += TL_W) vstore(&tmp[j], vexp(vsub(vload(y + j), vmx)));
+    for (; j + TL_W <= n; j += TL_W) vstore(&w[j], vexp(vsub(vload(y + j), vmx)));
 #endif
-    for (; j < n; ++j) tmp[j] = expf(y[j] - mx);
-    for (j = 0; j < n; ++j) Z += y[j] > -INFINITY ? tmp[j] : 0.0;
+    for (; j < n; ++j) w[j] = expf(y[j] - mx);
+    double mass[N_BUCKETS] = {0.0};
+    for (j = 0; j < n; ++j)
+        if (y[j] > -INFINITY) mass[bucket(mx, y[j])] += w[j];
+    double Z = 0.0;
+    for (int b = 0; b < N_BUCKETS; ++b) Z += mass[b];
     const double target = (double)top_p * Z;
-    // the nucleus from the largest scores down: widen the window below the maximum until its mass is enough
-    for (float width = 4.0f;; width *= 2.0f) {
-        const bool all = !(width < 1e30f);
-        cand.clear();
-        for (j = 0; j < n; ++j)
-            if (y[j] > -INFINITY && (all || y[j] >= mx - width)) cand.push_back(j);
-        std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) { return y[a] > y[b]; });
-        double before = 0.0;
-        size_t keep = cand.size();
-        for (size_t i = 0; i < cand.size(); ++i) {
-            if (i > 0 && before >= target) { keep = i; break; }
-            before += tmp[cand[i]];
-        }
-        if (keep < cand.size() || all) {   // the cut falls inside the window: drop the rest of the row
-            std::vector<char> kept(n, 0);
-            for (size_t i = 0; i < keep; ++i) kept[cand[i]] = 1;
-            for (j = 0; j < n; ++j)
-                if (!kept[j]) y[j] = -INFINITY;
-            return;
-        }
+    int b = 0;
+    double before = 0.0;
+    while (b < N_BUCKETS - 1 && before + mass[b] < target) before += mass[b++];
+    // bucket b holds the cut: its tokens in descending order (ties by index), kept while the mass before is
+    // below the target (the row's first token always)
+    in_cut.clear();
+    for (j = 0; j < n; ++j)
+        if (y[j] > -INFINITY && bucket(mx, y[j]) == b) in_cut.push_back(j);
+    std::stable_sort(in_cut.begin(), in_cut.end(), [&](int32_t a, int32_t c) { return y[a] > y[c]; });
+    size_t keep = in_cut.size();
+    for (size_t i = 0; i < in_cut.size(); ++i) {
+        if ((b > 0 || i > 0) && before >= target) { keep = i; break; }
+        before += w[in_cut[i]];
     }
+    for (size_t i = keep; i < in_cut.size(); ++i) y[in_cut[i]] = -INFINITY;
+    for (j = 0; j < n; ++j)
+        if (y[j] > -INFINITY && bucket(mx, y[j]) > b) y[j] = -INFINITY;
 }
 }  // namespace
 
