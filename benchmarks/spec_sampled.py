@@ -7,7 +7,7 @@ time / setting time. `same_tokens`: whether each speculative output equals plain
 seed (sampling by shared noise makes it so: engine/sampling.py); a build without that property reports False.
 
     OMP_NUM_THREADS=1 TINYLOOP_NATIVE_THREADS=1 .venv/bin/python benchmarks/spec_sampled.py [--reps 5]
-        [--temperatures 0.7,1.0] [--json OUT]
+        [--samplings 0.7,1.0,0.7:0.9] [--json OUT]     (T, or T:top_p)
 """
 import argparse
 import json
@@ -27,7 +27,7 @@ N = 64
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--samplings", default="0.7,1.0,0.7:0.9", help="T or T:top_p, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     eng = Engine.load()
@@ -44,12 +44,14 @@ def main() -> None:
         return t, outs, stats
 
     rows = []
-    for T in [float(x) for x in args.temperatures.split(",")]:
-        plain = SamplingParams(max_tokens=N, temperature=T, loops=8, ignore_eos=True)
+    for item in args.samplings.split(","):
+        T, _, top_p = item.partition(":")
+        T, top_p = float(T), float(top_p or 1.0)
+        plain = SamplingParams(max_tokens=N, temperature=T, top_p=top_p, loops=8, ignore_eos=True)
         settings = [("plain greedy loops 8", SamplingParams(max_tokens=N, temperature=0, loops=8, ignore_eos=True)),
                     ("speculative, default", plain.replace(loops=None, mode="speculative")),
-                    ("speculative d=2 k=4", plain.replace(loops=None, mode="speculative", draft_loops=2, draft_ahead=4)),
-                    ("speculative d=1 k=4", plain.replace(loops=None, mode="speculative", draft_loops=1, draft_ahead=4)),
+                    ("speculative d=2 ahead<=4", plain.replace(loops=None, mode="speculative", draft_loops=2, draft_ahead=4)),
+                    ("speculative d=1 ahead<=4", plain.replace(loops=None, mode="speculative", draft_loops=1, draft_ahead=4)),
                     ("speculative greedy, default", SamplingParams(max_tokens=N, temperature=0, mode="speculative",
                                                                    ignore_eos=True))]
         run(plain)
@@ -60,7 +62,7 @@ def main() -> None:
                 ts, got, stats = run(p)
                 ratios.append(tp / ts)
                 tps.append(len(ids) * N / ts)
-            row = dict(temperature=T, setting=name, tok_s=round(statistics.median(tps), 1),
+            row = dict(temperature=T, top_p=top_p, setting=name, tok_s=round(statistics.median(tps), 1),
                        plain_sampled_tok_s=round(len(ids) * N / tp, 1),
                        x_plain_sampled=round(statistics.median(ratios), 3),
                        acceptance=round(statistics.mean(s.get("acceptance_rate") or 0 for s in stats), 3),

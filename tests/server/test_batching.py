@@ -131,7 +131,8 @@ def test_disconnect_mid_stream_frees_pages(server64):
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server64.url + "/v1/completions",
                       json={"model": "tinyloop", "prompt": "The king said", "max_tokens": 200, "stream": True,
-                            "temperature": 0}) as r:
+                            "temperature": 0, "loops": 24}) as r:   # (24 loops: still running when read, even
+                                                                     # on a loaded host where 3 were not)
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break

@@ -16,7 +16,9 @@ generator's history, so
   The output *is* plain sampling's output for that seed (engine/speculative.py), the draft length may follow
   measured speed without changing it, and sampled rounds run in one native call like greedy ones.
 The noise is defined in float32 operations each rounded alone (`_ln32`); the native library computes the
-same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). u has 23 random bits (an odd multiple of
+same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). top-k and top-p act on x / T in float32
+(`truncate`); the library's version sums the nucleus's mass in another order, so wherever it is loaded the
+draws call it (`draw_row`), and the PyTorch definition serves hosts without it. u has 23 random bits (an odd multiple of
 2^-24), so g is bounded by about 16.6: a token's probability is off by at most the chance of a larger draw
 (~6e-8), below float32 softmax's own rounding.
 """
