@@ -64,8 +64,8 @@ class BatchRunner:
         """Run the chunks (and `extra` rows, whose results land in them); returns {seq_id: logits (V,)}
         for each chunk that needs logits, except the sequences in `greedy`, whose next token is the plain
         argmax: `last_argmax` gets {seq_id: token} for those (`LoopedTransformer.greedy_tokens`: the native
-        executor keeps their logits to itself); a dict maps a sequence to its draw's noise (key, 1 / T), or None
-        for the argmax (engine/sampling.py `draw_row`). `score`: {seq_id: alternatives} of sequences whose prompt is
+        executor keeps their logits to itself); a dict maps a sequence to its draw's parameters (key, 1 / T, top_k,
+        top_p), or None for the argmax (engine/sampling.py `draw_row`). `score`: {seq_id: alternatives} of sequences whose prompt is
         scored (SamplingParams.prompt_logprobs): their chunks' prompt positions go through the LM head
         too, and `last_scores` gets {seq_id: (index of the first prompt token scored, [(logprob, alts)])}.
         `embed`: sequences of embedding requests (engine/embedding.py): no logits; `last_hidden` gets

@@ -126,7 +126,7 @@ class Speculator(TreeRounds):
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
             self.argmax = model.greedy_tokens if ex is not None else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
-        # sampling from the raw rows at a temperature: the native head draws the tokens itself (tl_choose)
+        # sampling from the raw rows (temperature, top-k, top-p): the native head draws the tokens itself (tl_draw)
         self.sampled_native = ex is not None and fast_head and sampler.plain_sampled and params.logprobs is None
         # a round in one native call: the fused head argmax (or draw), no grammar or early stop
         native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
