@@ -10,14 +10,12 @@ windows, positions), and must agree on the logits (1e-4) and on what they wrote 
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 from conftest import varied_model
-from tinyloop.config import preset
 
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
@@ -27,57 +25,11 @@ try:
 except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
     pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
 
+from native_pair import BASE, CONFIGS, PAGE, make_pair  # noqa: E402
 from tinyloop.kernels.executor import NativeExecutor  # noqa: E402
 from tinyloop.model.paged import PagedKV, PagedStep, Rows  # noqa: E402
 from tinyloop.quant.linear import QuantLinear  # noqa: E402
 from tinyloop.quant.packing import pack, quantize_rtn  # noqa: E402
-
-BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511, max_seq_len=128)
-CONFIGS = {
-    "tiny": BASE,                                                       # GQA, swiglu, add, prelude/coda
-    "gelu-none": BASE.replace(mlp="gelu", injection="none", loop_norm=False, n_kv_heads=4),
-    "ouro-like": BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich",
-                              loop_norm=True, head_norm=False, tie_embeddings=False, exit_gate=True),
-    "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
-                                injection="concat-adapter", loop_norm=False, post_loop_norm=True),
-    # GQA 6:1 with heads wider than dim / n_heads (q and the attention output 192 wide on a 64 hidden)
-    "nanbeige-like": BASE.replace(n_heads=12, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
-                                  loop_norm=True, head_norm=False, tie_embeddings=False),
-}
-PAGE = 4
-
-
-def _linears(model):
-    for mod in model.modules():
-        for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and name != "lm_head":
-                yield mod, name, child
-
-
-def make_pair(cfg, weights: str):
-    """(reference fp32 model, native model) with the same effective weights."""
-    ref = varied_model(cfg, seed=1)
-    if cfg.qk_bias:
-        with torch.no_grad():
-            for blk in [*ref.prelude, *ref.core, *ref.coda]:
-                blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
-    nat = copy.deepcopy(ref)
-    if weights in ("fp16", "bf16"):
-        dt = torch.float16 if weights == "fp16" else torch.bfloat16
-        for (_, _, r), (_, _, n) in zip(_linears(ref), _linears(nat)):
-            w = r.weight.detach().to(dt)
-            r.weight.data = w.float()
-            n.weight = nn.Parameter(w, requires_grad=False)
-    elif weights.startswith("int"):
-        bits = int(weights[3:])
-        for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
-            q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
-            qw = pack(q, bits)
-            setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))
-            setattr(nm, nn_, QuantLinear.from_portable(qw, s, z, bits, kernel="native"))
-    nat.executor = NativeExecutor(nat, threads=2)
-    return ref.eval(), nat.eval()
-
 
 def clone_kv(kv: PagedKV) -> PagedKV:
     out = copy.copy(kv)
@@ -353,139 +305,6 @@ def test_native_tree_rows_equal_pytorch(name, kv_format, kv_dtype):
               tol=1e-4 if kv_format == "fp16" else 1e-2)
 
 
-def _ids(model, prompt, params, use_native, **kw):
-    from conftest import core_ids
-    ex = model.executor
-    model.executor = ex if use_native else None
-    try:
-        stats = {}
-        out = core_ids(model, prompt, params, stats, **kw)
-        return out, stats
-    finally:
-        model.executor = ex
-
-
-@pytest.mark.parametrize("mode,kw", [("speculative", {"draft_loops": 1, "draft_ahead": 4}),
-                                     ("speculative", {"draft_loops": 2, "draft_ahead": 3}),
-                                     ("tree_speculative", {"draft_loops": 1, "k_branches": 2})])
-@pytest.mark.parametrize("with_exit", [False, True])
-def test_speculation_native_equals_pytorch(mode, kw, with_exit):
-    """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and verification, chain or
-    tree-masked, run natively, stepwise and as whole rounds in one call (chain, pipeline, tree); greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
-    from tinyloop.engine import SamplingParams
-    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
-
-    _, nat = make_pair(CONFIGS["tiny"], "fp32")
-    if with_exit:
-        exits = {}
-        for d in (1, 2):
-            ex = DraftExit.from_model(nat)
-            with torch.no_grad():
-                g = torch.Generator().manual_seed(d)
-                for p in ex.parameters():
-                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-            exits[d] = ex.eval()
-        attach_draft_exits(nat, exits)
-    calls, rounds = [], []
-    orig, orig_round = nat.executor.decode, nat.executor.spec_round
-    nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
-                                            orig(kv, rows))[1]
-    nat.executor.spec_round = lambda *a, **kw: (rounds.append(a[5]), orig_round(*a, **kw))[1]
-    orig_tree, trees = nat.executor.tree_round, []
-    nat.executor.tree_round = lambda *a, **kw: (trees.append(a[5]), orig_tree(*a, **kw))[1]
-    prompt = [5, 17, 300, 42, 7, 9]
-    params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
-    ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)
-    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=24, loops=4, temperature=0), True)
-    assert ref == plain
-    # the stepwise native rows (a pass per engine step), then whole rounds in one call (tl_spec_round)
-    calls.clear()
-    step, st_s = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, native_round=False)
-    assert step == ref and st_s["acceptance_rate"] == st_t["acceptance_rate"] and not rounds
-    step_rows = [r for c in calls for r in c]
-    whole, st_w = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False)
-    chain = mode == "speculative" or kw.get("k_branches", 1) == 1
-    assert whole == ref and st_w["acceptance_rate"] == st_t["acceptance_rate"]
-    assert st_w["native_rounds"]
-    # (the last round may draft fewer); a tree of K > 1 in one call too (tl_tree_round), its depth draft_ahead
-    assert (rounds and max(rounds) == kw["draft_ahead"] and not trees) if chain else \
-        (not rounds and trees and max(trees) == params.draft_ahead)
-    # the policy's draft lengths change the speed only
-    auto, st_a = _ids(nat, prompt, params, True, draft_vocab=None)
-    assert auto == ref and "draft_ahead_chosen" in st_a
-    assert chain or st_a["tree_rounds"] >= 1 and st_a["chain_rounds"] >= 1   # a tree request measures both shapes
-    # depth-aligned passes (tl_spec_pipeline): the same tokens; its drafts may read verified coda entries,
-    # so acceptance may differ from the chain's
-    loops0 = nat.core_loop_tokens
-    piped, st_p = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, pipeline=True)
-    assert piped == ref and 0 <= st_p["acceptance_rate"] <= 1
-    assert nat.core_loop_tokens - loops0 >= 4 * 24   # every emitted token ran its 4 loops
-    width = 1 if chain else kw["k_branches"]   # a tree's drafts and verification are tree-masked rows
-    assert any(n == width and first == 0 and cap for n, first, cap in step_rows)       # draft steps
-    assert any(n > 1 and first > 0 for n, first, _ in step_rows)                      # verification
-
-
-@pytest.mark.parametrize("draft_loops,with_exit", [(1, False), (2, True)])
-def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
-    """Sampling by shared noise (engine/sampling.py): speculation's output under temperature > 0 is plain
-    sampling's output for the seed, token for token: stepwise rows, whole rounds in one call (chain and
-    pipeline, their draws in the library), the policy's draft lengths, and the PyTorch path; with top-p too.
-    The plain sampled rows draw in the head call (tl_head's draws) and equal the PyTorch path's draws."""
-    from tinyloop.engine import SamplingParams
-    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
-
-    _, nat = make_pair(CONFIGS["tiny"], "fp32")
-    if with_exit:
-        ex = DraftExit.from_model(nat)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(3)
-            for p in ex.parameters():
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-        attach_draft_exits(nat, {draft_loops: ex.eval()})
-    rounds = []
-    orig_round = nat.executor.spec_round
-    nat.executor.spec_round = lambda *a, **kw: (rounds.append(kw.get("noise")), orig_round(*a, **kw))[1]
-    prompt = [5, 17, 300, 42, 7, 9]
-    for extra in ({}, {"top_p": 0.9}):
-        plain_p = SamplingParams(max_tokens=24, loops=4, temperature=0.9, seed=11, **extra)
-        spec_p = SamplingParams(max_tokens=24, mode="speculative", verify_loops=4, draft_loops=draft_loops,
-                                draft_ahead=4, temperature=0.9, seed=11, **extra)
-        plain, _ = _ids(nat, prompt, plain_p, True)
-        assert plain == _ids(nat, prompt, plain_p, False)[0]
-        assert plain != _ids(nat, prompt, plain_p.replace(seed=12), True)[0]
-        torch_spec, st = _ids(nat, prompt, spec_p, False, draft_vocab=None, adaptive=False)
-        assert torch_spec == plain and 0 < st["acceptance_rate"] < 1
-        rounds.clear()
-        for kw in (dict(adaptive=False, native_round=False), dict(adaptive=False), dict(adaptive=False, pipeline=True),
-                   dict()):
-            got, st = _ids(nat, prompt, spec_p, True, draft_vocab=None, **kw)
-            assert got == plain, (extra, kw)
-        # the sampled rounds ran in one call each, with their seed and top-p
-        assert rounds and all(r is not None and r[0] == 11 and r[4] == extra.get("top_p", 1.0) for r in rounds)
-
-
-def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():
-    """Six sampled speculative requests at once (past ALONE_UP_TO: their rounds become plain rows of the shared
-    step, drawn in its one head call) beside plain sampled ones: each answer is its seed's plain answer."""
-    from tinyloop.engine import Engine, SamplingParams
-    from tinyloop.engine.serving import BatchEngine, run_to_completion
-    from tinyloop.modelfile import LoadedModel
-
-    _, nat = make_pair(CONFIGS["tiny"], "fp32")
-    engine = Engine(LoadedModel(nat, None, {}, None))
-    items = []
-    for i in range(8):
-        knobs = dict(mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3) if i < 6 else dict(loops=4)
-        items.append(([5 + i, 17, 300, 42], SamplingParams(max_tokens=16, temperature=0.8, seed=40 + i,
-                                                            ignore_eos=True, **knobs)))
-    events = run_to_completion(BatchEngine(engine), items)
-    got = [[t for e in ev for t in e.token_ids] for ev in events]
-    want = [engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.8, seed=p.seed, loops=4,
-                                                ignore_eos=True)).token_ids for ids, p in items]
-    assert got == want
-    assert any(ev[-1].stats.get("batched_rounds") for ev in events[:6])
-
-
 def test_engine_cores_of_several_threads_share_the_executor(tiny_model_path):
     """Engine.generate from several threads at once (a core each) through one executor: each output equals
     the same request run alone."""
@@ -572,27 +391,6 @@ def test_native_quantized_head(bits, matmul_path):
     lr, ln = ref.logits(x), nat.logits(x)
     assert (lr - ln).abs().max().item() <= 1e-4
     assert nat.greedy_tokens(x) == lr.argmax(-1).tolist()
-
-
-def test_speculation_in_a_crowded_batch_decodes_plain_rows():
-    """Past ALONE_UP_TO running sequences a greedy native round is a plain row of the shared step: the
-    tokens stay plain greedy decoding's, and the stats say how many rounds went that way."""
-    from tinyloop.engine import Engine, SamplingParams
-    from tinyloop.engine.serving import BatchEngine, run_to_completion
-    from tinyloop.engine.native_rounds import ALONE_UP_TO
-    from tinyloop.modelfile import LoadedModel
-
-    _, nat = make_pair(CONFIGS["tiny"], "fp32")
-    engine = Engine(LoadedModel(nat, None, {}, None), kv_format="fp16")
-    prompts = [[5, 17, 300 + i, 42, 7] for i in range(ALONE_UP_TO + 3)]
-    spec = SamplingParams(max_tokens=12, mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3,
-                          temperature=0, ignore_eos=True)
-    plain = SamplingParams(max_tokens=12, loops=4, temperature=0, ignore_eos=True)
-    alone = [run_to_completion(BatchEngine(engine, max_num_seqs=1), [(p, plain)])[0] for p in prompts]
-    together = run_to_completion(BatchEngine(engine, max_num_seqs=16), [(p, spec) for p in prompts])
-    for a, t in zip(alone, together):
-        assert [x for e in t for x in e.token_ids] == [x for e in a for x in e.token_ids]
-    assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0
 
 
 PARCAE_LIKE = BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False, prelude_norm=True,

@@ -1,0 +1,64 @@
+"""The pair of models the native kernel tests compare: one model built twice with the same effective weights,
+the reference in PyTorch with fp32 weights (quantized codes dequantized, 16-bit weights rounded), the other
+holding the weights in the format under test and running through the library (test_native.py,
+test_native_speculation.py). Import after checking that the library loads."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+
+from conftest import varied_model
+from tinyloop.config import preset
+from tinyloop.kernels.executor import NativeExecutor
+from tinyloop.quant.linear import QuantLinear
+from tinyloop.quant.packing import pack, quantize_rtn
+
+BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511, max_seq_len=128)
+CONFIGS = {
+    "tiny": BASE,                                                       # GQA, swiglu, add, prelude/coda
+    "gelu-none": BASE.replace(mlp="gelu", injection="none", loop_norm=False, n_kv_heads=4),
+    "ouro-like": BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich",
+                              loop_norm=True, head_norm=False, tie_embeddings=False, exit_gate=True),
+    "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
+                                injection="concat-adapter", loop_norm=False, post_loop_norm=True),
+    # GQA 6:1 with heads wider than dim / n_heads (q and the attention output 192 wide on a 64 hidden)
+    "nanbeige-like": BASE.replace(n_heads=12, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
+                                  loop_norm=True, head_norm=False, tie_embeddings=False),
+}
+PAGE = 4
+
+
+def _linears(model):
+    for mod in model.modules():
+        for name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and name != "lm_head":
+                yield mod, name, child
+
+
+def make_pair(cfg, weights: str):
+    """(reference fp32 model, native model) with the same effective weights."""
+    ref = varied_model(cfg, seed=1)
+    if cfg.qk_bias:
+        with torch.no_grad():
+            for blk in [*ref.prelude, *ref.core, *ref.coda]:
+                blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    nat = copy.deepcopy(ref)
+    if weights in ("fp16", "bf16"):
+        dt = torch.float16 if weights == "fp16" else torch.bfloat16
+        for (_, _, r), (_, _, n) in zip(_linears(ref), _linears(nat)):
+            w = r.weight.detach().to(dt)
+            r.weight.data = w.float()
+            n.weight = nn.Parameter(w, requires_grad=False)
+    elif weights.startswith("int"):
+        bits = int(weights[3:])
+        for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
+            q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
+            qw = pack(q, bits)
+            setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))
+            setattr(nm, nn_, QuantLinear.from_portable(qw, s, z, bits, kernel="native"))
+    nat.executor = NativeExecutor(nat, threads=2)
+    return ref.eval(), nat.eval()
