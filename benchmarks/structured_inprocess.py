@@ -26,7 +26,7 @@ from structured import PROMPTS, SCHEMA  # noqa: E402
 from tinyloop.engine.constraint import Constraint  # noqa: E402
 from tinyloop.engine.engine import Engine  # noqa: E402
 from tinyloop.engine.params import SamplingParams  # noqa: E402
-from tinyloop.engine.sampling import Sampler, choose, draw_row, processed_logits  # noqa: E402
+from tinyloop.engine.sampling import Sampler, draw_row, processed_logits  # noqa: E402
 from tinyloop.engine.serving import BatchEngine  # noqa: E402
 
 NEW_SAMPLE = Sampler.sample
@@ -40,7 +40,7 @@ def old_sample(self, logits):
         ids = self.matcher.allowed_ids()
         if 4 * ids.numel() <= self.vocab_size:
             sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
-            return int(ids[choose(sub, self.inv_temp, self.key(), ids)])
+            return int(ids[draw_row(sub, self.key(), self.inv_temp, ids=ids)])
     return draw_row(processed_logits(self._row(logits), self.params, self._seen(), self.counts), *self.draw_params())
 
 

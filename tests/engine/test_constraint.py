@@ -136,7 +136,7 @@ def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
     """Greedy under a constraint reads one bit when the raw argmax is allowed, else masks; sampling draws over
     the allowed tokens only, whether few or most are allowed. Both pick exactly what the fully masked row
     gives."""
-    from tinyloop.engine.sampling import Sampler, choose
+    from tinyloop.engine.sampling import Sampler, draw_row
 
     c = Constraint.json_schema(SCHEMAS[0])
     V = engine.config.vocab_size
@@ -159,7 +159,7 @@ def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
         s = sampled.matcher
         small = 4 * s.allowed_ids().numel() <= V
         # the draw over the fully masked row, under the same noise
-        want = choose(logits.masked_fill(~s.mask(), float("-inf")), 1 / 0.8, sampled.key())
+        want = draw_row(logits.masked_fill(~s.mask(), float("-inf")), sampled.key(), 1 / 0.8)
         n = len(applied)
         tok = sampled.sample(logits)
         assert tok == want and s.allows(tok) and len(applied) == n   # never the full row

@@ -16,11 +16,11 @@ generator's history, so
   The output *is* plain sampling's output for that seed (engine/speculative.py), the draft length may follow
   measured speed without changing it, and sampled rounds run in one native call like greedy ones.
 The noise is defined in float32 operations each rounded alone (`_ln32`); the native library computes the
-same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). top-k and top-p act on x / T in float32
-(`truncate`); the library's version sums the nucleus's mass in another order, so wherever it is loaded the
-draws call it (`draw_row`), and the PyTorch definition serves hosts without it. u has 23 random bits (an odd multiple of
+same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). u has 23 random bits (an odd multiple of
 2^-24), so g is bounded by about 16.6: a token's probability is off by at most the chance of a larger draw
-(~6e-8), below float32 softmax's own rounding.
+(~6e-8), below float32 softmax's own rounding. top-k and top-p act on x / T in float32 (`truncate`); the
+library's version sums the nucleus's mass in another order, so wherever it is loaded the draws call it
+(`draw_row`), and the PyTorch definition serves hosts without it.
 """
 
 from __future__ import annotations
@@ -181,20 +181,11 @@ def gumbel(key: int, ids: torch.Tensor) -> torch.Tensor:
     return -_ln32(-_ln32(v))
 
 
-def choose(x: torch.Tensor, inv_temp: float, key: int, ids: torch.Tensor | None = None) -> int:
-    """The entry of row x (its tokens `ids`, None: 0..n-1) drawn under the key: argmax of x * inv_temp + g in
-    float32 (excluded tokens are -inf). inv_temp is rounded to float32 first, as the native library takes it."""
-    from ..kernels.lib import loaded
-
-    lib = loaded()
-    if lib is not None:   # the same bits, ~20x faster (tests/kernels/test_sample.py)
-        row = x.to(torch.float32).contiguous().clone()
-        ids64 = None if ids is None else ids.to(torch.int64).contiguous()
-        return int(lib.tl_choose(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
-                                 inv_temp, key))
+def _choose(x: torch.Tensor, inv_temp: float, key: int, ids: torch.Tensor | None) -> int:
+    """The PyTorch definition of a draw: argmax of x * inv_temp + g in float32 (excluded tokens are -inf),
+    inv_temp rounded to float32 first, as the native library takes it."""
     ids = torch.arange(x.shape[-1]) if ids is None else ids
-    scores = x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32) + gumbel(key, ids)
-    return int(torch.argmax(scores))
+    return int(torch.argmax(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32) + gumbel(key, ids)))
 
 
 def truncate(y: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -223,10 +214,9 @@ def truncate(y: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: float = 1.0,
              ids: torch.Tensor | None = None) -> int:
-    """The entry of row x drawn under `key` at 1 / T with top-k and top-p (`truncate`): what the native
-    head's draws compute (`tl_draw`, called here when the library is loaded)."""
-    if (top_k <= 0 or top_k >= x.shape[-1]) and top_p >= 1.0:
-        return choose(x, inv_temp, key, ids)
+    """The entry of row x (its tokens `ids`, None: 0..n-1) drawn under `key` at 1 / T, after top-k and top-p
+    (`truncate`; 0 and 1: off). Where the native library is loaded it computes the draw (`tl_draw`: the same
+    noise bit for bit, ~20x faster); the PyTorch definition serves hosts without it."""
     from ..kernels.lib import TlSampling, loaded
 
     lib = loaded()
@@ -234,9 +224,11 @@ def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: 
         row = x.to(torch.float32).contiguous().clone()
         ids64 = None if ids is None else ids.to(torch.int64).contiguous()
         return int(lib.tl_draw(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
-                               TlSampling(0 if key is None else key, inv_temp, top_k, top_p)))
-    y = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
-    return choose(y, 1.0, key, ids)
+                               TlSampling(key, inv_temp, top_k, top_p)))
+    if (0 < top_k < x.shape[-1]) or top_p < 1.0:
+        x = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
+        inv_temp = 1.0
+    return _choose(x, inv_temp, key, ids)
 
 
 def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
@@ -395,7 +387,7 @@ class Sampler:
             # than masking the full row even where most tokens are allowed (docs/structured.md)
             ids = self.matcher.allowed_ids()
             sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
-            return int(ids[choose(sub, self.inv_temp, self.key(ahead), ids)])
+            return int(ids[draw_row(sub, self.key(ahead), self.inv_temp, ids=ids)])
         x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
         return draw_row(x, *self.draw_params(ahead))
 

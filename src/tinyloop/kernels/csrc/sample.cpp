@@ -48,11 +48,14 @@ inline float ln32(float x) {
     return (float)e * LN2 + lnm;
 }
 
-inline float gumbel(uint32_t key, uint32_t tok) {
-    const uint32_t h = mix32((tok * GOLD) ^ key);
+inline uint32_t token_hash(uint32_t key, uint32_t tok) { return mix32((tok * GOLD) ^ key); }
+
+inline float gumbel_of(uint32_t h) {
     const float v = (float)(((h >> 9) << 1) | 1u) * TWO_M24;   // (0, 1), exactly: an odd multiple of 2^-24
     return -ln32(-ln32(v));
 }
+
+inline float gumbel(uint32_t key, uint32_t tok) { return gumbel_of(token_hash(key, tok)); }
 
 #if TL_SIMD
 inline __m256i vmix32(__m256i x) {
@@ -84,9 +87,11 @@ inline __m256 vln32(__m256 x) {   // ln32's operations, lane by lane
     return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(LN2)), lnm);
 }
 
-inline __m256 vgumbel(uint32_t key, __m256i tok) {
-    const __m256i h = vmix32(_mm256_xor_si256(_mm256_mullo_epi32(tok, _mm256_set1_epi32((int)GOLD)),
-                                              _mm256_set1_epi32((int)key)));
+inline __m256i vtoken_hash(uint32_t key, __m256i tok) {
+    return vmix32(_mm256_xor_si256(_mm256_mullo_epi32(tok, _mm256_set1_epi32((int)GOLD)), _mm256_set1_epi32((int)key)));
+}
+
+inline __m256 vgumbel_of(__m256i h) {
     const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
     const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(TWO_M24));
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -100,8 +105,7 @@ inline __m256 vgumbel(uint32_t key, __m256i tok) {
 // the computed g) stays below the score of the row's argmax cannot be drawn, and its noise is never computed.
 constexpr float BOUND_MARGIN = 1e-3f;
 
-inline float noise_bound(uint32_t key, uint32_t tok) {
-    const uint32_t h = mix32((tok * GOLD) ^ key);
+inline float noise_bound_of(uint32_t h) {
     const uint32_t odd_w = (1u << 24) - (((h >> 9) << 1) | 1u);   // (1 - v) * 2^24
     const float fw = (float)odd_w;
     uint32_t b;
@@ -110,9 +114,7 @@ inline float noise_bound(uint32_t key, uint32_t tok) {
 }
 
 #if TL_SIMD
-inline __m256 vnoise_bound(uint32_t key, __m256i tok) {
-    const __m256i h = vmix32(_mm256_xor_si256(_mm256_mullo_epi32(tok, _mm256_set1_epi32((int)GOLD)),
-                                              _mm256_set1_epi32((int)key)));
+inline __m256 vnoise_bound_of(__m256i h) {
     const __m256i odd_v = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
     const __m256 fw = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_set1_epi32(1 << 24), odd_v));
     const __m256i e = _mm256_sub_epi32(_mm256_set1_epi32(151), _mm256_srli_epi32(_mm256_castps_si256(fw), 23));
@@ -127,6 +129,20 @@ inline __m256i tokens8(const int64_t* ids, int j) {
 }
 #endif
 
+// x[j] <- x[j] * inv_temp + g(key, token of j), j < n; the token of j is ids[j] (null: j)
+void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
+    int j = 0;
+#if TL_SIMD
+    const __m256 it = _mm256_set1_ps(inv_temp);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 g = vgumbel_of(vtoken_hash(key, tokens8(ids, j)));
+        _mm256_storeu_ps(x + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), it), g));
+    }
+#endif
+    for (; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
+}
+
+
 // x[j] <- x[j] * inv_temp + g(key, token of j) where token j could be drawn, -inf where it cannot (the row's
 // argmax unchanged), j < n; the token of j is ids[j] (null: j)
 void add_noise_pruned(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
@@ -134,38 +150,25 @@ void add_noise_pruned(float* x, int n, const int64_t* ids, float inv_temp, uint3
     const uint32_t t0 = ids ? (uint32_t)ids[j0] : (uint32_t)j0;
     const float s0 = x[j0] * inv_temp + gumbel(key, t0);
     if (!(s0 > -INFINITY && s0 < INFINITY)) {   // a NaN or an infinity: the whole row, no pruning
-        for (int j = 0; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
+        add_noise(x, n, ids, inv_temp, key);
         return;
     }
     int j = 0;
 #if TL_SIMD
     const __m256 it = _mm256_set1_ps(inv_temp), vs0 = _mm256_set1_ps(s0), ninf = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= n; j += 8) {
-        const __m256i tok = tokens8(ids, j);
+        const __m256i h = vtoken_hash(key, tokens8(ids, j));
         const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + j), it);
-        const __m256 can = _mm256_cmp_ps(_mm256_add_ps(t, vnoise_bound(key, tok)), vs0, _CMP_GE_OQ);
-        if (__builtin_expect(_mm256_movemask_ps(can) != 0, 0)) _mm256_storeu_ps(x + j, _mm256_add_ps(t, vgumbel(key, tok)));
+        const __m256 can = _mm256_cmp_ps(_mm256_add_ps(t, vnoise_bound_of(h)), vs0, _CMP_GE_OQ);
+        if (__builtin_expect(_mm256_movemask_ps(can) != 0, 0)) _mm256_storeu_ps(x + j, _mm256_add_ps(t, vgumbel_of(h)));
         else _mm256_storeu_ps(x + j, ninf);
     }
 #endif
     for (; j < n; ++j) {
-        const uint32_t tok = ids ? (uint32_t)ids[j] : (uint32_t)j;
+        const uint32_t h = token_hash(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
         const float t = x[j] * inv_temp;
-        x[j] = t + noise_bound(key, tok) >= s0 ? t + gumbel(key, tok) : -INFINITY;
+        x[j] = t + noise_bound_of(h) >= s0 ? t + gumbel_of(h) : -INFINITY;
     }
-}
-
-// x[j] <- x[j] * inv_temp + g(key, token of j), j < n; the token of j is ids[j] (null: j)
-void add_noise(float* x, int n, const int64_t* ids, float inv_temp, uint32_t key) {
-    int j = 0;
-#if TL_SIMD
-    const __m256 it = _mm256_set1_ps(inv_temp);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 g = vgumbel(key, tokens8(ids, j));
-        _mm256_storeu_ps(x + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), it), g));
-    }
-#endif
-    for (; j < n; ++j) x[j] = x[j] * inv_temp + gumbel(key, ids ? (uint32_t)ids[j] : (uint32_t)j);
 }
 
 // top-k and top-p on scores y (x / T), in place: a dropped token's score becomes -inf. top-k keeps the
