@@ -231,7 +231,27 @@ def test_unsupported_rows_run_in_pytorch():
     assert calls[-1] == 2
 
 
-@pytest.mark.parametrize("criterion,thresholds", [("latent", [0.05, 0.4, 0.8, 1.5]), ("gate", [0.2, 0.5, 0.9])])
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_random_initial_state_runs_natively(weights):
+    """Huginn's random start (`state_seed`): rows from tokens bring the state model/looped.py draws for their
+    positions, so a prefill (whole and chunked) and a decode step equal PyTorch's, natively; the draw does
+    matter (another seed moves the logits far beyond the tolerance)."""
+    cfg = CONFIGS["huginn-like"].replace(state_init_std=0.4)
+    ref, nat = make_pair(cfg, weights)
+    ref.state_seed = nat.state_seed = 11
+    r = Rows(table=torch.zeros(1, 1, dtype=torch.long), start=0, n=1, last_loop=2, tokens=[3])
+    assert nat.executor.supports(r)
+    check(*prefill_pair(ref, nat))
+    check(*prefill_pair(ref, nat, split=4))
+    lr, ln, kv, kv_nat = one_step(ref, nat)
+    check(lr, ln, kv, kv_nat)
+    nat.state_seed = 12
+    lr2, ln2, _, _ = one_step(ref, nat)
+    assert (lr2 - ln2).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("criterion,thresholds", [("latent", [0.05, 0.4, 0.8, 1.5]), ("gate", [0.2, 0.5, 0.9]),
+                                                  ("kl", [0.01, 0.1, 0.5, 2.0])])
 def test_adaptive_exits_run_natively(criterion, thresholds):
     """loops "auto": each row's criterion is checked inside the call; an exit copies its last loop's keys into
     the skipped slots. Same loops, survival, logits and pool as PyTorch, and some rows do exit early."""
@@ -244,6 +264,9 @@ def test_adaptive_exits_run_natively(criterion, thresholds):
                 m.exit_gate.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
                 m.exit_gate.bias.fill_(-0.5)
     seqs = [(9, 6, 0), (5, 6, 0), (14, 5, 6), (3, 6, 0), (7, 4, 0)]
+    row = Rows(table=torch.zeros(4, 8, dtype=torch.long), start=9, n=1, last_loop=6, tokens=[3],
+               exit_rule=ExitRule(criterion, thresholds[0], 2, 6))
+    assert nat.executor.supports(row)   # (not the PyTorch fallback)
     runs = []
     for th in thresholds:
         got = []

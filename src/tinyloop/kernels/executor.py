@@ -89,6 +89,7 @@ class NativeExecutor:
         self._mark_streamed(m)
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
         self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
+        m.head, m.head_norm, m.head_eps = ctypes.pointer(self.head), self.head_norm, self.head_eps   # (kl rule)
         self._head_buf = torch.empty(0)   # logits of argmax-only calls (under _CALL)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
@@ -162,13 +163,14 @@ class NativeExecutor:
 
     def supports(self, r) -> bool:
         """Rows this executor runs: one token from its embedding (plain decoding, a draft step, adaptive depth
-        with the latent or gate criterion); a prefill chunk (consecutive positions from their tokens, each
+        with the latent, gate or kl criterion); a prefill chunk (consecutive positions from their tokens, each
         a row of the call: every block writes all the call's keys before any row attends, so each position
         sees the chunk's earlier ones); or a run of consecutive positions continuing from a draft's states
         (chain verification, a draft exit's catch-up); tree nodes under a `tree_mask` (a tree round's draft
         passes and its verification: each row's keys at its storage index, its RoPE at its real position,
         attending to the committed keys and its ancestors); read out by the coda, a draft exit or nothing.
-        The kl criterion runs in PyTorch."""
+        Rows from tokens of a model that starts its recurrence from a random state (`state_seed`) bring that
+        state (`_initial_states`)."""
         rule, ro = r.exit_rule, r.readout
         if r.tree_mask is not None:
             if rule is not None:
@@ -182,8 +184,7 @@ class NativeExecutor:
         if r.tokens is not None:
             return (r.first_loop == 0
                     and (rule is None or (r.n == 1 and rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
-                                          and (rule.criterion != "gate" or self.model.exit_gate is not None)))
-                    and (self.model.state_seed is None or self.model.cfg.injection == "none"))
+                                          and (rule.criterion != "gate" or self.model.exit_gate is not None))))
         return rule is None and r.first_loop > 0
 
     def _gate(self) -> None:
@@ -258,6 +259,7 @@ class NativeExecutor:
                 r.out_state = (oe, oh)
             if r.tokens is not None:
                 tokens = r.tokens.tolist() if isinstance(r.tokens, torch.Tensor) else r.tokens
+                h0 = self._initial_states(r, keep)
             tree = None if r.tree_mask is None else _tree_keys(r, keep)
             for j in range(r.n):
                 c = crow[i + j]
@@ -268,6 +270,8 @@ class NativeExecutor:
                 c.table, c.stride, c.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
                 if r.tokens is not None:
                     c.token = tokens[j]
+                    if h0 is not None:
+                        c.state_h = h0[j].data_ptr()
                 else:
                     c.state_e, c.state_h = e[j].data_ptr(), h[j].data_ptr()
                 if r.capture:
@@ -301,6 +305,18 @@ class NativeExecutor:
             loops += r.n * (r.last_loop - r.first_loop)
             i += r.n
         self.model.core_loop_tokens += loops
+
+    def _initial_states(self, r, keep: list) -> torch.Tensor | None:
+        """The states loop 0 starts from for a row's positions where the model draws them at random
+        (`state_seed`: model/looped.py init_state, by position, in the activations' dtype as the PyTorch path
+        has them); None where it starts from zeros or from e (the library's own rule)."""
+        m = self.model
+        if m.state_seed is None or m.cfg.injection == "none" or not m.cfg.state_init_std:
+            return None
+        act = m.act_dtype or m.embed.weight.dtype
+        h0 = m.init_state(torch.zeros(1, r.n, m.cfg.dim, dtype=act), r.positions)[0].float().contiguous()
+        keep.append(h0)
+        return h0
 
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,

@@ -20,7 +20,7 @@ EXECUTORS = ("auto", "native", "torch")
 
 TL_F32, TL_F16, TL_BF16, TL_Q8, TL_Q4, TL_Q2 = range(6)
 TL_KV_F32, TL_KV_F16, TL_KV_BF16, TL_KV_I8, TL_KV_I4, TL_KV_I4H = range(6)
-TL_EXIT = {"latent": 1, "gate": 2}
+TL_EXIT = {"latent": 1, "gate": 2, "kl": 3}
 _p = ctypes.c_void_p
 _i = ctypes.c_int32
 
@@ -47,7 +47,8 @@ class TlModel(ctypes.Structure):
                 ("embed_scale", ctypes.c_float), ("embed", _p), ("embed_kind", _i), ("blocks", ctypes.POINTER(TlBlock)),
                 ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
                 ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double),
-                ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i)]
+                ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i), ("head", ctypes.POINTER(TlLinear)),
+                ("head_norm", _p), ("head_eps", ctypes.c_float)]
 
 
 class TlKV(ctypes.Structure):

@@ -169,8 +169,9 @@ void fill_skipped(const tl_model* m, const tl_kv* kv, const tl_row* r, int used,
         }
 }
 
-// the exit criterion of row r after loop `loop` (0-based): old and new states (dim), updates survival
-bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, const float* h_new) {
+// the exit criterion of row r after loop `loop` (0-based): old and new states (dim), updates survival;
+// kl: the kl rule's divergence after this loop (kl_readout; infinite before a previous distribution)
+bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, const float* h_new, double kl) {
     if (r->exit_kind == TL_EXIT_NONE || r->loops <= loop + 1) return false;
     if (r->exit_kind == TL_EXIT_GATE) {   // every loop's gate counts, checked or not
         double logit = m->gate_b;
@@ -179,6 +180,7 @@ bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, con
     }
     if (loop + 1 < r->min_loops) return false;
     if (r->exit_kind == TL_EXIT_GATE) return 1.0 - r->survival >= r->threshold;
+    if (r->exit_kind == TL_EXIT_KL) return kl < r->threshold;
     double d2 = 0, n2 = 0;
     for (int i = 0; i < m->dim; ++i) {
         const double a = h_new[i], b = h_old[i];
@@ -186,6 +188,57 @@ bool should_exit(const tl_model* m, tl_row* r, int loop, const float* h_old, con
         n2 += a * a;
     }
     return sqrt(d2) / std::max(sqrt(n2), 1e-30) < r->threshold;
+}
+
+// The kl rule's read-out after loop `loop` (model/looped.py _adaptive_exits): for each of the loop's Ml
+// packed rows that asks for it (min_loops - 1 <= loop + 1 < its loops), the coda on its new state (B.y; after
+// the final norm where that ends the recurrence; its coda keys are written again by the final read-out),
+// then the final norm and the head; log-probabilities in double as torch.log_softmax forms them, x - max -
+// log(sum exp(x - max)); kl[p] = KL(p || p_prev) = sum exp(lp) (lp - lp_prev) against the row's previous
+// read-out in this call (logp, by caller row: `orig`), infinite before one. B.y is kept.
+static void kl_readout(const tl_model* m, const tl_kv* kv, const tl_row* ph, const int* orig, int Ml, int loop,
+                Buffers& B, std::vector<double>& logp, std::vector<char>& have, double* kl) {
+    const int64_t dim = m->dim, V = m->vocab, N = m->head->n;
+    std::vector<tl_row> sel;
+    std::vector<int> at;
+    for (int p = 0; p < Ml; ++p) {
+        kl[p] = INFINITY;
+        const tl_row& r = ph[p];
+        if (r.exit_kind == TL_EXIT_KL && r.min_loops - 1 <= loop + 1 && loop + 1 < r.loops) {
+            sel.push_back(r);
+            at.push_back(p);
+        }
+    }
+    if (sel.empty()) return;
+    const int n = (int)sel.size();
+    std::vector<float> x(n * dim), keep(B.y, B.y + Ml * dim);
+    for (int i = 0; i < n; ++i) {
+        const float* h = B.y + at[i] * dim;
+        if (m->post_loop_norm) rmsnorm(h, m->final_norm, x.data() + i * dim, 1, (int)dim, m->norm_eps);
+        else memcpy(x.data() + i * dim, h, sizeof(float) * dim);
+    }
+    const tl_block* coda = m->blocks + m->n_prelude + m->n_core;
+    for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, sel.data(), n, m->n_prelude + i, x.data(), B);
+    memcpy(B.y, keep.data(), sizeof(float) * Ml * dim);
+    std::vector<float> logits(n * N), hs(2 * n * dim + n * (dim / 8) + 16);
+    tl_head(m->head, x.data(), n, m->head_norm, m->head_eps, (int32_t)V, logits.data(), nullptr, hs.data(), nullptr);
+    for (int i = 0; i < n; ++i) {
+        const float* y = logits.data() + i * N;
+        double mx = -INFINITY, sum = 0.0;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, (double)y[v]);
+        for (int64_t v = 0; v < V; ++v) sum += exp((double)y[v] - mx);
+        const double lse = log(sum);
+        const int r = orig[at[i]];
+        double* lp = logp.data() + r * V;
+        double d = 0.0;
+        for (int64_t v = 0; v < V; ++v) {
+            const double l = ((double)y[v] - mx) - lse;
+            if (have[r]) d += exp(l) * (l - lp[v]);
+            lp[v] = l;
+        }
+        kl[at[i]] = have[r] ? d : INFINITY;
+        have[r] = 1;
+    }
 }
 
 extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32_t M, float* hidden,
@@ -227,7 +280,11 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, n_fresh, i, B.x, B);
     memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
     if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);
-    else memset(B.h, 0, sizeof(float) * n_fresh * dim);
+    else
+        for (int r = 0; r < n_fresh; ++r) {
+            if (rows[r].state_h) memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
+            else memset(B.h + r * dim, 0, sizeof(float) * dim);
+        }
     for (int r = n_fresh; r < M; ++r) {
         memcpy(B.e + r * dim, rows[r].state_e, sizeof(float) * dim);
         memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
@@ -238,6 +295,12 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     // (e and h rows move with them), `orig` maps a physical row back to the caller's.
     std::vector<tl_row> ph(rows, rows + M);
     std::vector<int> orig(M), order(M);
+    std::vector<double> logp, kl(M, INFINITY);   // the kl rule's last log-probabilities (M, vocab), divergences
+    std::vector<char> have(M, 0);
+    bool any_kl = false;
+    for (int r = 0; r < M; ++r) any_kl |= rows[r].exit_kind == TL_EXIT_KL;
+    if (any_kl && !m->head) return 7;
+    if (any_kl) logp.resize((size_t)M * m->vocab);
     for (int r = 0; r < M; ++r) orig[r] = r;
     for (int loop = 0; loop < max_loops; ++loop) {
         int Ml = 0;
@@ -276,8 +339,9 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
         if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
         else memcpy(B.y, B.x, sizeof(float) * Ml * dim);
+        if (any_kl) kl_readout(m, kv, ph.data(), orig.data(), Ml, loop, B, logp, have, kl.data());
         for (int p = 0; p < Ml; ++p)
-            if (should_exit(m, &ph[p], loop, B.h + p * dim, B.y + p * dim)) {
+            if (should_exit(m, &ph[p], loop, B.h + p * dim, B.y + p * dim, kl[p])) {
                 fill_skipped(m, kv, &ph[p], loop + 1, ph[p].loops);
                 ph[p].loops = loop + 1;
             }

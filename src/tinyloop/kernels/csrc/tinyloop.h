@@ -47,6 +47,8 @@ typedef struct {
     const float* gate_w; double gate_b;     // the exit gate Linear(dim -> 1) (exit criterion "gate")
     const struct tl_readout* readouts;      // read-outs besides the coda (draft exits)
     int32_t n_readouts;
+    const tl_linear* head;                  // the LM head, its norm (null: none) and eps: the kl criterion's
+    const float* head_norm; float head_eps; // read-out after a loop (tl_head)
 } tl_model;
 
 typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
@@ -62,7 +64,7 @@ typedef struct {
     uint16_t* v_scale; uint16_t* v_offset;
 } tl_kv;
 
-enum { TL_EXIT_NONE = 0, TL_EXIT_LATENT = 1, TL_EXIT_GATE = 2 };   // model/exits.py criteria
+enum { TL_EXIT_NONE = 0, TL_EXIT_LATENT = 1, TL_EXIT_GATE = 2, TL_EXIT_KL = 3 };   // model/exits.py criteria
 
 typedef struct {
     // one token at storage index == position `pos`: from its embedding (first_loop 0) or from the state
@@ -78,7 +80,9 @@ typedef struct {
     int32_t loops_run;                      // out: core loops this row ran
     int32_t first_loop;
     int32_t readout;                        // -1 none, 0 the model's coda, i > 0 readouts[i - 1]
-    const float* state_e; const float* state_h;   // first_loop > 0: (dim) each
+    const float* state_e; const float* state_h;   // first_loop > 0: (dim) each; a row from its token with an
+                                            // injection may bring state_h: loop 0 starts from it (a random
+                                            // initial state, model/looped.py init_state), else from zeros
     float* out_e; float* out_h;             // non-null: the state after the last loop is kept here
     // a tree node (engine/tree.py; tree_n > 0): its keys go to storage index `store`, not `pos` (its real
     // position: RoPE, window); it attends to the committed keys below storage index tree_base (window
