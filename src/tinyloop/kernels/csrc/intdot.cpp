@@ -331,6 +331,12 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 _mm256_storeu_ps(zT + (g + l) * 8, zv[l]);
             }
         }
+        if (NG == 1) {   // one group a row (the int8 head): the eight rows' scales and zero points side by side
+            _mm256_storeu_ps(sT, vload_f16(L->scales + n));
+            __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + n))));
+            _mm256_storeu_ps(zT, BITS == 8 ? _mm256_sub_ps(z, _mm256_set1_ps(128.f)) : z);
+            g = 1;
+        }
         for (; g < NG; ++g)
             for (int j = 0; j < 8; ++j) {
                 sT[g * 8 + j] = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
@@ -363,10 +369,11 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
                     for (int c = s * S; c < (s + 1) * S; c += 64) {
                         const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
-                        if (r == 0 && (BITS == 8 || L->streamed))   // (int4 layers in cache: not worth it)
+                        // the line 32 rows ahead that holds these columns: one a step (int8: 64 bytes), one
+                        // every other step (int4: 32 bytes); int4 layers in cache are not worth it
+                        if (r == 0 && (BITS == 8 || (L->streamed && c % 128 == 0)))
                             for (int j = 0; j < 8; ++j)
-                                for (int l = 0; l < BITS / 4; ++l)
-                                    _mm_prefetch((const char*)(at + (32 + j) * row_bytes + 64 * l), _MM_HINT_T0);
+                                _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
                         const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
                         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
 #pragma GCC unroll 8
