@@ -251,7 +251,6 @@ def test_seeded_sampling_repeats(tiny64):
     (dict(draft_ahead=17), "draft_ahead"),
     (dict(mode="tree_speculative", k_branches=5, draft_ahead=13), "K_branches"),
     (dict(mode="tree_speculative", k_branches=17), "K_branches"),
-    (dict(mode="tree_speculative", k_branches=2, temperature=0.5), "temperature"),
     (dict(mode="tree_speculative", k_branches=2, cache_window=8), "cache_window"),
     (dict(mode="nope"), "mode"),
 ])

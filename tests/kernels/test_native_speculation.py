@@ -133,6 +133,35 @@ def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
         assert rounds and all(r is not None and r[0] == 11 and r[4] == extra.get("top_p", 1.0) for r in rounds)
 
 
+def test_sampled_tree_speculation_is_plain_sampling():
+    """A sampled tree request (K = 2) runs its tree rounds in one native call each (tl_tree_round with the
+    round's draws: the verifier's token after a node at depth t drawn under the key of output index n0 + t),
+    and its output is plain sampling's for the seed, with and without top-p, tree rounds only or chosen
+    against chain rounds; more than one token is accepted in some round. Without the one-call rounds a
+    sampled tree request drafts a chain (the stepwise tree walk is greedy only): the same output."""
+    from tinyloop.engine import SamplingParams
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    trees = []
+    orig_tree = nat.executor.tree_round
+    nat.executor.tree_round = lambda *a, **kw: (trees.append(kw.get("noise")), orig_tree(*a, **kw))[1]
+    prompt = [5, 17, 300, 42, 7, 9]
+    for extra in ({}, {"top_p": 0.9}):
+        plain_p = SamplingParams(max_tokens=24, loops=4, temperature=0.8, seed=5, **extra)
+        tree_p = SamplingParams(max_tokens=24, mode="tree_speculative", verify_loops=4, draft_loops=2,
+                                draft_ahead=3, k_branches=2, temperature=0.8, seed=5, **extra)
+        plain, _ = _ids(nat, prompt, plain_p, True)
+        for kw in (dict(adaptive=False), dict(), dict(native_round=False)):
+            trees.clear()
+            got, st = _ids(nat, prompt, tree_p, True, draft_vocab=None, **kw)
+            assert got == plain, (extra, kw)
+            if kw.get("native_round", True):
+                assert trees and all(t is not None and t[0] == 5 and t[4] == extra.get("top_p", 1.0) for t in trees)
+                assert st["acceptance_rate"] > 0
+            else:
+                assert not trees
+
+
 def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():
     """Six sampled speculative requests at once (past ALONE_UP_TO: their rounds become plain rows of the shared
     step, drawn in its one head call) beside plain sampled ones: each answer is its seed's plain answer."""

@@ -34,12 +34,18 @@ class NativeRound:
             head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=None if sp.params.greedy else (sp.sampler.seed, sp.sampler.n_out, *sp.sampler.draw_params()[1:]))
+            noise=noise(sp))
+
+
+def noise(sp):
+    """A sampled round's draws (seed, index of the token after the pending one, 1 / T, top_k, top_p); None:
+    greedy."""
+    return None if sp.params.greedy else (sp.sampler.seed, sp.sampler.n_out, *sp.sampler.draw_params()[1:])
 
 
 class NativeTreeRound(NativeRound):
-    """A whole greedy tree round (K > 1) for the native executor (`NativeExecutor.tree_round`), run like a
-    `NativeRound`."""
+    """A whole tree round (K > 1, greedy or sampled) for the native executor (`NativeExecutor.tree_round`),
+    run like a `NativeRound`."""
 
     def run(self, kv) -> None:
         sp, head = self.spec, self.spec.head
@@ -47,4 +53,4 @@ class NativeTreeRound(NativeRound):
         self.result = sp.model.executor.tree_round(
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
             sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
-            None if head.ids is None else head.ids[: head.n], norm)
+            None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp))

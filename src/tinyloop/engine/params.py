@@ -201,8 +201,6 @@ class SamplingParams:
             need(1 <= self.k_branches <= 16, "K_branches", f"must be in 1..16, got {self.k_branches}")
             need(self.k_branches * self.draft_ahead <= 64, "K_branches",
                  f"K_branches x draft_ahead must be <= 64, got {self.k_branches * self.draft_ahead}")
-            need(self.greedy or self.k_branches == 1, "temperature",
-                 "tree speculation with K_branches > 1 is greedy only: set temperature to 0")
             need(self.cache_window == 0 or self.k_branches == 1, "cache_window",
                  "tree speculation with K_branches > 1 needs the full cache: set cache_window to 0")
         return self

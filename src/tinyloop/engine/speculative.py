@@ -30,10 +30,10 @@ L+1.. with `PagedKV.copy_positions` in every slot, never recomputed.
 
 Round shapes:
 
-- chain (mode "speculative", and tree with temperature > 0): draft up to k = draft_ahead tokens one by
+- chain (mode "speculative", and a sampled tree request whose rounds cannot run natively): draft up to k = draft_ahead tokens one by
   one; drafting stops early when the draft's top probability drops below `draft_stop` (the draft is
   then likely wrong, and every further draft token costs d loops plus a head); verify k+1 positions.
-- tree (mode "tree_speculative", greedy): a beam of width K = K_branches ranked by cumulative draft
+- tree (mode "tree_speculative"; sampled: natively, tl_tree_round): a beam of width K = K_branches ranked by cumulative draft
   log-probability; each depth's K nodes are drafted in one batched pass with a tree attention mask
   (each node sees the committed context, its ancestors and itself); depth = draft_ahead. One
   verification pass covers all 1 + K*depth nodes; the head runs lazily, first over the beam's best
@@ -102,7 +102,9 @@ class Speculator(TreeRounds):
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
-        self.tree = params.mode == "tree_speculative" and params.greedy
+        # tree rounds: greedy, or sampled where the whole round runs natively (tl_tree_round draws as plain
+        # sampling does; the stepwise tree walk is greedy only); other sampled tree requests run chain rounds
+        self.tree = params.mode == "tree_speculative"
         self.draft_stop = draft_stop
         self.kv, self.table = kv, table       # the pool, and this sequence's pages in it (blocks, slots)
         self.length = 0                       # positions committed in every slot
@@ -132,10 +134,14 @@ class Speculator(TreeRounds):
         native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
                   and sampler.matcher is None and draft_stop <= 0
                   and (model.state_seed is None or model.cfg.injection == "none"))
+        if not params.greedy and not (native and self.sampled_native):
+            self.tree = False
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         # an adaptive tree request takes a tree round or a chain round, whichever measures faster
         self.shapes = TreeOrChain() if self.native_tree and adaptive else None
-        self.native = native and (not self.tree or self.K == 1 or self.shapes is not None)
+        # (a fixed greedy tree request runs every round as a tree, its last plain round stepwise; a sampled
+        # one takes native chain rounds where it does not draft)
+        self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
         self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
         self._last: tuple | None = None   # (k, accepted, draft ms, start) of the round not yet timed

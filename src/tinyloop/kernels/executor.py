@@ -391,12 +391,12 @@ class NativeExecutor:
 
     def tree_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, depth: int, K: int, d: int,
                    V: int, draft_readout, last_readout, draft_weight: torch.Tensor | None,
-                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None) -> dict:
-        """One greedy tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted
-        `depth` levels deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification
-        and the walk. `draft_readout` / `last_readout`: the read-out of the draft passes and of the last
-        one (None, or a draft exit's (exit, slots)); the draft head as in `spec_round`. Returns the nodes'
-        tokens and parents, the emitted tokens, the accepted path's nodes and the two phases' ms."""
+                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None, noise: tuple | None = None) -> dict:
+        """One tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted `depth` levels
+        deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification and the walk.
+        `draft_readout` / `last_readout`: the read-out of the draft passes and of the last one (None, or a
+        draft exit's (exit, slots)); the draft head and `noise` (sampled rounds) as in `spec_round`. Returns
+        the nodes' tokens and parents, the emitted tokens, the accepted path's nodes and the two phases' ms."""
         with _CALL:
             keep, readouts = [], {}
             t = _int64(table)
@@ -421,6 +421,8 @@ class NativeExecutor:
                 T.draft_norm, T.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
             T.head = ctypes.pointer(self.head)
             T.head_norm, T.head_eps, T.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            if noise is not None:
+                T.seed, T.n0, T.inv_temp, T.top_k, T.top_p = noise
             toks, parents = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
             emitted, path = torch.zeros(depth + 1, dtype=torch.int32), torch.zeros(depth + 1, dtype=torch.int32)
             T.tokens, T.parents, T.emitted, T.path = (x.data_ptr() for x in (toks, parents, emitted, path))

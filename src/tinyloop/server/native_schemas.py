@@ -111,7 +111,7 @@ class SpeculativeRequest(GenerateRequest):
 class TreeSpeculativeRequest(SpeculativeRequest):
     MODE: ClassVar[str] = "tree_speculative"
     K_branches: Int = rng(param_default("k_branches"), lo=1, hi=16,
-                          description="K_branches x draft_ahead <= 64; above 1: greedy only, cache_window 0")
+                          description="K_branches x draft_ahead <= 64; above 1: cache_window 0")
 
     def speculative_params(self) -> dict[str, Any]:
         return {**super().speculative_params(), "k_branches": self.K_branches}

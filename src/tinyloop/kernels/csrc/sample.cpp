@@ -275,3 +275,15 @@ extern "C" int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sam
     }
     return tl_choose(x, n, ids, s->inv_temp, s->key);
 }
+
+extern "C" void tl_perturb(float* x, int32_t n, const int64_t* ids, const tl_sampling* s) {
+    for (int j = 0; j < n; ++j) x[j] = x[j] * s->inv_temp;
+    if ((s->top_k > 0 && s->top_k < n) || s->top_p < 1.0f) truncate(x, n, s->top_k, s->top_p);
+    const float mx = row_max(x, n);
+    if (!(mx > -INFINITY && mx < INFINITY)) return;
+    double z = 0.0;
+    for (int j = 0; j < n; ++j) z += x[j] > -INFINITY ? exp((double)(x[j] - mx)) : 0.0;
+    const float lse = mx + (float)log(z);
+    for (int j = 0; j < n; ++j) x[j] -= lse;
+    add_noise(x, n, ids, 1.0f, s->key);
+}

@@ -119,6 +119,9 @@ int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sampling* s);
 uint32_t tl_noise_key(uint64_t seed, int64_t n);
 void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out);
 int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_temp, uint32_t key);
+// x <- x / T, top-k and top-p applied (dropped: -inf), less the log-sum-exp of what is kept, plus every token's
+// noise under s->key: the perturbed log-probabilities whose argmax is tl_draw's token (a tree's draft beam)
+void tl_perturb(float* x, int32_t n, const int64_t* ids, const tl_sampling* s);
 
 // One greedy chain-speculation round (engine/speculative.py): k drafts from `base` (the pending token at
 // position base->pos; its table, stride, window), each prelude + loops 0..d-1 + read-out `draft_readout`
@@ -153,7 +156,7 @@ int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_
                      int64_t scratch_len);
 int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
 
-// One greedy tree-speculation round (tree.cpp; K > 1 branches, `depth` drafted levels): the pending token
+// One tree-speculation round (tree.cpp; K > 1 branches, `depth` drafted levels): the pending token
 // at base->pos is node 0; node i is stored at base->pos + i. Out: the nodes' tokens and parents, the
 // round's output (`emitted`, n_emitted <= depth + 1) and the accepted path's nodes (`path`, path[0] = 0;
 // the caller compacts them into consecutive positions).
@@ -166,6 +169,9 @@ typedef struct {
     int32_t* emitted; int32_t* path;       // out (depth + 1)
     int32_t n_nodes, n_emitted;            // out
     double draft_ms, verify_ms;            // out
+    // sampling (inv_temp > 0; tl_round's fields): the verifier's token after a node at depth t is tl_draw's
+    // with the key of output index n0 + t; the beam ranks children by their perturbed draft log-probability
+    float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
 } tl_tree;
 int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_tree* T, float* scratch,
                   int64_t scratch_len);

@@ -1,4 +1,6 @@
-// One greedy tree-speculation round in one call (engine/tree_rounds.py TreeRounds._tree_round, K > 1).
+// One tree-speculation round in one call (engine/tree_rounds.py TreeRounds._tree_round, K > 1), greedy or
+// sampled by shared noise (the walk accepts the child equal to the verifier's draw, so the output is plain
+// sampling's for the seed).
 // Node 0 is the pending token at position L = base->pos, storage index L; node i is stored at L + i and sits
 // at position L + depth(i). Pass t (1 .. depth) drafts the frontier's K nodes (the root alone first) in one
 // tl_decode call of tree rows (prelude + loops 0..d-1 + the draft read-out, states kept), scores their
@@ -61,6 +63,15 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int64_t dec_len = scratch_len - lay.total;
     const tl_linear* DH = T->draft_head ? T->draft_head : T->head;
     const int cols = draft_cols(T);
+    const bool sampled = T->inv_temp > 0.0f;
+    auto draw_at = [&](int offset) {   // how the token at `offset` after the pending one is picked
+        tl_sampling s;
+        s.key = sampled ? tl_noise_key(T->seed, (int64_t)T->n0 + offset) : 0u;
+        s.inv_temp = T->inv_temp;
+        s.top_k = T->top_k;
+        s.top_p = T->top_p;
+        return s;
+    };
     const double t0 = now_ms();
 
     // the tree: tokens, parents, depths, cumulative scores; each node's visible node keys (storage
@@ -125,10 +136,22 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         if (t > depth) break;
         rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr);
         if (rc) return 20 + rc;
-        // log-softmax of each frontier row (float64, as the Python path) plus the node's score
+        // log-softmax of each frontier row (float64, as the Python path) plus the node's score; sampled: the
+        // perturbed log-probabilities under the key of the children's output index (tl_perturb), whose
+        // argmax is the draft's own draw
         total.assign((size_t)F * cols, 0.0);
         int greedy = 0;
-        for (int f = 0; f < F; ++f) {
+        for (int f = 0; f < F && sampled; ++f) {
+            float* x = logits + (int64_t)f * DH->n;
+            const tl_sampling sd = draw_at(t - 1);
+            tl_perturb(x, cols, T->draft_ids, &sd);
+            const double s0 = score[frontier[f]];
+            for (int c = 0; c < cols; ++c) total[(size_t)f * cols + c] = (double)x[c] + s0;
+            if (f == 0)
+                for (int c = 1; c < cols; ++c)
+                    if (x[c] > x[greedy]) greedy = c;
+        }
+        for (int f = 0; f < F && !sampled; ++f) {
             const float* x = logits + (int64_t)f * DH->n;
             double mx = -INFINITY;
             for (int c = 0; c < cols; ++c) mx = std::max(mx, (double)x[c]);
@@ -179,10 +202,13 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     std::vector<int32_t> pick(count, -1), picks(depth + 1);
     std::vector<std::vector<std::pair<int32_t, int>>> children(count);   // (token, node) in drafting order
     for (int i = 1; i < count; ++i) children[par[i]].push_back({tok[i], i});
+    std::vector<tl_sampling> draws(depth + 1);
     auto score_chain = [&](const std::vector<int>& chain) -> int {
         const int c = (int)chain.size();
         for (int j = 0; j < c; ++j) memcpy(es + (int64_t)j * dim, hid + (int64_t)chain[j] * dim, sizeof(float) * dim);
-        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc, nullptr);
+        for (int j = 0; j < c; ++j) draws[j] = draw_at(depth_of[chain[j]]);   // (the token after the node)
+        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc,
+                              sampled ? draws.data() : nullptr);
         for (int j = 0; j < c && !r; ++j) pick[chain[j]] = picks[j];
         return r;
     };
