@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install native serve test corpus int4-model draft-exit gate clean
+.PHONY: install native agents serve test corpus int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,9 +23,20 @@ native: $(STAMP)
 serve: native
 	$(VENV)/bin/tinyloop serve $(ARGS)
 
+# The real agents the agent-API tests drive unchanged (tests/server: `codex exec` over the Responses API,
+# `claude -p` over Messages), pinned, from npm into the venv (~20 s, ~650 MB, once). Without npm or the
+# registry it says so and those two tests skip.
+AGENTS := $(VENV)/agents/node_modules/.bin
+$(AGENTS)/codex: | $(STAMP)
+	@command -v npm >/dev/null 2>&1 && npm install -s --prefix $(VENV)/agents --no-audit --no-fund --fetch-retries 1 \
+	    @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 >/dev/null 2>&1 \
+	    || echo "make: WARNING: could not install Codex CLI and Claude Code from npm; their tests will skip" >&2
+
+agents: $(AGENTS)/codex
+
 # The suite is split over two worker processes (pytest-xdist), a test file per worker at a time.
 TEST_WORKERS ?= 2
-test: native
+test: native agents
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of

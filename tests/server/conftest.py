@@ -4,6 +4,7 @@ subprocesses) and a "forced" model whose greedy continuation is known exactly.""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +29,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def agent_bin(name: str, env_var: str) -> str | None:
+    """A real agent's command: `env_var`, else `name` on PATH, else the venv's pinned copy (`make agents`)."""
+    local = Path(sys.prefix) / "agents" / "node_modules" / ".bin" / name
+    return os.environ.get(env_var) or shutil.which(name) or (str(local) if local.exists() else None)
 
 
 def write_forced_model(path: Path, chain: list[int], tokenizer, *, max_seq_len: int = 256) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import httpx
@@ -22,7 +21,7 @@ from tinyloop.server.anthropic import MessagesFramer, param_of, partial_object
 from tinyloop.server.errors import APIError
 from tinyloop.server.settings import Settings
 
-from .conftest import ServerThread
+from .conftest import ServerThread, agent_bin
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -348,10 +347,10 @@ def test_async_client(server):
     assert full == streamed
 
 
-CLAUDE = os.environ.get("TINYLOOP_CLAUDE_BIN") or shutil.which("claude")
+CLAUDE = agent_bin("claude", "TINYLOOP_CLAUDE_BIN")
 
 
-@pytest.mark.skipif(not CLAUDE, reason="Claude Code is not installed (npm install @anthropic-ai/claude-code, or "
+@pytest.mark.skipif(not CLAUDE, reason="Claude Code is not installed (make agents, npm install @anthropic-ai/claude-code, or "
                                        "TINYLOOP_CLAUDE_BIN=path/to/claude)")
 def test_claude_code_runs_a_turn(tmp_path, tokenizer):
     """`claude -p` unchanged against the server (ANTHROPIC_BASE_URL), on a forced model whose answer under the

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from typing import Literal
 
@@ -26,7 +25,7 @@ from tinyloop.server.errors import APIError
 from tinyloop.server.openai_responses import ResponsesFramer, ResponseStore, Stored
 from tinyloop.server.settings import Settings
 
-from .conftest import ServerThread
+from .conftest import ServerThread, agent_bin
 
 openai = pytest.importorskip("openai")
 
@@ -517,10 +516,10 @@ def test_store_lru():
     assert none.get("a") is None
 
 
-CODEX = os.environ.get("TINYLOOP_CODEX_BIN") or shutil.which("codex")
+CODEX = agent_bin("codex", "TINYLOOP_CODEX_BIN")
 
 
-@pytest.mark.skipif(not CODEX, reason="Codex CLI is not installed (npm install @openai/codex, or "
+@pytest.mark.skipif(not CODEX, reason="Codex CLI is not installed (make agents, npm install @openai/codex, or "
                                       "TINYLOOP_CODEX_BIN=path/to/codex)")
 def test_codex_exec_runs_a_turn(tmp_path, tokenizer):
     """`codex exec` unchanged against the server (a local provider with wire_api "responses"), on a forced model
