@@ -483,8 +483,11 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
     qq_plan(L, AB == 32, plan);
     const QQPlan& P = plan;
-    tl_parallel_for((L->n + CHUNK - 1) / CHUNK, [&](int c, int) {
-        const int n0 = c * CHUNK, n1 = std::min(L->n, (c + 1) * CHUNK);
+    // (a long matrix, the head: chunks of 256 rows, so that the per-chunk set-up is not paid 1,571 times;
+    // the threads still get dozens of chunks each)
+    const int chunk = L->n >= 16384 ? 8 * CHUNK : CHUNK;
+    tl_parallel_for((L->n + chunk - 1) / chunk, [&](int c, int) {
+        const int n0 = c * chunk, n1 = std::min(L->n, (c + 1) * chunk);
         if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
         else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
         else qq_rows<4, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
