@@ -86,6 +86,7 @@ def test_the_thinking_block_comes_apart_plain_and_streamed_alike(nanbeige, kw):
     assert parts["content"] == (msg["content"] or "")
     if not kw:   # never closed by the tiny model: all reasoning, cut by max_tokens
         assert msg["content"] is None and msg["reasoning_content"] and r["choices"][0]["finish_reason"] == "length"
+        assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == r["usage"]["completion_tokens"] == 10
     else:
         assert msg["content"]
     if kw.get("max_thinking_tokens") == 0:
@@ -99,6 +100,8 @@ def test_the_budget_forces_the_closing_tag_after_exactly_that_many_tokens(nanbei
         tokens = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
         assert tokens.index("</think>") == k and tokens.count("</think>") == 1
         assert r["usage"]["completion_tokens"] == 8
+        # usage counts the block's tokens, its closing tag included (the prompt opened it)
+        assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == k + 1
     low = post(nanbeige, "/v1/chat/completions", model="x", messages=MSGS, max_tokens=8, temperature=0,
                reasoning_effort="none", logprobs=True).json()
     assert low["choices"][0]["logprobs"]["content"][0]["token"] == "</think>"
@@ -109,6 +112,7 @@ def test_enable_thinking_off_gives_no_reasoning(nanbeige):
              chat_template_kwargs={"enable_thinking": False}).json()
     msg = r["choices"][0]["message"]
     assert msg["reasoning_content"] is None and msg["content"]
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     on = post(nanbeige, "/tokenize", messages=MSGS).json()["count"]
     off = post(nanbeige, "/v1/chat/completions", model="x", messages=MSGS, max_tokens=1,
                chat_template_kwargs={"enable_thinking": False}).json()["usage"]["prompt_tokens"]
@@ -128,6 +132,7 @@ def test_responses_have_a_reasoning_item_streamed_as_plain(nanbeige):
     kw = dict(model="x", input="Hi", max_output_tokens=8, temperature=0)
     plain = client.responses.create(**kw)
     assert plain.output[0].type == "reasoning" and plain.output[0].content[0].text and plain.status == "incomplete"
+    assert plain.usage.output_tokens_details.reasoning_tokens == plain.usage.output_tokens == 8   # all thinking
     with client.responses.stream(**kw) as s:
         seen = list(s)
     events = [e.type for e in seen]
@@ -216,6 +221,8 @@ def test_a_block_the_model_opens_itself_is_reasoning(qwen):
     msg = r["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"], r["choices"][0]["finish_reason"]) == \
         ("quick brown", "fox lazy", "stop")
+    # the block the output opened, tags included: its tokens up to "</think>", not the answer's
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4   # <think> quick brown </think>
     cut = post(qwen, "/v1/chat/completions", model="x", messages=MSGS, max_tokens=10, temperature=0,
                max_thinking_tokens=1).json()["choices"][0]["message"]
     assert cut["reasoning_content"] == "quick" and cut["content"] == "fox lazy"   # forced </think>, then the chain

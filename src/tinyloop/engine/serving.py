@@ -58,6 +58,7 @@ class _Output:
     pending: Rows | None = None                  # the pass it waits on (runs in the next step)
     run_stats: dict[str, Any] = field(default_factory=dict)
     done: bool = False
+    thought: Any = None   # a thinking model's block (engine/thinking.py ThinkingMatcher): its reasoning_tokens
 
 
 @dataclass(eq=False)
@@ -150,14 +151,19 @@ class BatchEngine:
             p = params if (i == 0 or params.seed is None) else params.replace(seed=params.seed + i)
             # a constrained output's grammar state (its compiled grammar is cached: this is a copy)
             matcher = None if params.constraint is None else self.engine.grammars.matcher(params.constraint)
-            think = plan.thinking
-            if think is not None and (think.budget is not None or (matcher is not None and think.inside)):
-                # the budget, and a constraint held off until the answer (engine/thinking.py)
+            think, thought = plan.thinking, None
+            if think is not None:
                 from .thinking import ThinkingMatcher
 
-                matcher = ThinkingMatcher(think, matcher, self.engine.tokenizer.token_bytes, cfg.vocab_size,
-                                          min(self.engine.eos_ids) if self.engine.eos_ids else 0)
-            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i)))
+                eos = min(self.engine.eos_ids) if self.engine.eos_ids else 0
+                if think.budget is not None or (matcher is not None and think.inside):
+                    # the budget, and a constraint held off until the answer (engine/thinking.py)
+                    matcher = thought = ThinkingMatcher(think, matcher, self.engine.tokenizer.token_bytes,
+                                                        cfg.vocab_size, eos)
+                else:   # only followed, for usage's reasoning_tokens (the sampler stays unconstrained)
+                    thought = ThinkingMatcher(think, None, self.engine.tokenizer.token_bytes, cfg.vocab_size, eos)
+            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i),
+                                   thought=thought))
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
         self._next_id += 1
@@ -390,6 +396,8 @@ class BatchEngine:
 
     def _token(self, req: Request, o: _Output, tok: int, loops: int | None = None, logprob=None) -> None:
         req.started = True
+        if o.thought is not None and o.thought is not o.sampler.matcher:   # (the sampler's own has it)
+            o.thought.accept(tok)
         ev = o.stream.feed(tok, loops, logprob)
         if ev is not None:
             req.emit(ev)
@@ -401,6 +409,8 @@ class BatchEngine:
     def _finish(self, req: Request, o: _Output, reason: str | None) -> None:
         if o.seq is not None:
             o.run_stats["prompt_tokens_cached"] = o.seq.prompt_cached
+        if o.thought is not None:   # a thinking model's output: the tokens of its thinking block (not a stop id)
+            o.run_stats["reasoning_tokens"] = min(o.thought.reasoning_tokens, o.stream.n)
         self._release(o, reason or "stop")
         req.emit(o.stream.close(o.run_stats, reason))
         if req.done:

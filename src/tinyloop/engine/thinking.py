@@ -108,11 +108,21 @@ class ThinkingMatcher:
         self.fed = 0              # tokens the inner matcher has accepted
         self.history: list[tuple] = []
         self.consumed = 0
+        self.opened = plan.inside   # a block is the output's (its reasoning tokens count in usage)
+        self.closed_at = 0          # tokens of the output up to its block's closing tag, the tag's included
         self._budget_check()
 
     # -- state ---------------------------------------------------------------------------------------------
     def _state(self) -> tuple:
-        return self.phase, self.count, self.text, self.forced, self.fed
+        return self.phase, self.count, self.text, self.forced, self.fed, self.opened, self.closed_at
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The output's tokens that belong to its thinking block (its tags included): all of them while the
+        block is open, none when the output has no block (`usage.completion_tokens_details.reasoning_tokens`)."""
+        if not self.opened:
+            return 0
+        return self.consumed if self.thinking or self.phase == "start" else self.closed_at
 
     def _budget_check(self) -> None:
         if self.phase == "think" and self.plan.budget is not None and self.count >= self.plan.budget:
@@ -139,17 +149,17 @@ class ThinkingMatcher:
         if self.phase == "force":
             self.forced += 1
             if self.forced >= len(self.plan.close_ids):
-                self.phase = "answer"
+                self.phase, self.closed_at = "answer", self.consumed
             return
         piece = self.token_bytes(token) if 0 <= token < self.vocab_size else b""
         if self.phase == "start":
             self.text += piece
             head = self.text.lstrip()
             if head.startswith(self.open_b):
-                self.phase, self.text = "think", b""
+                self.phase, self.text, self.opened = "think", b"", True
                 rest = head[len(self.open_b):]
                 if self.close_b in rest:
-                    self.phase = "answer"
+                    self.phase, self.closed_at = "answer", self.consumed
                 else:
                     self.text = rest[-len(self.close_b):]
                 self._budget_check()
@@ -159,7 +169,7 @@ class ThinkingMatcher:
         self.count += 1             # "think"
         seen = self.text + piece
         if self.close_b in seen:
-            self.phase, self.text = "answer", b""
+            self.phase, self.text, self.closed_at = "answer", b"", self.consumed
             return
         self.text = seen[-len(self.close_b):]
         self._budget_check()
@@ -171,7 +181,7 @@ class ThinkingMatcher:
         del self.history[-n:]
         self.consumed -= n
         fed = self.fed
-        self.phase, self.count, self.text, self.forced, self.fed = state
+        self.phase, self.count, self.text, self.forced, self.fed, self.opened, self.closed_at = state
         if self.inner is not None and fed > self.fed:
             self.inner.rollback(fed - self.fed)
 

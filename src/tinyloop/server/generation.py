@@ -249,7 +249,8 @@ def total_usage(results: list[Result]) -> dict[str, int]:
     """One prompt, n completions: prompt tokens counted once (the prefill is shared)."""
     p = results[0].stats["prompt_tokens"]
     c = sum(r.stats["completion_tokens"] for r in results)
-    return usage(p, c, results[0].stats.get("prompt_tokens_cached", 0))
+    return usage(p, c, results[0].stats.get("prompt_tokens_cached", 0),
+                 sum(r.stats.get("reasoning_tokens", 0) for r in results))
 
 
 def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:

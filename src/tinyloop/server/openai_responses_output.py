@@ -167,11 +167,12 @@ class Items:
 def usage(stats: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's Responses usage: input_tokens count the prompt (cached_tokens: of them, read from the prefix
     cache; cache_write_tokens 0, as the Messages API's cache_creation_input_tokens: the prefix cache is automatic
-    and free); these models produce no reasoning tokens."""
+    and free); reasoning_tokens: of the output, a thinking model's thinking block (its tags included)."""
     p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
     return {"input_tokens": p, "input_tokens_details": {"cached_tokens": stats.get("prompt_tokens_cached", 0),
                                                         "cache_write_tokens": 0},
-            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": stats.get("reasoning_tokens", 0)},
+            "total_tokens": p + c}
 
 
 def response_object(body: ResponsesRequest, *, id: str, model: str, created_at: int, tools_shown: list[dict],

@@ -13,10 +13,12 @@ from ..engine import StreamEvent
 from .logprobs import chat_content, chat_logprobs
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix cache."""
+def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix cache;
+    `reasoning_tokens`: completion tokens of a thinking model's thinking block (its tags included)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
@@ -53,7 +55,8 @@ class Framer:
         firsts = [st for i, st in self.closed.items() if i % self.per_prompt == 0]
         c = sum(st.get("completion_tokens", 0) for st in self.closed.values())
         return usage(sum(st.get("prompt_tokens", 0) for st in firsts), c,
-                     sum(st.get("prompt_tokens_cached", 0) for st in firsts))
+                     sum(st.get("prompt_tokens_cached", 0) for st in firsts),
+                     sum(st.get("reasoning_tokens", 0) for st in self.closed.values()))
 
     def open(self) -> list[bytes]:
         return []
