@@ -16,7 +16,8 @@ INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
 #   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
 #   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
 #   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
-NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual")
+#   post               x = x + n2(f(x))                  (OLMo-2: only the branch output is normed)
+NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual", "post")
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,9 @@ class ModelConfig:
     prelude_norm: bool = False          # an RMSNorm ends the prelude (its output is the loop input e)
     state_proj: bool = False            # Linear(dim -> dim) on the state after the last loop, before the coda (C)
     qk_norm: bool = False               # parameter-free RMSNorm of each q and k head after RoPE
+    # OLMo-2's q/k norms: an RMSNorm with weights over all q heads together (n_heads * head_dim wide) and
+    # one over all k heads (n_kv_heads * head_dim), right after the projection, before any bias and RoPE
+    qk_norm_full: bool = False
     logit_softcap: float = 0.0          # logits -> c * tanh(logits / c) when c > 0
     # Blocks (numbered prelude 0.., then core, then coda) whose attention values get a per-token value
     # embedding: v + 2 * sigmoid(Linear(ve_gate_channels -> n_kv_heads)(x[:ve_gate_channels])) * ve[token],
@@ -155,9 +159,10 @@ class ModelConfig:
         d, hd = self.dim, self.head_dim
         attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
-        norms = 2 if self.norm_placement == "pre" else 4
+        norms = 2 if self.norm_placement in ("pre", "post") else 4
         qk_bias = (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
-        block = attn + mlp + norms * d + qk_bias
+        qk_norm_full = (self.n_heads + self.n_kv_heads) * hd if self.qk_norm_full else 0
+        block = attn + mlp + norms * d + qk_bias + qk_norm_full
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         total = n_blocks * block + self.vocab_size * d  # embedding
         total += len(self.value_embeds) * (self.vocab_size * hd + self.ve_gate_channels) * self.n_kv_heads
@@ -178,9 +183,10 @@ class ModelConfig:
         return total
 
 
-# Fields that headers leave out at their default value (so files written before them read the same)
+# Fields that headers leave out at their default value (so files written before them read the same; the
+# retrofitted-recurrence OLMo's qk_norm_full too)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
-                          "value_embeds": (), "ve_gate_channels": 32}
+                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False}
 
 
 PRESETS: dict[str, ModelConfig] = {

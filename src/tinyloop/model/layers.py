@@ -125,7 +125,8 @@ class Attention(nn.Module):
     stored) is the step context's business: `ctx.attend(slot, q, k, v)`. With `value_embed` (Parcae) the
     block's value embedding of each token `ve` (B, T, n_kv_heads * head_dim) is added to v through a gate
     read from the first `ve_gate_channels` of the block's (normed) input; with `cfg.qk_norm` q and k are
-    RMS-normed per head after RoPE (no weights, torch's default epsilon)."""
+    RMS-normed per head after RoPE (no weights, torch's default epsilon); with `cfg.qk_norm_full` (OLMo-2)
+    all q heads are RMS-normed together, and all k heads, with weights, before the bias and RoPE."""
 
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
@@ -138,6 +139,9 @@ class Attention(nn.Module):
         # q and k biases (n_heads + n_kv_heads, head_dim), added after the projection, before RoPE
         self.qk_bias = nn.Parameter(torch.zeros(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_bias else None
         self.qk_norm = cfg.qk_norm
+        full = cfg.qk_norm_full
+        self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps) if full else None
+        self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps) if full else None
         self.ve_channels = cfg.ve_gate_channels
         self.ve_gate = nn.Linear(cfg.ve_gate_channels, cfg.n_kv_heads, bias=False) if value_embed else None
 
@@ -152,6 +156,10 @@ class Attention(nn.Module):
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
         cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
         qk = qkv[:, :, :H + Hkv]
+        if self.q_norm is not None:                                             # over all heads: (B, T, H * D)
+            q = _norm(qk[:, :, :H].reshape(B, T, H * D), self.q_norm).view(B, T, H, D)
+            k = _norm(qk[:, :, H:].reshape(B, T, Hkv * D), self.k_norm).view(B, T, Hkv, D)
+            qk = torch.cat([q, k], dim=2)
         if self.qk_bias is not None:
             qk = qk + self.qk_bias
         qk = apply_rope_full(qk, cos_full, sin_signed)                          # one RoPE over q and k
@@ -201,9 +209,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.placement = cfg.norm_placement
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        post = cfg.norm_placement == "post"   # no norm on the branch inputs
+        self.attn_norm = None if post else RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, value_embed)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp_norm = None if post else RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
         sandwich = cfg.norm_placement != "pre"
         self.attn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
@@ -216,6 +225,9 @@ class Block(nn.Module):
             return x + self.mlp(_norm(x, self.mlp_norm))
         if ve is not None:
             raise ValueError("value embeddings are implemented for pre-norm blocks only")
+        if self.placement == "post":
+            x = x + _norm(self.attn(x, ctx, slot), self.attn_out_norm)
+            return x + _norm(self.mlp(x), self.mlp_out_norm)
         if self.placement == "sandwich":
             x = x + _norm(self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)
             return x + _norm(self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)
