@@ -8,7 +8,9 @@ Families (recognised by `config.json`'s `model_type`, never by a name):
                   ending every step, a learned exit gate, an untied head, GQA
     huginn_raven  Huginn-0125: prelude, a recurrent block re-entered through a concat adapter from a zero
                   state, coda; norms after each residual add, q/k biases, a sqrt(dim) embedding scale,
-                  interleaved RoPE, a tied head
+                  interleaved RoPE, a tied head. The same model_type holds the retrofitted-recurrence Llama
+                  and OLMo-2 conversions (GQA, an untied head, pre- or post-norm blocks, OLMo's full-width
+                  q/k norms, no embedding scale): `tools/family_raven.py`
     nanbeige      Nanbeige4.2 (NanbeigeForCausalLM): `num_hidden_layers` Llama pre-norm layers run `num_loops`
                   times, the final norm ending every loop (or only the last, `skip_loop_final_norm`), GQA with
                   an explicit `head_dim` (q wider than the hidden size), half-split RoPE, an untied head; the
@@ -74,7 +76,9 @@ def ouro_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
 def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
     d, H = hf["n_embd"], hf["n_heads"]
     _need(not hf.get("bias", False), src, "bias = true (biased linear layers) is not supported")
-    _need(hf.get("tie_embeddings", True), src, "an untied Huginn head is not supported")
+    _need(hf.get("tie_embeddings", True), src, "an untied Huginn head is not supported (a retrofitted-recurrence "
+                                                "Llama / OLMo checkpoint, which has one, names its RoPE base "
+                                                "rope_theta in config.json)")
     steps = hf.get("mean_recurrence", 32)
     return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
                        ffn_dim=hf["intermediate_size"], n_prelude=hf["n_layers_in_prelude"],
@@ -401,5 +405,8 @@ def _check_inv_freq(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
                            f"(first values {t.flatten()[:3].tolist()}); the checkpoint would not run as saved")
 
 
-CONFIGS = {"ouro": ouro_config, "huginn_raven": huginn_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
-TENSORS = {"ouro": ouro_tensor, "huginn_raven": huginn_tensor, "nanbeige": nanbeige_tensor, "parcae": parcae_tensor}
+from .family_raven import raven_config, raven_tensor  # noqa: E402  (it builds on huginn_config / huginn_tensor)
+
+CONFIGS = {"ouro": ouro_config, "huginn_raven": raven_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
+TENSORS = {"ouro": ouro_tensor, "huginn_raven": raven_tensor, "nanbeige": nanbeige_tensor, "parcae": parcae_tensor}
+NAMED = ("huginn_raven",)   # families whose config function also reads the checkpoint's tensor names
