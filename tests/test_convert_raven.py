@@ -102,6 +102,29 @@ def test_cached_decode_equals_full_forward(converted):
         assert torch.equal(cached.argmax(-1), full.argmax(-1))
 
 
+def test_llama3_rope_scaling_matches_the_reference(tmp_path):
+    """Llama-3.2's retrofits carry rope_type llama3 (convert_llama.py writes it): the same weights with it,
+    against the reference's own runs with that config, natively and in PyTorch."""
+    ref = reference("raven-llama-tiny")
+    r3 = ref["llama3_rope"]
+    src = copy_fixture("raven-llama-tiny", tmp_path)
+    edit_config(src, rope_scaling=r3["rope_scaling"])
+    path = convert(src, tmp_path / "l3.tinyloop", dtype="float32", progress=False)
+    logits = load_file(str(src / "reference_logits.safetensors"))
+    ids = ref["prompt"]["ids"]
+    for engine in (Engine.load(path), Engine.load(path, executor="torch")):
+        assert engine.config.rope_llama3 == (4.0, 1.0, 4.0, 16.0)
+        torch.testing.assert_close(engine.model.rotary.inv_freq, torch.tensor(r3["inv_freq"], dtype=torch.float64),
+                                   rtol=1e-6, atol=0)   # (the reference's are float32)
+        for k in r3["loops"]:
+            err = (engine.logits(ids, loops=k) - logits[f"llama3_loops_{k}"]).abs().max().item()
+            assert err <= tolerance(ref, k), f"llama3 RoPE, loops {k}: {err:.2e}"
+            assert r3[f"max_abs_diff_to_plain_rope_{k}"] > 1.0   # the scaling matters at these positions
+            out = engine.generate(ids, SamplingParams(max_tokens=8, loops=k, temperature=0, ignore_eos=True))
+            assert out.token_ids == r3["greedy_ids"][str(k)], k
+    assert r3["greedy_ids"]["4"] != ref["runs"]["4"]["greedy_ids"]
+
+
 def test_random_initial_state(converted):
     """From the reference's own random draw (recorded), the same logits; the converted rule (state_seed) is
     the reference's: trunc. normal with init_values.std, times embed_scale (1)."""
@@ -178,7 +201,8 @@ def edit_config(src: Path, **changes) -> None:
 REFUSED = [("raven-llama-tiny", {"qk_bias": True}, "qk_bias = True"),
            ("raven-llama-tiny", {"bias": True}, "bias = True"),
            ("raven-olmo-tiny", {"test_time_noise": 0.5}, "test_time_noise = 0.5"),
-           ("raven-llama-tiny", {"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rope_scaling = "),
+           ("raven-llama-tiny", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling = .*yarn"),
+           ("raven-llama-tiny", {"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rope_scaling = .*llama3"),
            ("raven-llama-tiny", {"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
            ("raven-llama-tiny", {"head_dim": 16}, "head_dim = 16 with 4 heads"),
            ("raven-olmo-tiny", {"initial_state_mode": "skip-adapter"}, "initial_state_mode = 'skip-adapter'"),

@@ -22,7 +22,8 @@ The reference outputs are computed after reloading that directory with `from_pre
 Recorded (reference.json, reference_logits.safetensors): float32, batch 1, one thread, full forwards without a
 cache; `forward(num_steps=k, init_scale=0.0)` (the zero initial state; the default init_scale 1.0 draws a random
 one) at k in LOOPS (`loops_k`); from a random state drawn by the reference's own rule (`initialize_state`,
-recorded as `initial_state`) at 1 and 4 (`state_loops_k`); greedy continuations (argmax of full forwards) and
+recorded as `initial_state`) at 1 and 4 (`state_loops_k`); Llama only: with Llama-3's RoPE scaling (`LLAMA3`,
+passed to from_pretrained) at 1 and 4 (`llama3_loops_k`, greedy tokens in reference.json); greedy continuations (argmax of full forwards) and
 the reference's own cached decoding (forward with its HuginnDynamicCache, one token a step) compared with them.
 """
 
@@ -51,6 +52,10 @@ TOKENIZER_FROM = FIXTURES / "ouro-tiny"   # a 512-entry byte-level BPE; the retr
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 ROPE = {"llama": 10000.0, "olmo": 500000.0}   # the base models' rope_theta (TinyLlama, OLMo-2)
 VOCAB, LOOPS, STATE_LOOPS, NEW_TOKENS = 512, [1, 2, 4, 7], [1, 4], 8
+# rope_type llama3 as convert_llama.py writes it for Llama-3.2 (its factor 32, original context 8192), scaled
+# down so that a 20-token prompt sees every frequency band: wavelengths above 16 slowed 4x, below 4 kept
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
 PROMPT = [0, 65, 283, 90, 401, 17, 300, 42, 7, 260, 133, 5]
 # the tiny shapes: GQA 4:2 in both; OLMo's heads wider than n_embd / n_heads (its code reads config.head_dim)
 SHAPES = {"llama": dict(n_embd=32, n_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64),
@@ -170,6 +175,25 @@ def build(ref_dir: Path, variant: str, seed: int, work: Path) -> dict | None:
     logits["initial_state"] = x0[0].contiguous()
     for k in STATE_LOOPS:
         logits[f"state_loops_{k}"] = fwd(PROMPT, k, x0).contiguous()
+    llama3 = None
+    if variant == "llama":   # Llama-3's RoPE scaling (what the Llama-3.2 retrofits carry), at a tiny context
+        cfg3 = R.RavenConfig.from_pretrained(str(hf))
+        cfg3.rope_scaling = dict(LLAMA3)
+        m3 = R.RavenForCausalLM.from_pretrained(str(hf), config=cfg3, dtype=torch.float32).eval()
+        llama3 = {"rope_scaling": LLAMA3, "loops": STATE_LOOPS, "greedy_ids": {}}
+        for k in STATE_LOOPS:
+            with torch.no_grad():
+                l3 = m3(ids, num_steps=k, init_scale=0.0, use_cache=False).logits[0].float()
+            logits[f"llama3_loops_{k}"] = l3.contiguous()
+            llama3[f"max_abs_diff_to_plain_rope_{k}"] = float((l3 - logits[f"loops_{k}"]).abs().max())
+            seq = list(PROMPT)
+            for _ in range(NEW_TOKENS):
+                with torch.no_grad():
+                    last = m3(torch.tensor([seq]), num_steps=k, init_scale=0.0, use_cache=False).logits[0, -1]
+                seq.append(int(last.argmax()))
+            llama3["greedy_ids"][str(k)] = seq[len(PROMPT):]
+        inv = m3.rotary_emb.inv_freq.double()
+        llama3["inv_freq"] = inv.tolist()
     m64 = R.RavenForCausalLM.from_pretrained(str(hf), dtype=torch.float64).eval()
     fp64 = {}
     for k in LOOPS:
@@ -187,6 +211,7 @@ def build(ref_dir: Path, variant: str, seed: int, work: Path) -> dict | None:
                       "method": "argmax of full no-cache forwards; equal to the reference's HuginnDynamicCache "
                                 "decoding (checked)"},
            "checks": {"float64_vs_float32_max_abs": fp64},
+           **({"llama3_rope": llama3} if llama3 else {}),
            "generator": {"script": "scripts/reference_fixtures/raven.py", "python": sys.version.split()[0],
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "dtype": "float32 (weights stored bfloat16)", "threads": torch.get_num_threads(),

@@ -42,6 +42,9 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama-3's RoPE frequency rescaling (rope_type "llama3"): (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); () none. See `model.layers.rope_frequencies`.
+    rope_llama3: tuple[float, ...] = ()
     mlp: str = "swiglu"
     tie_embeddings: bool = True
     # How each loop receives the prelude output e:
@@ -89,6 +92,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "value_embeds", tuple(sorted({int(i) for i in self.value_embeds})))
+        object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
+        r3 = self.rope_llama3
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         checks = [
             (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
@@ -106,6 +111,9 @@ class ModelConfig:
             (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
             (self.norm_placement in NORM_PLACEMENTS, f"norm_placement must be one of {NORM_PLACEMENTS}"),
             (self.embed_scale > 0, "embed_scale must be positive"),
+            (not r3 or (len(r3) == 4 and r3[0] > 0 and 0 < r3[1] < r3[2] and r3[3] > 0),
+             "rope_llama3 must be (factor > 0, low_freq_factor, high_freq_factor > low_freq_factor > 0, "
+             "original_max_position_embeddings > 0)"),
             (self.state_init_std >= 0, "state_init_std must be >= 0"),
             (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
             (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
@@ -130,8 +138,9 @@ class ModelConfig:
         for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
             if d[name] == default:
                 del d[name]  # (fields added for Parcae: other families' headers stay as they were)
-        if "value_embeds" in d:
-            d["value_embeds"] = list(self.value_embeds)
+        for name in ("value_embeds", "rope_llama3"):
+            if name in d:
+                d[name] = list(getattr(self, name))
         return d
 
     @classmethod
@@ -140,8 +149,9 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
-        if "value_embeds" in d:
-            d = {**d, "value_embeds": tuple(d["value_embeds"])}
+        for name in ("value_embeds", "rope_llama3"):
+            if name in d:
+                d = {**d, name: tuple(d[name])}
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.name not in d and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
@@ -186,7 +196,7 @@ class ModelConfig:
 # Fields that headers leave out at their default value (so files written before them read the same; the
 # retrofitted-recurrence OLMo's qk_norm_full too)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
-                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False}
+                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": ()}
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -22,12 +22,26 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = ()) -> torch.Tensor:
+    """The D/2 rotary frequencies theta^(-2i/D), float64. With `llama3` = (factor, low, high, old_len), Llama-3's
+    rescaling: a frequency whose wavelength 2 pi / f exceeds old_len / low is divided by `factor`, one whose
+    wavelength is below old_len / high is kept, and those between are blended linearly in old_len / wavelength
+    (weight s = (old_len / wavelength - low) / (high - low) on the kept one, 1 - s on the divided one)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    if not llama3:
+        return inv
+    factor, low, high, old_len = llama3
+    s = ((old_len * inv / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - s) * inv / factor + s * inv
+
+
 class Rotary:
     """cos/sin tables for rotary position embeddings, grown on demand, one per dtype/device."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, llama3: tuple[float, ...] = ()):
         self.head_dim = head_dim
         self.theta = theta
+        self.inv_freq = rope_frequencies(head_dim, theta, llama3)   # (D/2,) float64
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def table(self, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +49,7 @@ class Rotary:
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < n:
             size = max(n, 2 * (cached[0].shape[0] if cached else 512))
-            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-            ang = torch.arange(size, dtype=torch.float64)[:, None] * inv[None, :]  # (P, D/2)
+            ang = torch.arange(size, dtype=torch.float64)[:, None] * self.inv_freq[None, :]  # (P, D/2)
             cached = (ang.cos().to(dtype=dtype, device=device), ang.sin().to(dtype=dtype, device=device))
             self._tables[key] = cached
         return cached

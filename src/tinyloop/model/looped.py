@@ -48,7 +48,7 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
         # Set by model.fast.prepare_for_decode: the dtype activations run in (None: the embedding's) and a
         # module computing the LM head (None: F.linear with head_weight).

@@ -398,8 +398,10 @@ def _check_inv_freq(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
     """A stored RoPE `inv_freq` must be the one `rope_theta` and `head_dim` give (the reference computes it
     in fp32: rel. error ~1e-7; bf16 storage rounds to 2^-9 relative): a zeroed buffer (a loader bug that
     saved it so) or another theta would make the converted model differ from the checkpoint's own."""
+    from ..model.layers import rope_frequencies
+
     D = cfg.head_dim
-    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    want = rope_frequencies(D, cfg.rope_theta, cfg.rope_llama3)
     if tuple(t.shape) != (D // 2,) or not torch.allclose(t.double(), want, rtol=1e-2, atol=0):
         raise ConvertError(f"{name} is not the RoPE frequencies of rope_theta {cfg.rope_theta:g} and head_dim {D} "
                            f"(first values {t.flatten()[:3].tolist()}); the checkpoint would not run as saved")

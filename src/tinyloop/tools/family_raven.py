@@ -5,7 +5,8 @@ config class and its tensor names.
 
 A retrofit is Huginn's shape (prelude, a recurrent block entered through the concat adapter, coda, the
 recurrence's count `mean_recurrence`) built from a pretrained model's layers: GQA, an untied head, Llama's
-half-split RoPE with the base model's `rope_theta`, no embedding scale (`init_values.embed_scale` 1), the final
+half-split RoPE with the base model's `rope_theta` (and Llama-3's `llama3` frequency scaling where
+`rope_scaling` has it), no embedding scale (`init_values.embed_scale` 1), the final
 norm only before the head. Its blocks are the base model's:
 
     llama  x = x + attn(norm_1(x)); x = x + mlp(norm_2(x))                       (pre-norm)
@@ -32,8 +33,8 @@ from .families import ConvertError, Emit, _check_inv_freq, _need, huginn_config,
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
 # different model. The authors' converters write every one of them off.
-RETROFIT_OFF = {"bias": "biased adapter", "qk_bias": "q/k biases", "test_time_noise": "test-time noise",
-                "rope_scaling": "RoPE scaling (Llama-3's `llama3` rope_type included)"}
+RETROFIT_OFF = {"bias": "biased adapter", "qk_bias": "q/k biases", "test_time_noise": "test-time noise"}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # initial_state_mode values of the OLMo code (the Llama code always draws the random state)
 OLMO_STATE_MODES = ("random",)
 
@@ -79,12 +80,13 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
     if variant == "llama" and head_dim * H != d:
         bad.append(f"head_dim = {head_dim} with {H} heads on n_embd {d} (the Llama code's heads are n_embd / "
                    "n_heads wide)")
+    llama3 = rope_llama3(hf.get("rope_scaling"), bad)
     mode = hf.get("initial_state_mode", "random")
     if variant == "olmo" and mode not in OLMO_STATE_MODES:
         bad.append(f"initial_state_mode = {mode!r} (the first recurrence from the prelude output itself)")
     _need(not bad, src, f"{'; '.join(bad)}: not supported for a retrofitted {variant} checkpoint (TinyLoop runs "
                         "the authors' converters' settings: an unbiased adapter from a random or zero state, no "
-                        "q/k bias, no test-time noise, plain RoPE)")
+                        "q/k bias, no test-time noise, plain or Llama-3 RoPE)")
     init = hf.get("init_values") or {}   # the reference's RavenConfig computes these where config.json has none
     embed_scale = float(init.get("embed_scale", math.sqrt(d)))
     std = float(init.get("std", math.sqrt(2 / (5 * d))))
@@ -95,12 +97,29 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
                        n_coda=hf["n_layers_in_coda"], vocab_size=hf.get("padded_vocab_size") or hf["vocab_size"],
                        default_loops=steps, max_loops=max(64, 4 * steps),
                        max_seq_len=hf.get("max_position_embeddings") or hf.get("block_size", 4096),
-                       norm_eps=hf.get("norm_eps", 1e-6), rope_theta=float(hf["rope_theta"]), mlp="swiglu",
+                       norm_eps=hf.get("norm_eps", 1e-6), rope_theta=float(hf["rope_theta"]), rope_llama3=llama3,
+                       mlp="swiglu",
                        tie_embeddings=bool(hf.get("tie_embeddings", True)), injection="concat-adapter",
                        loop_norm=False, post_loop_norm=False, head_norm=True,
                        norm_placement="pre" if variant == "llama" else "post", qk_norm_full=variant == "olmo",
                        embed_scale=embed_scale, state_init_std=std,
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+
+
+def rope_llama3(scaling: Any, bad: list[str]) -> tuple[float, ...]:
+    """transformers' `rope_scaling` as the Llama / OLMo-2 rotary embedding reads it: none or rope_type
+    "default" (plain RoPE), or "llama3" (Llama-3.2's, which convert_llama.py writes) -> ModelConfig.rope_llama3;
+    anything else is appended to `bad`."""
+    if not scaling:
+        return ()
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "default":
+        return ()
+    if kind == "llama3" and all(isinstance(scaling.get(k), (int, float)) for k in LLAMA3_KEYS):
+        return tuple(float(scaling[k]) for k in LLAMA3_KEYS)
+    bad.append(f"rope_scaling = {scaling!r} (RoPE scaling other than rope_type llama3 with "
+               f"{', '.join(LLAMA3_KEYS)})")
+    return ()
 
 
 def raven_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
