@@ -125,6 +125,29 @@ def test_llama3_rope_scaling_matches_the_reference(tmp_path):
     assert r3["greedy_ids"]["4"] != ref["runs"]["4"]["greedy_ids"]
 
 
+@pytest.mark.parametrize("mode,start", [("embed-init", "embed"), ("skip-adapter", "skip")])
+def test_olmo_initial_state_modes_match_the_reference(tmp_path, mode, start):
+    """The OLMo code's other starts: the recurrence from the prelude output, or its first step on it without
+    the adapter; against the reference's own runs with that config.json."""
+    ref = reference("raven-olmo-tiny")
+    runs = ref["initial_state_modes"]
+    src = copy_fixture("raven-olmo-tiny", tmp_path)
+    edit_config(src, initial_state_mode=mode)
+    engine = Engine.load(convert(src, tmp_path / "m.tinyloop", dtype="float32", progress=False), executor="torch")
+    assert engine.config.loop_start == start
+    logits = load_file(str(src / "reference_logits.safetensors"))
+    ids = ref["prompt"]["ids"]
+    for k in runs["loops"]:
+        err = (engine.logits(ids, loops=k) - logits[f"{mode}_loops_{k}"]).abs().max().item()
+        assert err <= tolerance(ref, k), f"{mode}, loops {k}: {err:.2e}"
+        assert runs[f"{mode}_max_abs_diff_to_random_mode_{k}"] > 1.0   # the start matters
+        out = engine.generate(ids, SamplingParams(max_tokens=8, loops=k, temperature=0, ignore_eos=True))
+        assert out.token_ids == runs["greedy_ids"][f"{mode}_{k}"], k
+    spec = engine.generate(ids, SamplingParams(max_tokens=8, mode="speculative", verify_loops=4, draft_loops=1,
+                                               draft_ahead=3, temperature=0, ignore_eos=True))
+    assert spec.token_ids == runs["greedy_ids"][f"{mode}_4"]
+
+
 def test_random_initial_state(converted):
     """From the reference's own random draw (recorded), the same logits; the converted rule (state_seed) is
     the reference's: trunc. normal with init_values.std, times embed_scale (1)."""
@@ -205,8 +228,7 @@ REFUSED = [("raven-llama-tiny", {"qk_bias": True}, "qk_bias = True"),
            ("raven-llama-tiny", {"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rope_scaling = .*llama3"),
            ("raven-llama-tiny", {"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
            ("raven-llama-tiny", {"head_dim": 16}, "head_dim = 16 with 4 heads"),
-           ("raven-olmo-tiny", {"initial_state_mode": "skip-adapter"}, "initial_state_mode = 'skip-adapter'"),
-           ("raven-olmo-tiny", {"initial_state_mode": "embed-init"}, "initial_state_mode = 'embed-init'")]
+           ("raven-olmo-tiny", {"initial_state_mode": "zero"}, "initial_state_mode = 'zero'")]
 
 
 @pytest.mark.parametrize("name,changes,message", REFUSED)
@@ -222,7 +244,8 @@ def test_the_llama_code_ignores_initial_state_mode(tmp_path):
     """Only the OLMo code reads initial_state_mode; the Llama code always starts from its random state."""
     src = copy_fixture("raven-llama-tiny", tmp_path)
     edit_config(src, initial_state_mode="skip-adapter")
-    assert Engine.load(convert(src, tmp_path / "x.tinyloop", progress=False)).config.norm_placement == "pre"
+    cfg = Engine.load(convert(src, tmp_path / "x.tinyloop", progress=False)).config
+    assert (cfg.norm_placement, cfg.loop_start) == ("pre", "state")
 
 
 def test_variant_comes_from_the_tensors_and_mismatches_are_refused(tmp_path):

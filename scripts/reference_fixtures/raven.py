@@ -23,7 +23,8 @@ Recorded (reference.json, reference_logits.safetensors): float32, batch 1, one t
 cache; `forward(num_steps=k, init_scale=0.0)` (the zero initial state; the default init_scale 1.0 draws a random
 one) at k in LOOPS (`loops_k`); from a random state drawn by the reference's own rule (`initialize_state`,
 recorded as `initial_state`) at 1 and 4 (`state_loops_k`); Llama only: with Llama-3's RoPE scaling (`LLAMA3`,
-passed to from_pretrained) at 1 and 4 (`llama3_loops_k`, greedy tokens in reference.json); greedy continuations (argmax of full forwards) and
+passed to from_pretrained) at 1 and 4 (`llama3_loops_k`, greedy tokens in reference.json); OLMo only: with
+initial_state_mode "embed-init" and "skip-adapter" at 1 and 4 (`{mode}_loops_k`, greedy tokens); greedy continuations (argmax of full forwards) and
 the reference's own cached decoding (forward with its HuginnDynamicCache, one token a step) compared with them.
 """
 
@@ -194,6 +195,24 @@ def build(ref_dir: Path, variant: str, seed: int, work: Path) -> dict | None:
             llama3["greedy_ids"][str(k)] = seq[len(PROMPT):]
         inv = m3.rotary_emb.inv_freq.double()
         llama3["inv_freq"] = inv.tolist()
+    modes = None
+    if variant == "olmo":   # the OLMo code's other initial_state_mode values (the Llama code has none)
+        modes = {"loops": STATE_LOOPS, "greedy_ids": {}}
+        for mode in ("embed-init", "skip-adapter"):
+            cfgm = R.RavenConfig.from_pretrained(str(hf))
+            cfgm.initial_state_mode = mode
+            mm = R.RavenForCausalLM.from_pretrained(str(hf), config=cfgm, dtype=torch.float32).eval()
+            for k in STATE_LOOPS:
+                with torch.no_grad():
+                    lm = mm(ids, num_steps=k, init_scale=0.0, use_cache=False).logits[0].float()
+                logits[f"{mode}_loops_{k}"] = lm.contiguous()
+                modes[f"{mode}_max_abs_diff_to_random_mode_{k}"] = float((lm - logits[f"loops_{k}"]).abs().max())
+                seq = list(PROMPT)
+                for _ in range(NEW_TOKENS):
+                    with torch.no_grad():
+                        last = mm(torch.tensor([seq]), num_steps=k, init_scale=0.0, use_cache=False).logits[0, -1]
+                    seq.append(int(last.argmax()))
+                modes["greedy_ids"][f"{mode}_{k}"] = seq[len(PROMPT):]
     m64 = R.RavenForCausalLM.from_pretrained(str(hf), dtype=torch.float64).eval()
     fp64 = {}
     for k in LOOPS:
@@ -212,6 +231,7 @@ def build(ref_dir: Path, variant: str, seed: int, work: Path) -> dict | None:
                                 "decoding (checked)"},
            "checks": {"float64_vs_float32_max_abs": fp64},
            **({"llama3_rope": llama3} if llama3 else {}),
+           **({"initial_state_modes": modes} if modes else {}),
            "generator": {"script": "scripts/reference_fixtures/raven.py", "python": sys.version.split()[0],
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "dtype": "float32 (weights stored bfloat16)", "threads": torch.get_num_threads(),

@@ -12,6 +12,11 @@ from typing import Any
 
 MLP_KINDS = ("gelu", "swiglu", "relu2")   # relu2: w_down(relu(w_up(x))^2) (Parcae)
 INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
+# What loop 0 starts from (with an injection):
+#   state  the state is zeros (or, with a state seed, the family's random draw), injected as every loop's
+#   embed  the state is the prelude output e, injected as every loop's (retrofitted OLMo's "embed-init")
+#   skip   loop 0 runs the core on e itself, no injection; later loops inject (its "skip-adapter")
+LOOP_STARTS = ("state", "embed", "skip")
 # Where a block's norms sit (f = attention or MLP, n1/n2 its two norms):
 #   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
 #   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
@@ -54,6 +59,7 @@ class ModelConfig:
     #   diagonal       - every loop's input is state * exp(-softplus(dt) * exp(A_log)) + softplus(dt) * (e B^T)
     #                    (Parcae: per-channel decay and step dt, B (dim, dim); state starts at 0)
     injection: str = "add"
+    loop_start: str = "state"           # LOOP_STARTS
     # RMSNorm at the end of every loop (keeps the state's scale fixed). Without it the loops form a
     # tied-weight pre-norm residual stack (Universal-Transformer style) whose updates accumulate.
     loop_norm: bool = True
@@ -109,6 +115,7 @@ class ModelConfig:
             (self.max_seq_len > 0, "max_seq_len must be positive"),
             (self.mlp in MLP_KINDS, f"mlp must be one of {MLP_KINDS}"),
             (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
+            (self.loop_start in LOOP_STARTS, f"loop_start must be one of {LOOP_STARTS}"),
             (self.norm_placement in NORM_PLACEMENTS, f"norm_placement must be one of {NORM_PLACEMENTS}"),
             (self.embed_scale > 0, "embed_scale must be positive"),
             (not r3 or (len(r3) == 4 and r3[0] > 0 and 0 < r3[1] < r3[2] and r3[3] > 0),
@@ -196,7 +203,8 @@ class ModelConfig:
 # Fields that headers leave out at their default value (so files written before them read the same; the
 # retrofitted-recurrence OLMo's qk_norm_full too)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
-                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": ()}
+                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
+                          "loop_start": "state"}
 
 
 PRESETS: dict[str, ModelConfig] = {

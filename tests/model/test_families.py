@@ -42,8 +42,12 @@ PARCAE_LIKE = BASE.replace(norm_placement="pre", mlp="relu2", injection="diagona
 RETRO_LLAMA_LIKE = BASE.replace(norm_placement="pre", injection="concat-adapter", loop_norm=False, head_norm=True,
                                 tie_embeddings=False, default_loops=4)
 RETRO_OLMO_LIKE = RETRO_LLAMA_LIKE.replace(norm_placement="post", qk_norm_full=True, head_dim=24)
+# the OLMo code's other starts: the state is the prelude output ("embed-init"), or loop 0 runs on it without
+# the adapter ("skip-adapter")
 FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE, "nanbeige-like": NANBEIGE_LIKE,
-            "parcae-like": PARCAE_LIKE, "retro-llama-like": RETRO_LLAMA_LIKE, "retro-olmo-like": RETRO_OLMO_LIKE}
+            "parcae-like": PARCAE_LIKE, "retro-llama-like": RETRO_LLAMA_LIKE, "retro-olmo-like": RETRO_OLMO_LIKE,
+            "retro-olmo-embed-start": RETRO_OLMO_LIKE.replace(loop_start="embed"),
+            "retro-olmo-skip-start": RETRO_OLMO_LIKE.replace(loop_start="skip")}
 
 
 def model_of(name: str):
@@ -73,6 +77,14 @@ def test_param_counts_and_config_checks():
         assert sum(p.numel() for p in m.parameters()) == cfg.param_count()
     with pytest.raises(ConfigError, match="norm_placement"):
         BASE.replace(norm_placement="post-residual")
+    with pytest.raises(ConfigError, match="loop_start"):
+        BASE.replace(loop_start="random")
+    from tinyloop.kernels.executor import unsupported_features   # what the C++ code leaves to PyTorch
+    assert unsupported_features(RETRO_LLAMA_LIKE) == []
+    assert unsupported_features(RETRO_OLMO_LIKE.replace(loop_start="skip")) == [
+        "post-norm blocks", "loop 0 starting from the prelude output (skip)", "full-width q/k norms"]
+    assert unsupported_features(RETRO_LLAMA_LIKE.replace(loop_start="embed")) == [
+        "loop 0 starting from the prelude output (embed)"]
     blk = LoopedTransformer(RETRO_OLMO_LIKE).core[0]   # post-norm: no norm on the branch inputs
     assert blk.attn_norm is None and blk.mlp_norm is None and blk.attn.q_norm.weight.shape == (4 * 24,)
     assert blk.attn.k_norm.weight.shape == (2 * 24,)
@@ -148,9 +160,11 @@ def hand_written(m, toks, loops):
         e = block(blk, e, i)
     if cfg.prelude_norm:
         e = n(e, m.prelude_norm)
-    h = e if cfg.injection == "none" else torch.zeros_like(e)
-    for _ in range(loops):
-        if cfg.injection == "concat-adapter":
+    h = e if cfg.injection == "none" or cfg.loop_start != "state" else torch.zeros_like(e)
+    for r in range(loops):
+        if r == 0 and cfg.loop_start == "skip":
+            x = e
+        elif cfg.injection == "concat-adapter":
             x = torch.cat([h, e], -1) @ m.adapter.weight.T
         elif cfg.injection == "diagonal":
             inj = m.injection

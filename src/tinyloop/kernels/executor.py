@@ -49,6 +49,8 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"the {cfg.injection} injection")
     if cfg.norm_placement not in _PLACEMENTS:
         out.append(f"{cfg.norm_placement}-norm blocks")
+    if getattr(cfg, "loop_start", "state") != "state":
+        out.append(f"loop 0 starting from the prelude output ({cfg.loop_start})")
     for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
                         ("qk_norm", "q/k norms"), ("qk_norm_full", "full-width q/k norms"),
                         ("value_embeds", "value embeddings"),

@@ -11,7 +11,9 @@ norm only before the head. Its blocks are the base model's:
 
     llama  x = x + attn(norm_1(x)); x = x + mlp(norm_2(x))                       (pre-norm)
     olmo   x = x + norm_1(attn(x)); x = x + norm_2(mlp(x))                       (post-norm), and q / k
-           RMS-normed with weights over all their heads together, before RoPE  (q_norm, k_norm)
+           RMS-normed with weights over all their heads together, before RoPE  (q_norm, k_norm); its
+           `initial_state_mode` may also start the recurrence from the prelude output ("embed-init") or
+           run the first recurrence on it without the adapter ("skip-adapter"): `loop_start`
 
 Which one a checkpoint is: the config tells Huginn-0125 from a retrofit (only the retrofits' converters write
 `rope_theta`: Huginn's RoPE base is `rope_base`); the tensors tell the two retrofits apart (every OLMo block
@@ -35,8 +37,8 @@ from .families import ConvertError, Emit, _check_inv_freq, _need, huginn_config,
 # different model. The authors' converters write every one of them off.
 RETROFIT_OFF = {"bias": "biased adapter", "qk_bias": "q/k biases", "test_time_noise": "test-time noise"}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# initial_state_mode values of the OLMo code (the Llama code always draws the random state)
-OLMO_STATE_MODES = ("random",)
+# initial_state_mode of the OLMo code -> ModelConfig.loop_start (the Llama code reads none: a random state)
+OLMO_STATE_MODES = {"random": "state", "embed-init": "embed", "skip-adapter": "skip"}
 
 
 def raven_variant(hf: dict[str, Any], names: Iterable[str] | None) -> str:
@@ -83,10 +85,10 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
     llama3 = rope_llama3(hf.get("rope_scaling"), bad)
     mode = hf.get("initial_state_mode", "random")
     if variant == "olmo" and mode not in OLMO_STATE_MODES:
-        bad.append(f"initial_state_mode = {mode!r} (the first recurrence from the prelude output itself)")
+        bad.append(f"initial_state_mode = {mode!r} (the OLMo code knows {', '.join(OLMO_STATE_MODES)})")
     _need(not bad, src, f"{'; '.join(bad)}: not supported for a retrofitted {variant} checkpoint (TinyLoop runs "
-                        "the authors' converters' settings: an unbiased adapter from a random or zero state, no "
-                        "q/k bias, no test-time noise, plain or Llama-3 RoPE)")
+                        "the authors' converters' settings: an unbiased adapter, no q/k bias, no test-time noise, "
+                        "plain or Llama-3 RoPE)")
     init = hf.get("init_values") or {}   # the reference's RavenConfig computes these where config.json has none
     embed_scale = float(init.get("embed_scale", math.sqrt(d)))
     std = float(init.get("std", math.sqrt(2 / (5 * d))))
@@ -103,6 +105,7 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
                        loop_norm=False, post_loop_norm=False, head_norm=True,
                        norm_placement="pre" if variant == "llama" else "post", qk_norm_full=variant == "olmo",
                        embed_scale=embed_scale, state_init_std=std,
+                       loop_start=OLMO_STATE_MODES[mode] if variant == "olmo" else "state",
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
