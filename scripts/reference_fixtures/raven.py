@@ -24,8 +24,9 @@ cache; `forward(num_steps=k, init_scale=0.0)` (the zero initial state; the defau
 one) at k in LOOPS (`loops_k`); from a random state drawn by the reference's own rule (`initialize_state`,
 recorded as `initial_state`) at 1 and 4 (`state_loops_k`); Llama only: with Llama-3's RoPE scaling (`LLAMA3`,
 passed to from_pretrained) at 1 and 4 (`llama3_loops_k`, greedy tokens in reference.json); OLMo only: with
-initial_state_mode "embed-init" and "skip-adapter" at 1 and 4 (`{mode}_loops_k`, greedy tokens); greedy continuations (argmax of full forwards) and
-the reference's own cached decoding (forward with its HuginnDynamicCache, one token a step) compared with them.
+initial_state_mode "embed-init" and "skip-adapter" at 1 and 4 (`{mode}_loops_k`, greedy tokens); greedy
+continuations (argmax of full forwards) and the reference's own cached decoding (forward with its
+HuginnDynamicCache, one token a step) compared with them.
 """
 
 from __future__ import annotations
