@@ -200,8 +200,7 @@ class ModelConfig:
         return total
 
 
-# Fields that headers leave out at their default value (so files written before them read the same; the
-# retrofitted-recurrence OLMo's qk_norm_full too)
+# Fields that headers leave out at their default value (so files written before them read the same)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
                           "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
                           "loop_start": "state"}

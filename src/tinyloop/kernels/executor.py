@@ -40,8 +40,8 @@ def _vec(t: torch.Tensor | None, keep: list) -> int | None:
 
 def unsupported_features(cfg) -> list[str]:
     """The config's features the C++ code does not implement (Parcae's; the retrofitted OLMo's post-norm
-    blocks and full-width q/k norms): a model with any of them is served
-    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
+    blocks, full-width q/k norms and loop starts): a model with any of them is served by the PyTorch path
+    (`model.fast.attach_executor` warns once and falls back)."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu"):
         out.append(f"the {cfg.mlp} MLP")
