@@ -12,11 +12,17 @@ from typing import Any
 
 MLP_KINDS = ("gelu", "swiglu", "relu2")   # relu2: w_down(relu(w_up(x))^2) (Parcae)
 INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
+# What loop 0 starts from (with an injection):
+#   state  the state is zeros (or, with a state seed, the family's random draw), injected as every loop's
+#   embed  the state is the prelude output e, injected as every loop's (retrofitted OLMo's "embed-init")
+#   skip   loop 0 runs the core on e itself, no injection; later loops inject (its "skip-adapter")
+LOOP_STARTS = ("state", "embed", "skip")
 # Where a block's norms sit (f = attention or MLP, n1/n2 its two norms):
 #   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
 #   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
 #   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
-NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual")
+#   post               x = x + n2(f(x))                  (OLMo-2: only the branch output is normed)
+NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual", "post")
 
 
 class ConfigError(ValueError):
@@ -41,6 +47,9 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama-3's RoPE frequency rescaling (rope_type "llama3"): (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); () none. See `model.layers.rope_frequencies`.
+    rope_llama3: tuple[float, ...] = ()
     mlp: str = "swiglu"
     tie_embeddings: bool = True
     # How each loop receives the prelude output e:
@@ -50,6 +59,7 @@ class ModelConfig:
     #   diagonal       - every loop's input is state * exp(-softplus(dt) * exp(A_log)) + softplus(dt) * (e B^T)
     #                    (Parcae: per-channel decay and step dt, B (dim, dim); state starts at 0)
     injection: str = "add"
+    loop_start: str = "state"           # LOOP_STARTS
     # RMSNorm at the end of every loop (keeps the state's scale fixed). Without it the loops form a
     # tied-weight pre-norm residual stack (Universal-Transformer style) whose updates accumulate.
     loop_norm: bool = True
@@ -69,6 +79,9 @@ class ModelConfig:
     prelude_norm: bool = False          # an RMSNorm ends the prelude (its output is the loop input e)
     state_proj: bool = False            # Linear(dim -> dim) on the state after the last loop, before the coda (C)
     qk_norm: bool = False               # parameter-free RMSNorm of each q and k head after RoPE
+    # OLMo-2's q/k norms: an RMSNorm with weights over all q heads together (n_heads * head_dim wide) and
+    # one over all k heads (n_kv_heads * head_dim), right after the projection, before any bias and RoPE
+    qk_norm_full: bool = False
     logit_softcap: float = 0.0          # logits -> c * tanh(logits / c) when c > 0
     # Blocks (numbered prelude 0.., then core, then coda) whose attention values get a per-token value
     # embedding: v + 2 * sigmoid(Linear(ve_gate_channels -> n_kv_heads)(x[:ve_gate_channels])) * ve[token],
@@ -85,6 +98,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "value_embeds", tuple(sorted({int(i) for i in self.value_embeds})))
+        object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
+        r3 = self.rope_llama3
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         checks = [
             (self.dim > 0 and self.n_heads > 0, "dim and n_heads must be positive"),
@@ -100,8 +115,12 @@ class ModelConfig:
             (self.max_seq_len > 0, "max_seq_len must be positive"),
             (self.mlp in MLP_KINDS, f"mlp must be one of {MLP_KINDS}"),
             (self.injection in INJECTIONS, f"injection must be one of {INJECTIONS}"),
+            (self.loop_start in LOOP_STARTS, f"loop_start must be one of {LOOP_STARTS}"),
             (self.norm_placement in NORM_PLACEMENTS, f"norm_placement must be one of {NORM_PLACEMENTS}"),
             (self.embed_scale > 0, "embed_scale must be positive"),
+            (not r3 or (len(r3) == 4 and r3[0] > 0 and 0 < r3[1] < r3[2] and r3[3] > 0),
+             "rope_llama3 must be (factor > 0, low_freq_factor, high_freq_factor > low_freq_factor > 0, "
+             "original_max_position_embeddings > 0)"),
             (self.state_init_std >= 0, "state_init_std must be >= 0"),
             (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
             (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
@@ -126,8 +145,9 @@ class ModelConfig:
         for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
             if d[name] == default:
                 del d[name]  # (fields added for Parcae: other families' headers stay as they were)
-        if "value_embeds" in d:
-            d["value_embeds"] = list(self.value_embeds)
+        for name in ("value_embeds", "rope_llama3"):
+            if name in d:
+                d[name] = list(getattr(self, name))
         return d
 
     @classmethod
@@ -136,8 +156,9 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
-        if "value_embeds" in d:
-            d = {**d, "value_embeds": tuple(d["value_embeds"])}
+        for name in ("value_embeds", "rope_llama3"):
+            if name in d:
+                d = {**d, name: tuple(d[name])}
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.name not in d and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
@@ -155,9 +176,10 @@ class ModelConfig:
         d, hd = self.dim, self.head_dim
         attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
-        norms = 2 if self.norm_placement == "pre" else 4
+        norms = 2 if self.norm_placement in ("pre", "post") else 4
         qk_bias = (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
-        block = attn + mlp + norms * d + qk_bias
+        qk_norm_full = (self.n_heads + self.n_kv_heads) * hd if self.qk_norm_full else 0
+        block = attn + mlp + norms * d + qk_bias + qk_norm_full
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         total = n_blocks * block + self.vocab_size * d  # embedding
         total += len(self.value_embeds) * (self.vocab_size * hd + self.ve_gate_channels) * self.n_kv_heads
@@ -180,7 +202,8 @@ class ModelConfig:
 
 # Fields that headers leave out at their default value (so files written before them read the same)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
-                          "value_embeds": (), "ve_gate_channels": 32}
+                          "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
+                          "loop_start": "state"}
 
 
 PRESETS: dict[str, ModelConfig] = {

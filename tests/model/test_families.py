@@ -35,8 +35,19 @@ NANBEIGE_LIKE = BASE.replace(n_heads=6, n_kv_heads=2, head_dim=16, n_prelude=0, 
 PARCAE_LIKE = BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False, head_norm=True,
                            prelude_norm=True, state_proj=True, qk_norm=True, value_embeds=(0, 2, 3),
                            logit_softcap=30.0, state_init_std=math.sqrt(2 / (5 * BASE.dim)), default_loops=4)
+# The retrofitted-recurrence conversions (huginn_raven, McLeish et al. 2025): Huginn's prelude / concat adapter
+# / coda from a zero state, an untied head, GQA, the final norm before the head only. Llama's blocks are pre-norm;
+# OLMo-2's normalise only the branch outputs (post) and norm all q heads together (and all k heads), with
+# weights, before RoPE; its heads here are wider than dim / n_heads, as OLMo's code allows.
+RETRO_LLAMA_LIKE = BASE.replace(norm_placement="pre", injection="concat-adapter", loop_norm=False, head_norm=True,
+                                tie_embeddings=False, default_loops=4)
+RETRO_OLMO_LIKE = RETRO_LLAMA_LIKE.replace(norm_placement="post", qk_norm_full=True, head_dim=24)
+# the OLMo code's other starts: the state is the prelude output ("embed-init"), or loop 0 runs on it without
+# the adapter ("skip-adapter")
 FAMILIES = {"ouro-like": OURO_LIKE, "huginn-like": HUGINN_LIKE, "nanbeige-like": NANBEIGE_LIKE,
-            "parcae-like": PARCAE_LIKE}
+            "parcae-like": PARCAE_LIKE, "retro-llama-like": RETRO_LLAMA_LIKE, "retro-olmo-like": RETRO_OLMO_LIKE,
+            "retro-olmo-embed-start": RETRO_OLMO_LIKE.replace(loop_start="embed"),
+            "retro-olmo-skip-start": RETRO_OLMO_LIKE.replace(loop_start="skip")}
 
 
 def model_of(name: str):
@@ -45,6 +56,12 @@ def model_of(name: str):
         with torch.no_grad():
             for blk in [*m.prelude, *m.core, *m.coda]:
                 blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    if m.cfg.qk_norm_full:   # the norms' gains away from 1 (their init), so that a missed weight shows
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            for blk in [*m.prelude, *m.core, *m.coda]:
+                for norm in (blk.attn.q_norm, blk.attn.k_norm, blk.attn_out_norm, blk.mlp_out_norm):
+                    norm.weight.uniform_(0.5, 1.5, generator=g)
     if m.injection is not None:  # per-channel decays away from 1/2 (their init is zeros)
         with torch.no_grad():
             g = torch.Generator().manual_seed(6)
@@ -59,7 +76,18 @@ def test_param_counts_and_config_checks():
             m = LoopedTransformer(cfg)
         assert sum(p.numel() for p in m.parameters()) == cfg.param_count()
     with pytest.raises(ConfigError, match="norm_placement"):
-        BASE.replace(norm_placement="post")
+        BASE.replace(norm_placement="post-residual")
+    with pytest.raises(ConfigError, match="loop_start"):
+        BASE.replace(loop_start="random")
+    from tinyloop.kernels.executor import unsupported_features   # what the C++ code leaves to PyTorch
+    assert unsupported_features(RETRO_LLAMA_LIKE) == []
+    assert unsupported_features(RETRO_OLMO_LIKE.replace(loop_start="skip")) == [
+        "post-norm blocks", "loop 0 starting from the prelude output (skip)", "full-width q/k norms"]
+    assert unsupported_features(RETRO_LLAMA_LIKE.replace(loop_start="embed")) == [
+        "loop 0 starting from the prelude output (embed)"]
+    blk = LoopedTransformer(RETRO_OLMO_LIKE).core[0]   # post-norm: no norm on the branch inputs
+    assert blk.attn_norm is None and blk.mlp_norm is None and blk.attn.q_norm.weight.shape == (4 * 24,)
+    assert blk.attn.k_norm.weight.shape == (2 * 24,)
     with pytest.raises(ConfigError, match="head_norm"):
         BASE.replace(loop_norm=False, head_norm=False)
     assert NANBEIGE_LIKE.head_dim * NANBEIGE_LIKE.n_heads == 96 != NANBEIGE_LIKE.dim
@@ -88,8 +116,11 @@ def hand_written(m, toks, loops):
 
     def attn(blk, x, idx):
         a = blk.attn
-        q = (x @ a.wq.weight.T).view(T, H, D)
-        k = (x @ a.wk.weight.T).view(T, Hkv, D)
+        q, k = x @ a.wq.weight.T, x @ a.wk.weight.T
+        if cfg.qk_norm_full:   # all heads together, with weights, before RoPE
+            q = F.rms_norm(q, (H * D,), a.q_norm.weight, cfg.norm_eps)
+            k = F.rms_norm(k, (Hkv * D,), a.k_norm.weight, cfg.norm_eps)
+        q, k = q.view(T, H, D), k.view(T, Hkv, D)
         v = (x @ a.wv.weight.T).view(T, Hkv, D)
         if idx in cfg.value_embeds:
             gate = 2 * torch.sigmoid(x[:, :cfg.ve_gate_channels] @ a.ve_gate.weight.T)       # (T, Hkv)
@@ -114,6 +145,9 @@ def hand_written(m, toks, loops):
         if cfg.norm_placement == "pre":
             x = x + attn(blk, n(x, blk.attn_norm), idx)
             return x + mlp(blk, n(x, blk.mlp_norm))
+        if cfg.norm_placement == "post":
+            x = x + n(attn(blk, x, idx), blk.attn_out_norm)
+            return x + n(mlp(blk, x), blk.mlp_out_norm)
         if cfg.norm_placement == "sandwich":
             x = x + n(attn(blk, n(x, blk.attn_norm), idx), blk.attn_out_norm)
             return x + n(mlp(blk, n(x, blk.mlp_norm)), blk.mlp_out_norm)
@@ -126,9 +160,11 @@ def hand_written(m, toks, loops):
         e = block(blk, e, i)
     if cfg.prelude_norm:
         e = n(e, m.prelude_norm)
-    h = e if cfg.injection == "none" else torch.zeros_like(e)
-    for _ in range(loops):
-        if cfg.injection == "concat-adapter":
+    h = e if cfg.injection == "none" or cfg.loop_start != "state" else torch.zeros_like(e)
+    for r in range(loops):
+        if r == 0 and cfg.loop_start == "skip":
+            x = e
+        elif cfg.injection == "concat-adapter":
             x = torch.cat([h, e], -1) @ m.adapter.weight.T
         elif cfg.injection == "diagonal":
             inj = m.injection

@@ -39,15 +39,21 @@ def _vec(t: torch.Tensor | None, keep: list) -> int | None:
 
 
 def unsupported_features(cfg) -> list[str]:
-    """The config's features the C++ code does not implement (Parcae's): a model with any of them is served
-    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
+    """The config's features the C++ code does not implement (Parcae's; the retrofitted OLMo's post-norm
+    blocks, full-width q/k norms and loop starts): a model with any of them is served by the PyTorch path
+    (`model.fast.attach_executor` warns once and falls back)."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu"):
         out.append(f"the {cfg.mlp} MLP")
     if cfg.injection not in _INJECTIONS:
         out.append(f"the {cfg.injection} injection")
+    if cfg.norm_placement not in _PLACEMENTS:
+        out.append(f"{cfg.norm_placement}-norm blocks")
+    if getattr(cfg, "loop_start", "state") != "state":
+        out.append(f"loop 0 starting from the prelude output ({cfg.loop_start})")
     for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
-                        ("qk_norm", "q/k norms"), ("value_embeds", "value embeddings"),
+                        ("qk_norm", "q/k norms"), ("qk_norm_full", "full-width q/k norms"),
+                        ("value_embeds", "value embeddings"),
                         ("logit_softcap", "a logit soft-cap")):
         if getattr(cfg, field, None):
             out.append(what)

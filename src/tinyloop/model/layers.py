@@ -22,12 +22,26 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = ()) -> torch.Tensor:
+    """The D/2 rotary frequencies theta^(-2i/D), float64. With `llama3` = (factor, low, high, old_len), Llama-3's
+    rescaling: a frequency whose wavelength 2 pi / f exceeds old_len / low is divided by `factor`, one whose
+    wavelength is below old_len / high is kept, and those between are blended linearly in old_len / wavelength
+    (weight s = (old_len / wavelength - low) / (high - low) on the kept one, 1 - s on the divided one)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    if not llama3:
+        return inv
+    factor, low, high, old_len = llama3
+    s = ((old_len * inv / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - s) * inv / factor + s * inv
+
+
 class Rotary:
     """cos/sin tables for rotary position embeddings, grown on demand, one per dtype/device."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, llama3: tuple[float, ...] = ()):
         self.head_dim = head_dim
         self.theta = theta
+        self.inv_freq = rope_frequencies(head_dim, theta, llama3)   # (D/2,) float64
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def table(self, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +49,7 @@ class Rotary:
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < n:
             size = max(n, 2 * (cached[0].shape[0] if cached else 512))
-            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-            ang = torch.arange(size, dtype=torch.float64)[:, None] * inv[None, :]  # (P, D/2)
+            ang = torch.arange(size, dtype=torch.float64)[:, None] * self.inv_freq[None, :]  # (P, D/2)
             cached = (ang.cos().to(dtype=dtype, device=device), ang.sin().to(dtype=dtype, device=device))
             self._tables[key] = cached
         return cached
@@ -125,7 +138,8 @@ class Attention(nn.Module):
     stored) is the step context's business: `ctx.attend(slot, q, k, v)`. With `value_embed` (Parcae) the
     block's value embedding of each token `ve` (B, T, n_kv_heads * head_dim) is added to v through a gate
     read from the first `ve_gate_channels` of the block's (normed) input; with `cfg.qk_norm` q and k are
-    RMS-normed per head after RoPE (no weights, torch's default epsilon)."""
+    RMS-normed per head after RoPE (no weights, torch's default epsilon); with `cfg.qk_norm_full` (OLMo-2)
+    all q heads are RMS-normed together, and all k heads, with weights, before the bias and RoPE."""
 
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
@@ -138,6 +152,9 @@ class Attention(nn.Module):
         # q and k biases (n_heads + n_kv_heads, head_dim), added after the projection, before RoPE
         self.qk_bias = nn.Parameter(torch.zeros(cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)) if cfg.qk_bias else None
         self.qk_norm = cfg.qk_norm
+        full = cfg.qk_norm_full
+        self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps) if full else None
+        self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps) if full else None
         self.ve_channels = cfg.ve_gate_channels
         self.ve_gate = nn.Linear(cfg.ve_gate_channels, cfg.n_kv_heads, bias=False) if value_embed else None
 
@@ -152,6 +169,10 @@ class Attention(nn.Module):
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
         cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
         qk = qkv[:, :, :H + Hkv]
+        if self.q_norm is not None:                                             # over all heads: (B, T, H * D)
+            q = _norm(qk[:, :, :H].reshape(B, T, H * D), self.q_norm).view(B, T, H, D)
+            k = _norm(qk[:, :, H:].reshape(B, T, Hkv * D), self.k_norm).view(B, T, Hkv, D)
+            qk = torch.cat([q, k], dim=2)
         if self.qk_bias is not None:
             qk = qk + self.qk_bias
         qk = apply_rope_full(qk, cos_full, sin_signed)                          # one RoPE over q and k
@@ -201,9 +222,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.placement = cfg.norm_placement
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        post = cfg.norm_placement == "post"   # no norm on the branch inputs
+        self.attn_norm = None if post else RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, value_embed)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp_norm = None if post else RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
         sandwich = cfg.norm_placement != "pre"
         self.attn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
@@ -216,6 +238,9 @@ class Block(nn.Module):
             return x + self.mlp(_norm(x, self.mlp_norm))
         if ve is not None:
             raise ValueError("value embeddings are implemented for pre-norm blocks only")
+        if self.placement == "post":
+            x = x + _norm(self.attn(x, ctx, slot), self.attn_out_norm)
+            return x + _norm(self.mlp(x), self.mlp_out_norm)
         if self.placement == "sandwich":
             x = x + _norm(self.attn(_norm(x, self.attn_norm), ctx, slot), self.attn_out_norm)
             return x + _norm(self.mlp(_norm(x, self.mlp_norm)), self.mlp_out_norm)

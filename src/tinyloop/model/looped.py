@@ -48,7 +48,7 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
         # Set by model.fast.prepare_for_decode: the dtype activations run in (None: the embedding's) and a
         # module computing the LM head (None: F.linear with head_weight).
@@ -128,13 +128,15 @@ class LoopedTransformer(nn.Module):
         return e[..., c:c + self.cfg.n_kv_heads * self.cfg.head_dim]
 
     def init_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The state loop 0 starts from: e itself (no injection), else zeros, or with `state_seed` the
-        family's random rule per position (`positions` (T,) of e's (B, T, dim) rows; default 0..T-1)."""
+        """The state loop 0 starts from: e itself (no injection, or `loop_start` "embed" / "skip"), else
+        zeros, or with `state_seed` the family's random rule per position (`positions` (T,) of e's (B, T, dim)
+        rows; default 0..T-1)."""
+        from_e = self.cfg.injection == "none" or self.cfg.loop_start != "state"
         if e.shape[-1] != self.cfg.dim:   # value embeddings ride along (`ve_cols`): the state is the first dim
             e = e[..., :self.cfg.dim]
-            if self.cfg.injection == "none":
+            if from_e:
                 return e.clone()
-        if self.cfg.injection == "none":
+        if from_e:
             return e
         std = self.cfg.state_init_std
         if self.state_seed is None or std == 0:
@@ -152,7 +154,9 @@ class LoopedTransformer(nn.Module):
     def core_loop(self, h: torch.Tensor, e: torch.Tensor, loop_idx: int, ctx: StepContext) -> torch.Tensor:
         """One application of the shared core (loop `loop_idx`), writing that loop's cache slots."""
         full, e = e, e[..., :self.cfg.dim] if self.ve_cols else e
-        if self.cfg.injection == "add":
+        if loop_idx == 0 and self.cfg.loop_start == "skip":
+            x = e   # the first loop runs on the prelude output itself, without the injection
+        elif self.cfg.injection == "add":
             x = h + e
         elif self.cfg.injection == "concat-adapter":
             x = self.adapter(torch.cat([h, e], dim=-1))

@@ -25,8 +25,8 @@ from ..modelfile_writer import ModelFileWriter
 from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
-from .families import (CONFIGS, FAMILIES, NANBEIGE_OFF, NANBEIGE_UNSET, TENSORS, ConvertError, Emit,  # noqa: F401
-                       family_of, huginn_config, nanbeige_config, ouro_config, parcae_config, parcae_tensor,
+from .families import (CONFIGS, FAMILIES, NAMED, NANBEIGE_OFF, NANBEIGE_UNSET, TENSORS, ConvertError,  # noqa: F401
+                       Emit, family_of, huginn_config, nanbeige_config, ouro_config, parcae_config, parcae_tensor,
                        parcae_value_embeds)
 
 
@@ -107,6 +107,20 @@ def iter_pickled(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor
     bar.close()
 
 
+def tensor_names(files: list[Path]) -> set[str]:
+    """The names the shards hold, read from their headers (no tensor data)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                names.update(h.keys())
+        except (OSError, RuntimeError) as exc:  # safetensors' own errors
+            raise ConvertError(f"{f}: cannot read ({exc})") from None
+    return names
+
+
 def iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm import tqdm
@@ -173,15 +187,20 @@ def load_tokenizer(src: Path, hf: dict[str, Any], gen: dict[str, Any], *, defaul
 # -- the whole conversion -----------------------------------------------------------------------------
 
 
-def model_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
+def model_config(hf: dict[str, Any], src: Path, eos: list[int], names: set[str] | None = None) -> ModelConfig:
     """A checkpoint's config.json -> ModelConfig, or ConvertError saying why the architecture is not
-    supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any."""
+    supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any. `names`, the
+    checkpoint's tensor names where known, tell apart the variants one config class covers (huginn_raven)."""
     family = family_of(hf)
     if family not in FAMILIES:
         raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
                            f"reads ({', '.join(FAMILIES)}; Parcae's configs are recognised by _class_name)")
     try:
+        if family in NAMED:
+            return CONFIGS[family](hf, src, eos, names)
         return CONFIGS[family](hf, src, eos)
+    except ConvertError:
+        raise   # (already names the file)
     except KeyError as exc:
         raise ConvertError(f"{src / 'config.json'}: missing {exc.args[0]!r}") from None
     except (ConfigError, TypeError, ValueError) as exc:
@@ -214,7 +233,10 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
             "directory with --tokenizer"))
     else:
         tokenizer = load_tokenizer(tok_dir, hf, gen)
-    cfg = model_config(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index))
+    pickled = pickle_file(src) if family == "parcae" else None
+    files = [] if pickled is not None else shard_files(src)
+    names = tensor_names(files) if family in NAMED else None   # (the shards' headers only)
+    cfg = model_config(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index), names)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConvertError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                            f"{cfg.vocab_size}")
@@ -223,8 +245,6 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
     header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
                                                        "source_dtype": hf.get("torch_dtype"),
                                                        "converter_version": __version__, **(provenance or {})})
-    pickled = pickle_file(src) if family == "parcae" else None
-    files = [] if pickled is not None else shard_files(src)
     # Streamed: the file's layout is known from the config, so each tensor is cast and written at its place
     # as it is read (one tensor in memory at a time, one shard mapped), then the file is moved into place.
     # The file has the run-time layout (q/k/v and gate/up fused): the writer puts each projection at its rows.

@@ -8,7 +8,9 @@ Families (recognised by `config.json`'s `model_type`, never by a name):
                   ending every step, a learned exit gate, an untied head, GQA
     huginn_raven  Huginn-0125: prelude, a recurrent block re-entered through a concat adapter from a zero
                   state, coda; norms after each residual add, q/k biases, a sqrt(dim) embedding scale,
-                  interleaved RoPE, a tied head
+                  interleaved RoPE, a tied head. The same model_type holds the retrofitted-recurrence Llama
+                  and OLMo-2 conversions (GQA, an untied head, pre- or post-norm blocks, OLMo's full-width
+                  q/k norms, no embedding scale): `tools/family_raven.py`
     nanbeige      Nanbeige4.2 (NanbeigeForCausalLM): `num_hidden_layers` Llama pre-norm layers run `num_loops`
                   times, the final norm ending every loop (or only the last, `skip_loop_final_norm`), GQA with
                   an explicit `head_dim` (q wider than the hidden size), half-split RoPE, an untied head; the
@@ -74,7 +76,9 @@ def ouro_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
 def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
     d, H = hf["n_embd"], hf["n_heads"]
     _need(not hf.get("bias", False), src, "bias = true (biased linear layers) is not supported")
-    _need(hf.get("tie_embeddings", True), src, "an untied Huginn head is not supported")
+    _need(hf.get("tie_embeddings", True), src, "an untied Huginn head is not supported (a retrofitted-recurrence "
+                                                "Llama / OLMo checkpoint, which has one, names its RoPE base "
+                                                "rope_theta in config.json)")
     steps = hf.get("mean_recurrence", 32)
     return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
                        ffn_dim=hf["intermediate_size"], n_prelude=hf["n_layers_in_prelude"],
@@ -394,12 +398,17 @@ def _check_inv_freq(cfg: ModelConfig, name: str, t: torch.Tensor) -> None:
     """A stored RoPE `inv_freq` must be the one `rope_theta` and `head_dim` give (the reference computes it
     in fp32: rel. error ~1e-7; bf16 storage rounds to 2^-9 relative): a zeroed buffer (a loader bug that
     saved it so) or another theta would make the converted model differ from the checkpoint's own."""
+    from ..model.layers import rope_frequencies
+
     D = cfg.head_dim
-    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    want = rope_frequencies(D, cfg.rope_theta, cfg.rope_llama3)
     if tuple(t.shape) != (D // 2,) or not torch.allclose(t.double(), want, rtol=1e-2, atol=0):
         raise ConvertError(f"{name} is not the RoPE frequencies of rope_theta {cfg.rope_theta:g} and head_dim {D} "
                            f"(first values {t.flatten()[:3].tolist()}); the checkpoint would not run as saved")
 
 
-CONFIGS = {"ouro": ouro_config, "huginn_raven": huginn_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
-TENSORS = {"ouro": ouro_tensor, "huginn_raven": huginn_tensor, "nanbeige": nanbeige_tensor, "parcae": parcae_tensor}
+from .family_raven import raven_config, raven_tensor  # noqa: E402  (it builds on huginn_config / huginn_tensor)
+
+CONFIGS = {"ouro": ouro_config, "huginn_raven": raven_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
+TENSORS = {"ouro": ouro_tensor, "huginn_raven": raven_tensor, "nanbeige": nanbeige_tensor, "parcae": parcae_tensor}
+NAMED = ("huginn_raven",)   # families whose config function also reads the checkpoint's tensor names
