@@ -1,7 +1,7 @@
 """Sampled (temperature > 0) decoding of the shipped model in-process: plain sampling at loops 8 against
 speculation under the same sampling, paired per repeat; and the same with greedy decoding for reference.
 
-Every setting runs the four prompts (64 tokens each, seeds 0-3, `ignore_eos`), each alone on an engine core,
+Every setting (chain speculation, and a K = 2 tree, sampled alike since session 18) runs the four prompts (64 tokens each, seeds 0-3, `ignore_eos`), each alone on an engine core,
 right after a plain sampled loops-8 run of the same prompts; the ratio is the median over `reps` of plain
 time / setting time. `same_tokens`: whether each speculative output equals plain sampling's output for its
 seed (sampling by shared noise makes it so: engine/sampling.py); a build without that property reports False.
@@ -52,6 +52,8 @@ def main() -> None:
                     ("speculative, default", plain.replace(loops=None, mode="speculative")),
                     ("speculative d=2 ahead<=4", plain.replace(loops=None, mode="speculative", draft_loops=2, draft_ahead=4)),
                     ("speculative d=1 ahead<=4", plain.replace(loops=None, mode="speculative", draft_loops=1, draft_ahead=4)),
+                    ("tree d=2 ahead<=3 K=2", plain.replace(loops=None, mode="tree_speculative", draft_loops=2,
+                                                            draft_ahead=3, k_branches=2)),
                     ("speculative greedy, default", SamplingParams(max_tokens=N, temperature=0, mode="speculative",
                                                                    ignore_eos=True))]
         run(plain)
@@ -67,7 +69,8 @@ def main() -> None:
                        x_plain_sampled=round(statistics.median(ratios), 3),
                        acceptance=round(statistics.mean(s.get("acceptance_rate") or 0 for s in stats), 3),
                        draft_ahead_chosen=[s.get("draft_ahead_chosen") for s in stats],
-                       same_tokens=(got == ref) if p.temperature > 0 and p.mode == "speculative" else None)
+                       tree_chain_rounds=[(s["tree_rounds"], s["chain_rounds"]) for s in stats if "tree_rounds" in s] or None,
+                       same_tokens=(got == ref) if p.temperature > 0 and p.mode != "generate" else None)
             rows.append(row)
             print(row, flush=True)
     if args.json:

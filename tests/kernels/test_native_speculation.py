@@ -162,6 +162,21 @@ def test_sampled_tree_speculation_is_plain_sampling():
                 assert not trees
 
 
+def test_greedy_and_sampled_requests_keep_their_round_costs_apart():
+    """A greedy request's native rounds (their costs, their acceptance) do not become a sampled request's
+    prior: a sampled round draws every row and its drafts agree less often, so each regime has its table."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.engine.draft_policy import round_costs
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    p = SamplingParams(max_tokens=16, mode="speculative", verify_loops=4, draft_loops=2, draft_ahead=3)
+    greedy, sampled = (round_costs(nat, 2, 4, False, False, s) for s in (False, True))
+    _ids(nat, [5, 17, 300, 42], p.replace(temperature=0), True, draft_vocab=None, pipeline=False)
+    assert greedy.prior() is not None and greedy.verify_ms and sampled.prior() is None and not sampled.verify_ms
+    _ids(nat, [5, 17, 300, 42], p.replace(temperature=0.9, seed=3), True, draft_vocab=None, pipeline=False)
+    assert sampled.verify_ms
+
+
 def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():
     """Six sampled speculative requests at once (past ALONE_UP_TO: their rounds become plain rows of the shared
     step, drawn in its one head call) beside plain sampled ones: each answer is its seed's plain answer."""

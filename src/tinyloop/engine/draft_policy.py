@@ -70,9 +70,12 @@ def tested(k: int, accepted: int) -> int:
 _ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: bool = False) -> RoundCosts:
+def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: bool = False,
+                sampled: bool = False) -> RoundCosts:
+    """The model's table for one setting and round shape; greedy and sampled rounds apart (a sampled round
+    draws each row under its noise, and its drafts are accepted less often: neither should steer the other)."""
     table = _ROUND_COSTS.setdefault(model, {})
-    return table.setdefault((d, V, exit, pipeline), RoundCosts())
+    return table.setdefault((d, V, exit, pipeline, sampled), RoundCosts())
 
 
 class DraftPolicy:

@@ -149,10 +149,14 @@ class Speculator(TreeRounds):
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
         both = self.native and pipeline is None
+        # (greedy and sampled requests keep costs and an acceptance prior apart: a sampled round draws every
+        # row, and its drafts agree less often)
+        key = (self.d, self.V, self.exit is not None)
+        sampled = not params.greedy
         self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive,
-                                  costs=round_costs(model, self.d, self.V, self.exit is not None, self.pipeline and not both),
-                                  pipeline_costs=round_costs(model, self.d, self.V, self.exit is not None, True)
-                                  if both else None, prefer_pipeline=self.pipeline)
+                                  costs=round_costs(model, *key, self.pipeline and not both, sampled),
+                                  pipeline_costs=round_costs(model, *key, True, sampled) if both else None,
+                                  prefer_pipeline=self.pipeline)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
