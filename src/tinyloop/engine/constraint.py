@@ -175,7 +175,7 @@ def _reason(message: str, constraint: Constraint) -> str:
         where = ""
         if constraint.kind == "json_schema":
             keys = re.findall(r'"([^"]+)"', message.split("Unimplemented keys:", 1)[-1].split("]", 1)[0])
-            paths = [p for k in keys for p in keyword_paths(json.loads(constraint.source), k)][:5]
+            paths = list(dict.fromkeys(p for k in keys for p in keyword_paths(json.loads(constraint.source), k)))[:5]
             where = f" (at {', '.join(paths)})" if paths else ""
         return f"a schema feature this server does not support: {message}{where}; remove it from the schema"
     return message

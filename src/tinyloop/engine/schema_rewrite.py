@@ -69,7 +69,10 @@ class _Walk:
         self.warnings: list[str] = []
         self.loose: list[str] = []
 
-    def let_loose(self, keyword: str, path: str, why: str = "") -> None:
+    def let_loose(self, s: dict, keyword: str, path: str, why: str = "") -> None:
+        """`keyword` (and `then`/`else` with `if`) out of the grammar's schema, into the check's list."""
+        for k in (keyword, "then", "else") if keyword == "if" else (keyword,):
+            s.pop(k, None)
         where = f"{keyword} at {path}"
         self.loose.append(where)
         self.warnings.append(f"{where}: not enforced while generating{why}; the complete answer is checked "
@@ -95,8 +98,7 @@ class _Walk:
         self.format(s, path)
         for k in LOOSE:
             if k in s:
-                s.pop(k)
-                self.let_loose(k, path)
+                self.let_loose(s, k, path)
         self.dependencies(s, extra)
         self.property_names(s, path)
         self.unique_items(s, path)
@@ -148,16 +150,14 @@ class _Walk:
         if keys in ({"enum"}, {"const"}):
             values = [v for v in (names["enum"] if "enum" in names else [names["const"]]) if isinstance(v, str)]
         if names.get("type", "string") != "string" or "patternProperties" in s or (values is None and regex is None):
-            s["propertyNames"] = names
-            self.let_loose("propertyNames", path)
+            self.let_loose(s, "propertyNames", path)
             return
-        s.pop("propertyNames", None)
         props = dict(s.get("properties") or {})
         more = s.get("additionalProperties", True)
         ok = (lambda p: p in values) if values is not None else (lambda p: _name_ok(names, p))
         if regex is not None and more not in (True, False) and any(ok(p) for p in props):
-            s["propertyNames"] = names  # patternProperties would also hold declared names to `more`: looser here
-            self.let_loose("propertyNames", path)
+            # patternProperties would also hold declared names to `more`, which the original does not
+            self.let_loose(s, "propertyNames", path)
             return
         for p in props:
             if not ok(p):
@@ -180,8 +180,7 @@ class _Walk:
         values = _finite(items) if isinstance(items, dict) else None
         rest = set(s) - ANNOTATIONS - {"type", "items", "minItems", "maxItems", "$defs", "definitions"}
         if values is None or len(values) > UNIQUE_MAX_VALUES or rest or s.get("type", "array") != "array":
-            s["uniqueItems"] = True
-            self.let_loose("uniqueItems", path, "" if values is None or len(values) <= UNIQUE_MAX_VALUES else
+            self.let_loose(s, "uniqueItems", path, "" if values is None or len(values) <= UNIQUE_MAX_VALUES else
                            f" (more than {UNIQUE_MAX_VALUES} item values)")
             return
         lo, hi = s.pop("minItems", 0), min(s.pop("maxItems", len(values)), len(values))
@@ -195,7 +194,7 @@ class _Walk:
             return
         n = negate(s["not"])
         if n is None:
-            self.let_loose("not", path)
+            self.let_loose(s, "not", path)
         else:
             s.pop("not")
             extra.append(n)
@@ -209,7 +208,7 @@ class _Walk:
             return
         n = negate(s["if"])
         if n is None:
-            self.let_loose("if", path)
+            self.let_loose(s, "if", path)
             return
         cond, then, other = s.pop("if"), s.pop("then", True), s.pop("else", True)
         extra.append(_any([_all([cond, then]), _all([n, other])]))
@@ -229,7 +228,7 @@ def negate(s: Any) -> Any:
         if k == "type":
             n = _not_type(v)
         elif k == "required" and isinstance(v, list):
-            n = _any([{"properties": {r: False}} for r in v])
+            n = _any([{"type": "object", "properties": {r: False}} for r in v])
         elif k in ("const", "enum"):
             n = _not_values([v] if k == "const" else v) if k == "const" or isinstance(v, list) else None
         elif k == "properties" and isinstance(v, dict):

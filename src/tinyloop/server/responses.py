@@ -55,6 +55,7 @@ class Stats(Open):
     mode: Literal["generate", "speculative", "tree_speculative"]
     loops_used: int | float          # the mean over generated tokens (adaptive depth: loops "auto")
     loops_histogram: dict[str, int]  # core loops -> generated tokens that ran that many
+    schema_check: str | None = None  # "passed" / "failed: why": an answer checked against its schema (structured.md)
 
 
 class Runtime(Closed):

@@ -1,0 +1,134 @@
+"""Schema coverage (docs/structured.md, "Schema coverage"): every schema of the corpus (tests/fixtures/
+schema_corpus.json: schemas that use the keywords llguidance does not implement, written after common
+real-world ones: CI workflow steps, package manifests, OpenAPI fragments, API payloads; `loose` names the
+keywords left to the check after generation) compiles; its known-valid answers pass the grammar and its known-invalid ones are refused by
+the grammar, or, for the parts left loose, by the check after generation; answers generated on the shipped
+model validate against the original schema, or their check says they do not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine.constraint import Constraint, Grammars
+from tinyloop.engine.schema_rewrite import negate, prepare
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.tokenizer import Tokenizer
+
+CORPUS = json.loads((Path(__file__).parents[1] / "fixtures" / "schema_corpus.json").read_text())
+
+IDS = [c["name"] for c in CORPUS]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = Tokenizer.gpt2()
+    return Grammars(tok, tok.vocab_size)
+
+
+def written(doc) -> str:
+    return json.dumps(doc)   # ", " and ": ": as the grammar writes JSON
+
+
+def grammar_accepts(grammars, constraint, doc) -> bool:
+    m = grammars.compiled(constraint).deep_copy()
+    ids = grammars.tokenizer.encode(written(doc))
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_the_corpus_says_what_it_means(case):
+    for doc in case["valid"]:
+        jsonschema.validate(doc, case["schema"])
+    for doc in case["invalid"]:
+        assert not jsonschema.Draft202012Validator(case["schema"]).is_valid(doc) or "$schema" in case["schema"], doc
+        cls = jsonschema.validators.validator_for(case["schema"], default=jsonschema.Draft202012Validator)
+        assert not cls(case["schema"]).is_valid(doc), doc
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_accepted_and_loose_only_where_it_must_be(grammars, case):
+    c = Constraint.json_schema(case["schema"])
+    warnings = grammars.check(c)
+    check = grammars.schema_check(c)
+    loose = sorted({w.split(" at ")[0] for w in (check.loose if check else ())})
+    assert loose == sorted(case["loose"])
+    for word in case.get("warns", []):
+        assert any(word in w for w in warnings), warnings
+    assert len(warnings) >= len(loose) + len(case.get("warns", []))
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_grammar_takes_the_valid_and_refuses_the_invalid(grammars, case):
+    c = Constraint.json_schema(case["schema"])
+    check = grammars.schema_check(c)
+    for doc in case["valid"]:
+        assert grammar_accepts(grammars, c, doc), doc
+        assert check is None or check.validate(written(doc)) is None
+    caught_after = 0
+    for doc in case["invalid"]:
+        if grammar_accepts(grammars, c, doc):
+            assert check is not None, f"the grammar let {doc} through and nothing checks it"
+            assert check.validate(written(doc)) is not None
+            caught_after += 1
+    assert caught_after == 0 or case["loose"]
+
+
+def test_negate_is_exact_on_the_forms_it_takes():
+    """Each negation against jsonschema on a spread of values: exactly one of s and negate(s) holds."""
+    values = [None, True, False, 0, 1, 2.5, -3, "", "a", "ab", "abc", "main", [], [1], {}, {"a": 1}, {"a": "x"},
+              {"b": 2}, {"a": 1, "b": 2}]
+    forms = [{"type": "string"}, {"type": ["null", "number"]}, {"required": ["a"]}, {"required": ["a", "b"]},
+             {"const": "ab"}, {"enum": ["a", "main", 1, True, None]}, {"const": 1},
+             {"properties": {"a": {"const": 1}}}, {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+             {"anyOf": [{"type": "array"}, {"const": "a"}]}, {"allOf": [{"type": "object"}, {"required": ["b"]}]},
+             {"not": {"type": "boolean"}}, {"const": ""}]
+    for s in forms:
+        n = negate(s)
+        assert n is not None, s
+        for v in values:
+            assert jsonschema.Draft202012Validator(s).is_valid(v) != jsonschema.Draft202012Validator(n).is_valid(v), \
+                (s, n, v)
+    assert negate({"multipleOf": 3}) is None and negate({"type": "integer"}) is None
+
+
+def test_rewrites_leave_the_schema_alone_where_llguidance_has_it():
+    plain = {"type": "object", "properties": {"a": {"type": "string", "format": "date-time"}}, "required": ["a"]}
+    assert prepare(plain).schema == plain and not prepare(plain).warnings
+
+
+@pytest.fixture(scope="module")
+def shipped(shipped_model_path):
+    return Engine.load(shipped_model_path)
+
+
+def test_generated_answers_validate_or_say_they_do_not(shipped):
+    """Every schema of the corpus, sampled on the shipped model (two seeds each, one batch): an answer that
+    ends by itself validates against the original schema (where the grammar is exact), or its check says
+    whether it does (where something was left loose), and says so truly."""
+    reqs = []
+    for case in CORPUS:
+        c = Constraint.json_schema(case["schema"])
+        for seed in range(2):
+            reqs.append((case, (shipped.encode_prompt("JSON:"), SamplingParams(
+                max_tokens=96, temperature=0.8, seed=seed, constraint=c))))
+    events = run_to_completion(BatchEngine(shipped, max_num_seqs=len(reqs)), [r for _, r in reqs])
+    stopped = 0
+    for (case, _), evs in zip(reqs, events):
+        text, last = "".join(e.text for e in evs), evs[-1]
+        if last.finish_reason != "stop":
+            continue
+        stopped += 1
+        valid = jsonschema.validators.validator_for(case["schema"], default=jsonschema.Draft202012Validator)(
+            case["schema"]).is_valid(json.loads(text))
+        if case["loose"]:
+            assert last.stats["schema_check"] == "passed" if valid else last.stats["schema_check"].startswith("failed")
+        else:
+            assert valid, (case["name"], text)
+            assert "schema_check" not in last.stats
+    print(f"{stopped} of {len(reqs)} answers ended by themselves")
+    assert stopped >= len(reqs) // 2
