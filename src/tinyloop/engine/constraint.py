@@ -53,6 +53,7 @@ class Constraint:
     kind: str
     source: str = ""
     param: str = "response_format"
+    warnings: tuple[str, ...] = ()   # what building `source` left unenforced (a tool grammar's schemas)
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "response_format") -> "Constraint":
@@ -138,9 +139,10 @@ class Grammars:
         text = constraint.grammar_text()
         matcher = llguidance.LLMatcher(self.lltokenizer(), text)
         if matcher.is_error():
-            raise ValidationError(f"{constraint.param}: {_reason(matcher.get_error(), constraint)}",
-                                  param=constraint.param,
-                                  code="unsupported_schema" if constraint.kind == "json_schema" else None)
+            error = matcher.get_error()
+            schema_feature = constraint.kind == "json_schema" or "coerce_one_of" in error or "nimplemented" in error
+            raise ValidationError(f"{constraint.param}: {_reason(error, constraint)}", param=constraint.param,
+                                  code="unsupported_schema" if schema_feature else None)
         check = SchemaCheck.of(constraint, matcher.get_grammar_warnings()) if constraint.kind == "json_schema" else None
         with self._lock:
             self.compiles += 1
@@ -153,7 +155,7 @@ class Grammars:
         """Compile now (at planning, before the request is queued): a bad constraint is a 400 naming it.
         Returns the warnings the response carries (schema parts not enforced exactly: docs/structured.md)."""
         check = self._entry(constraint)[1]
-        return check.warnings if check is not None else ()
+        return constraint.warnings + (check.warnings if check is not None else ())
 
     def schema_check(self, constraint: Constraint | None) -> "SchemaCheck | None":
         """The check a complete answer goes through (a json_schema with loose parts), else None."""
@@ -171,6 +173,9 @@ def _reason(message: str, constraint: Constraint) -> str:
     [\"contains\"]"; the schema's paths to it are added)."""
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
     message = "; ".join(lines[:3]) if lines else "invalid grammar"
+    if "coerce_one_of" in message:   # llguidance's option, not the API's: say what it means here
+        return ("a oneOf whose branches may overlap cannot be held in this model's tool-call format (its calls are "
+                "not checked afterwards); use anyOf, or response_format, which takes it")
     if "Unimplemented" in message or "unimplemented" in message:
         where = ""
         if constraint.kind == "json_schema":
