@@ -132,3 +132,19 @@ def test_generated_answers_validate_or_say_they_do_not(shipped):
             assert "schema_check" not in last.stats
     print(f"{stopped} of {len(reqs)} answers ended by themselves")
     assert stopped >= len(reqs) // 2
+
+
+def test_many_dependencies_compile_quickly_the_rest_checked(grammars):
+    """llguidance multiplies out the alternatives rewrites add: past BRANCH_BUDGET the rest are loose (named
+    in a warning, checked after), so twelve dependencies still compile (they were "schema too large")."""
+    props = {f"p{i}": {"type": "string"} for i in range(12)}
+    schema = {"type": "object", "properties": props, "dependentRequired": {f"p{i}": [f"p{(i + 1) % 12}"] for i in range(12)}}
+    c = Constraint.json_schema(schema)
+    warnings = grammars.check(c)
+    assert grammars.schema_check(c).loose == ("dependentRequired at #",)
+    assert any("more alternatives" in w for w in warnings)
+    assert grammar_accepts(grammars, c, {"p0": "a", "p1": "b", "p2": "c", "p3": "d", "p4": "e", "p5": "f"})
+    assert not grammar_accepts(grammars, c, {"p0": "a"})   # the first dependencies are held by the grammar
+    past = {f"p{i}": "v" for i in range(7)}                # p6 without p7: past the budget, the check's
+    assert grammar_accepts(grammars, c, past)
+    assert "p7" in grammars.schema_check(c).validate(written(past))

@@ -29,6 +29,9 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depre
                "$id", "$schema", "$anchor", "markdownDescription", "format"}
 TYPES = ("null", "boolean", "object", "array", "number", "string")
 UNIQUE_MAX_VALUES = 4     # uniqueItems written out as every duplicate-free array up to this many item values
+BRANCH_BUDGET = 32        # per schema node, the product of the alternatives that rewrites add (llguidance
+                          # multiplies them out: 5 two-way dependencies compile in ~6 ms, 7 in ~40 ms, 12 are
+                          # "too large"); past it, the rest are loose
 LOOSE = ("contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems")
 ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
@@ -94,7 +97,7 @@ class _Walk:
         if isinstance(s.get("dependencies"), dict):
             s["dependencies"] = {n: v if isinstance(v, list) else self.node(v, f"{path}/dependencies/{_pointer(n)}")
                                  for n, v in s["dependencies"].items()}
-        extra: list[Any] = []   # schemas the node must also satisfy (an allOf around it)
+        extra: list[tuple[str, Any]] = []   # (keyword, a schema the node must also satisfy): an allOf around it
         self.format(s, path)
         for k in LOOSE:
             if k in s:
@@ -104,10 +107,24 @@ class _Walk:
         self.unique_items(s, path)
         self.negation(s, path, extra)
         self.conditional(s, path, extra)
+        extra = self.within_budget(extra, path)
         if not extra:
             return s
         outer = {k: s.pop(k) for k in ("$defs", "definitions", "$schema", "$id") if k in s}
         return {**outer, "allOf": [s, *extra]}
+
+    def within_budget(self, extra: list[tuple[str, Any]], path: str) -> list[Any]:
+        """The added schemas, as many as llguidance compiles quickly; the rest loose (checked after)."""
+        kept, product = [], 1
+        for keyword, schema in extra:
+            n = len(schema["anyOf"]) if isinstance(schema, dict) and isinstance(schema.get("anyOf"), list) else 1
+            if product * n > BRANCH_BUDGET:
+                if f"{keyword} at {path}" not in self.loose:
+                    self.let_loose({}, keyword, path, " (more alternatives than the grammar compiles quickly)")
+                continue
+            product *= n
+            kept.append(schema)
+        return kept
 
     def format(self, s: dict, path: str) -> None:
         f = s.get("format")
@@ -129,10 +146,10 @@ class _Walk:
                     if isinstance(dep, list):
                         s["required"] = list(dict.fromkeys([*s["required"], *dep]))
                     else:
-                        extra.append(dep)
+                        extra.append((key, dep))
                     continue
                 present = {"required": [name, *dep]} if isinstance(dep, list) else _all([{"required": [name]}, dep])
-                extra.append(_any([{"properties": {name: False}}, present]))
+                extra.append((key, _any([{"properties": {name: False}}, present])))
 
     def property_names(self, s: dict, path: str) -> None:
         """`propertyNames`: the object's keys held to a set (`enum`, `const`) or a pattern (`pattern`, or
@@ -197,7 +214,7 @@ class _Walk:
             self.let_loose(s, "not", path)
         else:
             s.pop("not")
-            extra.append(n)
+            extra.append(("not", n))
 
     def conditional(self, s: dict, path: str, extra: list) -> None:
         """`if`/`then`/`else` as `anyOf: [allOf[if, then], allOf[not if, else]]` (without `if`, the other
@@ -211,7 +228,7 @@ class _Walk:
             self.let_loose(s, "if", path)
             return
         cond, then, other = s.pop("if"), s.pop("then", True), s.pop("else", True)
-        extra.append(_any([_all([cond, then]), _all([n, other])]))
+        extra.append(("if", _any([_all([cond, then]), _all([n, other])])))
 
 
 def negate(s: Any) -> Any:
