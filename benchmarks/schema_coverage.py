@@ -77,6 +77,7 @@ def main() -> None:
         if reqs else []
     answers: Counter = Counter()
     invalid: list[dict] = []
+    flagged: Counter = Counter()
     for (name, schema, _), evs in zip(reqs, events):
         last = evs[-1]
         if last.finish_reason != "stop":
@@ -93,6 +94,7 @@ def main() -> None:
             answers["valid"] += 1
         elif said.startswith("failed"):
             answers["flagged"] += 1
+            flagged[name] += 1
         else:
             answers["invalid"] += 1
             invalid.append({"schema": name, "answer": text})
@@ -103,12 +105,14 @@ def main() -> None:
         print(f"  refused {name}: {why[:160]}")
     print(f"answers ({args.samples} a schema, {time.perf_counter() - t0:.1f} s): " +
           "  ".join(f"{k}: {answers[k]}" for k in ("valid", "flagged", "invalid", "cut short")))
+    if flagged:
+        print("  flagged by their check: " + ", ".join(f"{k} ({v})" for k, v in flagged.items()))
     for bad in invalid:
         print(f"  INVALID {bad['schema']}: {bad['answer'][:160]}")
     args.out.write_text(json.dumps({
         "schemas": str(args.schemas.relative_to(ROOT) if args.schemas.is_relative_to(ROOT) else args.schemas),
         "n_schemas": len(schemas), "accepted": len(schemas) - len(refused), "coverage": round(coverage, 4),
-        "with_warnings": warned, "refused": refused, "answers": dict(answers), "invalid": invalid,
+        "with_warnings": warned, "refused": refused, "answers": dict(answers), "flagged": dict(flagged), "invalid": invalid,
         "samples": args.samples, "max_tokens": args.max_tokens}, indent=1) + "\n")
     sys.exit(1 if invalid else 0)
 

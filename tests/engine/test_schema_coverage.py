@@ -99,6 +99,9 @@ def test_negate_is_exact_on_the_forms_it_takes():
 def test_rewrites_leave_the_schema_alone_where_llguidance_has_it():
     plain = {"type": "object", "properties": {"a": {"type": "string", "format": "date-time"}}, "required": ["a"]}
     assert prepare(plain).schema == plain and not prepare(plain).warnings
+    record = {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "integer"},
+              "uniqueItems": False}   # what a record of strings writes: nothing to hold, nothing loose
+    assert prepare(record) == prepare({"type": "object", "additionalProperties": {"type": "integer"}})
 
 
 @pytest.fixture(scope="module")

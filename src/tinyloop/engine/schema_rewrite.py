@@ -162,6 +162,8 @@ class _Walk:
             s["maxProperties"] = 0
             return
         keys = set(names) - ANNOTATIONS - {"type"} if isinstance(names, dict) else {"?"}
+        if not keys and names.get("type", "string") == "string":
+            return   # every key is a string: nothing to hold (what a record of strings writes)
         regex = _name_regex(names) if keys and keys <= {"pattern", "minLength", "maxLength"} else None
         values = None
         if keys in ({"enum"}, {"const"}):
