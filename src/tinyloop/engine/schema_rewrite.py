@@ -13,8 +13,9 @@ whose answers are checked against the original schema once complete (`jsonschema
   the original schema): the other forms of those keywords, `contains`, `unevaluated*`;
 - an unknown `format`: a plain string, with a warning (validators treat `format` as an annotation too).
 
-`oneOf` is llguidance's (exact where it proves the branches disjoint, else coerced to `anyOf`: compiled with
-`coerce_one_of`, and the answer checked, `constraint.Grammars` does both).
+`oneOf` whose branches `negate` turns round becomes an `anyOf` of each branch with the others' negations
+(exact); any other is llguidance's (exact where it proves the branches disjoint, else coerced to `anyOf`:
+compiled with `coerce_one_of`, and the answer checked; `constraint.Grammars` and `schema_check` do both).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class _Walk:
         self.unique_items(s, path)
         self.negation(s, path, extra)
         self.conditional(s, path, extra)
+        self.one_of(s, extra)
         extra = self.within_budget(extra, path)
         if not extra:
             return s
@@ -117,7 +119,7 @@ class _Walk:
         """The added schemas, as many as llguidance compiles quickly; the rest loose (checked after)."""
         kept, product = [], 1
         for keyword, schema in extra:
-            n = len(schema["anyOf"]) if isinstance(schema, dict) and isinstance(schema.get("anyOf"), list) else 1
+            n = _alternatives(schema)
             if product * n > BRANCH_BUDGET:
                 if f"{keyword} at {path}" not in self.loose:
                     self.let_loose({}, keyword, path, " (more alternatives than the grammar compiles quickly)")
@@ -218,6 +220,20 @@ class _Walk:
             s.pop("not")
             extra.append(("not", n))
 
+    def one_of(self, s: dict, extra: list) -> None:
+        """`oneOf` whose branches `negate` can turn round: `anyOf` of each branch with the others' negations
+        (exactly one holds), which llguidance compiles exactly. Others are left to llguidance (exact where it
+        can tell the branches apart, else generated as anyOf and checked: `constraint.Grammars`)."""
+        branches = s.get("oneOf")
+        if not isinstance(branches, list) or not 2 <= len(branches) <= 4:
+            return
+        negs = [negate(b) for b in branches]
+        if None in negs:
+            return
+        s.pop("oneOf")
+        extra.append(("oneOf", _any([_all([b, *(n for j, n in enumerate(negs) if j != i)])
+                                     for i, b in enumerate(branches)])))
+
     def conditional(self, s: dict, path: str, extra: list) -> None:
         """`if`/`then`/`else` as `anyOf: [allOf[if, then], allOf[not if, else]]` (without `if`, the other
         two mean nothing, as the spec has it)."""
@@ -268,6 +284,16 @@ def negate(s: Any) -> Any:
             return None
         parts.append(n)
     return _any(parts)
+
+
+def _alternatives(schema: Any) -> int:
+    """About how many alternatives llguidance makes of `schema` at its top: anyOfs add, allOfs multiply."""
+    if not isinstance(schema, dict):
+        return 1
+    n = sum(_alternatives(x) for x in schema["anyOf"]) if isinstance(schema.get("anyOf"), list) else 1
+    for x in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        n *= _alternatives(x)
+    return n
 
 
 def _any(schemas: list) -> Any:
