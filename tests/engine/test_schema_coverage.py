@@ -151,3 +151,13 @@ def test_many_dependencies_compile_quickly_the_rest_checked(grammars):
     past = {f"p{i}": "v" for i in range(7)}                # p6 without p7: past the budget, the check's
     assert grammar_accepts(grammars, c, past)
     assert "p7" in grammars.schema_check(c).validate(written(past))
+
+
+def test_a_one_of_too_large_to_write_out_goes_back_to_llguidance():
+    """Four object branches, each turned round into several alternatives, multiply past the budget: the oneOf
+    is left as it was (llguidance's: coerced to anyOf and checked), not dropped."""
+    branches = [{"type": "object", "properties": {f"k{i}": {"const": i}, "x": {"enum": ["a", "b", "c"]}},
+                 "required": [f"k{i}", "x"]} for i in range(4)]
+    prepared = prepare({"oneOf": branches})
+    assert prepared.schema == {"oneOf": branches} and not prepared.loose
+    assert prepare({"oneOf": branches[:2]}).schema != {"oneOf": branches[:2]}   # two fit: written out

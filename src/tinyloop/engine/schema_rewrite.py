@@ -109,19 +109,22 @@ class _Walk:
         self.negation(s, path, extra)
         self.conditional(s, path, extra)
         self.one_of(s, extra)
-        extra = self.within_budget(extra, path)
+        extra = self.within_budget(s, extra, path)
         if not extra:
             return s
         outer = {k: s.pop(k) for k in ("$defs", "definitions", "$schema", "$id") if k in s}
         return {**outer, "allOf": [s, *extra]}
 
-    def within_budget(self, extra: list[tuple[str, Any]], path: str) -> list[Any]:
-        """The added schemas, as many as llguidance compiles quickly; the rest loose (checked after)."""
+    def within_budget(self, s: dict, extra: list[tuple[str, Any]], path: str) -> list[Any]:
+        """The added schemas, as many as llguidance compiles quickly; the rest loose (checked after), but a
+        `oneOf`, which goes back to llguidance as it was."""
         kept, product = [], 1
         for keyword, schema in extra:
             n = _alternatives(schema)
             if product * n > BRANCH_BUDGET:
-                if f"{keyword} at {path}" not in self.loose:
+                if keyword == "oneOf":
+                    s["oneOf"] = self.one_of_given
+                elif f"{keyword} at {path}" not in self.loose:
                     self.let_loose({}, keyword, path, " (more alternatives than the grammar compiles quickly)")
                 continue
             product *= n
@@ -163,7 +166,10 @@ class _Walk:
         if names is False:
             s["maxProperties"] = 0
             return
-        keys = set(names) - ANNOTATIONS - {"type"} if isinstance(names, dict) else {"?"}
+        if not isinstance(names, dict):
+            self.let_loose(s, "propertyNames", path)   # not a schema: jsonschema's check of the schema says so
+            return
+        keys = set(names) - ANNOTATIONS - {"type"}
         if not keys and names.get("type", "string") == "string":
             return   # every key is a string: nothing to hold (what a record of strings writes)
         regex = _name_regex(names) if keys and keys <= {"pattern", "minLength", "maxLength"} else None
@@ -230,7 +236,7 @@ class _Walk:
         negs = [negate(b) for b in branches]
         if None in negs:
             return
-        s.pop("oneOf")
+        self.one_of_given = s.pop("oneOf")   # put back by within_budget if the rewrite does not fit
         extra.append(("oneOf", _any([_all([b, *(n for j, n in enumerate(negs) if j != i)])
                                      for i, b in enumerate(branches)])))
 
