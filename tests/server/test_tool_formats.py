@@ -93,10 +93,15 @@ def test_hermes_tool_schemas_rewritten_or_refused_by_keyword(grammars, tokenizer
     m, ok = feed(grammars, c, call % '{"card": "4111"}', tokenizer)
     assert not (ok and m.allows(tokenizer.eos_id))   # card without zip: the grammar does not let it end
     for schema, word in (({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems at #/"),
-                         ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "oneOf")):
+                         ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, "oneOf")):
         tool = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": schema}}}})
         with pytest.raises(ValidationError, match=word) as err:
             grammars.check(ToolPlan.of([tool], "required", None, HERMES).constraint())
         assert err.value.param == "tools" and err.value.code == "unsupported_schema"
         assert "coerce_one_of" not in str(err.value)
+    exact = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+        "properties": {"x": {"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}}}}})
+    c = ToolPlan.of([exact], "required", None, HERMES).constraint()   # overlapping, but written out exactly
+    assert feed(grammars, c, call.replace("pay", "f") % '{"x": {"b": 1}}', tokenizer)[1]
+    assert not feed(grammars, c, call.replace("pay", "f") % '{"x": {"a": 1}}', tokenizer)[1]  # both branches
