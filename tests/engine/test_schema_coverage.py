@@ -161,3 +161,11 @@ def test_a_one_of_too_large_to_write_out_goes_back_to_llguidance():
     prepared = prepare({"oneOf": branches})
     assert prepared.schema == {"oneOf": branches} and not prepared.loose
     assert prepare({"oneOf": branches[:2]}).schema != {"oneOf": branches[:2]}   # two fit: written out
+
+
+def test_conditions_on_listed_values_filter_the_list():
+    """`not` and `if` that negate cannot turn round, on a node that lists its values: the list filtered."""
+    assert prepare({"enum": ["a1", "b2", "c3"], "not": {"pattern": "^b"}}).schema == {"enum": ["a1", "c3"]}
+    got = prepare({"type": "integer", "enum": [1, 2, 3, 4], "if": {"minimum": 3}, "then": {"multipleOf": 2}})
+    assert got.schema == {"type": "integer", "enum": [1, 2, 4]} and not got.loose
+    assert prepare({"type": "string", "not": {"format": "email"}}).loose == ("not at #",)   # not made false

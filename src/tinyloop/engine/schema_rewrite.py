@@ -7,8 +7,8 @@ whose answers are checked against the original schema once complete (`jsonschema
 - rewritten exactly (the rewritten schema allows the same answers): `dependentRequired`, `dependentSchemas`,
   `dependencies`; `propertyNames` given as `enum`/`const`, `pattern`, `minLength`/`maxLength`; `not` and
   `if`/`then`/`else` whose condition `negate` can turn round (`type`, `required`, `const`, `enum`,
-  `properties` of those, `anyOf`/`allOf`/`not` of those); `uniqueItems` over items of at most 4 values
-  (every duplicate-free array written out);
+  `properties` of those, `anyOf`/`allOf`/`not` of those), or on a node that lists its values (the list
+  filtered); `uniqueItems` over items of at most 4 values (every duplicate-free array written out);
 - loose, then checked (dropped from the grammar, named in a warning, the complete answer validated against
   the original schema): the other forms of those keywords, `contains`, `unevaluated*`;
 - an unknown `format`: a plain string, with a warning (validators treat `format` as an annotation too).
@@ -220,7 +220,9 @@ class _Walk:
         if "not" not in s:
             return
         n = negate(s["not"])
-        if n is None:
+        if n is None and _filter_values(s, lambda v: not _holds(s["not"], v)):
+            s.pop("not")
+        elif n is None:
             self.let_loose(s, "not", path)
         else:
             s.pop("not")
@@ -248,11 +250,38 @@ class _Walk:
             s.pop("else", None)
             return
         n = negate(s["if"])
+        cond, then, other = s["if"], s.get("then", True), s.get("else", True)
+        if n is None and _filter_values(s, lambda v: _holds(then if _holds(cond, v) else other, v)):
+            s.pop("if"), s.pop("then", None), s.pop("else", None)
+            return
         if n is None:
             self.let_loose(s, "if", path)
             return
-        cond, then, other = s.pop("if"), s.pop("then", True), s.pop("else", True)
+        s.pop("if"), s.pop("then", None), s.pop("else", None)
         extra.append(("if", _any([_all([cond, then]), _all([n, other])])))
+
+
+def _filter_values(s: dict, keep) -> bool:
+    """On a node that lists its values (`enum`, `const`), keep only those `keep` says (exact whatever the
+    condition is: each value is tried with jsonschema). False where the node lists none."""
+    values = [s["const"]] if "const" in s else s.get("enum")
+    if not isinstance(values, list):
+        return False
+    try:
+        kept = [v for v in values if keep(v)]
+    except Exception:  # noqa: BLE001 - a $ref it cannot resolve on its own, jsonschema missing: not this way
+        return False
+    s.pop("const", None)
+    s["enum"] = kept
+    return True
+
+
+def _holds(schema: Any, value: Any) -> bool:
+    import jsonschema
+
+    if "$ref" in json.dumps(schema):
+        raise ValueError("a $ref is resolved against the whole schema")
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
 
 
 def negate(s: Any) -> Any:
@@ -261,8 +290,8 @@ def negate(s: Any) -> Any:
     each keyword's negation."""
     if isinstance(s, bool):
         return not s
-    if not isinstance(s, dict) or "$ref" in s:
-        return None
+    if not isinstance(s, dict) or "$ref" in s or "format" in s:
+        return None   # (a format: "not an email" has no schema)
     parts = []
     for k in sorted(set(s) - ANNOTATIONS):
         v = s[k]
