@@ -169,3 +169,18 @@ def test_conditions_on_listed_values_filter_the_list():
     got = prepare({"type": "integer", "enum": [1, 2, 3, 4], "if": {"minimum": 3}, "then": {"multipleOf": 2}})
     assert got.schema == {"type": "integer", "enum": [1, 2, 4]} and not got.loose
     assert prepare({"type": "string", "not": {"format": "email"}}).loose == ("not at #",)   # not made false
+
+
+def test_an_unknown_meta_schema_is_read_as_json_schema(grammars):
+    """A registry's own `$schema` (Snowplow's Iglu): llguidance would try to fetch it and refuse; read as
+    JSON Schema, with a warning, and the known drafts left alone."""
+    iglu = "http://iglucentral.com/schemas/com.snowplowanalytics.self-desc/schema/jsonschema/1-0-0#"
+    schema = {"$schema": iglu, "self": {"vendor": "com.acme", "name": "click", "format": "jsonschema",
+                                        "version": "1-0-0"},
+              "type": "object", "properties": {"target": {"type": "string", "maxLength": 8}}, "required": ["target"],
+              "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    assert any("iglucentral" in w for w in grammars.check(c))
+    assert grammar_accepts(grammars, c, {"target": "button"}) and not grammar_accepts(grammars, c, {})
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}
+    assert prepare(draft7).schema == draft7 and not prepare(draft7).warnings

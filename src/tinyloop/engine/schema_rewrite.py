@@ -64,6 +64,15 @@ def known_format(name: str) -> bool:
     return not is_error and not any("format" in m.lower() for m in messages)
 
 
+@lru_cache(maxsize=64)
+def known_dialect(uri: str) -> bool:
+    """Whether llguidance knows the meta-schema `uri` ($schema): it would try to fetch any other, and fail."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"$schema": uri, "type": "string"})
+    return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]
+
+
 def _pointer(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
@@ -132,6 +141,13 @@ class _Walk:
         return kept
 
     def format(self, s: dict, path: str) -> None:
+        """An unknown `format`: a plain string. (And an unknown `$schema`, such as a registry's own
+        meta-schema, read as JSON Schema: llguidance would try to fetch it.)"""
+        uri = s.get("$schema")
+        if isinstance(uri, str) and not known_dialect(uri):
+            s.pop("$schema")
+            self.warnings.append(f"$schema at {path}: {uri!r} is not a dialect this server knows; read as JSON "
+                                 f"Schema (2020-12)")
         f = s.get("format")
         if isinstance(f, str) and not known_format(f):
             s.pop("format")
