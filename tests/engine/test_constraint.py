@@ -87,8 +87,9 @@ def test_compiled_once_per_content_and_bad_constraints_name_the_field(engine):
     for _ in range(3):
         engine.plan(engine.encode_prompt("x"), SamplingParams(constraint=Constraint.json_schema(schema)))
     assert engine.grammars.compiles == before + 1
-    with pytest.raises(ValidationError, match="dependentSchemas") as err:
-        engine.plan([1], SamplingParams(constraint=Constraint.json_schema({"type": "object", "dependentSchemas": {}})))
+    refused = {"type": "object", "properties": {"a": {"type": "object", "$dynamicRef": "#node"}}}
+    with pytest.raises(ValidationError, match=r"\$dynamicRef.*at #/properties/a\)") as err:
+        engine.plan([1], SamplingParams(constraint=Constraint.json_schema(refused)))
     assert err.value.param == "response_format" and err.value.code == "unsupported_schema"
     with pytest.raises(ValidationError) as err:
         engine.plan([1], SamplingParams(constraint=Constraint("regex", "[0-9", param="regex")))

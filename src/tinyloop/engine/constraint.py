@@ -20,6 +20,7 @@ tokens, sampling draws from the masked distribution, and logprobs are those of t
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,11 +31,15 @@ import numpy as np
 import torch
 
 from ..errors import ValidationError
+from .schema_check import SchemaCheck, keyword_paths
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 # JSON output without free whitespace: ", " and ": " as Python's json.dumps writes them (a small model given
 # free whitespace can spend its whole budget on spaces and newlines)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# over whatever the schema's own "x-guidance" says: a oneOf whose branches may overlap is compiled as anyOf
+# (the answer then checked, as vLLM and SGLang compile it unchecked); never ignore a keyword silently
+JSON_OVERRIDES = {"coerce_one_of": True, "lenient": False}
 ANY_JSON_OBJECT = {"type": "object"}
 CACHE_SIZE = 256          # compiled grammars kept per engine (least recently used dropped first)
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinyloop-mask")
@@ -48,6 +53,7 @@ class Constraint:
     kind: str
     source: str = ""
     param: str = "response_format"
+    warnings: tuple[str, ...] = ()   # what building `source` left unenforced (a tool grammar's schemas)
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "response_format") -> "Constraint":
@@ -57,6 +63,12 @@ class Constraint:
         # as given (no key sorting: the order of `properties` is the order the output writes them in)
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
+    def prepared(self):
+        """A json_schema's `schema_rewrite.Prepared`: the schema llguidance compiles, warnings, loose parts."""
+        from .schema_rewrite import prepare
+
+        return prepare(json.loads(self.source))
+
     def grammar_text(self) -> str:
         """llguidance's grammar for this constraint (raises ValidationError naming `param`)."""
         import llguidance
@@ -65,7 +77,8 @@ class Constraint:
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.prepared().schema, defaults=JSON_OPTIONS,
+                                                                     overrides=JSON_OVERRIDES)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
             if self.kind == "grammar":
@@ -113,6 +126,9 @@ class Grammars:
 
     def compiled(self, constraint: Constraint):
         """The compiled matcher of `constraint` in its initial state (shared: copy before use)."""
+        return self._entry(constraint)[0]
+
+    def _entry(self, constraint: Constraint) -> tuple[Any, SchemaCheck | None]:
         import llguidance
 
         with self._lock:
@@ -123,30 +139,50 @@ class Grammars:
         text = constraint.grammar_text()
         matcher = llguidance.LLMatcher(self.lltokenizer(), text)
         if matcher.is_error():
-            raise ValidationError(f"{constraint.param}: {_reason(matcher.get_error())}", param=constraint.param,
-                                  code="unsupported_schema" if constraint.kind == "json_schema" else None)
+            error = matcher.get_error()
+            schema_feature = constraint.kind == "json_schema" or "coerce_one_of" in error or "nimplemented" in error
+            raise ValidationError(f"{constraint.param}: {_reason(error, constraint)}", param=constraint.param,
+                                  code="unsupported_schema" if schema_feature else None)
+        check = SchemaCheck.of(constraint, matcher.get_grammar_warnings()) if constraint.kind == "json_schema" else None
         with self._lock:
             self.compiles += 1
-            self._compiled[constraint] = matcher
+            self._compiled[constraint] = (matcher, check)
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return matcher
+        return matcher, check
 
-    def check(self, constraint: Constraint) -> None:
-        """Compile now (at planning, before the request is queued): a bad constraint is a 400 naming it."""
-        self.compiled(constraint)
+    def check(self, constraint: Constraint) -> tuple[str, ...]:
+        """Compile now (at planning, before the request is queued): a bad constraint is a 400 naming it.
+        Returns the warnings the response carries (schema parts not enforced exactly: docs/structured.md)."""
+        check = self._entry(constraint)[1]
+        return constraint.warnings + (check.warnings if check is not None else ())
+
+    def schema_check(self, constraint: Constraint | None) -> "SchemaCheck | None":
+        """The check a complete answer goes through (a json_schema with loose parts), else None."""
+        if constraint is None or constraint.kind != "json_schema":
+            return None
+        check = self._entry(constraint)[1]
+        return check if check is not None and check.loose else None
 
     def matcher(self, constraint: Constraint) -> "Matcher":
         return Matcher(self.compiled(constraint).deep_copy(), self.vocab_size, self.lltokenizer().eos_token)
 
 
-def _reason(message: str) -> str:
+def _reason(message: str, constraint: Constraint) -> str:
     """llguidance's error, made to say what to fix (its messages name the keyword: "Unimplemented keys:
-    [\"format\"]")."""
+    [\"contains\"]"; the schema's paths to it are added)."""
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
     message = "; ".join(lines[:3]) if lines else "invalid grammar"
+    if "coerce_one_of" in message:   # llguidance's option, not the API's: say what it means here
+        return ("a oneOf whose branches may overlap cannot be held in this model's tool-call format (its calls are "
+                "not checked afterwards); use anyOf, or response_format, which takes it")
     if "Unimplemented" in message or "unimplemented" in message:
-        return f"a schema feature this server does not support: {message}; remove it from the schema"
+        where = ""
+        if constraint.kind == "json_schema":
+            keys = re.findall(r'"([^"]+)"', message.split("Unimplemented keys:", 1)[-1].split("]", 1)[0])
+            paths = list(dict.fromkeys(p for k in keys for p in keyword_paths(json.loads(constraint.source), k)))[:5]
+            where = f" (at {', '.join(paths)})" if paths else ""
+        return f"a schema feature this server does not support: {message}{where}; remove it from the schema"
     return message
 
 

@@ -200,7 +200,7 @@ class Engine:
         plan = plan_request(prompt_ids, params or SamplingParams(), self.config, max_seq_len=self.max_seq_len, n=n,
                             exit_gate=self.model.exit_gate is not None)
         if plan.params.constraint is not None:  # compiled now (cached by content): a bad one is a 400 here
-            self.grammars.check(plan.params.constraint)
+            plan = dataclasses.replace(plan, warnings=self.grammars.check(plan.params.constraint))
         return self._with_thinking(plan)
 
     def _with_thinking(self, plan: RequestPlan) -> RequestPlan:
@@ -243,7 +243,8 @@ class Engine:
         when the engine has a tokenizer, else ids only."""
         if self.tokenizer is None:
             return TokenStream(plan, self.eos_ids, t0, index)
-        return TextStream(self.tokenizer, plan, self.eos_ids, t0, index)
+        check = None if plan.params.constraint is None else self.grammars.schema_check(plan.params.constraint)
+        return TextStream(self.tokenizer, plan, self.eos_ids, t0, index, check=check)
 
     # -- generation -------------------------------------------------------------------------
     def core(self, plan: RequestPlan | None = None):

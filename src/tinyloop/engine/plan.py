@@ -32,6 +32,7 @@ class RequestPlan:
     exit_rule: Any = None         # model.exits.ExitRule for loops="auto" (loops is then the ceiling)
     kv_loops: int | None = None   # core KV slots per layer (the loop-shared budget); None: one per loop
     thinking: Any = None          # engine.thinking.ThinkPlan when the output has a thinking block (Engine.plan)
+    warnings: tuple[str, ...] = ()  # schema parts not enforced exactly (Engine.plan; x-tinyloop-warning)
 
     @property
     def mode(self) -> str:

@@ -141,18 +141,38 @@ class TextStream(TokenStream):
     """`TokenStream` plus text: a streaming detokenizer (whole UTF-8 characters) and stop strings, matched
     on decoded text across token boundaries and never returned."""
 
-    def __init__(self, tokenizer, plan, eos_ids: Iterable[int], t0: float, index: int = 0):
+    def __init__(self, tokenizer, plan, eos_ids: Iterable[int], t0: float, index: int = 0, check=None):
         super().__init__(plan, eos_ids, t0, index)
         self.detok = tokenizer.detokenizer()
         self.stops = StopMatcher(plan.params.stop)
+        # a schema the grammar could not hold exactly (engine/schema_check.py): the answer is checked at the end
+        self.check, self.thinking = check, plan.thinking
+        self.shown: list[str] = []
 
     def _text(self, tok: int) -> str:
         text = self.stops.feed(self.detok.add(tok))
         self.stopped = self.stops.stopped
+        if self.check is not None:
+            self.shown.append(text)
         return text
 
     def _tail(self) -> str:
-        return "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        text = "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        if self.check is not None:
+            self.shown.append(text)
+        return text
+
+    def close(self, run_stats: dict[str, Any] | None = None, finish_reason: str | None = None) -> StreamEvent:
+        """The final event; under a schema check, its stats say `schema_check`: "passed" or "failed: why"
+        (an answer cut short by max_tokens is not checked: nothing is claimed about it)."""
+        ev = super().close(run_stats, finish_reason)
+        if self.check is not None and ev.finish_reason == "stop":
+            answer = "".join(self.shown)
+            if self.thinking is not None:   # the schema holds after the thinking block
+                answer = answer.rsplit(self.thinking.tags.close, 1)[-1]
+            error = self.check.validate(answer)
+            ev.stats["schema_check"] = "passed" if error is None else f"failed: {error}"
+        return ev
 
     def _stop_sequence(self) -> str | None:
         return self.stops.matched

@@ -22,9 +22,13 @@ import time
 from typing import Any
 
 REQUEST_ID_HEADER = "X-Request-Id"
+WARNING_HEADER = "x-tinyloop-warning"            # schema parts not enforced exactly (docs/structured.md)
+SCHEMA_CHECK_HEADER = "x-tinyloop-schema-check"  # the complete answers' check against such a schema
 _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_request_id", default=None)
 access_var: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("tinyloop_access", default=None)
+# headers a route adds to its response (structured output's x-tinyloop-warning, x-tinyloop-schema-check)
+headers_var: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("tinyloop_headers", default=None)
 access_log = logging.getLogger("tinyloop.access")
 log = logging.getLogger("tinyloop.server")
 
@@ -38,6 +42,19 @@ def note(**fields: Any) -> None:
     info = access_var.get()
     if info is not None:
         info.update(fields)
+
+
+def response_headers() -> dict[str, str]:
+    """The current request's extra response headers (name -> value), to add to or read; sent with the
+    response's start (a stream's: before its first event)."""
+    headers = headers_var.get()
+    return headers if headers is not None else {}
+
+
+def _header_value(value: str) -> bytes:
+    """A header value from text that may hold a client's names: one line of ASCII, at most 2,000 bytes."""
+    flat = " ".join(value.split()).encode("ascii", "backslashreplace")
+    return flat if len(flat) <= 2000 else flat[:1997] + b"..."
 
 
 def add_completion_tokens(count: int) -> None:
@@ -62,6 +79,8 @@ class AccessMiddleware:
         request_id_var.set(rid)
         info: dict[str, Any] = {}
         access_var.set(info)
+        extra: dict[str, str] = {}
+        headers_var.set(extra)
         started = {"status": None}
         t0 = time.perf_counter()
 
@@ -74,6 +93,7 @@ class AccessMiddleware:
             if message["type"] == "http.response.start":
                 started["status"] = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
+                headers += [(k.lower().encode(), _header_value(v)) for k, v in extra.items()]
                 message = {**message, "headers": [*headers, *((name, rid.encode()) for name in names)]}
             await send(message)
 
@@ -155,4 +175,4 @@ def install_cors(app, origins: list[str]) -> None:
     app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["Authorization", "x-api-key", "anthropic-version", "Content-Type",
                                       REQUEST_ID_HEADER],
-                       expose_headers=[REQUEST_ID_HEADER, "request-id"], max_age=600)
+                       expose_headers=[REQUEST_ID_HEADER, "request-id", WARNING_HEADER, SCHEMA_CHECK_HEADER], max_age=600)

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from ..version import __version__
 from ..engine import SamplingParams
 from ..errors import ValidationError
-from .access import add_completion_tokens, note
+from .access import SCHEMA_CHECK_HEADER, WARNING_HEADER, add_completion_tokens, note, response_headers
 from .schemas import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
 from .sse import DONE, Framer, usage
@@ -115,6 +115,8 @@ class ServerState:
             return engine.plan(engine.encode_prompt(prompt), params, n=n)
 
         plan = await anyio.to_thread.run_sync(prepare)
+        if plan.warnings:   # a schema the grammar holds only in part: said before any answer goes out
+            response_headers()[WARNING_HEADER] = " | ".join(plan.warnings)
         note(mode=plan.mode, loops=plan.loops, n=plan.n, prompt_tokens=plan.n_prompt, max_tokens=plan.max_tokens)
         handle = self.worker.submit(plan, timeout_s=timeout_s)
         handle.client_timeout = timeout_s is not None   # its expiry is then the client's 408, not a 504
@@ -176,8 +178,24 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
 
     out = await gather(handle, request, take, "a request without a result")
     add_completion_tokens(sum(r.stats.get("completion_tokens", 0) for r in out))
+    schema_checked(out)
     note(finish_reason=out[0].finish_reason)  # a batch of prompts: its requests' sum
     return out
+
+
+def schema_checked(results: list[Result]) -> None:
+    """The x-tinyloop-schema-check header of a non-streamed response whose schema was checked after
+    generation: "passed", or "failed: " and why, per choice that failed (a streamed choice carries its
+    outcome on its final chunk)."""
+    checks = [(i, r.stats.get("schema_check")) for i, r in enumerate(results)]
+    failed = [f"choice {i}: {c.removeprefix('failed: ')}" for i, c in checks if c and c.startswith("failed")]
+    headers = response_headers()
+    if failed:
+        before = headers.get(SCHEMA_CHECK_HEADER, "")
+        head = before + "; " if before.startswith("failed") else "failed: "
+        headers[SCHEMA_CHECK_HEADER] = head + "; ".join(failed)
+    elif any(c for _, c in checks):
+        headers.setdefault(SCHEMA_CHECK_HEADER, "passed")
 
 
 async def collect_all(handles: list[RequestHandle], request: Request) -> list[list[Result]]:

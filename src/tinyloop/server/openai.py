@@ -138,6 +138,8 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
                     if answer is None else answer.message(result.text, result.finish_reason)
                 message["refusal"] = None   # OpenAI's schema: required, null (these models refuse nothing apart)
                 choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
+                if result.stats.get("schema_check"):   # a schema checked after generation (docs/structured.md)
+                    choices[-1]["schema_check"] = result.stats["schema_check"]
                 if tokenizer is not None:
                     choices[-1]["logprobs"] = chat_logprobs(chat_content(tokenizer, result.token_ids, result.logprobs))
                 continue
@@ -150,6 +152,8 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
                 if echo:
                     lp = join(completion_logprobs(tokenizer, ids, result.prompt_logprobs), lp)
                 choices[-1]["logprobs"] = lp
+            if result.stats.get("schema_check"):   # a schema checked after generation (docs/structured.md)
+                choices[-1]["schema_check"] = result.stats["schema_check"]
     out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
            "model": body.model, "choices": choices, "usage": sum_usage([total_usage(r) for r in batches])}
     if extras:

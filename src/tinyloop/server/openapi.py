@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from . import responses as R
-from .access import REQUEST_ID_HEADER
+from .access import REQUEST_ID_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER
 
 ERROR_TEXT = {
     400: "invalid value (out of range, over the context length or KV capacity, conflicting fields); on OpenAI's "
@@ -125,6 +125,14 @@ def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
 
 
+SCHEMA_HEADERS = {  # a JSON schema held in part (docs/structured.md, "Schema coverage")
+    WARNING_HEADER: {"description": "the schema keywords not enforced while generating and the formats written as "
+                     "plain strings, each with its JSON path", "schema": {"type": "string"}},
+    SCHEMA_CHECK_HEADER: {"description": "non-streamed, under a schema with such keywords: \"passed\", or "
+                          "\"failed: \" and why (each answer validated against the schema as sent)",
+                          "schema": {"type": "string"}}}
+
+
 def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=__doc__.split("\n\n")[0],
                       routes=app.routes)
@@ -152,7 +160,7 @@ def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:
                 ok = _json(model.__name__)
             if sse:
                 ok["text/event-stream"] = {"schema": R.sse_event_schema(sse[0].__name__, sse[1])}
-            out = {"200": {"description": "OK", "content": ok, "headers": header}}
+            out = {"200": {"description": "OK", "content": ok, "headers": {**header, **(SCHEMA_HEADERS if sse else {})}}}
             for status in errors:
                 out[str(status)] = {"description": ERROR_TEXT[status], "content": _json("ErrorResponse"),
                                     "headers": header}

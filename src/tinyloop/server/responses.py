@@ -55,6 +55,7 @@ class Stats(Open):
     mode: Literal["generate", "speculative", "tree_speculative"]
     loops_used: int | float          # the mean over generated tokens (adaptive depth: loops "auto")
     loops_histogram: dict[str, int]  # core loops -> generated tokens that ran that many
+    schema_check: str | None = None  # "passed" / "failed: why": an answer checked against its schema (structured.md)
 
 
 class Runtime(Closed):
@@ -133,6 +134,7 @@ class ChatChoice(Closed):
     message: AssistantMessage
     finish_reason: FinishReason
     logprobs: ChatLogprobs | None        # null unless logprobs: true
+    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class TextChoice(Closed):
@@ -140,6 +142,7 @@ class TextChoice(Closed):
     index: int
     finish_reason: FinishReason
     logprobs: TextLogprobs | None        # null unless logprobs: k
+    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class ChatCompletion(Closed):
@@ -286,6 +289,7 @@ class ChatChunkChoice(Closed):
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None        # null unless logprobs: true
     loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
+    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class TextChunkChoice(Closed):
@@ -294,6 +298,7 @@ class TextChunkChoice(Closed):
     finish_reason: FinishReason | None
     logprobs: TextLogprobs | None        # null unless logprobs: k
     loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
+    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class _Chunk(Closed):

@@ -129,6 +129,8 @@ class ChatFramer(Framer):
         """`out`, then the chunk with the choice's finish_reason (`choice`); after the last choice, the usage
         chunk (if asked) and [DONE]."""
         extra = self.extras(ev.stats or {}) if self.extras else {}
+        if (ev.stats or {}).get("schema_check"):   # a schema checked after generation (docs/structured.md)
+            choice["schema_check"] = ev.stats["schema_check"]
         out.append(frame(self._chunk(choice, **extra)))
         if not self.done:
             return out

@@ -179,16 +179,21 @@ class ToolPlan:
         counts added tokens as special: a quoted tag would allow the token and then refuse it)."""
         self._tags = {t: t for t in (OPEN_TAG, CLOSE_TAG) if _one_token(tokenizer, t)}
         if self.style == "xml":
-            return None if self.choice == "auto" else Constraint("grammar", self._xml_grammar(), param="tools")
+            if self.choice == "auto":
+                return None
+            warnings: list[str] = []
+            return Constraint("grammar", self._xml_grammar(warnings), param="tools", warnings=tuple(warnings))
         if self.style == "hermes":
             if self.choice == "auto":
                 return None
+            warnings = []
             calls = [self._call_schema(f) for f in self.tools]
             # the JSON written as response_format's is (no free whitespace): llguidance's options in the schema
-            one = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS})
+            held = _held(calls[0] if len(calls) == 1 else {"anyOf": calls}, warnings)
+            one = json.dumps({**held, "x-guidance": JSON_OPTIONS})
             repeat = ' ("\\n" call)*' if self.parallel else ""
             lark = f'start: call{repeat}\ncall: {self._tag(OPEN_TAG)} "\\n" %json {one} "\\n" {self._tag(CLOSE_TAG)}\n'
-            return Constraint("grammar", lark, param="tools")
+            return Constraint("grammar", lark, param="tools", warnings=tuple(warnings))
         reply = {"type": "object", "properties": {"tool_calls": self._calls_schema()},
                  "required": ["tool_calls"], "additionalProperties": False}
         if self.choice == "auto":
@@ -197,7 +202,7 @@ class ToolPlan:
             reply = {"anyOf": [reply, answer]}
         return Constraint.json_schema(reply, param="tools")
 
-    def _xml_grammar(self) -> str:
+    def _xml_grammar(self, warnings: list[str]) -> str:
         """`required` / named calls in the XML format (Nanbeige's template): per function its `<function=NAME>`,
         then each declared parameter as `<parameter=P>\nvalue\n</parameter>\n` in the schema's order (the required
         ones always, the others optional). A string's value is free text up to `</parameter>` (its `enum`, `const`
@@ -210,7 +215,7 @@ class ToolPlan:
             parts = []
             for j, (name, schema) in enumerate(props.items()):
                 rule = f"p{i}_{j}"
-                value = _xml_value(f.name, name, schema if isinstance(schema, dict) else {}, rule, rules)
+                value = _xml_value(f.name, name, schema if isinstance(schema, dict) else {}, rule, rules, warnings)
                 rules.append(f"{rule}: {json.dumps(f'<parameter={name}>' + chr(10))} {value}")
                 parts.append(rule if name in required else f"{rule}?")
             calls.append(f"f{i}")
@@ -249,11 +254,27 @@ def _one_token(tokenizer, text: str) -> bool:
 STRING_OK = {"type", "enum", "const", "pattern", "description", "title", "default", "examples"}
 
 
-def _xml_value(fn: str, name: str, schema: dict[str, Any], rule: str, rules: list[str]) -> str:
+def _held(schema: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """A tool schema as the grammar holds it inside a tool-call block (engine/schema_rewrite.py: keywords
+    llguidance lacks rewritten, unknown formats written as plain strings, with a warning). What it would
+    leave loose is a 400: a call inside a block of text is not checked afterwards as response_format's
+    answer is."""
+    from ..engine.schema_rewrite import prepare
+
+    prepared = prepare(schema)
+    if prepared.loose:
+        raise ValidationError(f"tools: {prepared.loose[0]}: cannot be held while generating, and tool calls in this "
+                              "model's tool format are not checked afterwards; remove it from the schema",
+                              param="tools", code="unsupported_schema")
+    warnings.extend(prepared.warnings)
+    return prepared.schema
+
+
+def _xml_value(fn: str, name: str, schema: dict[str, Any], rule: str, rules: list[str], warnings: list[str]) -> str:
     """The grammar of one XML parameter's value, with its closing `\n</parameter>\n`."""
     end = json.dumps("\n</parameter>\n")
     if schema.get("type") != "string":
-        return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})} {end}"
+        return f"%json {json.dumps({**_held(schema, warnings), 'x-guidance': JSON_OPTIONS})} {end}"
     extra = sorted(set(schema) - STRING_OK)
     if extra:
         raise ValidationError(f"tools: {fn}'s parameter {name!r}: the XML tool format writes a string as free text, "

@@ -1,0 +1,461 @@
+"""JSON Schema keywords llguidance does not implement, turned into ones it does (docs/structured.md, "Schema
+coverage").
+
+`prepare(schema)` gives the schema llguidance compiles, the warnings a response carries, and the keywords
+whose answers are checked against the original schema once complete (`jsonschema`, server-side):
+
+- rewritten exactly (the rewritten schema allows the same answers): `dependentRequired`, `dependentSchemas`,
+  `dependencies`; `propertyNames` given as `enum`/`const`, `pattern`, `minLength`/`maxLength`; `not` and
+  `if`/`then`/`else` whose condition `negate` can turn round (`type`, `required`, `const`, `enum`,
+  `properties` of those, `anyOf`/`allOf`/`not` of those), or on a node that lists its values (the list
+  filtered); `uniqueItems` over items of at most 4 values (every duplicate-free array written out);
+- loose, then checked (dropped from the grammar, named in a warning, the complete answer validated against
+  the original schema): the other forms of those keywords, `contains`, `unevaluated*`;
+- an unknown `format`: a plain string, with a warning (validators treat `format` as an annotation too).
+
+`oneOf` whose branches `negate` turns round becomes an `anyOf` of each branch with the others' negations
+(exact); any other is llguidance's (exact where it proves the branches disjoint, else coerced to `anyOf`:
+compiled with `coerce_one_of`, and the answer checked; `constraint.Grammars` and `schema_check` do both).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+               "$id", "$schema", "$anchor", "markdownDescription", "format"}
+TYPES = ("null", "boolean", "object", "array", "number", "string")
+UNIQUE_MAX_VALUES = 4     # uniqueItems written out as every duplicate-free array up to this many item values
+BRANCH_BUDGET = 32        # per schema node, the product of the alternatives that rewrites add (llguidance
+                          # multiplies them out: 5 two-way dependencies compile in ~6 ms, 7 in ~40 ms, 12 are
+                          # "too large"); past it, the rest are loose
+LOOSE = ("contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems")
+ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_ANY = r"[\s\S]"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    schema: Any                       # what llguidance compiles
+    warnings: tuple[str, ...] = ()    # for the response's x-tinyloop-warning header
+    loose: tuple[str, ...] = ()       # "keyword at #/path" not enforced while generating: checked after
+
+
+def prepare(schema: Any) -> Prepared:
+    walk = _Walk()
+    out = walk.node(schema, "#")
+    return Prepared(out, tuple(walk.warnings), tuple(walk.loose))
+
+
+@lru_cache(maxsize=256)
+def known_format(name: str) -> bool:
+    """Whether llguidance knows string format `name` (asked, not listed here: its list grows by version)."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return not is_error and not any("format" in m.lower() for m in messages)
+
+
+@lru_cache(maxsize=64)
+def known_dialect(uri: str) -> bool:
+    """Whether llguidance knows the meta-schema `uri` ($schema): it would try to fetch any other, and fail."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"$schema": uri, "type": "string"})
+    return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]
+
+
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+class _Walk:
+    def __init__(self):
+        self.warnings: list[str] = []
+        self.loose: list[str] = []
+
+    def let_loose(self, s: dict, keyword: str, path: str, why: str = "") -> None:
+        """`keyword` (and `then`/`else` with `if`) out of the grammar's schema, into the check's list."""
+        for k in (keyword, "then", "else") if keyword == "if" else (keyword,):
+            s.pop(k, None)
+        where = f"{keyword} at {path}"
+        self.loose.append(where)
+        self.warnings.append(f"{where}: not enforced while generating{why}; the complete answer is checked "
+                             f"against the schema")
+
+    def node(self, s: Any, path: str) -> Any:
+        if not isinstance(s, dict):
+            return s
+        s = dict(s)
+        for k in SCHEMA_MAPS:
+            if isinstance(s.get(k), dict):
+                s[k] = {n: self.node(v, f"{path}/{k}/{_pointer(n)}") for n, v in s[k].items()}
+        for k in ONE_SCHEMA:
+            if isinstance(s.get(k), dict):
+                s[k] = self.node(s[k], f"{path}/{k}")
+        for k in SCHEMA_LISTS:
+            if isinstance(s.get(k), list):
+                s[k] = [self.node(v, f"{path}/{k}/{i}") for i, v in enumerate(s[k])]
+        if isinstance(s.get("dependencies"), dict):
+            s["dependencies"] = {n: v if isinstance(v, list) else self.node(v, f"{path}/dependencies/{_pointer(n)}")
+                                 for n, v in s["dependencies"].items()}
+        extra: list[tuple[str, Any]] = []   # (keyword, a schema the node must also satisfy): an allOf around it
+        self.format(s, path)
+        for k in LOOSE:
+            if k in s:
+                self.let_loose(s, k, path)
+        self.dependencies(s, extra)
+        self.property_names(s, path)
+        self.unique_items(s, path)
+        self.negation(s, path, extra)
+        self.conditional(s, path, extra)
+        self.one_of(s, extra)
+        extra = self.within_budget(s, extra, path)
+        if not extra:
+            return s
+        outer = {k: s.pop(k) for k in ("$defs", "definitions", "$schema", "$id") if k in s}
+        return {**outer, "allOf": [s, *extra]}
+
+    def within_budget(self, s: dict, extra: list[tuple[str, Any]], path: str) -> list[Any]:
+        """The added schemas, as many as llguidance compiles quickly; the rest loose (checked after), but a
+        `oneOf`, which goes back to llguidance as it was."""
+        kept, product = [], 1
+        for keyword, schema in extra:
+            n = _alternatives(schema)
+            if product * n > BRANCH_BUDGET:
+                if keyword == "oneOf":
+                    s["oneOf"] = self.one_of_given
+                elif f"{keyword} at {path}" not in self.loose:
+                    self.let_loose({}, keyword, path, " (more alternatives than the grammar compiles quickly)")
+                continue
+            product *= n
+            kept.append(schema)
+        return kept
+
+    def format(self, s: dict, path: str) -> None:
+        """An unknown `format`: a plain string. (And an unknown `$schema`, such as a registry's own
+        meta-schema, read as JSON Schema: llguidance would try to fetch it.)"""
+        uri = s.get("$schema")
+        if isinstance(uri, str) and not known_dialect(uri):
+            s.pop("$schema")
+            self.warnings.append(f"$schema at {path}: {uri!r} is not a dialect this server knows; read as JSON "
+                                 f"Schema (2020-12)")
+        f = s.get("format")
+        if isinstance(f, str) and not known_format(f):
+            s.pop("format")
+            self.warnings.append(f"format at {path}: {f!r} is not a format this server knows; written as a "
+                                 f"plain string")
+
+    def dependencies(self, s: dict, extra: list) -> None:
+        """`dependentRequired` / `dependentSchemas` / `dependencies`: "if NAME is present, then ...", as an
+        `anyOf` of NAME absent (`properties: {NAME: false}`) and NAME present with what it brings; a NAME the
+        node already requires brings it unconditionally."""
+        for key in ("dependentRequired", "dependentSchemas", "dependencies"):
+            deps = s.pop(key, None)
+            if not isinstance(deps, dict):
+                continue
+            for name, dep in deps.items():
+                if name in (s.get("required") or []):
+                    if isinstance(dep, list):
+                        s["required"] = list(dict.fromkeys([*s["required"], *dep]))
+                    else:
+                        extra.append((key, dep))
+                    continue
+                present = {"required": [name, *dep]} if isinstance(dep, list) else _all([{"required": [name]}, dep])
+                extra.append((key, _any([{"properties": {name: False}}, present])))
+
+    def property_names(self, s: dict, path: str) -> None:
+        """`propertyNames`: the object's keys held to a set (`enum`, `const`) or a pattern (`pattern`, or
+        `minLength`/`maxLength` as one): declared properties that cannot match become `false`, the others
+        allowed only as matching names (`additionalProperties: false` around `patternProperties`)."""
+        names = s.pop("propertyNames", None)
+        if names is None or names is True or names == {}:
+            return
+        if names is False:
+            s["maxProperties"] = 0
+            return
+        if not isinstance(names, dict):
+            self.let_loose(s, "propertyNames", path)   # not a schema: jsonschema's check of the schema says so
+            return
+        keys = set(names) - ANNOTATIONS - {"type"}
+        if not keys and names.get("type", "string") == "string":
+            return   # every key is a string: nothing to hold (what a record of strings writes)
+        regex = _name_regex(names) if keys and keys <= {"pattern", "minLength", "maxLength"} else None
+        values = None
+        if keys in ({"enum"}, {"const"}):
+            values = [v for v in (names["enum"] if "enum" in names else [names["const"]]) if isinstance(v, str)]
+        if names.get("type", "string") != "string" or "patternProperties" in s or (values is None and regex is None):
+            self.let_loose(s, "propertyNames", path)
+            return
+        props = dict(s.get("properties") or {})
+        more = s.get("additionalProperties", True)
+        ok = (lambda p: p in values) if values is not None else (lambda p: _name_ok(names, p))
+        if regex is not None and more not in (True, False) and any(ok(p) for p in props):
+            # patternProperties would also hold declared names to `more`, which the original does not
+            self.let_loose(s, "propertyNames", path)
+            return
+        for p in props:
+            if not ok(p):
+                props[p] = False
+        if more is not False:
+            if values is not None:
+                props.update({v: more for v in values if v not in props})
+            else:
+                s["patternProperties"] = {regex: more}
+        s["properties"], s["additionalProperties"] = props, False
+
+    def unique_items(self, s: dict, path: str) -> None:
+        """`uniqueItems: true` over items of a few values (an enum, a const, booleans): every duplicate-free
+        array written out (`prefixItems` of consts); otherwise loose."""
+        if s.get("uniqueItems") is not True:
+            s.pop("uniqueItems", None)
+            return
+        s.pop("uniqueItems")
+        items = s.get("items")
+        values = _finite(items) if isinstance(items, dict) else None
+        rest = set(s) - ANNOTATIONS - {"type", "items", "minItems", "maxItems", "$defs", "definitions"}
+        if values is None or len(values) > UNIQUE_MAX_VALUES or rest or s.get("type", "array") != "array":
+            self.let_loose(s, "uniqueItems", path, "" if values is None or len(values) <= UNIQUE_MAX_VALUES else
+                           f" (more than {UNIQUE_MAX_VALUES} item values)")
+            return
+        lo, hi = s.pop("minItems", 0), min(s.pop("maxItems", len(values)), len(values))
+        s.pop("items")
+        s["type"] = "array"
+        s["anyOf"] = [{"prefixItems": [{"const": v} for v in perm], "items": False, "minItems": n}
+                      for n in range(lo, hi + 1) for perm in itertools.permutations(values, n)] or [False]
+
+    def negation(self, s: dict, path: str, extra: list) -> None:
+        if "not" not in s:
+            return
+        n = negate(s["not"])
+        if n is None and _filter_values(s, lambda v: not _holds(s["not"], v)):
+            s.pop("not")
+        elif n is None:
+            self.let_loose(s, "not", path)
+        else:
+            s.pop("not")
+            extra.append(("not", n))
+
+    def one_of(self, s: dict, extra: list) -> None:
+        """`oneOf` whose branches `negate` can turn round: `anyOf` of each branch with the others' negations
+        (exactly one holds), which llguidance compiles exactly. Others are left to llguidance (exact where it
+        can tell the branches apart, else generated as anyOf and checked: `constraint.Grammars`)."""
+        branches = s.get("oneOf")
+        if not isinstance(branches, list) or not 2 <= len(branches) <= 4:
+            return
+        negs = [negate(b) for b in branches]
+        if None in negs:
+            return
+        self.one_of_given = s.pop("oneOf")   # put back by within_budget if the rewrite does not fit
+        extra.append(("oneOf", _any([_all([b, *(n for j, n in enumerate(negs) if j != i)])
+                                     for i, b in enumerate(branches)])))
+
+    def conditional(self, s: dict, path: str, extra: list) -> None:
+        """`if`/`then`/`else` as `anyOf: [allOf[if, then], allOf[not if, else]]` (without `if`, the other
+        two mean nothing, as the spec has it)."""
+        if "if" not in s:
+            s.pop("then", None)
+            s.pop("else", None)
+            return
+        n = negate(s["if"])
+        cond, then, other = s["if"], s.get("then", True), s.get("else", True)
+        if n is None and _filter_values(s, lambda v: _holds(then if _holds(cond, v) else other, v)):
+            s.pop("if"), s.pop("then", None), s.pop("else", None)
+            return
+        if n is None:
+            self.let_loose(s, "if", path)
+            return
+        s.pop("if"), s.pop("then", None), s.pop("else", None)
+        extra.append(("if", _any([_all([cond, then]), _all([n, other])])))
+
+
+def _filter_values(s: dict, keep) -> bool:
+    """On a node that lists its values (`enum`, `const`), keep only those `keep` says (exact whatever the
+    condition is: each value is tried with jsonschema). False where the node lists none."""
+    values = [s["const"]] if "const" in s else s.get("enum")
+    if not isinstance(values, list):
+        return False
+    try:
+        kept = [v for v in values if keep(v)]
+    except Exception:  # noqa: BLE001 - a $ref it cannot resolve on its own, jsonschema missing: not this way
+        return False
+    s.pop("const", None)
+    s["enum"] = kept
+    return True
+
+
+def _holds(schema: Any, value: Any) -> bool:
+    import jsonschema
+
+    if "$ref" in json.dumps(schema):
+        raise ValueError("a $ref is resolved against the whole schema")
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def negate(s: Any) -> Any:
+    """A schema that holds exactly where `s` does not, or None where this cannot say so (then the caller
+    checks the answer instead). A schema is a conjunction of its keywords: the negation is an `anyOf` of
+    each keyword's negation."""
+    if isinstance(s, bool):
+        return not s
+    if not isinstance(s, dict) or "$ref" in s or "format" in s:
+        return None   # (a format: "not an email" has no schema)
+    parts = []
+    for k in sorted(set(s) - ANNOTATIONS):
+        v = s[k]
+        if k == "type":
+            n = _not_type(v)
+        elif k == "required" and isinstance(v, list):
+            n = _any([{"type": "object", "properties": {r: False}} for r in v])
+        elif k in ("const", "enum"):
+            n = _not_values([v] if k == "const" else v) if k == "const" or isinstance(v, list) else None
+        elif k == "properties" and isinstance(v, dict):
+            each = [(p, negate(ps)) for p, ps in v.items()]
+            n = None if any(x is None for _, x in each) else \
+                _any([{"type": "object", "required": [p], "properties": {p: x}} for p, x in each if x is not False])
+        elif k == "anyOf" and isinstance(v, list):
+            each = [negate(x) for x in v]
+            n = None if None in each else _all(each)
+        elif k == "allOf" and isinstance(v, list):
+            each = [negate(x) for x in v]
+            n = None if None in each else _any(each)
+        elif k == "not":
+            n = v
+        else:
+            return None
+        if n is None:
+            return None
+        parts.append(n)
+    return _any(parts)
+
+
+def _alternatives(schema: Any) -> int:
+    """About how many alternatives llguidance makes of `schema` at its top: anyOfs add, allOfs multiply."""
+    if not isinstance(schema, dict):
+        return 1
+    n = sum(_alternatives(x) for x in schema["anyOf"]) if isinstance(schema.get("anyOf"), list) else 1
+    for x in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        n *= _alternatives(x)
+    return n
+
+
+def _any(schemas: list) -> Any:
+    schemas = [x for x in schemas if x is not False]
+    if any(x is True or x == {} for x in schemas):
+        return True
+    return False if not schemas else schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _all(schemas: list) -> Any:
+    schemas = [x for x in schemas if x is not True and x != {}]
+    if any(x is False for x in schemas):
+        return False
+    return True if not schemas else schemas[0] if len(schemas) == 1 else {"allOf": schemas}
+
+
+def _json_type(v: Any) -> str | None:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v))
+
+
+def _not_type(t: Any) -> Any:
+    given = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+    if given is None or ("integer" in given and "number" not in given):
+        return None   # "a number that is not an integer" has no schema llguidance compiles
+    rest = [x for x in TYPES if x not in given]
+    return {"type": rest} if rest else False
+
+
+def _not_values(values: list) -> Any:
+    """Anything but these values: the other types whole, and per type the values' complement (booleans, the
+    number line between them, strings by a pattern for each); None for an object or array value."""
+    by_type: dict[str, list] = {}
+    for v in values:
+        by_type.setdefault(_json_type(v), []).append(v)
+    if "array" in by_type or "object" in by_type or None in by_type:
+        return None
+    branches: list[Any] = []
+    others = [t for t in TYPES if t not in by_type]
+    if others:
+        branches.append({"type": others})
+    if "boolean" in by_type:
+        rest = [b for b in (True, False) if b not in by_type["boolean"]]
+        if rest:
+            branches.append({"enum": rest})
+    if "number" in by_type:
+        cuts = sorted(set(by_type["number"]))
+        branches.append({"type": "number", "exclusiveMaximum": cuts[0]})
+        branches += [{"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(cuts, cuts[1:])]
+        branches.append({"type": "number", "exclusiveMinimum": cuts[-1]})
+    if "string" in by_type:
+        patterns = [{"pattern": _not_string(x)} for x in sorted(set(by_type["string"]))]
+        branches.append({"type": "string", **(patterns[0] if len(patterns) == 1 else {"allOf": patterns})})
+    return _any(branches)
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$-#&~/" else c for c in text)
+
+
+def _not_string(text: str) -> str:
+    """A regex matching every string but `text`: its proper prefixes, the strings that leave it at some
+    character, and the strings that go on past it."""
+    alts = [_regex_escape(text[:i]) for i in range(len(text))]
+    alts += [f"{_regex_escape(text[:i])}[^{_regex_escape(text[i])}]{_ANY}*" for i in range(len(text))]
+    alts.append(f"{_regex_escape(text)}{_ANY}+")
+    return "^(" + "|".join(alts) + ")$"
+
+
+def _name_regex(names: dict) -> str | None:
+    if "pattern" in names and ("minLength" in names or "maxLength" in names):
+        return None   # two regexes would have to be intersected
+    if "pattern" in names:
+        return names["pattern"] if isinstance(names["pattern"], str) else None
+    lo, hi = names.get("minLength", 0), names.get("maxLength")
+    return f"^{_ANY}{{{lo},{'' if hi is None else hi}}}$"
+
+
+def _name_ok(names: dict, name: str) -> bool:
+    import re
+
+    if "pattern" in names:
+        try:
+            return re.search(names["pattern"], name) is not None
+        except re.error:
+            return False
+    return names.get("minLength", 0) <= len(name) <= names.get("maxLength", len(name))
+
+
+def _finite(items: dict) -> list | None:
+    """The values an item schema allows when it lists them (enum, const, booleans), in order, else None."""
+    keys = set(items) - ANNOTATIONS
+    if keys in ({"enum"}, {"enum", "type"}) and isinstance(items["enum"], list):
+        vals = items["enum"]
+        if "type" in keys:
+            t = items["type"]
+            vals = [v for v in vals if _json_type(v) == t or (t == "integer" and isinstance(v, int)
+                                                             and not isinstance(v, bool))]
+    elif keys in ({"const"}, {"const", "type"}):
+        vals = [items["const"]]
+    elif keys == {"type"} and items["type"] == "boolean":
+        vals = [True, False]
+    else:
+        return None
+    out: list = []
+    for v in vals:   # JSON equality (1 == 1.0; True is not 1)
+        if not any(json.dumps(v, sort_keys=True) == json.dumps(w, sort_keys=True) for w in out):
+            out.append(v)
+    return out

@@ -1,0 +1,186 @@
+"""Schema coverage (docs/structured.md, "Schema coverage"): every schema of the corpus (tests/fixtures/
+schema_corpus.json: schemas that use the keywords llguidance does not implement, written after common
+real-world ones: CI workflow steps, package manifests, OpenAPI fragments, API payloads; `loose` names the
+keywords left to the check after generation) compiles; its known-valid answers pass the grammar and its known-invalid ones are refused by
+the grammar, or, for the parts left loose, by the check after generation; answers generated on the shipped
+model validate against the original schema, or their check says they do not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine.constraint import Constraint, Grammars
+from tinyloop.engine.schema_rewrite import negate, prepare
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.tokenizer import Tokenizer
+
+CORPUS = json.loads((Path(__file__).parents[1] / "fixtures" / "schema_corpus.json").read_text())
+
+IDS = [c["name"] for c in CORPUS]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = Tokenizer.gpt2()
+    return Grammars(tok, tok.vocab_size)
+
+
+def written(doc) -> str:
+    return json.dumps(doc)   # ", " and ": ": as the grammar writes JSON
+
+
+def grammar_accepts(grammars, constraint, doc) -> bool:
+    m = grammars.compiled(constraint).deep_copy()
+    ids = grammars.tokenizer.encode(written(doc))
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_the_corpus_says_what_it_means(case):
+    for doc in case["valid"]:
+        jsonschema.validate(doc, case["schema"])
+    for doc in case["invalid"]:
+        assert not jsonschema.Draft202012Validator(case["schema"]).is_valid(doc) or "$schema" in case["schema"], doc
+        cls = jsonschema.validators.validator_for(case["schema"], default=jsonschema.Draft202012Validator)
+        assert not cls(case["schema"]).is_valid(doc), doc
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_accepted_and_loose_only_where_it_must_be(grammars, case):
+    c = Constraint.json_schema(case["schema"])
+    warnings = grammars.check(c)
+    check = grammars.schema_check(c)
+    loose = sorted({w.split(" at ")[0] for w in (check.loose if check else ())})
+    assert loose == sorted(case["loose"])
+    for word in case.get("warns", []):
+        assert any(word in w for w in warnings), warnings
+    assert len(warnings) >= len(loose) + len(case.get("warns", []))
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=IDS)
+def test_grammar_takes_the_valid_and_refuses_the_invalid(grammars, case):
+    c = Constraint.json_schema(case["schema"])
+    check = grammars.schema_check(c)
+    for doc in case["valid"]:
+        assert grammar_accepts(grammars, c, doc), doc
+        assert check is None or check.validate(written(doc)) is None
+    caught_after = 0
+    for doc in case["invalid"]:
+        if grammar_accepts(grammars, c, doc):
+            assert check is not None, f"the grammar let {doc} through and nothing checks it"
+            assert check.validate(written(doc)) is not None
+            caught_after += 1
+    assert caught_after == 0 or case["loose"]
+
+
+def test_negate_is_exact_on_the_forms_it_takes():
+    """Each negation against jsonschema on a spread of values: exactly one of s and negate(s) holds."""
+    values = [None, True, False, 0, 1, 2.5, -3, "", "a", "ab", "abc", "main", [], [1], {}, {"a": 1}, {"a": "x"},
+              {"b": 2}, {"a": 1, "b": 2}]
+    forms = [{"type": "string"}, {"type": ["null", "number"]}, {"required": ["a"]}, {"required": ["a", "b"]},
+             {"const": "ab"}, {"enum": ["a", "main", 1, True, None]}, {"const": 1},
+             {"properties": {"a": {"const": 1}}}, {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+             {"anyOf": [{"type": "array"}, {"const": "a"}]}, {"allOf": [{"type": "object"}, {"required": ["b"]}]},
+             {"not": {"type": "boolean"}}, {"const": ""}]
+    for s in forms:
+        n = negate(s)
+        assert n is not None, s
+        for v in values:
+            assert jsonschema.Draft202012Validator(s).is_valid(v) != jsonschema.Draft202012Validator(n).is_valid(v), \
+                (s, n, v)
+    assert negate({"multipleOf": 3}) is None and negate({"type": "integer"}) is None
+
+
+def test_rewrites_leave_the_schema_alone_where_llguidance_has_it():
+    plain = {"type": "object", "properties": {"a": {"type": "string", "format": "date-time"}}, "required": ["a"]}
+    assert prepare(plain).schema == plain and not prepare(plain).warnings
+    record = {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "integer"},
+              "uniqueItems": False}   # what a record of strings writes: nothing to hold, nothing loose
+    assert prepare(record) == prepare({"type": "object", "additionalProperties": {"type": "integer"}})
+
+
+@pytest.fixture(scope="module")
+def shipped(shipped_model_path):
+    return Engine.load(shipped_model_path)
+
+
+def test_generated_answers_validate_or_say_they_do_not(shipped):
+    """Every schema of the corpus, sampled on the shipped model (two seeds each, one batch): an answer that
+    ends by itself validates against the original schema (where the grammar is exact), or its check says
+    whether it does (where something was left loose), and says so truly."""
+    reqs = []
+    for case in CORPUS:
+        c = Constraint.json_schema(case["schema"])
+        for seed in range(2):
+            reqs.append((case, (shipped.encode_prompt("JSON:"), SamplingParams(
+                max_tokens=96, temperature=0.8, seed=seed, constraint=c))))
+    events = run_to_completion(BatchEngine(shipped, max_num_seqs=len(reqs)), [r for _, r in reqs])
+    stopped = 0
+    for (case, _), evs in zip(reqs, events):
+        text, last = "".join(e.text for e in evs), evs[-1]
+        if last.finish_reason != "stop":
+            continue
+        stopped += 1
+        valid = jsonschema.validators.validator_for(case["schema"], default=jsonschema.Draft202012Validator)(
+            case["schema"]).is_valid(json.loads(text))
+        if case["loose"]:
+            assert last.stats["schema_check"] == "passed" if valid else last.stats["schema_check"].startswith("failed")
+        else:
+            assert valid, (case["name"], text)
+            assert "schema_check" not in last.stats
+    print(f"{stopped} of {len(reqs)} answers ended by themselves")
+    assert stopped >= len(reqs) // 2
+
+
+def test_many_dependencies_compile_quickly_the_rest_checked(grammars):
+    """llguidance multiplies out the alternatives rewrites add: past BRANCH_BUDGET the rest are loose (named
+    in a warning, checked after), so twelve dependencies still compile (they were "schema too large")."""
+    props = {f"p{i}": {"type": "string"} for i in range(12)}
+    schema = {"type": "object", "properties": props, "dependentRequired": {f"p{i}": [f"p{(i + 1) % 12}"] for i in range(12)}}
+    c = Constraint.json_schema(schema)
+    warnings = grammars.check(c)
+    assert grammars.schema_check(c).loose == ("dependentRequired at #",)
+    assert any("more alternatives" in w for w in warnings)
+    assert grammar_accepts(grammars, c, {"p0": "a", "p1": "b", "p2": "c", "p3": "d", "p4": "e", "p5": "f"})
+    assert not grammar_accepts(grammars, c, {"p0": "a"})   # the first dependencies are held by the grammar
+    past = {f"p{i}": "v" for i in range(7)}                # p6 without p7: past the budget, the check's
+    assert grammar_accepts(grammars, c, past)
+    assert "p7" in grammars.schema_check(c).validate(written(past))
+
+
+def test_a_one_of_too_large_to_write_out_goes_back_to_llguidance():
+    """Four object branches, each turned round into several alternatives, multiply past the budget: the oneOf
+    is left as it was (llguidance's: coerced to anyOf and checked), not dropped."""
+    branches = [{"type": "object", "properties": {f"k{i}": {"const": i}, "x": {"enum": ["a", "b", "c"]}},
+                 "required": [f"k{i}", "x"]} for i in range(4)]
+    prepared = prepare({"oneOf": branches})
+    assert prepared.schema == {"oneOf": branches} and not prepared.loose
+    assert prepare({"oneOf": branches[:2]}).schema != {"oneOf": branches[:2]}   # two fit: written out
+
+
+def test_conditions_on_listed_values_filter_the_list():
+    """`not` and `if` that negate cannot turn round, on a node that lists its values: the list filtered."""
+    assert prepare({"enum": ["a1", "b2", "c3"], "not": {"pattern": "^b"}}).schema == {"enum": ["a1", "c3"]}
+    got = prepare({"type": "integer", "enum": [1, 2, 3, 4], "if": {"minimum": 3}, "then": {"multipleOf": 2}})
+    assert got.schema == {"type": "integer", "enum": [1, 2, 4]} and not got.loose
+    assert prepare({"type": "string", "not": {"format": "email"}}).loose == ("not at #",)   # not made false
+
+
+def test_an_unknown_meta_schema_is_read_as_json_schema(grammars):
+    """A registry's own `$schema` (Snowplow's Iglu): llguidance would try to fetch it and refuse; read as
+    JSON Schema, with a warning, and the known drafts left alone."""
+    iglu = "http://iglucentral.com/schemas/com.snowplowanalytics.self-desc/schema/jsonschema/1-0-0#"
+    schema = {"$schema": iglu, "self": {"vendor": "com.acme", "name": "click", "format": "jsonschema",
+                                        "version": "1-0-0"},
+              "type": "object", "properties": {"target": {"type": "string", "maxLength": 8}}, "required": ["target"],
+              "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    assert any("iglucentral" in w for w in grammars.check(c))
+    assert grammar_accepts(grammars, c, {"target": "button"}) and not grammar_accepts(grammars, c, {})
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}
+    assert prepare(draft7).schema == draft7 and not prepare(draft7).warnings
