@@ -193,6 +193,34 @@ def test_pull_and_serve_nanbeige_over_http(hub):
         proc.wait(20)
 
 
+def test_pull_parcae_fetches_its_pickle_and_its_tokenizer_repository(hub):
+    """Parcae's snapshot is a pickle and no tokenizer: the pull fetches `pytorch_model.bin` (for this family
+    only), then the tokenizer's own repository (SandyResearch/parcae-tokenizer), names both in the provenance,
+    and the pulled model's greedy tokens equal the reference code's."""
+    from tinyloop.engine import Engine, SamplingParams
+
+    repo, tok_repo = "SandyResearch/parcae-tiny", "SandyResearch/parcae-tokenizer"
+    hub.repos[repo] = Repo(FIXTURES / "parcae-tiny")
+    hub.repos[tok_repo] = Repo(FIXTURES / "parcae-tiny-tokenizer", sha="fedcba9876543210fedcba9876543210fedcba98")
+    r = tinyloop(hub, "pull", repo, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    gets = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+    assert any(p.endswith("/pytorch_model.bin") for p in gets)
+    assert any(tok_repo in p and p.endswith("/tokenizer.json") for p in gets)
+    info = json.loads(tinyloop(hub, "info", f"hf:{repo}", "--json").stdout)
+    assert info["provenance"]["tokenizer"] == {"repo_id": tok_repo, "commit": hub.repos[tok_repo].sha}
+    ref = json.loads((FIXTURES / "parcae-tiny" / "reference.json").read_text())
+    k = ref["default_loops"]
+    engine = Engine.load(str(hub.store / "SandyResearch--parcae-tiny.tinyloop"))
+    out = engine.generate(ref["prompt"]["ids"], SamplingParams(max_tokens=len(ref["runs"][str(k)]["greedy_ids"]),
+                                                              loops=k, temperature=0, ignore_eos=True))
+    assert out.token_ids == ref["runs"][str(k)]["greedy_ids"]
+    # another family's repository holding a pickle beside its safetensors: the pickle is not fetched
+    hub.repos[OURO].files["pytorch_model.bin"] = b"not fetched"
+    assert tinyloop(hub, "pull", OURO, "--dtype", "float32").returncode == 0
+    assert not any(p.endswith("/pytorch_model.bin") and OURO in p for m, p, _ in hub.requests if m == "GET")
+
+
 def test_an_interrupted_pull_resumes_on_the_next_one(hub):
     # a pull that fails part way (the Hub goes away) leaves no model file; the next one fetches only what
     # the Hugging Face cache does not hold yet (the completed shard is kept)

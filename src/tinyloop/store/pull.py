@@ -6,7 +6,10 @@ The download goes through `huggingface_hub` into the standard Hugging Face cache
 cached). `config.json` comes first and is checked by the converter (`tools/convert.model_config`): an
 unsupported architecture is refused before any weight is fetched. The converted file (and, for `:int4`,
 its RTN int4 quantization) is written atomically into `$TINYLOOP_HOME/models`, its header's provenance
-naming the repository, the commit and the converter's version. Every failure is a `PullError` (a
+naming the repository, the commit and the converter's version. Parcae's weights are a pickle
+(`pytorch_model.bin`, read with `torch.load(weights_only=True)` only; fetched for that family alone) and its
+tokenizer a repository of its own (`SandyResearch/parcae-tokenizer`), fetched too where the model's has none
+and named in the provenance. Every failure is a `PullError` (a
 `ModelFileError`, so every route that loads a model reports it the same way) that says what to do; no
 model file is left half-written.
 
@@ -34,6 +37,7 @@ from .refs import HubRef, store_path
 PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "model.safetensors", "model.safetensors.index.json",
             "model-*.safetensors", "*.safetensors"]
+TOKENIZER_PATTERNS = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 RETRIES = 3            # network errors: attempts before giving up
 RETRY_WAIT_S = 1.0     # first wait between attempts (doubles)
 INT4_GROUP_SIZE = 128
@@ -122,7 +126,7 @@ def download(ref: HubRef, *, progress: bool = True) -> tuple[Path, str]:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    from ..tools.convert import ConvertError, model_config
+    from ..tools.convert import ConvertError, family_of, model_config
 
     (enable_progress_bars if progress else disable_progress_bars)()
     offline = bool(os.environ.get("HF_HUB_OFFLINE"))
@@ -141,8 +145,9 @@ def download(ref: HubRef, *, progress: bool = True) -> tuple[Path, str]:
         model_config(hf, Path(f"{ref.repo_id}@{commit or ref.revision or 'main'}"), [0])
     except (ValueError, ConvertError) as exc:  # JSONDecodeError is a ValueError
         raise PullError(ref, f"{exc}; nothing else was downloaded") from None
+    patterns = PATTERNS + (["pytorch_model.bin"] if family_of(hf) == "parcae" else [])   # (its pickle: only there)
     snapshot = Path(_with_retries(ref, "the weights and tokenizer", lambda: snapshot_download(
-        ref.repo_id, revision=commit or ref.revision, allow_patterns=PATTERNS)))
+        ref.repo_id, revision=commit or ref.revision, allow_patterns=patterns)))
     if commit is None:  # offline: the cache's snapshot folder is named by its commit
         commit = snapshot.name
     return snapshot, commit
@@ -167,10 +172,11 @@ def pull(ref: HubRef, *, dtype: str = "bfloat16", force: bool = False, progress:
     prov = {"tool": "tinyloop pull", "hub": {"name": ref.name, "repo_id": ref.repo_id,
                                              "revision": ref.revision or "default branch", "commit": commit,
                                              "endpoint": _endpoint()}}
+    tokenizer = _separate_tokenizer(ref, snapshot, prov, progress)
     float_out = out if ref.quant is None else out.with_name(f".{out.name}.{os.getpid()}.float.tmp")
     try:
         try:
-            convert(snapshot, float_out, dtype=dtype, progress=progress, provenance=prov)
+            convert(snapshot, float_out, dtype=dtype, progress=progress, provenance=prov, tokenizer=tokenizer)
         except ConvertError as exc:
             raise PullError(ref, f"cannot convert {ref.repo_id}@{commit[:12]}: {exc}") from None
         except ModelFileError as exc:  # the write (disk full, ...): nothing is left behind
@@ -183,6 +189,30 @@ def pull(ref: HubRef, *, dtype: str = "bfloat16", force: bool = False, progress:
     print(f"tinyloop pull: {ref.name} ({ref.repo_id}@{commit[:12]}) converted in {time.time() - started:.1f} s",
           file=sys.stderr)
     return out
+
+
+def _separate_tokenizer(ref: HubRef, snapshot: Path, prov: dict, progress: bool) -> Path | None:
+    """A family whose tokenizer is a repository of its own (Parcae's) and a snapshot without one: that
+    repository's tokenizer files, downloaded (the default branch; its commit goes into `prov`); else None."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    from ..tools.convert import PARCAE_TOKENIZER, family_of
+
+    hf = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
+    if family_of(hf) != "parcae" or (snapshot / "tokenizer.json").exists():
+        return None
+    tok = HubRef(PARCAE_TOKENIZER)
+    commit = None
+    if not os.environ.get("HF_HUB_OFFLINE"):
+        commit = _with_retries(tok, "the tokenizer repository's information",
+                               lambda: HfApi().model_info(tok.repo_id)).sha
+    folder = Path(_with_retries(tok, "Parcae's tokenizer", lambda: snapshot_download(
+        tok.repo_id, revision=commit, allow_patterns=TOKENIZER_PATTERNS)))
+    if not (folder / "tokenizer.json").exists():
+        raise PullError(ref, f"{PARCAE_TOKENIZER} has no tokenizer.json; download a tokenizer and convert with "
+                             "tinyloop convert --tokenizer DIR")
+    prov["tokenizer"] = {"repo_id": tok.repo_id, "commit": commit or folder.name}
+    return folder
 
 
 def _quantize_int4(ref: HubRef, src: Path, out: Path, progress: bool) -> None:
