@@ -38,11 +38,16 @@ class PromptTokensDetails(Closed):
     cached_tokens: int               # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(Closed):
+    reasoning_tokens: int            # a thinking model's thinking block, its tags included (0 without one)
+
+
 class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class Stats(Open):
