@@ -146,6 +146,14 @@ def test_olmo_initial_state_modes_match_the_reference(tmp_path, mode, start):
     spec = engine.generate(ids, SamplingParams(max_tokens=8, mode="speculative", verify_loops=4, draft_loops=1,
                                                draft_ahead=3, temperature=0, ignore_eos=True))
     assert spec.token_ids == runs["greedy_ids"][f"{mode}_4"]
+    native = Engine.load(tmp_path / "m.tinyloop")   # the start runs natively too (tl_model.loop_start)
+    assert native.model.executor is not None
+    for k in runs["loops"]:
+        out = native.generate(ids, SamplingParams(max_tokens=8, loops=k, temperature=0, ignore_eos=True))
+        assert out.token_ids == runs["greedy_ids"][f"{mode}_{k}"], ("native", k)
+    spec = native.generate(ids, SamplingParams(max_tokens=8, mode="speculative", verify_loops=4, draft_loops=1,
+                                               draft_ahead=3, temperature=0, ignore_eos=True))
+    assert spec.token_ids == runs["greedy_ids"][f"{mode}_4"]
 
 
 def test_random_initial_state(converted):
@@ -169,16 +177,12 @@ def test_random_initial_state(converted):
 
 
 def test_native_and_pytorch_paths_agree(converted):
-    """Llama's blocks run natively (the OLMo's post-norms and q/k norms are left to PyTorch, with a warning);
-    either way the same greedy tokens, speculation included."""
+    """Both variants run natively (the OLMo's post-norm blocks and q/k norms over all heads since session 18);
+    the native and PyTorch paths give the same greedy tokens, speculation included."""
     name, path = converted
     ref = reference(name)
-    if "olmo" in name:
-        with pytest.warns(UserWarning, match="post-norm blocks, full-width q/k norms"):
-            native = Engine.load(path)
-    else:
-        native = Engine.load(path)
-    assert (native.model.executor is None) == ("olmo" in name)
+    native = Engine.load(path)
+    assert native.model.executor is not None
     torch_path = Engine.load(path, executor="torch")
     k, ids = ref["default_loops"], ref["prompt"]["ids"]
     want = ref["runs"][str(k)]["greedy_ids"]

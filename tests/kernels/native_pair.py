@@ -26,6 +26,12 @@ CONFIGS = {
     "huginn-like": BASE.replace(norm_placement="sandwich-residual", qk_bias=True, embed_scale=math.sqrt(BASE.dim),
                                 injection="concat-adapter", loop_norm=False, post_loop_norm=True),
     # GQA 6:1 with heads wider than dim / n_heads (q and the attention output 192 wide on a 64 hidden)
+    # retrofitted OLMo-2: post-norm blocks, q/k norms over all heads with weights, loop 0 on e itself (and a
+    # variant starting the state from e)
+    "olmo-like": BASE.replace(norm_placement="post", qk_norm_full=True, injection="concat-adapter", loop_norm=False,
+                              tie_embeddings=False, loop_start="skip", n_heads=4, n_kv_heads=2, head_dim=24),
+    "olmo-embed": BASE.replace(norm_placement="post", qk_norm_full=True, injection="concat-adapter",
+                               loop_norm=False, tie_embeddings=False, loop_start="embed"),
     "nanbeige-like": BASE.replace(n_heads=12, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
                                   loop_norm=True, head_norm=False, tie_embeddings=False),
 }
@@ -42,6 +48,12 @@ def _linears(model):
 def make_pair(cfg, weights: str):
     """(reference fp32 model, native model) with the same effective weights."""
     ref = varied_model(cfg, seed=1)
+    if cfg.qk_norm_full:   # norm weights away from 1, so that q's and k's are told apart
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(6)
+            for blk in [*ref.prelude, *ref.core, *ref.coda]:
+                for w in (blk.attn.q_norm.weight, blk.attn.k_norm.weight):
+                    w.copy_(1 + 0.5 * torch.randn(w.shape, generator=g))
     if cfg.qk_bias:
         with torch.no_grad():
             for blk in [*ref.prelude, *ref.core, *ref.coda]:

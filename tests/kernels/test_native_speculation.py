@@ -162,6 +162,24 @@ def test_sampled_tree_speculation_is_plain_sampling():
                 assert not trees
 
 
+@pytest.mark.parametrize("name", ["olmo-like", "olmo-embed"])
+def test_speculation_on_post_norm_models_with_their_loop_starts_is_plain_decoding(name):
+    """Retrofitted OLMo-2's pieces natively (post-norm blocks, q/k norms over all heads; loop 0 on e without
+    the adapter, or the state from e): one-call chain rounds, depth-aligned pipeline rounds (each row at its
+    own loop: only loop-0 rows skip the adapter) and tree rounds give plain greedy decoding's tokens."""
+    from tinyloop.engine import SamplingParams
+
+    _, nat = make_pair(CONFIGS[name], "fp32")
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=16, loops=4, temperature=0), True)
+    assert plain == _ids(nat, prompt, SamplingParams(max_tokens=16, loops=4, temperature=0), False)[0]
+    spec = SamplingParams(max_tokens=16, mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3, temperature=0)
+    for kw in (dict(adaptive=False, pipeline=False), dict(adaptive=False, pipeline=True)):
+        assert _ids(nat, prompt, spec, True, draft_vocab=None, **kw)[0] == plain, kw
+    tree = spec.replace(mode="tree_speculative", k_branches=2)
+    assert _ids(nat, prompt, tree, True, draft_vocab=None, adaptive=False)[0] == plain
+
+
 def test_greedy_and_sampled_requests_keep_their_round_costs_apart():
     """A greedy request's native rounds (their costs, their acceptance) do not become a sampled request's
     prior: a sampled round draws every row and its drafts agree less often, so each regime has its table."""

@@ -21,7 +21,8 @@ from . import lib as L
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, default_threads, linear_desc,  # noqa: F401
                      tensor_desc)   # (_forward: tests and benchmarks take it from here)
 
-_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
+_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
+_LOOP_STARTS = {"state": 0, "embed": 1, "skip": 2}
 _INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2}
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
@@ -39,9 +40,8 @@ def _vec(t: torch.Tensor | None, keep: list) -> int | None:
 
 
 def unsupported_features(cfg) -> list[str]:
-    """The config's features the C++ code does not implement (Parcae's; the retrofitted OLMo's post-norm
-    blocks, full-width q/k norms and loop starts): a model with any of them is served by the PyTorch path
-    (`model.fast.attach_executor` warns once and falls back)."""
+    """The config's features the C++ code does not implement (Parcae's): a model with any of them is served
+    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu"):
         out.append(f"the {cfg.mlp} MLP")
@@ -49,10 +49,10 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"the {cfg.injection} injection")
     if cfg.norm_placement not in _PLACEMENTS:
         out.append(f"{cfg.norm_placement}-norm blocks")
-    if getattr(cfg, "loop_start", "state") != "state":
-        out.append(f"loop 0 starting from the prelude output ({cfg.loop_start})")
+    if cfg.loop_start not in _LOOP_STARTS:
+        out.append(f"loop 0 starting as {cfg.loop_start!r}")
     for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
-                        ("qk_norm", "q/k norms"), ("qk_norm_full", "full-width q/k norms"),
+                        ("qk_norm", "q/k norms"),
                         ("value_embeds", "value embeddings"),
                         ("logit_softcap", "a logit soft-cap")):
         if getattr(cfg, field, None):
@@ -96,6 +96,7 @@ class NativeExecutor:
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
         self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
         m.head, m.head_norm, m.head_eps = ctypes.pointer(self.head), self.head_norm, self.head_eps   # (kl rule)
+        m.loop_start = _LOOP_STARTS[cfg.loop_start]
         self._head_buf = torch.empty(0)   # logits of argmax-only calls (under _CALL)
         self._rope(512)
         self.threads = default_threads() if threads is None else threads
@@ -137,10 +138,13 @@ class NativeExecutor:
             b.up[i] = linear_desc(lin, k)
         b.n_up = len(up)
         b.down = linear_desc(mlp.w_down, k)
-        b.attn_norm, b.mlp_norm = _vec(blk.attn_norm.weight, k), _vec(blk.mlp_norm.weight, k)
+        b.attn_norm = _vec(blk.attn_norm.weight if blk.attn_norm is not None else None, k)   # (post: none)
+        b.mlp_norm = _vec(blk.mlp_norm.weight if blk.mlp_norm is not None else None, k)
         b.attn_out_norm = _vec(blk.attn_out_norm.weight if blk.attn_out_norm is not None else None, k)
         b.mlp_out_norm = _vec(blk.mlp_out_norm.weight if blk.mlp_out_norm is not None else None, k)
         b.qk_bias = _vec(a.qk_bias, k)
+        if a.q_norm is not None:   # OLMo-2's, over all heads together
+            b.q_norm, b.k_norm = _vec(a.q_norm.weight, k), _vec(a.k_norm.weight, k)
         return b
 
     def _rope(self, n: int) -> None:
@@ -317,7 +321,7 @@ class NativeExecutor:
         (`state_seed`: model/looped.py init_state, by position, in the activations' dtype as the PyTorch path
         has them); None where it starts from zeros or from e (the library's own rule)."""
         m = self.model
-        if m.state_seed is None or m.cfg.injection == "none" or not m.cfg.state_init_std:
+        if m.state_seed is None or m.cfg.injection == "none" or m.cfg.loop_start != "state" or not m.cfg.state_init_std:
             return None
         act = m.act_dtype or m.embed.weight.dtype
         h0 = m.init_state(torch.zeros(1, r.n, m.cfg.dim, dtype=act), r.positions)[0].float().contiguous()

@@ -33,7 +33,7 @@ class TlLinear(ctypes.Structure):
 class TlBlock(ctypes.Structure):
     _fields_ = [("qkv", TlLinear * 3), ("n_qkv", _i), ("wo", TlLinear), ("up", TlLinear * 2), ("n_up", _i),
                 ("down", TlLinear), ("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p),
-                ("mlp_out_norm", _p), ("qk_bias", _p)]
+                ("mlp_out_norm", _p), ("qk_bias", _p), ("q_norm", _p), ("k_norm", _p)]
 
 
 class TlReadout(ctypes.Structure):
@@ -48,7 +48,7 @@ class TlModel(ctypes.Structure):
                 ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
                 ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double),
                 ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i), ("head", ctypes.POINTER(TlLinear)),
-                ("head_norm", _p), ("head_eps", ctypes.c_float)]
+                ("head_norm", _p), ("head_eps", ctypes.c_float), ("loop_start", _i)]
 
 
 class TlKV(ctypes.Structure):

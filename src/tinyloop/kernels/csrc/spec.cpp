@@ -228,7 +228,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         embed_row(m, R->tokens[j], B.x);
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, &rows[j], 1, i, B.x, B);
         memcpy(es + j * dim, B.x, sizeof(float) * dim);
-        if (m->injection == 0) memcpy(hs + j * dim, B.x, sizeof(float) * dim);
+        if (m->injection == 0 || m->loop_start != 0) memcpy(hs + j * dim, B.x, sizeof(float) * dim);   // from e
         else memset(hs + j * dim, 0, sizeof(float) * dim);
         loop[j] = 0;
     };
@@ -257,6 +257,9 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
             }
         }
         if (m->injection == 2) tl_linear_rows(&m->adapter, B.a, M, B.x, dim, B.lin);
+        if (m->loop_start == 2)   // skip: a row at loop 0 runs on e (its h) itself, without the injection
+            for (int r = 0; r < M; ++r)
+                if (loop[oldest + r] == 0) memcpy(B.x + r * dim, hs + (oldest + r) * dim, sizeof(float) * dim);
         for (int jj = 0; jj < m->n_core; ++jj) {
             for (int r = 0; r < M; ++r) slots[r] = core_slot0 + loop[oldest + r] * m->n_core + jj;
             block(m, &core[jj], kv, pr, M, 0, B.x, B, slots.data());

@@ -69,7 +69,7 @@ void residual(const tl_model* m, float* x, float* y, const float* out_norm, int 
     const int64_t total = (int64_t)M * n;
     if (m->placement == 0) {
         for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
-    } else if (m->placement == 1) {
+    } else if (m->placement == 1 || m->placement == 3) {   // sandwich, post: x + n2(y)
         rmsnorm(y, out_norm, y, M, n, m->norm_eps);
         for (int64_t i = 0; i < total; i += TL_W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
     } else {
@@ -85,10 +85,15 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
     const int dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
     const int QKV = (H + 2 * Hkv) * D;
     // attention: norm, q/k/v, bias, RoPE, keys into the pool, attention over the row's pages, output
-    rmsnorm(x, b->attn_norm, B.a, M, dim, m->norm_eps);
+    if (m->placement == 3) memcpy(B.a, x, sizeof(float) * M * dim);   // post: the branch reads x itself
+    else rmsnorm(x, b->attn_norm, B.a, M, dim, m->norm_eps);
     linears(b->qkv, b->n_qkv, B.a, M, B.qkv, QKV, B.lin);
     for (int r = 0; r < M; ++r) {
         float* q = B.qkv + (int64_t)r * QKV;
+        if (b->q_norm) {   // all q heads as one vector, all k heads as another (in place)
+            rmsnorm(q, b->q_norm, q, 1, H * D, m->norm_eps);
+            rmsnorm(q + (int64_t)H * D, b->k_norm, q + (int64_t)H * D, 1, Hkv * D, m->norm_eps);
+        }
         if (b->qk_bias)
             for (int i = 0; i < (H + Hkv) * D; ++i) q[i] += b->qk_bias[i];
         const int pos = rows[r].pos, at = rows[r].tree_n > 0 ? rows[r].store : pos;   // position, storage index
@@ -111,7 +116,8 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
     tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);
     residual(m, x, B.y, b->attn_out_norm, M);
     // MLP
-    rmsnorm(x, b->mlp_norm, B.a, M, dim, m->norm_eps);
+    if (m->placement == 3) memcpy(B.a, x, sizeof(float) * M * dim);
+    else rmsnorm(x, b->mlp_norm, B.a, M, dim, m->norm_eps);
     if (m->swiglu) {
         linears(b->up, b->n_up, B.a, M, B.gu, 2 * F, B.lin);
         const vf one = vset1(1.0f), zero = vzero();
@@ -279,7 +285,7 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     if (n_fresh)
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, n_fresh, i, B.x, B);
     memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
-    if (m->injection == 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);
+    if (m->injection == 0 || m->loop_start != 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);   // from e
     else
         for (int r = 0; r < n_fresh; ++r) {
             if (rows[r].state_h) memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
@@ -324,7 +330,7 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             memcpy(B.e, B.a, sizeof(float) * M * dim);
             memcpy(B.h, B.y, sizeof(float) * M * dim);
         }
-        if (m->injection == 0) {
+        if (m->injection == 0 || (loop == 0 && m->loop_start == 2)) {   // (skip: loop 0 runs on e = h itself)
             memcpy(B.x, B.h, sizeof(float) * Ml * dim);
         } else if (m->injection == 1) {
             for (int64_t i = 0; i < Ml * dim; i += TL_W) vstore(B.x + i, vadd(vload(B.h + i), vload(B.e + i)));

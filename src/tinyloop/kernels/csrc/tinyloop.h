@@ -28,6 +28,8 @@ typedef struct {
     const float* attn_norm; const float* mlp_norm;
     const float* attn_out_norm; const float* mlp_out_norm;   // sandwich placements only
     const float* qk_bias;              // (H + Hkv, D) or null
+    const float* q_norm; const float* k_norm;   // (H * D), (Hkv * D): OLMo-2's q/k norms over all heads
+                                                // together, after the projection, before bias and RoPE
 } tl_block;
 
 typedef struct {
@@ -35,7 +37,7 @@ typedef struct {
     int32_t n_prelude, n_core, n_coda;
     int32_t swiglu;          // 1: silu(gate) * up; 0: gelu (tanh) of up
     int32_t injection;       // 0 none, 1 add, 2 concat-adapter
-    int32_t placement;       // 0 pre, 1 sandwich, 2 sandwich-residual
+    int32_t placement;       // 0 pre, 1 sandwich, 2 sandwich-residual, 3 post (x + n2(f(x)), no input norms)
     int32_t loop_norm, post_loop_norm;
     float norm_eps, embed_scale;
     const void* embed; int32_t embed_kind;   // (vocab, dim), TL_F32/F16/BF16
@@ -49,6 +51,8 @@ typedef struct {
     int32_t n_readouts;
     const tl_linear* head;                  // the LM head, its norm (null: none) and eps: the kl criterion's
     const float* head_norm; float head_eps; // read-out after a loop (tl_head)
+    int32_t loop_start;      // with an injection, loop 0 starts from: 0 the state (zeros or state_h), 1 the
+                             // prelude output e, 2 e itself run through the core without the injection
 } tl_model;
 
 typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
