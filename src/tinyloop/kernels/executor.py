@@ -16,13 +16,14 @@ import ctypes
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import lib as L
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, default_threads, linear_desc,  # noqa: F401
                      tensor_desc)   # (_forward: tests and benchmarks take it from here)
 
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
-_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2}
+_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
 
@@ -39,18 +40,16 @@ def _vec(t: torch.Tensor | None, keep: list) -> int | None:
 
 
 def unsupported_features(cfg) -> list[str]:
-    """The config's features the C++ code does not implement (Parcae's): a model with any of them is served
-    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
+    """The config's features the C++ code does not implement: a model with any of them is served by the
+    PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
+    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) run natively."""
     out = []
-    if cfg.mlp not in ("swiglu", "gelu"):
+    if cfg.mlp not in ("swiglu", "gelu", "relu2"):
         out.append(f"the {cfg.mlp} MLP")
     if cfg.injection not in _INJECTIONS:
         out.append(f"the {cfg.injection} injection")
-    for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
-                        ("qk_norm", "q/k norms"), ("value_embeds", "value embeddings"),
-                        ("logit_softcap", "a logit soft-cap")):
-        if getattr(cfg, field, None):
-            out.append(what)
+    if cfg.value_embeds and cfg.head_dim > 1024:
+        out.append("value embeddings on heads wider than 1024")
     return out
 
 
@@ -71,6 +70,7 @@ class NativeExecutor:
         m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
         m.n_prelude, m.n_core, m.n_coda = cfg.n_prelude, cfg.n_core, cfg.n_coda
         m.swiglu, m.injection = int(cfg.mlp == "swiglu"), _INJECTIONS[cfg.injection]
+        m.relu2 = int(cfg.mlp == "relu2")
         m.placement, m.loop_norm, m.post_loop_norm = _PLACEMENTS[cfg.norm_placement], cfg.loop_norm, cfg.post_loop_norm
         m.norm_eps, m.embed_scale = cfg.norm_eps, cfg.embed_scale
         emb = model.embed.weight
@@ -78,7 +78,8 @@ class NativeExecutor:
             raise Unsupported(f"{emb.dtype} embeddings")
         m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
         blocks = [*model.prelude, *model.core, *model.coda]
-        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b) for b in blocks))
+        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
+        self._parcae(m)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
@@ -104,7 +105,7 @@ class NativeExecutor:
         (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
         the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the Ouro-1.4B
         shape (0.85 GB a token) does not."""
-        descs = [self.head] + ([m.adapter] if m.adapter.n else [])
+        descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n]
         for b in self.blocks:
             descs += [*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down]
         total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
@@ -117,7 +118,36 @@ class NativeExecutor:
     def name(self) -> str:
         return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
-    def _block(self, blk) -> L.TlBlock:
+    def _parcae(self, m) -> None:
+        """Parcae's pieces (zero / null where the model has none): the diagonal injection's per-channel decay
+        and dt in fp32 as DiagonalInjection computes them, B, the prelude norm, C, the q/k norms' epsilon
+        (torch's default for the activations' dtype), the value-embedding gates' width, the loop input's
+        width and the soft-cap."""
+        model, cfg, k = self.model, self.model.cfg, self.keep
+        act = model.act_dtype or model.embed.weight.dtype
+        inj = model.injection
+        if inj is not None:
+            f = torch.promote_types(inj.dt_bias.dtype, torch.float32)
+            dt = F.softplus(inj.dt_bias.detach().to(f))
+            decay = torch.exp(-dt * torch.exp(inj.A_log.detach().to(f)))
+            m.inj_decay, m.inj_dt = _vec(decay.to(act), k), _vec(dt.to(act), k)
+            m.inj_B = linear_desc(inj.B, k)
+        m.prelude_norm = _vec(model.prelude_norm.weight if model.prelude_norm is not None else None, k)
+        if model.state_proj is not None:
+            m.state_proj = linear_desc(model.state_proj, k)
+        m.qk_norm, m.qk_eps = int(cfg.qk_norm), torch.finfo(act).eps
+        m.ve_channels, m.e_width = cfg.ve_gate_channels, model.loop_input_width
+        m.logit_softcap = cfg.logit_softcap
+
+    @property
+    def one_call_rounds(self) -> bool:
+        """Whether `spec_round` and `tree_round` run this model: not with value embeddings in the loop input
+        (the rounds keep dim-wide states; their passes run as stepwise native rows instead)."""
+        return self.model.loop_input_width == self.model.cfg.dim
+
+    def _block(self, blk, index: int | None = None) -> L.TlBlock:
+        """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
+        says where its value embeddings come from (None: a draft exit's block, which has none)."""
         b, k = L.TlBlock(), self.keep
         a, mlp = blk.attn, blk.mlp
         qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
@@ -135,6 +165,21 @@ class NativeExecutor:
         b.attn_out_norm = _vec(blk.attn_out_norm.weight if blk.attn_out_norm is not None else None, k)
         b.mlp_out_norm = _vec(blk.mlp_out_norm.weight if blk.mlp_out_norm is not None else None, k)
         b.qk_bias = _vec(a.qk_bias, k)
+        if a.ve_gate is not None:
+            if index is None:
+                raise Unsupported("value embeddings in a draft exit's blocks")
+            table = self.model.value_embeds[str(index)].weight
+            if table.dtype not in _FLOAT_KINDS:
+                raise Unsupported(f"{table.dtype} value embeddings")
+            C = self.model.cfg.ve_gate_channels
+            if type(a.ve_gate) is nn.Linear:
+                w = a.ve_gate.weight
+            else:   # (Hkv, C): a swapped module's weights (fp16, quantized) as it computes them
+                with torch.no_grad():
+                    w = a.ve_gate(torch.eye(C, dtype=self.model.act_dtype or torch.float32)).T
+            b.ve_gate = _vec(w, k)
+            b.ve_table, b.ve_kind = table.data_ptr(), _FLOAT_KINDS[table.dtype]
+            b.ve_col = self.model.ve_cols.get(index, -1)
         return b
 
     def _rope(self, n: int) -> None:
@@ -255,7 +300,7 @@ class NativeExecutor:
                 e, h = (x.float().contiguous() for x in r.state)
                 keep += [e, h]
             if r.capture:
-                oe, oh = torch.empty(r.n, dim), torch.empty(r.n, dim)
+                oe, oh = torch.empty(r.n, self.model.loop_input_width), torch.empty(r.n, dim)
                 r.out_state = (oe, oh)
             if r.tokens is not None:
                 tokens = r.tokens.tolist() if isinstance(r.tokens, torch.Tensor) else r.tokens
@@ -469,7 +514,7 @@ class NativeExecutor:
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_head(self.head, x2.data_ptr(), M, self.head_norm, self.head_eps,
                                   self.model.cfg.vocab_size, y.data_ptr(), None if ids is None else ids.data_ptr(),
-                                  scratch.data_ptr(), draws)
+                                  scratch.data_ptr(), draws, self.model.cfg.logit_softcap)
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
 

@@ -57,6 +57,7 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int k = R->k, d = R->d, V = R->V;
     const int64_t dim = m->dim, n = k + 1;
     if (k < 0 || d < 1 || d >= V) return 10;
+    if (m->e_width > m->dim) return 11;   // value embeddings ride in the loop input: stepwise passes only
     // the draft's rows: a reduced draft head, or (null) the model's own head over the whole vocabulary
     const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
     const int draft_cols = R->draft_head ? DH->n : R->vocab;
@@ -84,7 +85,8 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
         if (rc) return rc;
         const tl_sampling s = round_draw(R, 0);
-        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &s);
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &s,
+                     m->logit_softcap);
         if (rc) return 20 + rc;
         R->draft_ms = 0;
         R->verify_ms = now_ms() - t0;
@@ -141,7 +143,8 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     if (rc) return rc;
     std::vector<tl_sampling> draws(n);
     for (int j = 0; j < n; ++j) draws[j] = round_draw(R, j);
-    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, draws.data());
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, draws.data(),
+                 m->logit_softcap);
     if (rc) return 20 + rc;
     if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
     const double t2 = now_ms();
@@ -177,6 +180,7 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
     const int dim = m->dim;
     if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, B.x, 1, dim, m->norm_eps);
     else memcpy(B.x, h, sizeof(float) * dim);
+    if (ro == 0 && m->state_proj.n) project_state(m, B.x, 1, B);
     if (ro == 0) {
         const tl_block* coda = m->blocks + m->n_prelude + m->n_core;
         for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, row, 1, m->n_prelude + i, B.x, B);
@@ -199,6 +203,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     const int k = R->k, d = R->d, V = R->V;
     const int64_t dim = m->dim, n = k + 1;
     if (k < 1 || d < 1 || d >= V) return 10;
+    if (m->e_width > m->dim) return 11;
     if (tl_pipeline_scratch_floats(m, R, base->pos + k + 1) > scratch_len) return 1;
     const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
     const int draft_cols = R->draft_head ? DH->n : R->vocab;
@@ -227,6 +232,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         rows[j] = row_at(j);
         embed_row(m, R->tokens[j], B.x);
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, &rows[j], 1, i, B.x, B);
+        if (m->prelude_norm) rmsnorm(B.x, m->prelude_norm, B.x, 1, (int)dim, m->norm_eps);
         memcpy(es + j * dim, B.x, sizeof(float) * dim);
         if (m->injection == 0) memcpy(hs + j * dim, B.x, sizeof(float) * dim);
         else memset(hs + j * dim, 0, sizeof(float) * dim);
@@ -251,12 +257,13 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
             float* x = B.x + r * dim;
             if (m->injection == 0) memcpy(x, h, sizeof(float) * dim);
             else if (m->injection == 1) for (int64_t i = 0; i < dim; i += TL_W) vstore(x + i, vadd(vload(h + i), vload(e + i)));
-            else {
+            else if (m->injection == 2) {
                 memcpy(B.a + r * 2 * dim, h, sizeof(float) * dim);
                 memcpy(B.a + r * 2 * dim + dim, e, sizeof(float) * dim);
             }
         }
         if (m->injection == 2) tl_linear_rows(&m->adapter, B.a, M, B.x, dim, B.lin);
+        if (m->injection == 3) diagonal_inject(m, hs + oldest * dim, es + oldest * dim, dim, B.x, M, B);
         for (int jj = 0; jj < m->n_core; ++jj) {
             for (int r = 0; r < M; ++r) slots[r] = core_slot0 + loop[oldest + r] * m->n_core + jj;
             block(m, &core[jj], kv, pr, M, 0, B.x, B, slots.data());
@@ -270,7 +277,8 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
             read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B);
             int32_t y;
             const tl_sampling s = round_draw(R, oldest);
-            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s);
+            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s,
+                                   m->logit_softcap);
             if (rc) return 20 + rc;
             R->verify[emitted++] = y;
             if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds

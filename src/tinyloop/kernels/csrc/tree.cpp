@@ -53,6 +53,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int n = 1 + K * depth;
     const int64_t dim = m->dim;
     if (K < 2 || depth < 1 || d < 1 || d >= V) return 10;
+    if (m->e_width > m->dim) return 11;   // value embeddings ride in the loop input: stepwise passes only
     if (tl_tree_scratch_floats(m, T, L0 + 1) > scratch_len) return 1;
     const Layout lay = layout(m, T);
     float *es = scratch + lay.es, *hs = scratch + lay.hs, *hid = scratch + lay.hid;
@@ -123,7 +124,8 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, rows.data(), F, hid, dec, dec_len);
         if (rc) return rc;
         if (t > depth) break;
-        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr);
+        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr,
+                     0.0f);   // the draft head's logits are not capped (engine/draft_head.py)
         if (rc) return 20 + rc;
         // log-softmax of each frontier row (float64, as the Python path) plus the node's score
         total.assign((size_t)F * cols, 0.0);
@@ -182,7 +184,8 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     auto score_chain = [&](const std::vector<int>& chain) -> int {
         const int c = (int)chain.size();
         for (int j = 0; j < c; ++j) memcpy(es + (int64_t)j * dim, hid + (int64_t)chain[j] * dim, sizeof(float) * dim);
-        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc, nullptr);
+        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc, nullptr,
+                             m->logit_softcap);
         for (int j = 0; j < c && !r; ++j) pick[chain[j]] = picks[j];
         return r;
     };
