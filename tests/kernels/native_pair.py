@@ -33,7 +33,7 @@ CONFIGS = {
     # (GQA: a gate per kv head), a soft-cap
     "parcae-like": BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False,
                                 prelude_norm=True, state_proj=True, qk_norm=True, value_embeds=(0, 2, 3),
-                                logit_softcap=30.0),
+                                logit_softcap=30.0, state_init_std=0.2),
 }
 PAGE = 4
 
