@@ -16,11 +16,11 @@ import ctypes
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import lib as L
-from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, default_threads, linear_desc,  # noqa: F401
-                     tensor_desc)   # (_forward: tests and benchmarks take it from here)
+from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
+                     linear_desc, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+from .parcae import parcae_desc, value_embed_desc
 
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2}
 _INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
@@ -29,14 +29,6 @@ _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
 STREAMED_BYTES = 64 << 20
 _BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL_Q2: 2}
-
-
-def _vec(t: torch.Tensor | None, keep: list) -> int | None:
-    if t is None:
-        return None
-    t = t.detach().float().contiguous()
-    keep.append(t)
-    return t.data_ptr()
 
 
 def unsupported_features(cfg) -> list[str]:
@@ -79,7 +71,7 @@ class NativeExecutor:
         m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
         blocks = [*model.prelude, *model.core, *model.coda]
         self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
-        self._parcae(m)
+        parcae_desc(model, m, self.keep)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
@@ -118,27 +110,6 @@ class NativeExecutor:
     def name(self) -> str:
         return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
-    def _parcae(self, m) -> None:
-        """Parcae's pieces (zero / null where the model has none): the diagonal injection's per-channel decay
-        and dt in fp32 as DiagonalInjection computes them, B, the prelude norm, C, the q/k norms' epsilon
-        (torch's default for the activations' dtype), the value-embedding gates' width, the loop input's
-        width and the soft-cap."""
-        model, cfg, k = self.model, self.model.cfg, self.keep
-        act = model.act_dtype or model.embed.weight.dtype
-        inj = model.injection
-        if inj is not None:
-            f = torch.promote_types(inj.dt_bias.dtype, torch.float32)
-            dt = F.softplus(inj.dt_bias.detach().to(f))
-            decay = torch.exp(-dt * torch.exp(inj.A_log.detach().to(f)))
-            m.inj_decay, m.inj_dt = _vec(decay.to(act), k), _vec(dt.to(act), k)
-            m.inj_B = linear_desc(inj.B, k)
-        m.prelude_norm = _vec(model.prelude_norm.weight if model.prelude_norm is not None else None, k)
-        if model.state_proj is not None:
-            m.state_proj = linear_desc(model.state_proj, k)
-        m.qk_norm, m.qk_eps = int(cfg.qk_norm), torch.finfo(act).eps
-        m.ve_channels, m.e_width = cfg.ve_gate_channels, model.loop_input_width
-        m.logit_softcap = cfg.logit_softcap
-
     @property
     def one_call_rounds(self) -> bool:
         """Whether `spec_round` and `tree_round` run this model: not with value embeddings in the loop input
@@ -168,18 +139,7 @@ class NativeExecutor:
         if a.ve_gate is not None:
             if index is None:
                 raise Unsupported("value embeddings in a draft exit's blocks")
-            table = self.model.value_embeds[str(index)].weight
-            if table.dtype not in _FLOAT_KINDS:
-                raise Unsupported(f"{table.dtype} value embeddings")
-            C = self.model.cfg.ve_gate_channels
-            if type(a.ve_gate) is nn.Linear:
-                w = a.ve_gate.weight
-            else:   # (Hkv, C): a swapped module's weights (fp16, quantized) as it computes them
-                with torch.no_grad():
-                    w = a.ve_gate(torch.eye(C, dtype=self.model.act_dtype or torch.float32)).T
-            b.ve_gate = _vec(w, k)
-            b.ve_table, b.ve_kind = table.data_ptr(), _FLOAT_KINDS[table.dtype]
-            b.ve_col = self.model.ve_cols.get(index, -1)
+            value_embed_desc(self.model, index, b, k)
         return b
 
     def _rope(self, n: int) -> None:
