@@ -250,14 +250,17 @@ def test_random_initial_state_runs_natively(weights):
     assert (lr2 - ln2).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("criterion,thresholds", [("latent", [0.05, 0.4, 0.8, 1.5]), ("gate", [0.2, 0.5, 0.9]),
-                                                  ("kl", [0.01, 0.1, 0.5, 2.0])])
-def test_adaptive_exits_run_natively(criterion, thresholds):
+@pytest.mark.parametrize("name,criterion,thresholds", [
+    ("ouro-like", "latent", [0.05, 0.4, 0.8, 1.5]), ("ouro-like", "gate", [0.2, 0.5, 0.9]),
+    ("ouro-like", "kl", [0.01, 0.1, 0.5, 2.0]),
+    ("parcae-like", "latent", [0.05, 0.4, 0.8, 1.5]),   # (kl: its read-out is C, then the coda with value
+    ("parcae-like", "kl", [0.01, 0.1, 0.5, 2.0])])      # embeddings from the loop input, the capped head)
+def test_adaptive_exits_run_natively(name, criterion, thresholds):
     """loops "auto": each row's criterion is checked inside the call; an exit copies its last loop's keys into
     the skipped slots. Same loops, survival, logits and pool as PyTorch, and some rows do exit early."""
     from tinyloop.model.exits import ExitRule
 
-    ref, nat = make_pair(CONFIGS["ouro-like"], "fp32")
+    ref, nat = make_pair(CONFIGS[name], "fp32")
     if criterion == "gate":
         with torch.no_grad():   # a gate that fires: a bias around zero, weights of a useful scale
             for m in (ref, nat):
@@ -278,7 +281,7 @@ def test_adaptive_exits_run_natively(criterion, thresholds):
 
 
 @pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float32), ("int8", torch.float32)])
-@pytest.mark.parametrize("name", ["tiny", "ouro-like"])
+@pytest.mark.parametrize("name", ["tiny", "ouro-like", "parcae-like"])
 @torch.inference_mode()
 def test_native_tree_rows_equal_pytorch(name, kv_format, kv_dtype):
     """Tree-masked rows (a tree round's passes: engine/tree.py) run natively: node i's keys at storage index
