@@ -176,19 +176,26 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0
 
 
-@pytest.mark.parametrize("value_embeds", [(0, 2, 3), ()])
-def test_parcae_like_speculation_is_exact(value_embeds):
+@pytest.mark.parametrize("value_embeds,with_exit", [((0, 2, 3), False), ((), False), ((0, 2), True)])
+def test_parcae_like_speculation_is_exact(value_embeds, with_exit):
     """Speculation on a Parcae-like model (native_pair.py: ReLU^2, the diagonal injection, prelude norm, C,
-    q/k norms, the soft-cap) is exact: greedy chain and tree speculation give plain greedy decoding's tokens,
-    natively and on the PyTorch path, and sampled speculation plain sampling's (the soft-capped logits drawn
-    in the library). With value embeddings in the loop input the rounds run as stepwise native passes (no
-    one-call round keeps e that wide); without them, as one call each (chain, pipeline, tree)."""
+    q/k norms, the soft-cap), with value embeddings in the loop input (the rounds keep e that wide) or
+    without, with a draft exit (a coda copy without value embeddings: model/draft_exit.py) or the coda
+    drafting, is exact: greedy chain and tree speculation give plain greedy decoding's tokens, natively (stepwise
+    passes, and one call a round: chain, pipeline, tree) and on the PyTorch path, and sampled speculation
+    plain sampling's (the soft-capped logits drawn in the library)."""
     from tinyloop.engine import SamplingParams
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
     # (a small soft-cap, so that it bends these logits and the draws)
     _, nat = make_pair(CONFIGS["parcae-like"].replace(value_embeds=value_embeds, logit_softcap=3.0), "fp32")
-    one_call = not value_embeds
-    assert nat.executor.one_call_rounds == one_call
+    if with_exit:
+        ex = DraftExit.from_model(nat)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(3)
+            for p in ex.parameters():
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        attach_draft_exits(nat, {1: ex.eval()})
     calls = []
     for name in ("spec_round", "tree_round"):
         orig = getattr(nat.executor, name)
@@ -205,7 +212,7 @@ def test_parcae_like_speculation_is_exact(value_embeds):
             calls.clear()
             got, st = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, **shape)
             assert got == plain, (mode, shape)
-            whole = one_call and shape.get("native_round", True)
+            whole = shape.get("native_round", True)
             assert st["native_rounds"] == whole and bool(calls) == whole, (mode, shape)
     plain_p = SamplingParams(max_tokens=20, loops=4, temperature=0.9, seed=11)
     sampled, _ = _ids(nat, prompt, plain_p, True)

@@ -128,12 +128,10 @@ class Speculator(TreeRounds):
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # sampling from the raw rows (temperature, top-k, top-p): the native head draws the tokens itself (tl_draw)
         self.sampled_native = ex is not None and fast_head and sampler.plain_sampled and params.logprobs is None
-        # a round in one native call: the fused head argmax (or draw), no grammar or early stop, no random
-        # initial state, no value embeddings in the loop input (`one_call_rounds`; else stepwise native passes)
+        # a round in one native call: the fused head argmax (or draw), no grammar or early stop
         native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
                   and sampler.matcher is None and draft_stop <= 0
-                  and (model.state_seed is None or model.cfg.injection == "none")
-                  and getattr(ex, "one_call_rounds", True))
+                  and (model.state_seed is None or model.cfg.injection == "none"))
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         # an adaptive tree request takes a tree round or a chain round, whichever measures faster
         self.shapes = TreeOrChain() if self.native_tree and adaptive else None

@@ -110,12 +110,6 @@ class NativeExecutor:
     def name(self) -> str:
         return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
-    @property
-    def one_call_rounds(self) -> bool:
-        """Whether `spec_round` and `tree_round` run this model: not with value embeddings in the loop input
-        (the rounds keep dim-wide states; their passes run as stepwise native rows instead)."""
-        return self.model.loop_input_width == self.model.cfg.dim
-
     def _block(self, blk, index: int | None = None) -> L.TlBlock:
         """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
         says where its value embeddings come from (None: a draft exit's block, which has none)."""

@@ -30,10 +30,11 @@ struct Layout {   // the call's part of the scratch; the rest is tl_decode's
 
 Layout layout(const tl_model* m, const tl_tree* T) {
     const int64_t n = 1 + (int64_t)T->K * T->depth, dim = m->dim;
+    const int64_t W = m->e_width > dim ? m->e_width : dim;   // the loop input (value embeddings after dim)
     const tl_linear* DH = T->draft_head ? T->draft_head : T->head;
     Layout l;
     l.es = 0;
-    l.hs = l.es + n * dim;
+    l.hs = l.es + n * W;
     l.hid = l.hs + n * dim;
     l.logits = l.hid + n * dim;
     l.hsc = l.logits + std::max<int64_t>((int64_t)T->head->n * (T->depth + 1), (int64_t)DH->n * T->K);
@@ -53,7 +54,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int n = 1 + K * depth;
     const int64_t dim = m->dim;
     if (K < 2 || depth < 1 || d < 1 || d >= V) return 10;
-    if (m->e_width > m->dim) return 11;   // value embeddings ride in the loop input: stepwise passes only
+    const int64_t W = m->e_width > dim ? m->e_width : dim;   // es: (n, W) loop inputs
     if (tl_tree_scratch_floats(m, T, L0 + 1) > scratch_len) return 1;
     const Layout lay = layout(m, T);
     float *es = scratch + lay.es, *hs = scratch + lay.hs, *hid = scratch + lay.hid;
@@ -116,7 +117,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
             r.first_loop = 0;
             r.loops = d;
             r.readout = t <= depth ? T->draft_readout : T->last_readout;
-            r.out_e = es + (int64_t)i * dim;
+            r.out_e = es + (int64_t)i * W;
             r.out_h = hs + (int64_t)i * dim;
             rows.push_back(r);
         }
@@ -171,7 +172,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         r.first_loop = d;
         r.loops = V;
         r.readout = 0;
-        r.state_e = es + (int64_t)i * dim;
+        r.state_e = es + (int64_t)i * W;
         r.state_h = hs + (int64_t)i * dim;
         rows.push_back(r);
     }
