@@ -197,10 +197,14 @@ def test_native_prefill_every_kv_format(kv_format, kv_dtype):
 @pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("fp16", torch.bfloat16),
                                                 ("int8", torch.float32), ("int4", torch.float32),
                                                 ("int4-h", torch.float32)])
-@pytest.mark.parametrize("name", ["tiny", "huginn-like"])
-def test_native_step_every_kv_format(name, kv_format, kv_dtype):
+@pytest.mark.parametrize("name", ["tiny", "huginn-like", "parcae-like"])   # (parcae: q/k norms and value
+def test_native_step_every_kv_format(name, kv_format, kv_dtype):               # embeddings before the pool)
+    """One step's own keys, rounded into a lossy pool, may round the other way where they sit on a rounding
+    boundary (test_native_prefill_every_kv_format's argument): check bounds every pool entry by one step of
+    the format; a bf16 step (2^-8 relative, 8x fp16's) on one entry moves these chaotic models' logits by
+    ~1e-4 (parcae-like: 1.2e-4 measured), so 1e-3 there."""
     ref, nat = make_pair(CONFIGS[name], "fp32")
-    check(*one_step(ref, nat, kv_format, kv_dtype))
+    check(*one_step(ref, nat, kv_format, kv_dtype), tol=1e-3 if kv_dtype == torch.bfloat16 else 1e-4)
 
 
 def test_portable_build_equals_pytorch(monkeypatch):
