@@ -34,6 +34,12 @@ CONFIGS = {
                                loop_norm=False, tie_embeddings=False, loop_start="embed"),
     "nanbeige-like": BASE.replace(n_heads=12, n_kv_heads=2, head_dim=16, n_prelude=0, n_coda=0, injection="none",
                                   loop_norm=True, head_norm=False, tie_embeddings=False),
+    # every Parcae piece: ReLU^2, the diagonal injection (decay and dt varied per channel by make_pair), a
+    # prelude norm, C after the loops, q/k norms, value embeddings in a prelude, a core and the coda block
+    # (GQA: a gate per kv head), a soft-cap
+    "parcae-like": BASE.replace(norm_placement="pre", mlp="relu2", injection="diagonal", loop_norm=False,
+                                prelude_norm=True, state_proj=True, qk_norm=True, value_embeds=(0, 2, 3),
+                                logit_softcap=30.0, state_init_std=0.2),
 }
 PAGE = 4
 
@@ -58,6 +64,11 @@ def make_pair(cfg, weights: str):
         with torch.no_grad():
             for blk in [*ref.prelude, *ref.core, *ref.coda]:
                 blk.attn.qk_bias.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+    if ref.injection is not None:   # the diagonal injection: a decay and dt of its own per channel
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(6)
+            ref.injection.A_log.normal_(0, 1, generator=g)
+            ref.injection.dt_bias.normal_(0, 1, generator=g)
     nat = copy.deepcopy(ref)
     if weights in ("fp16", "bf16"):
         dt = torch.float16 if weights == "fp16" else torch.bfloat16
@@ -68,6 +79,8 @@ def make_pair(cfg, weights: str):
     elif weights.startswith("int"):
         bits = int(weights[3:])
         for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
+            if rn in ("B", "state_proj"):   # (read as float weights by model/, linear_as: a file keeps them so)
+                continue
             q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
             qw = pack(q, bits)
             setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))

@@ -236,3 +236,50 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     for a, t in zip(alone, together):
         assert [x for e in t for x in e.token_ids] == [x for e in a for x in e.token_ids]
     assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0
+
+
+@pytest.mark.parametrize("value_embeds,with_exit", [((0, 2, 3), False), ((), False), ((0, 2), True)])
+def test_parcae_like_speculation_is_exact(value_embeds, with_exit):
+    """Speculation on a Parcae-like model (native_pair.py: ReLU^2, the diagonal injection, prelude norm, C,
+    q/k norms, the soft-cap), with value embeddings in the loop input (the rounds keep e that wide) or
+    without, with a draft exit (a coda copy without value embeddings: model/draft_exit.py) or the coda
+    drafting, is exact: greedy chain and tree speculation give plain greedy decoding's tokens, natively (stepwise
+    passes, and one call a round: chain, pipeline, tree) and on the PyTorch path, and sampled speculation
+    plain sampling's (the soft-capped logits drawn in the library)."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    # (a small soft-cap, so that it bends these logits and the draws)
+    _, nat = make_pair(CONFIGS["parcae-like"].replace(value_embeds=value_embeds, logit_softcap=3.0), "fp32")
+    if with_exit:
+        ex = DraftExit.from_model(nat)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(3)
+            for p in ex.parameters():
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        attach_draft_exits(nat, {1: ex.eval()})
+    calls = []
+    for name in ("spec_round", "tree_round"):
+        orig = getattr(nat.executor, name)
+        setattr(nat.executor, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=20, loops=4, temperature=0), True)
+    assert plain == _ids(nat, prompt, SamplingParams(max_tokens=20, loops=4, temperature=0), False)[0]
+    for mode, kw, shapes in (("speculative", dict(draft_loops=1, draft_ahead=3),
+                              (dict(native_round=False), {}, dict(pipeline=True))),
+                             ("tree_speculative", dict(draft_loops=1, k_branches=2), (dict(native_round=False), {}))):
+        params = SamplingParams(max_tokens=20, mode=mode, verify_loops=4, temperature=0, **kw)
+        assert _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)[0] == plain, mode
+        for shape in shapes:
+            calls.clear()
+            got, st = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False, **shape)
+            assert got == plain, (mode, shape)
+            whole = shape.get("native_round", True)
+            assert st["native_rounds"] == whole and bool(calls) == whole, (mode, shape)
+    plain_p = SamplingParams(max_tokens=20, loops=4, temperature=0.9, seed=11)
+    sampled, _ = _ids(nat, prompt, plain_p, True)
+    assert sampled == _ids(nat, prompt, plain_p, False)[0] and sampled != plain
+    spec_p = SamplingParams(max_tokens=20, mode="speculative", verify_loops=4, draft_loops=1, draft_ahead=3,
+                            temperature=0.9, seed=11)
+    for shape in ({}, dict(pipeline=True)):
+        assert _ids(nat, prompt, spec_p, True, draft_vocab=None, adaptive=False, **shape)[0] == sampled, shape

@@ -18,12 +18,13 @@ import torch
 import torch.nn as nn
 
 from . import lib as L
-from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, default_threads, linear_desc,  # noqa: F401
-                     tensor_desc)   # (_forward: tests and benchmarks take it from here)
+from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
+                     linear_desc, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+from .parcae import parcae_desc, value_embed_desc
 
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
 _LOOP_STARTS = {"state": 0, "embed": 1, "skip": 2}
-_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2}
+_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
 
@@ -31,19 +32,12 @@ STREAMED_BYTES = 64 << 20
 _BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL_Q2: 2}
 
 
-def _vec(t: torch.Tensor | None, keep: list) -> int | None:
-    if t is None:
-        return None
-    t = t.detach().float().contiguous()
-    keep.append(t)
-    return t.data_ptr()
-
-
 def unsupported_features(cfg) -> list[str]:
-    """The config's features the C++ code does not implement (Parcae's): a model with any of them is served
-    by the PyTorch path (`model.fast.attach_executor` warns once and falls back)."""
+    """The config's features the C++ code does not implement: a model with any of them is served by the
+    PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
+    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) run natively."""
     out = []
-    if cfg.mlp not in ("swiglu", "gelu"):
+    if cfg.mlp not in ("swiglu", "gelu", "relu2"):
         out.append(f"the {cfg.mlp} MLP")
     if cfg.injection not in _INJECTIONS:
         out.append(f"the {cfg.injection} injection")
@@ -51,12 +45,8 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"{cfg.norm_placement}-norm blocks")
     if cfg.loop_start not in _LOOP_STARTS:
         out.append(f"loop 0 starting as {cfg.loop_start!r}")
-    for field, what in (("prelude_norm", "a prelude norm"), ("state_proj", "a projection after the loops"),
-                        ("qk_norm", "q/k norms"),
-                        ("value_embeds", "value embeddings"),
-                        ("logit_softcap", "a logit soft-cap")):
-        if getattr(cfg, field, None):
-            out.append(what)
+    if cfg.value_embeds and cfg.head_dim > 1024:
+        out.append("value embeddings on heads wider than 1024")
     return out
 
 
@@ -77,6 +67,7 @@ class NativeExecutor:
         m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
         m.n_prelude, m.n_core, m.n_coda = cfg.n_prelude, cfg.n_core, cfg.n_coda
         m.swiglu, m.injection = int(cfg.mlp == "swiglu"), _INJECTIONS[cfg.injection]
+        m.relu2 = int(cfg.mlp == "relu2")
         m.placement, m.loop_norm, m.post_loop_norm = _PLACEMENTS[cfg.norm_placement], cfg.loop_norm, cfg.post_loop_norm
         m.norm_eps, m.embed_scale = cfg.norm_eps, cfg.embed_scale
         emb = model.embed.weight
@@ -84,7 +75,8 @@ class NativeExecutor:
             raise Unsupported(f"{emb.dtype} embeddings")
         m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
         blocks = [*model.prelude, *model.core, *model.coda]
-        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b) for b in blocks))
+        self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
+        parcae_desc(model, m, self.keep)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
@@ -111,7 +103,7 @@ class NativeExecutor:
         (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
         the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the Ouro-1.4B
         shape (0.85 GB a token) does not."""
-        descs = [self.head] + ([m.adapter] if m.adapter.n else [])
+        descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n]
         for b in self.blocks:
             descs += [*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down]
         total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
@@ -124,7 +116,9 @@ class NativeExecutor:
     def name(self) -> str:
         return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
 
-    def _block(self, blk) -> L.TlBlock:
+    def _block(self, blk, index: int | None = None) -> L.TlBlock:
+        """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
+        says where its value embeddings come from (None: a draft exit's block, which has none)."""
         b, k = L.TlBlock(), self.keep
         a, mlp = blk.attn, blk.mlp
         qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
@@ -145,6 +139,10 @@ class NativeExecutor:
         b.qk_bias = _vec(a.qk_bias, k)
         if a.q_norm is not None:   # OLMo-2's, over all heads together
             b.q_norm, b.k_norm = _vec(a.q_norm.weight, k), _vec(a.k_norm.weight, k)
+        if a.ve_gate is not None:
+            if index is None:
+                raise Unsupported("value embeddings in a draft exit's blocks")
+            value_embed_desc(self.model, index, b, k)
         return b
 
     def _rope(self, n: int) -> None:
@@ -265,7 +263,7 @@ class NativeExecutor:
                 e, h = (x.float().contiguous() for x in r.state)
                 keep += [e, h]
             if r.capture:
-                oe, oh = torch.empty(r.n, dim), torch.empty(r.n, dim)
+                oe, oh = torch.empty(r.n, self.model.loop_input_width), torch.empty(r.n, dim)
                 r.out_state = (oe, oh)
             if r.tokens is not None:
                 tokens = r.tokens.tolist() if isinstance(r.tokens, torch.Tensor) else r.tokens
@@ -481,7 +479,7 @@ class NativeExecutor:
             self.lib.tl_set_threads(self.threads)
             rc = self.lib.tl_head(self.head, x2.data_ptr(), M, self.head_norm, self.head_eps,
                                   self.model.cfg.vocab_size, y.data_ptr(), None if ids is None else ids.data_ptr(),
-                                  scratch.data_ptr(), draws)
+                                  scratch.data_ptr(), draws, self.model.cfg.logit_softcap)
         if rc != 0:
             raise RuntimeError(f"native LM head failed (code {rc})")
 

@@ -40,6 +40,15 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def _vec(t: torch.Tensor | None, keep: list) -> int | None:
+    """A small vector (a norm's weights) as an fp32 copy the library reads (kept alive in `keep`)."""
+    if t is None:
+        return None
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
 def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
     """A float weight tensor (n, k) as a layer: the LM head (the embedding when tied)."""
     if w.dtype not in _FLOAT_KINDS or w.device.type != "cpu" or w.dim() != 2:

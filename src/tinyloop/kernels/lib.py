@@ -33,7 +33,8 @@ class TlLinear(ctypes.Structure):
 class TlBlock(ctypes.Structure):
     _fields_ = [("qkv", TlLinear * 3), ("n_qkv", _i), ("wo", TlLinear), ("up", TlLinear * 2), ("n_up", _i),
                 ("down", TlLinear), ("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p),
-                ("mlp_out_norm", _p), ("qk_bias", _p), ("q_norm", _p), ("k_norm", _p)]
+                ("mlp_out_norm", _p), ("qk_bias", _p), ("q_norm", _p), ("k_norm", _p), ("ve_gate", _p),
+                ("ve_table", _p), ("ve_kind", _i), ("ve_col", _i)]
 
 
 class TlReadout(ctypes.Structure):
@@ -48,7 +49,9 @@ class TlModel(ctypes.Structure):
                 ("core_norm", _p), ("final_norm", _p), ("adapter", TlLinear), ("rope_cos", _p), ("rope_sin", _p),
                 ("rope_len", _i), ("gate_w", _p), ("gate_b", ctypes.c_double),
                 ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i), ("head", ctypes.POINTER(TlLinear)),
-                ("head_norm", _p), ("head_eps", ctypes.c_float), ("loop_start", _i)]
+                ("head_norm", _p), ("head_eps", ctypes.c_float), ("loop_start", _i), ("relu2", _i), ("inj_decay", _p),
+                ("inj_dt", _p), ("inj_B", TlLinear), ("prelude_norm", _p), ("state_proj", TlLinear), ("qk_norm", _i),
+                ("qk_eps", ctypes.c_float), ("ve_channels", _i), ("e_width", _i), ("logit_softcap", ctypes.c_float)]
 
 
 class TlKV(ctypes.Structure):
@@ -106,7 +109,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_scratch_floats.restype = ctypes.c_int64
         lib.tl_linear_forward.argtypes = [P(TlLinear), _p, _i, _p, _p]
         lib.tl_linear_forward.restype = ctypes.c_int
-        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p]
+        lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p, ctypes.c_float]
         lib.tl_head.restype = ctypes.c_int
         lib.tl_noise_key.argtypes = [ctypes.c_uint64, ctypes.c_int64]
         lib.tl_noise_key.restype = ctypes.c_uint32

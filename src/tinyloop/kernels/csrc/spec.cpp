@@ -17,10 +17,13 @@ using namespace tl_step;
 // draft's states, the coda and the full head's argmax. The rounds of Python between these passes are what
 // this call removes; the math and the order of every pass are the stepwise path's.
 namespace {
+// the loop input's width beyond dim (value embeddings: model/looped.py loop_input_width), 0 without them
+int64_t ve_extra(const tl_model* m) { return m->e_width > m->dim ? m->e_width - m->dim : 0; }
+
 int64_t round_extra(const tl_model* m, const tl_round* R) {
-    const int64_t n = R->k + 1, dim = m->dim;
+    const int64_t n = R->k + 1, dim = m->dim, X = ve_extra(m);
     const int64_t hn = std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
-    return 4 * n * dim + hn + 2 * n * dim + n * (dim / 8) + 64;
+    return 4 * n * dim + hn + 2 * n * dim + n * (dim / 8) + 64 + (X ? (n + 1) * X + dim : 0);
 }
 }  // namespace
 
@@ -57,14 +60,18 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int k = R->k, d = R->d, V = R->V;
     const int64_t dim = m->dim, n = k + 1;
     if (k < 0 || d < 1 || d >= V) return 10;
+    const int64_t W = dim + ve_extra(m);   // the loop input's width
+    // (a backlog entry read out by the coda would need its position's value embeddings: never asked for)
+    if (W > dim && R->backlog_h && R->draft_readout == 0) return 11;
     // the draft's rows: a reduced draft head, or (null) the model's own head over the whole vocabulary
     const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
     const int draft_cols = R->draft_head ? DH->n : R->vocab;
     const int max_ctx = base->pos + k + 1;
     const int64_t extra = round_extra(m, R);
     if (extra + tl_scratch_floats(m, k + 2, max_ctx) > scratch_len) return 1;
-    float* es = scratch;                 // (n, dim) prelude outputs of the round's positions
-    float* hs = es + n * dim;            // (n, dim) their states after loop d-1
+    float* es = scratch;                 // (n, W) loop inputs (prelude outputs, value embeddings) of the round's positions
+    float* be = es + n * W;              // (W, with value embeddings) a backlog row's loop input (not read)
+    float* hs = be + (W > dim ? W : 0);  // (n, dim) their states after loop d-1
     float* hid = hs + n * dim;           // (2n, dim) read-outs
     float* logits = hid + 2 * n * dim;
     float* hsc = logits + std::max<int64_t>(R->head->n * n, R->draft_head ? R->draft_head->n : 0);
@@ -84,7 +91,8 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, &row, 1, hid, dec, dec_len);
         if (rc) return rc;
         const tl_sampling s = round_draw(R, 0);
-        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &s);
+        rc = tl_head(R->head, hid, 1, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, &s,
+                     m->logit_softcap);
         if (rc) return 20 + rc;
         R->draft_ms = 0;
         R->verify_ms = now_ms() - t0;
@@ -101,7 +109,7 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         rows[0].exit_kind = TL_EXIT_NONE;
         rows[0].readout = j < k ? R->draft_readout : -1;
         rows[0].state_e = rows[0].state_h = nullptr;
-        rows[0].out_e = es + j * dim;
+        rows[0].out_e = es + j * W;
         rows[0].out_h = hs + j * dim;
         int M = 1;
         if (j == 0 && R->backlog_h) {    // position pos-1's draft-exit entry, due since the last round
@@ -110,6 +118,10 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
             rows[1].first_loop = rows[1].loops = d;
             rows[1].readout = R->draft_readout;
             rows[1].state_e = rows[1].state_h = R->backlog_h;
+            if (W > dim) {
+                memset(be, 0, sizeof(float) * W);
+                rows[1].state_e = be;
+            }
             rows[1].out_e = rows[1].out_h = nullptr;
             M = 2;
         }
@@ -133,7 +145,7 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         vr[j].loops = V;
         vr[j].exit_kind = TL_EXIT_NONE;
         vr[j].readout = 0;
-        vr[j].state_e = es + j * dim;
+        vr[j].state_e = es + j * W;
         vr[j].state_h = hs + j * dim;
         vr[j].out_e = vr[j].out_h = nullptr;
     }
@@ -141,7 +153,8 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     if (rc) return rc;
     std::vector<tl_sampling> draws(n);
     for (int j = 0; j < n; ++j) draws[j] = round_draw(R, j);
-    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, draws.data());
+    rc = tl_head(R->head, hid, (int)n, R->head_norm, R->head_eps, R->vocab, logits, R->verify, hsc, draws.data(),
+                 m->logit_softcap);
     if (rc) return 20 + rc;
     if (R->last_h) memcpy(R->last_h, hs + k * dim, sizeof(float) * dim);
     const double t2 = now_ms();
@@ -171,12 +184,14 @@ void embed_row(const tl_model* m, int token, float* x) {
 }
 
 // one row's read-out `ro` (0: the coda after the final norm where it ends the recurrence; i > 0: a draft
-// exit) of state h into out (dim)
+// exit) of state h into out (dim); e_row: the row's loop input (the coda's value embeddings)
 void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, const float* h, float* out,
-              Buffers& B) {
+              Buffers& B, const float* e_row) {
     const int dim = m->dim;
     if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, B.x, 1, dim, m->norm_eps);
     else memcpy(B.x, h, sizeof(float) * dim);
+    if (ro == 0 && m->state_proj.n) project_state(m, B.x, 1, B);
+    B.ve_e = ro == 0 && m->e_width > dim ? e_row : nullptr;
     if (ro == 0) {
         const tl_block* coda = m->blocks + m->n_prelude + m->n_core;
         for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, row, 1, m->n_prelude + i, B.x, B);
@@ -190,7 +205,7 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
 
 extern "C" int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
     const int64_t n = R->k + 1, dim = m->dim;
-    return 2 * n * dim + 4 * dim + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
+    return 2 * n * dim + n * ve_extra(m) + 4 * dim + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
            + 2 * dim + dim / 8 + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
@@ -199,11 +214,13 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     const int k = R->k, d = R->d, V = R->V;
     const int64_t dim = m->dim, n = k + 1;
     if (k < 1 || d < 1 || d >= V) return 10;
+    const int64_t W = dim + ve_extra(m);   // the loop input's width
+    if (W > dim && R->backlog_h && R->draft_readout == 0) return 11;   // (as tl_spec_round)
     if (tl_pipeline_scratch_floats(m, R, base->pos + k + 1) > scratch_len) return 1;
     const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
     const int draft_cols = R->draft_head ? DH->n : R->vocab;
-    float* es = scratch;                 // (n, dim) prelude outputs
-    float* hs = es + n * dim;            // (n, dim) states
+    float* es = scratch;                 // (n, W) loop inputs (prelude outputs, value embeddings)
+    float* hs = es + n * W;              // (n, dim) states
     float* tmp = hs + n * dim;           // (4 dim) read-outs, normed rows
     float* logits = tmp + 4 * dim;
     float* hsc = logits + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
@@ -227,7 +244,9 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         rows[j] = row_at(j);
         embed_row(m, R->tokens[j], B.x);
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, &rows[j], 1, i, B.x, B);
-        memcpy(es + j * dim, B.x, sizeof(float) * dim);
+        if (m->prelude_norm) rmsnorm(B.x, m->prelude_norm, B.x, 1, (int)dim, m->norm_eps);
+        memcpy(es + j * W, B.x, sizeof(float) * dim);
+        if (W > dim) loop_input_ve(m, R->tokens[j], es + j * W);
         if (m->injection == 0 || m->loop_start != 0) memcpy(hs + j * dim, B.x, sizeof(float) * dim);   // from e
         else memset(hs + j * dim, 0, sizeof(float) * dim);
         loop[j] = 0;
@@ -235,7 +254,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     if (R->backlog_h) {   // position pos-1's draft-exit entry, due since the last (chain) round
         tl_row r = row_at(0);
         r.pos = base->pos - 1;
-        read_out(m, kv, &r, R->draft_readout, R->backlog_h, tmp, B);
+        read_out(m, kv, &r, R->draft_readout, R->backlog_h, tmp, B, nullptr);
     }
     R->tokens[0] = base->token;
     enter(0);
@@ -246,20 +265,22 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         const int M = newest - oldest + 1;
         tl_row* pr = &rows[oldest];
         for (int r = 0; r < M; ++r) {   // the core's input of each row at its loop
-            const float* e = es + (oldest + r) * dim;
+            const float* e = es + (oldest + r) * W;
             const float* h = hs + (oldest + r) * dim;
             float* x = B.x + r * dim;
             if (m->injection == 0) memcpy(x, h, sizeof(float) * dim);
             else if (m->injection == 1) for (int64_t i = 0; i < dim; i += TL_W) vstore(x + i, vadd(vload(h + i), vload(e + i)));
-            else {
+            else if (m->injection == 2) {
                 memcpy(B.a + r * 2 * dim, h, sizeof(float) * dim);
                 memcpy(B.a + r * 2 * dim + dim, e, sizeof(float) * dim);
             }
         }
         if (m->injection == 2) tl_linear_rows(&m->adapter, B.a, M, B.x, dim, B.lin);
+        if (m->injection == 3) diagonal_inject(m, hs + oldest * dim, es + oldest * W, W, B.x, M, B);
         if (m->loop_start == 2)   // skip: a row at loop 0 runs on e (its h) itself, without the injection
             for (int r = 0; r < M; ++r)
                 if (loop[oldest + r] == 0) memcpy(B.x + r * dim, hs + (oldest + r) * dim, sizeof(float) * dim);
+        B.ve_e = W > dim ? es + oldest * W : nullptr;   // the core's value embeddings, row by row
         for (int jj = 0; jj < m->n_core; ++jj) {
             for (int r = 0; r < M; ++r) slots[r] = core_slot0 + loop[oldest + r] * m->n_core + jj;
             block(m, &core[jj], kv, pr, M, 0, B.x, B, slots.data());
@@ -270,10 +291,11 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         row_loops += M;
         bool stop = false;
         if (loop[oldest] == V) {   // verified: the coda, the head, the greedy token
-            read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B);
+            read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B, es + oldest * W);
             int32_t y;
             const tl_sampling s = round_draw(R, oldest);
-            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s);
+            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s,
+                                   m->logit_softcap);
             if (rc) return 20 + rc;
             R->verify[emitted++] = y;
             if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds
@@ -283,7 +305,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         if (loop[newest] == d) {   // drafted: the draft read-out, the draft head's argmax, the next position
             const bool more = newest < k;
             if (more || R->draft_readout > 0) {   // (the last draft's exit entry is written too: no backlog)
-                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B);
+                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B, es + newest * W);
             }
             if (more) {
                 const float* x = tmp;

@@ -44,13 +44,17 @@ Buffers carve(const tl_model* m, int M, int max_ctx, float* s, int64_t* total) {
     Buffers b;
     int64_t o = 0;
     auto take = [&](int64_t n) { float* p = s ? s + o : nullptr; o += (n + 15) / 16 * 16; return p; };
-    b.x = take(M * dim); b.a = take(M * 2 * dim); b.e = take(M * dim); b.h = take(M * dim);
+    const int64_t W = m->e_width > dim ? m->e_width : dim;   // the loop input (value embeddings after dim)
+    b.x = take(M * dim); b.a = take(M * 2 * dim); b.e = take(M * W); b.h = take(M * dim);
     b.qkv = take(M * (H + 2 * Hkv) * D); b.att = take(M * H * D); b.y = take(M * dim);
     b.gu = take(M * 2 * F); b.act = take(M * F);
     b.lin = take(M * K + M * (K / 8));
     b.attn_per_thread = (tl_attend_scratch(rep, max_ctx, D) + 15) / 16 * 16;
     b.attn = take(b.attn_per_thread * 64);   // up to 64 threads
     b.tmp = take(D);
+    b.e2 = W > dim ? take(M * W) : nullptr;
+    b.ve_e = nullptr;
+    b.ve_ld = W;
     *total = o;
     return b;
 }
@@ -98,6 +102,10 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             for (int i = 0; i < (H + Hkv) * D; ++i) q[i] += b->qk_bias[i];
         const int pos = rows[r].pos, at = rows[r].tree_n > 0 ? rows[r].store : pos;   // position, storage index
         tl_rope(q, H + Hkv, D, m->rope_cos + (int64_t)pos * (D / 2), m->rope_sin + (int64_t)pos * (D / 2));
+        if (m->qk_norm) qk_norm(q, H + Hkv, D, m->qk_eps);
+        if (b->ve_gate)
+            value_embed(m, b, &rows[r], B.a + (int64_t)r * dim, B.ve_e ? B.ve_e + r * B.ve_ld : nullptr,
+                        q + (int64_t)(H + Hkv) * D);
         const int ps = kv->page_size;
         const int64_t page = rows[r].table[(int64_t)(at / ps) * rows[r].stride + (slots ? slots[r] : slot)];
         for (int g = 0; g < Hkv; ++g) {
@@ -132,6 +140,9 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             }
             for (; i < F; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
         }
+    } else if (m->relu2) {
+        linears(b->up, b->n_up, B.a, M, B.act, F, B.lin);
+        relu2(B.act, (int64_t)M * F);
     } else {
         linears(b->up, b->n_up, B.a, M, B.act, F, B.lin);
         const float c = 0.7978845608028654f;   // sqrt(2 / pi)
@@ -223,11 +234,19 @@ static void kl_readout(const tl_model* m, const tl_kv* kv, const tl_row* ph, con
         if (m->post_loop_norm) rmsnorm(h, m->final_norm, x.data() + i * dim, 1, (int)dim, m->norm_eps);
         else memcpy(x.data() + i * dim, h, sizeof(float) * dim);
     }
+    if (m->state_proj.n) project_state(m, x.data(), n, B);
+    const float* ve_e = B.ve_e;   // the coda's value embeddings: the selected rows' loop inputs
+    std::vector<float> ev(B.ve_e ? n * B.ve_ld : 0);
+    for (int i = 0; i < n && B.ve_e; ++i)
+        memcpy(ev.data() + i * B.ve_ld, ve_e + at[i] * B.ve_ld, sizeof(float) * B.ve_ld);
+    if (ve_e) B.ve_e = ev.data();
     const tl_block* coda = m->blocks + m->n_prelude + m->n_core;
     for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, sel.data(), n, m->n_prelude + i, x.data(), B);
+    B.ve_e = ve_e;
     memcpy(B.y, keep.data(), sizeof(float) * Ml * dim);
     std::vector<float> logits(n * N), hs(2 * n * dim + n * (dim / 8) + 16);
-    tl_head(m->head, x.data(), n, m->head_norm, m->head_eps, (int32_t)V, logits.data(), nullptr, hs.data(), nullptr);
+    tl_head(m->head, x.data(), n, m->head_norm, m->head_eps, (int32_t)V, logits.data(), nullptr, hs.data(), nullptr,
+            m->logit_softcap);
     for (int i = 0; i < n; ++i) {
         const float* y = logits.data() + i * N;
         double mx = -INFINITY, sum = 0.0;
@@ -284,7 +303,14 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     }
     if (n_fresh)
         for (int i = 0; i < m->n_prelude; ++i) block(m, &m->blocks[i], kv, rows, n_fresh, i, B.x, B);
-    memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
+    if (n_fresh && m->prelude_norm) rmsnorm(B.x, m->prelude_norm, B.x, n_fresh, dim, m->norm_eps);
+    const int64_t W = B.ve_ld;   // the loop input's width: dim, then the core's and coda's value embeddings
+    if (W == dim) memcpy(B.e, B.x, sizeof(float) * n_fresh * dim);
+    else
+        for (int r = 0; r < n_fresh; ++r) {
+            memcpy(B.e + r * W, B.x + r * dim, sizeof(float) * dim);
+            loop_input_ve(m, rows[r].token, B.e + r * W);
+        }
     if (m->injection == 0 || m->loop_start != 0) memcpy(B.h, B.x, sizeof(float) * n_fresh * dim);   // from e
     else
         for (int r = 0; r < n_fresh; ++r) {
@@ -292,7 +318,7 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             else memset(B.h + r * dim, 0, sizeof(float) * dim);
         }
     for (int r = n_fresh; r < M; ++r) {
-        memcpy(B.e + r * dim, rows[r].state_e, sizeof(float) * dim);
+        memcpy(B.e + r * W, rows[r].state_e, sizeof(float) * W);
         memcpy(B.h + r * dim, rows[r].state_h, sizeof(float) * dim);
     }
     const tl_block* core = m->blocks + m->n_prelude;
@@ -319,28 +345,36 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
         if (moved) {   // a stable partition
             std::vector<tl_row> ph2(M);
             std::vector<int> orig2(M);
+            float* et = W == dim ? B.a : B.e2;
             for (int p = 0; p < M; ++p) {
                 ph2[p] = ph[order[p]];
                 orig2[p] = orig[order[p]];
-                memcpy(B.a + p * dim, B.e + order[p] * dim, sizeof(float) * dim);
+                memcpy(et + p * W, B.e + order[p] * W, sizeof(float) * W);
                 memcpy(B.y + p * dim, B.h + order[p] * dim, sizeof(float) * dim);
             }
             ph.swap(ph2);
             orig.swap(orig2);
-            memcpy(B.e, B.a, sizeof(float) * M * dim);
+            memcpy(B.e, et, sizeof(float) * M * W);
             memcpy(B.h, B.y, sizeof(float) * M * dim);
         }
         if (m->injection == 0 || (loop == 0 && m->loop_start == 2)) {   // (skip: loop 0 runs on e = h itself)
             memcpy(B.x, B.h, sizeof(float) * Ml * dim);
-        } else if (m->injection == 1) {
+        } else if (m->injection == 1 && W == dim) {
             for (int64_t i = 0; i < Ml * dim; i += TL_W) vstore(B.x + i, vadd(vload(B.h + i), vload(B.e + i)));
+        } else if (m->injection == 1) {
+            for (int r = 0; r < Ml; ++r)
+                for (int64_t i = 0; i < dim; i += TL_W)
+                    vstore(B.x + r * dim + i, vadd(vload(B.h + r * dim + i), vload(B.e + r * W + i)));
+        } else if (m->injection == 3) {
+            diagonal_inject(m, B.h, B.e, W, B.x, Ml, B);
         } else {
             for (int r = 0; r < Ml; ++r) {
                 memcpy(B.a + r * 2 * dim, B.h + r * dim, sizeof(float) * dim);
-                memcpy(B.a + r * 2 * dim + dim, B.e + r * dim, sizeof(float) * dim);
+                memcpy(B.a + r * 2 * dim + dim, B.e + r * W, sizeof(float) * dim);
             }
             tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
         }
+        B.ve_e = W > dim ? B.e : nullptr;   // value embeddings of the core's blocks (packed with the rows)
         for (int j = 0; j < m->n_core; ++j)
             block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
         if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
@@ -353,14 +387,16 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             }
         memcpy(B.h, B.y, sizeof(float) * Ml * dim);
     }
-    // back in the caller's order: the states (kept where asked), loops run, survival
+    // back in the caller's order: the states (kept where asked), loops run, survival, the loop inputs
+    // (value embeddings: the coda's read-out reads them)
     for (int p = 0; p < M; ++p) {
         const int r = orig[p];
         memcpy(B.a + (int64_t)r * dim, B.h + (int64_t)p * dim, sizeof(float) * dim);
+        if (W > dim) memcpy(B.e2 + (int64_t)r * W, B.e + (int64_t)p * W, sizeof(float) * W);
         rows[r].loops_run = ph[p].loops;
         rows[r].survival = ph[p].survival;
         if (rows[r].out_h) {
-            memcpy(rows[r].out_e, B.e + (int64_t)p * dim, sizeof(float) * dim);
+            memcpy(rows[r].out_e, B.e + (int64_t)p * W, sizeof(float) * W);
             memcpy(rows[r].out_h, B.h + (int64_t)p * dim, sizeof(float) * dim);
         }
     }
@@ -379,7 +415,10 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             const float* h = hidden + (int64_t)idx[i] * dim;
             if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, x, 1, dim, m->norm_eps);
             else memcpy(x, h, sizeof(float) * dim);
+            if (ro == 0 && W > dim) memcpy(B.e + i * W, B.e2 + idx[i] * W, sizeof(float) * W);
         }
+        if (ro == 0 && m->state_proj.n) project_state(m, B.x, n, B);
+        B.ve_e = ro == 0 && W > dim ? B.e : nullptr;
         if (ro == 0) {
             const tl_block* coda = core + m->n_core;
             for (int i = 0; i < m->n_coda; ++i) block(m, &coda[i], kv, sel.data(), n, m->n_prelude + i, B.x, B);
@@ -416,7 +455,7 @@ int32_t tl_step::argmax(const float* x, int n) {
 // `argmax` non-null each row's argmax over its first `vocab` logits. scratch: m * k * 2 + m * k / 8 floats.
 extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const float* norm_w, float eps,
                        int32_t vocab, float* logits, int32_t* argmax_out, float* scratch,
-                       const tl_sampling* draws) {
+                       const tl_sampling* draws, float softcap) {
     if (L->k % TL_W || vocab > L->n) return 1;
     const float* xin = x;
     if (norm_w) {
@@ -424,6 +463,7 @@ extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const floa
         xin = scratch;
     }
     tl_linear_rows(L, xin, m, logits, L->n, scratch + (int64_t)m * L->k);
+    if (softcap > 0.0f) tl_step::softcap(logits, m, L->n, L->n, softcap);
     if (argmax_out)
         for (int r = 0; r < m; ++r)
             argmax_out[r] = draws ? tl_draw(logits + (int64_t)r * L->n, vocab, nullptr, &draws[r])

@@ -9,7 +9,10 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
 namespace tl_step {
 struct Buffers {   // carved from the caller's scratch
     float *x, *a, *e, *h, *qkv, *att, *y, *gu, *act, *lin, *attn, *tmp;
+    float* e2;            // (M, e_width): loop inputs in another order (value embeddings only)
     int64_t attn_per_thread;
+    const float* ve_e;    // the loop inputs (rows of ve_ld) of a pass's rows, read by core and coda blocks
+    int64_t ve_ld;        // with value embeddings (null: none in this pass)
 };
 
 // the buffers of a step of M rows at contexts up to max_ctx, carved from s (null: only *total, their size)
@@ -19,6 +22,25 @@ void rmsnorm(const float* x, const float* w, float* y, int m, int n, float eps);
 // one block (attention and MLP, the model's norms) over M rows at layer slot `slot` (or slots[i] per row)
 void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
            float* x, Buffers& B, const int* slots = nullptr);
+
+// Parcae's pieces (parcae.cpp), each a step only models that have it take
+// q and k (`heads` of D) RMS-normed per head, no weights (model/layers.py Attention, qk_norm)
+void qk_norm(float* q, int heads, int D, float eps);
+// v (Hkv * D) += 2 sigmoid(ve_gate . xn[:ve_channels]) * ve per kv head; ve: row's token in the block's table
+// (prelude blocks) or the columns ve_col.. of the row's loop input e_row
+void value_embed(const tl_model* m, const tl_block* b, const tl_row* row, const float* xn, const float* e_row,
+                 float* v);
+// a (n) = relu(a)^2
+void relu2(float* a, int64_t n);
+// x (M, dim) = h * decay + dt * (e[:, :dim] B^T), e rows ldE apart (the diagonal injection)
+void diagonal_inject(const tl_model* m, const float* h, const float* e, int64_t ldE, float* x, int M, Buffers& B);
+// the loop input's value-embedding columns (dim ..) of a row from its token
+void loop_input_ve(const tl_model* m, int token, float* e_row);
+// x (n, dim) = x C^T (state_proj; uses B.y)
+void project_state(const tl_model* m, float* x, int n, Buffers& B);
+// y (m rows of ld, first n) = c tanh(y / c)
+void softcap(float* y, int m, int n, int64_t ld, float c);
+
 // index of the largest of x[0 .. n-1]: the first of equal maxima, or the first NaN (torch.argmax's rule)
 int32_t argmax(const float* x, int n);
 }  // namespace tl_step

@@ -30,6 +30,12 @@ typedef struct {
     const float* qk_bias;              // (H + Hkv, D) or null
     const float* q_norm; const float* k_norm;   // (H * D), (Hkv * D): OLMo-2's q/k norms over all heads
                                                 // together, after the projection, before bias and RoPE
+    // value embeddings (Parcae; ve_gate null: none): v += 2 sigmoid(ve_gate . x[:ve_channels]) * ve per kv
+    // head, x the normed block input; ve is row `token` of ve_table (ve_col < 0: prelude blocks) or the
+    // loop input's columns ve_col .. ve_col + Hkv * D (core and coda blocks: tl_row.state_e, e_width wide)
+    const float* ve_gate;              // (Hkv, ve_channels)
+    const void* ve_table; int32_t ve_kind;   // (vocab, Hkv * D), TL_F32/F16/BF16
+    int32_t ve_col;
 } tl_block;
 
 typedef struct {
@@ -53,6 +59,16 @@ typedef struct {
     const float* head_norm; float head_eps; // read-out after a loop (tl_head)
     int32_t loop_start;      // with an injection, loop 0 starts from: 0 the state (zeros or state_h), 1 the
                              // prelude output e, 2 e itself run through the core without the injection
+    // Parcae's pieces (parcae.cpp; zero / null: off)
+    int32_t relu2;                          // the MLP is down(relu(up x)^2) (swiglu 0)
+    const float* inj_decay; const float* inj_dt; tl_linear inj_B;   // injection 3: h * decay + dt * (e B^T)
+    const float* prelude_norm;              // an RMS norm ends the prelude
+    tl_linear state_proj;                   // n > 0: the state times C^T before the coda (after final_norm)
+    int32_t qk_norm; float qk_eps;          // q and k RMS-normed per head after RoPE, no weights
+    int32_t ve_channels;                    // the value-embedding gates read x[:ve_channels]
+    int32_t e_width;                        // the loop input's width: dim, then the core's and coda's
+                                            // value embeddings (model/looped.py loop_input_width)
+    float logit_softcap;                    // c > 0: logits -> c tanh(logits / c)
 } tl_model;
 
 typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
@@ -84,10 +100,10 @@ typedef struct {
     int32_t loops_run;                      // out: core loops this row ran
     int32_t first_loop;
     int32_t readout;                        // -1 none, 0 the model's coda, i > 0 readouts[i - 1]
-    const float* state_e; const float* state_h;   // first_loop > 0: (dim) each; a row from its token with an
+    const float* state_e; const float* state_h;   // first_loop > 0: (e_width), (dim); a row from its token with an
                                             // injection may bring state_h: loop 0 starts from it (a random
                                             // initial state, model/looped.py init_state), else from zeros
-    float* out_e; float* out_h;             // non-null: the state after the last loop is kept here
+    float* out_e; float* out_h;             // non-null: the state (e_width, dim) after the last loop is kept here
     // a tree node (engine/tree.py; tree_n > 0): its keys go to storage index `store`, not `pos` (its real
     // position: RoPE, window); it attends to the committed keys below storage index tree_base (window
     // permitting) and to the tree_n node keys at storage indices tree_keys (ascending: its ancestors
@@ -107,11 +123,12 @@ int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, f
 
 // The LM head: the final norm (norm_w; null: none), logits (m, n), and each row's argmax over its first
 // `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats. With `draws` non-null, row r
-// is drawn by tl_draw with draws[r] instead (its logits are overwritten).
+// is drawn by tl_draw with draws[r] instead (its logits are overwritten). softcap c > 0: the logits are
+// c tanh(logits / c) (model/looped.py logits) before the argmax or draw.
 // A row's sampling: the key of its draw, 1 / T (0: the argmax), top-k (0: off) and top-p (1: off).
 typedef struct tl_sampling { uint32_t key; float inv_temp; int32_t top_k; float top_p; } tl_sampling;
 int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
-            float* logits, int32_t* argmax, float* scratch, const tl_sampling* draws);
+            float* logits, int32_t* argmax, float* scratch, const tl_sampling* draws, float softcap);
 
 // Sampling by shared noise (sample.cpp; engine/sampling.py): the key of output index n of a request seeded
 // `seed`; the Gumbel noise g(key, token) of tokens ids[0 .. n-1] (null: 0 .. n-1); and the token a row

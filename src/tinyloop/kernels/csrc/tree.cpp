@@ -32,10 +32,11 @@ struct Layout {   // the call's part of the scratch; the rest is tl_decode's
 
 Layout layout(const tl_model* m, const tl_tree* T) {
     const int64_t n = 1 + (int64_t)T->K * T->depth, dim = m->dim;
+    const int64_t W = m->e_width > dim ? m->e_width : dim;   // the loop input (value embeddings after dim)
     const tl_linear* DH = T->draft_head ? T->draft_head : T->head;
     Layout l;
     l.es = 0;
-    l.hs = l.es + n * dim;
+    l.hs = l.es + n * W;
     l.hid = l.hs + n * dim;
     l.logits = l.hid + n * dim;
     l.hsc = l.logits + std::max<int64_t>((int64_t)T->head->n * (T->depth + 1), (int64_t)DH->n * T->K);
@@ -55,6 +56,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int n = 1 + K * depth;
     const int64_t dim = m->dim;
     if (K < 2 || depth < 1 || d < 1 || d >= V) return 10;
+    const int64_t W = m->e_width > dim ? m->e_width : dim;   // es: (n, W) loop inputs
     if (tl_tree_scratch_floats(m, T, L0 + 1) > scratch_len) return 1;
     const Layout lay = layout(m, T);
     float *es = scratch + lay.es, *hs = scratch + lay.hs, *hid = scratch + lay.hid;
@@ -126,7 +128,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
             r.first_loop = 0;
             r.loops = d;
             r.readout = t <= depth ? T->draft_readout : T->last_readout;
-            r.out_e = es + (int64_t)i * dim;
+            r.out_e = es + (int64_t)i * W;
             r.out_h = hs + (int64_t)i * dim;
             rows.push_back(r);
         }
@@ -134,7 +136,8 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         int rc = tl_decode(m, kv, rows.data(), F, hid, dec, dec_len);
         if (rc) return rc;
         if (t > depth) break;
-        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr);
+        rc = tl_head(DH, hid, F, T->draft_norm, T->draft_eps, cols, logits, nullptr, hsc, nullptr,
+                     0.0f);   // the draft head's logits are not capped (engine/draft_head.py)
         if (rc) return 20 + rc;
         // log-softmax of each frontier row (float64, as the Python path) plus the node's score; sampled: the
         // perturbed log-probabilities under the key of the children's output index (tl_perturb), whose
@@ -192,7 +195,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         r.first_loop = d;
         r.loops = V;
         r.readout = 0;
-        r.state_e = es + (int64_t)i * dim;
+        r.state_e = es + (int64_t)i * W;
         r.state_h = hs + (int64_t)i * dim;
         rows.push_back(r);
     }
@@ -208,7 +211,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         for (int j = 0; j < c; ++j) memcpy(es + (int64_t)j * dim, hid + (int64_t)chain[j] * dim, sizeof(float) * dim);
         for (int j = 0; j < c; ++j) draws[j] = draw_at(depth_of[chain[j]]);   // (the token after the node)
         const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc,
-                              sampled ? draws.data() : nullptr);
+                              sampled ? draws.data() : nullptr, m->logit_softcap);
         for (int j = 0; j < c && !r; ++j) pick[chain[j]] = picks[j];
         return r;
     };
