@@ -119,6 +119,7 @@ class DraftPolicy:
         self.acc, self.prop = (self.PRIOR * p, float(self.PRIOR)) if p is not None else (0.0, 0.0)
         self.idle, self.probe_every = 0, 8
         self.chosen: list[int] = []
+        self.k_sum = self.plain_rounds = 0   # (the sum of chosen and its zeros, kept as they come)
 
     @property
     def costs(self) -> RoundCosts:
@@ -135,7 +136,7 @@ class DraftPolicy:
     def choose(self, cap: int) -> int:
         cap = max(0, min(cap, self.k_max))
         if not self.adaptive:
-            self.chosen.append(cap)
+            self._chose(cap)
             return cap
         # (the pipeline's warm-up waits for a draft to be accepted: on a model whose depths disagree it
         # would only cost)
@@ -177,8 +178,13 @@ class DraftPolicy:
                 self.idle, self.probe_every = 0, 8
         if k == 0:
             self.pipeline = False
-        self.chosen.append(k)
+        self._chose(k)
         return k
+
+    def _chose(self, k: int) -> None:
+        self.chosen.append(k)
+        self.k_sum += k
+        self.plain_rounds += k == 0
 
     def update(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """The round just run (of the shape `pipeline` says)."""

@@ -334,10 +334,14 @@ class Speculator(TreeRounds):
         drafts attend to them as the pool holds them, which changes proposals only, never the output."""
         now = self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
-            return (yield from self._crowded_row())
+            return (yield from self._plain_row(batched=True))
         k = self.policy.choose(cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
+        if k == 0:   # no draft: the plain row plain decoding runs (a round of one call of its own cost ~15% more)
+            out = yield from self._plain_row(batched=False)
+            self._last = (0, 0, 0.0, now)   # (its whole cycle is plain's cost for the policy)
+            return out
         call = NativeRound(self, k)
         yield call
         res = call.result
@@ -379,9 +383,10 @@ class Speculator(TreeRounds):
             self._last = None
         return now
 
-    def _crowded_row(self):
-        """A plain row of the shared step (past ALONE_UP_TO running sequences), its token from the step's
-        one head call."""
+    def _plain_row(self, batched: bool):
+        """A plain row of the shared step, its token from the step's one head call: past ALONE_UP_TO running
+        sequences (`batched`), or where the policy drafts nothing. Its draft-exit entry is not written (later
+        drafts attend to the pool as it is: proposals change, never the output)."""
         L = self.length
         row = self._rows(L, 1, self.V, tokens=[self.pending], readout="coda", greedy=True,
                          noise=self.sampler.draw_params() if not self.params.greedy else None)
@@ -389,7 +394,8 @@ class Speculator(TreeRounds):
         y = row.argmax
         self.sampler.accept(y)
         self.length, self.exit_backlog = L + 1, None
-        self.stats["batched_rounds"] += 1
+        if batched:
+            self.stats["batched_rounds"] += 1
         return [y]
 
     def _accept_chain(self, toks: list[int], x: torch.Tensor) -> list[int]:
@@ -435,10 +441,10 @@ class Speculator(TreeRounds):
             "draft_exit": self.exit is not None,
             "native_rounds": self.native or self.native_tree,
         })
-        if self.policy.chosen:
-            ch = self.policy.chosen
-            run_stats["draft_ahead_chosen"] = round(sum(ch) / len(ch), 3)   # the policy's mean k per round
-            run_stats["plain_rounds"] = sum(1 for k in ch if k == 0)
+        if self.policy.chosen:   # (kept as running sums: this runs after every round)
+            pol = self.policy
+            run_stats["draft_ahead_chosen"] = round(pol.k_sum / len(pol.chosen), 3)   # the policy's mean k per round
+            run_stats["plain_rounds"] = pol.plain_rounds
         if self.shapes is not None:   # a tree request's rounds by shape
             run_stats["tree_rounds"], run_stats["chain_rounds"] = self.shapes.counts[True], self.shapes.counts[False]
         if st["batched_rounds"]:

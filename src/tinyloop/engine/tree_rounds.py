@@ -21,7 +21,7 @@ class TreeRounds:
         plain row of the shared step instead."""
         self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
-            return (yield from self._crowded_row())
+            return (yield from self._plain_row(batched=True))
         L = self.length
         call = NativeTreeRound(self, depth)
         yield call
