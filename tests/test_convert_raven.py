@@ -14,7 +14,6 @@ move the logits by O(1), and every recorded argmax has a top-1/top-2 gap >= 0.05
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.model import KVCache
 from tinyloop.tools.convert import ConvertError, convert, model_config
+from test_convert import copy_fixture, edit_config  # (the snapshot fixtures' helpers, shared)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 VARIANTS = ["raven-llama-tiny", "raven-olmo-tiny"]
@@ -229,18 +229,6 @@ def test_served_over_http_with_loops_per_request(converted):
 
 
 # -- what is refused, by name ---------------------------------------------------------------------------
-def copy_fixture(name: str, tmp_path: Path) -> Path:
-    dst = tmp_path / name
-    shutil.copytree(FIXTURES / name, dst)
-    return dst
-
-
-def edit_config(src: Path, **changes) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 REFUSED = [("raven-llama-tiny", {"qk_bias": True}, "qk_bias = True"),
            ("raven-llama-tiny", {"bias": True}, "bias = True"),
            ("raven-olmo-tiny", {"test_time_noise": 0.5}, "test_time_noise = 0.5"),

@@ -87,3 +87,20 @@ def make_pair(cfg, weights: str):
             setattr(nm, nn_, QuantLinear.from_portable(qw, s, z, bits, kernel="native"))
     nat.executor = NativeExecutor(nat, threads=2)
     return ref.eval(), nat.eval()
+
+
+def attach_varied_exits(model, seeds: dict[int, int]) -> None:
+    """A draft exit for each draft depth d in `seeds`: the model's coda copied (model/draft_exit.py) and moved
+    off it by noise of 0.3 x each tensor's mean magnitude (seeded), so that drafts disagree with the verifier
+    now and then."""
+    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
+
+    exits = {}
+    for d, seed in seeds.items():
+        ex = DraftExit.from_model(model)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for p in ex.parameters():
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        exits[d] = ex.eval()
+    attach_draft_exits(model, exits)

@@ -5,7 +5,6 @@ crowded batches (tests/kernels/native_pair.py builds the models)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
@@ -13,7 +12,7 @@ try:
 except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
     pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
 
-from native_pair import CONFIGS, make_pair  # noqa: E402
+from native_pair import CONFIGS, attach_varied_exits, make_pair  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -42,19 +41,10 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and verification, chain or
     tree-masked, run natively, stepwise and as whole rounds in one call (chain, pipeline, tree); greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
     from tinyloop.engine import SamplingParams
-    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:
-        exits = {}
-        for d in (1, 2):
-            ex = DraftExit.from_model(nat)
-            with torch.no_grad():
-                g = torch.Generator().manual_seed(d)
-                for p in ex.parameters():
-                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-            exits[d] = ex.eval()
-        attach_draft_exits(nat, exits)
+        attach_varied_exits(nat, {1: 1, 2: 2})
     calls, rounds = [], []
     orig, orig_round = nat.executor.decode, nat.executor.spec_round
     nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
@@ -101,16 +91,10 @@ def test_sampled_speculation_is_plain_sampling(draft_loops, with_exit):
     pipeline, their draws in the library), the policy's draft lengths, and the PyTorch path; with top-p too.
     The plain sampled rows draw in the head call (tl_head's draws) and equal the PyTorch path's draws."""
     from tinyloop.engine import SamplingParams
-    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:
-        ex = DraftExit.from_model(nat)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(3)
-            for p in ex.parameters():
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-        attach_draft_exits(nat, {draft_loops: ex.eval()})
+        attach_varied_exits(nat, {draft_loops: 3})
     rounds = []
     orig_round = nat.executor.spec_round
     nat.executor.spec_round = lambda *a, **kw: (rounds.append(kw.get("noise")), orig_round(*a, **kw))[1]
@@ -247,17 +231,11 @@ def test_parcae_like_speculation_is_exact(value_embeds, with_exit):
     passes, and one call a round: chain, pipeline, tree) and on the PyTorch path, and sampled speculation
     plain sampling's (the soft-capped logits drawn in the library)."""
     from tinyloop.engine import SamplingParams
-    from tinyloop.model.draft_exit import DraftExit, attach_draft_exits
 
     # (a small soft-cap, so that it bends these logits and the draws)
     _, nat = make_pair(CONFIGS["parcae-like"].replace(value_embeds=value_embeds, logit_softcap=3.0), "fp32")
     if with_exit:
-        ex = DraftExit.from_model(nat)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(3)
-            for p in ex.parameters():
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-        attach_draft_exits(nat, {1: ex.eval()})
+        attach_varied_exits(nat, {1: 3})
     calls = []
     for name in ("spec_round", "tree_round"):
         orig = getattr(nat.executor, name)

@@ -133,7 +133,7 @@ class Speculator(TreeRounds):
         # a round in one native call: the fused head argmax (or draw), no grammar or early stop
         native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
                   and sampler.matcher is None and draft_stop <= 0
-                  and (model.state_seed is None or model.cfg.injection == "none"))
+                  and not model.random_start)   # (one-call rounds start loop 0 from zeros or e)
         if not params.greedy and not (native and self.sampled_native):
             self.tree = False
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)

@@ -319,7 +319,7 @@ class NativeExecutor:
         (`state_seed`: model/looped.py init_state, by position, in the activations' dtype as the PyTorch path
         has them); None where it starts from zeros or from e (the library's own rule)."""
         m = self.model
-        if m.state_seed is None or m.cfg.injection == "none" or m.cfg.loop_start != "state" or not m.cfg.state_init_std:
+        if not m.random_start:
             return None
         act = m.act_dtype or m.embed.weight.dtype
         h0 = m.init_state(torch.zeros(1, r.n, m.cfg.dim, dtype=act), r.positions)[0].float().contiguous()
@@ -329,7 +329,7 @@ class NativeExecutor:
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
-                   pipeline: bool = False, noise: tuple[int, int, float] | None = None) -> dict:
+                   pipeline: bool = False, noise: tuple | None = None) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's

@@ -127,6 +127,13 @@ class LoopedTransformer(nn.Module):
             raise ValueError(f"block {block} adds value embeddings: pass the loop input e")
         return e[..., c:c + self.cfg.n_kv_heads * self.cfg.head_dim]
 
+    @property
+    def random_start(self) -> bool:
+        """Whether loop 0 starts from the family's random draw (`init_state`): a seed, a spread, an injection,
+        and the state (not e) as the start."""
+        return (self.state_seed is not None and self.cfg.state_init_std != 0 and self.cfg.injection != "none"
+                and self.cfg.loop_start == "state")
+
     def init_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The state loop 0 starts from: e itself (no injection, or `loop_start` "embed" / "skip"), else
         zeros, or with `state_seed` the family's random rule per position (`positions` (T,) of e's (B, T, dim)
@@ -138,9 +145,9 @@ class LoopedTransformer(nn.Module):
                 return e.clone()
         if from_e:
             return e
-        std = self.cfg.state_init_std
-        if self.state_seed is None or std == 0:
+        if not self.random_start:
             return torch.zeros_like(e)
+        std = self.cfg.state_init_std
         if positions is None:
             positions = torch.arange(e.shape[1])
         rows = []
