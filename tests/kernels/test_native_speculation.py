@@ -50,8 +50,14 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     nat.executor.decode = lambda kv, rows: (calls.append([(r.n, r.first_loop, r.capture) for r in rows]),
                                             orig(kv, rows))[1]
     nat.executor.spec_round = lambda *a, **kw: (rounds.append(a[5]), orig_round(*a, **kw))[1]
-    orig_tree, trees = nat.executor.tree_round, []
-    nat.executor.tree_round = lambda *a, **kw: (trees.append(a[5]), orig_tree(*a, **kw))[1]
+    orig_tree, trees, verified = nat.executor.tree_round, [], []
+
+    def tree_round(*a, **kw):
+        trees.append(a[5])
+        res = orig_tree(*a, **kw)
+        verified.append((a[5], res["verified"], len(res["path"])))   # (depth, nodes verified, path length)
+        return res
+    nat.executor.tree_round = tree_round
     prompt = [5, 17, 300, 42, 7, 9]
     params = SamplingParams(max_tokens=24, mode=mode, verify_loops=4, temperature=0, **kw)
     ref, st_t = _ids(nat, prompt, params, False, draft_vocab=None, adaptive=False)
@@ -69,6 +75,10 @@ def test_speculation_native_equals_pytorch(mode, kw, with_exit):
     # (the last round may draft fewer); a tree of K > 1 in one call too (tl_tree_round), its depth draft_ahead
     assert (rounds and max(rounds) == kw["draft_ahead"] and not trees) if chain else \
         (not rounds and trees and max(trees) == params.draft_ahead)
+    # a tree round verifies lazily: the greedy chain (depth + 1 nodes), and a chain below a sibling only where
+    # the walk takes one; both happen here, and the output is still the verification of every node's
+    assert chain or any(v == depth + 1 for depth, v, _ in verified)
+    assert chain or any(v > depth + 1 for depth, v, _ in verified)
     # the policy's draft lengths change the speed only
     auto, st_a = _ids(nat, prompt, params, True, draft_vocab=None)
     assert auto == ref and "draft_ahead_chosen" in st_a

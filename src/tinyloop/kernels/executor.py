@@ -404,7 +404,8 @@ class NativeExecutor:
         deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification and the walk.
         `draft_readout` / `last_readout`: the read-out of the draft passes and of the last one (None, or a
         draft exit's (exit, slots)); the draft head and `noise` (sampled rounds) as in `spec_round`. Returns
-        the nodes' tokens and parents, the emitted tokens, the accepted path's nodes and the two phases' ms."""
+        the nodes' tokens and parents, the emitted tokens, the accepted path's nodes, how many nodes the
+        verification ran (lazily: the chains the walk needed) and the two phases' ms."""
         with _CALL:
             keep, readouts = [], {}
             t = _int64(table)
@@ -440,10 +441,12 @@ class NativeExecutor:
             rc = self.lib.tl_tree_round(self.desc, kvd, base, T, self.scratch.data_ptr(), self.scratch.numel())
             if rc != 0:
                 raise RuntimeError(f"native tree round failed (code {rc})")
-            self.model.core_loop_tokens += T.n_nodes * V   # drafts' d loops and verification's V - d, per node
+            # every node's d draft loops; V - d verification loops of the nodes the walk needed
+            self.model.core_loop_tokens += T.n_nodes * d + T.n_verified * (V - d)
             ne = T.n_emitted
             return {"tokens": toks.tolist(), "parents": parents.tolist(), "emitted": emitted[:ne].tolist(),
-                    "path": path[:ne].tolist(), "draft_ms": T.draft_ms, "verify_ms": T.verify_ms}
+                    "path": path[:ne].tolist(), "verified": T.n_verified, "draft_ms": T.draft_ms,
+                    "verify_ms": T.verify_ms}
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head of rows x (..., dim) (`LoopedTransformer.logits`): fp32 logits (..., n)."""

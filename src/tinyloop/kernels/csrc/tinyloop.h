@@ -158,7 +158,8 @@ typedef struct {
     const float* backlog_h;
     const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
     int32_t* tokens;   // out (k + 1): the pending token, then the drafts
-    int32_t* verify;   // out (k + 1): the verifier's greedy token after each
+    int32_t* verify;   // out (k + 1): the verifier's token after each, up to the first that disagrees with the
+                       // draft after it (the head runs lazily); the rest -1
     float* last_h;     // out (dim) or null
     double draft_ms, verify_ms;   // out: wall time of the two phases (the pipeline: all in verify_ms)
     int32_t n_emitted;            // out (the pipeline): tokens in `verify`, the round's output
@@ -193,6 +194,7 @@ typedef struct {
     // sampling (inv_temp > 0; tl_round's fields): the verifier's token after a node at depth t is tl_draw's
     // with the key of output index n0 + t; the beam ranks children by their perturbed draft log-probability
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
+    int32_t n_verified;                    // out: nodes the verification ran (the chains the walk needed)
 } tl_tree;
 int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_tree* T, float* scratch,
                   int64_t scratch_len);

@@ -7,8 +7,9 @@
 // children with the draft head and keeps a beam of K (engine/tree.py beam_step: the greedy child of the
 // frontier's first node, then the K-1 best other children by cumulative draft log-probability); pass
 // depth + 1 runs the last frontier's loops 0..d-1 (and a draft exit's entries). The verification runs loops
-// d..V-1 of every node from its draft state with the ancestor mask, then the coda; the head scores the
-// greedy chain first and the best chain below any node the walk leaves it at (lazily, as _accept_tree).
+// d..V-1 from the draft states with the ancestor mask, then the coda and the head, a chain of nodes at a
+// time as the walk needs them: the greedy chain first, then the best chain below any node the walk leaves
+// it at (the stepwise _accept_tree scores the head the same way, after verifying every node).
 // The accepted path is returned; the caller moves its entries into positions L+1.. (PagedKV.copy_positions).
 #include <algorithm>
 #include <cmath>
@@ -27,7 +28,7 @@ double now_ms() {
 int draft_cols(const tl_tree* T) { return T->draft_head ? T->draft_head->n : T->vocab; }
 
 struct Layout {   // the call's part of the scratch; the rest is tl_decode's
-    int64_t es, hs, hid, logits, hsc, total;
+    int64_t es, hs, hid, tmp, logits, hsc, total;
 };
 
 Layout layout(const tl_model* m, const tl_tree* T) {
@@ -38,7 +39,8 @@ Layout layout(const tl_model* m, const tl_tree* T) {
     l.es = 0;
     l.hs = l.es + n * W;
     l.hid = l.hs + n * dim;
-    l.logits = l.hid + n * dim;
+    l.tmp = l.hid + n * dim;
+    l.logits = l.tmp + n * dim;
     l.hsc = l.logits + std::max<int64_t>((int64_t)T->head->n * (T->depth + 1), (int64_t)DH->n * T->K);
     l.total = l.hsc + 3 * n * dim + n * (dim / 8) + 64;   // tl_head: a normed copy, then the linear's scratch
     return l;
@@ -59,7 +61,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int64_t W = m->e_width > dim ? m->e_width : dim;   // es: (n, W) loop inputs
     if (tl_tree_scratch_floats(m, T, L0 + 1) > scratch_len) return 1;
     const Layout lay = layout(m, T);
-    float *es = scratch + lay.es, *hs = scratch + lay.hs, *hid = scratch + lay.hid;
+    float *es = scratch + lay.es, *hs = scratch + lay.hs, *hid = scratch + lay.hid, *tmp = scratch + lay.tmp;
     float *logits = scratch + lay.logits, *hsc = scratch + lay.hsc;
     float* dec = scratch + lay.total;
     const int64_t dec_len = scratch_len - lay.total;
@@ -188,45 +190,77 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     }
     const double t1 = now_ms();
 
-    // verification: loops d..V-1 of every node from its draft state, the ancestor mask, the coda
-    rows.clear();
-    for (int i = 0; i < count; ++i) {
-        tl_row r = row_of(i);
-        r.first_loop = d;
-        r.loops = V;
-        r.readout = 0;
-        r.state_e = es + (int64_t)i * W;
-        r.state_h = hs + (int64_t)i * dim;
-        rows.push_back(r);
-    }
-    int rc = tl_decode(m, kv, rows.data(), count, hid, dec, dec_len);
-    if (rc) return rc;
-    // the walk: the verifier's token after each node; scored a chain at a time
+    // verification, lazily: loops d..V-1 (from each node's draft state, under the ancestor mask) and the coda
+    // of a chain of nodes at a time, in one pass; then the head over that chain, HEAD_ROWS rows at a time as
+    // the walk reaches them. The first chain is the best path from the root (the greedy path: a greedy
+    // node's first child is its best-scored); where the walk leaves a chain for another child, the best
+    // chain below that child is verified the same way. A node's pass sees the keys a pass over every node
+    // would give it (its ancestors are on the walk, verified before it; the keys below loop d are the
+    // draft's), and a row's result does not depend on the rows beside it (the canonical reductions), so
+    // the walk is the one a verification of every node gives; what goes is the work on the siblings that
+    // the walk never reaches: a K = 2 tree verifies what a chain of its depth verifies, plus a chain below
+    // each sibling taken.
     std::vector<int32_t> pick(count, -1), picks(depth + 1);
+    std::vector<char> verified(count, 0);
     std::vector<std::vector<std::pair<int32_t, int>>> children(count);   // (token, node) in drafting order
     for (int i = 1; i < count; ++i) children[par[i]].push_back({tok[i], i});
     std::vector<tl_sampling> draws(depth + 1);
-    auto score_chain = [&](const std::vector<int>& chain) -> int {
-        const int c = (int)chain.size();
-        for (int j = 0; j < c; ++j) memcpy(es + (int64_t)j * dim, hid + (int64_t)chain[j] * dim, sizeof(float) * dim);
-        for (int j = 0; j < c; ++j) draws[j] = draw_at(depth_of[chain[j]]);   // (the token after the node)
-        const int r = tl_head(T->head, es, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc,
+    int n_verified = 0;
+    auto verify_chain = [&](const std::vector<int>& chain) -> int {
+        std::vector<int> todo;
+        rows.clear();
+        for (int i : chain) {
+            if (verified[i]) continue;
+            tl_row r = row_of(i);
+            r.first_loop = d;
+            r.loops = V;
+            r.readout = 0;
+            r.state_e = es + (int64_t)i * W;
+            r.state_h = hs + (int64_t)i * dim;
+            rows.push_back(r);
+            todo.push_back(i);
+        }
+        if (todo.empty()) return 0;
+        const int rc = tl_decode(m, kv, rows.data(), (int)todo.size(), tmp, dec, dec_len);
+        if (rc) return rc;
+        for (size_t j = 0; j < todo.size(); ++j) {
+            memcpy(hid + (int64_t)todo[j] * dim, tmp + (int64_t)j * dim, sizeof(float) * dim);
+            verified[todo[j]] = 1;
+        }
+        n_verified += (int)todo.size();
+        return 0;
+    };
+    constexpr int HEAD_ROWS = 2;   // (spec.cpp: two rows cost ~1.8x one; the rows after a rejection are skipped)
+    auto score_rows = [&](const std::vector<int>& chain, size_t at) -> int {   // the head over chain[at, at + HEAD_ROWS)
+        const int c = (int)std::min<size_t>(HEAD_ROWS, chain.size() - at);
+        for (int j = 0; j < c; ++j) {
+            memcpy(tmp + (int64_t)j * dim, hid + (int64_t)chain[at + j] * dim, sizeof(float) * dim);
+            draws[j] = draw_at(depth_of[chain[at + j]]);   // (the token after the node)
+        }
+        const int r = tl_head(T->head, tmp, c, T->head_norm, T->head_eps, T->vocab, logits, picks.data(), hsc,
                               sampled ? draws.data() : nullptr, m->logit_softcap);
-        for (int j = 0; j < c && !r; ++j) pick[chain[j]] = picks[j];
+        for (int j = 0; j < c && !r; ++j) pick[chain[at + j]] = picks[j];
         return r;
     };
-    if ((rc = score_chain(greedy_path))) return 20 + rc;
+    std::vector<int> chain;   // the chain being scored; `at`: its first node not yet scored
+    size_t at = 0;
     int node = 0, ne = 0;
+    int rc = 0;
     T->path[0] = 0;
     while (true) {
-        if (pick[node] < 0) {   // off the greedy chain: the best chain below this node
-            std::vector<int> chain{node};
-            while (!children[chain.back()].empty()) {
-                int best = children[chain.back()][0].second;
-                for (auto& ch : children[chain.back()]) if (score[ch.second] > score[best]) best = ch.second;
-                chain.push_back(best);
+        if (pick[node] < 0) {
+            if (at >= chain.size() || chain[at] != node) {   // a new chain: the best path below this node
+                chain.assign(1, node);
+                while (!children[chain.back()].empty()) {
+                    int best = children[chain.back()][0].second;
+                    for (auto& ch : children[chain.back()]) if (score[ch.second] > score[best]) best = ch.second;
+                    chain.push_back(best);
+                }
+                if ((rc = verify_chain(chain))) return rc;
+                at = 0;
             }
-            if ((rc = score_chain(chain))) return 20 + rc;
+            if ((rc = score_rows(chain, at))) return 20 + rc;
+            at += std::min<size_t>(HEAD_ROWS, chain.size() - at);
         }
         const int32_t y = pick[node];
         T->emitted[ne++] = y;
@@ -236,6 +270,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         T->path[ne] = child;
         node = child;
     }
+    T->n_verified = n_verified;
     T->n_nodes = count;
     T->n_emitted = ne;
     T->draft_ms = t1 - t0;
