@@ -36,14 +36,13 @@ class DraftHead:
         if size is None or size <= 0 or size >= vocab:
             self.weight, self.n = weight, vocab
             return
-        ranked = frequency_ranking(vocab)[:size].to(weight.device)
+        ranked, member, block = _ranked_rows(model, weight, size)
         cap = min(vocab, size + extra_rows)
         self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
         self.ids[:size] = ranked
-        self.member = torch.zeros(vocab, dtype=torch.bool)
-        self.member[ranked.cpu()] = True
+        self.member = member.clone()
         self.weight = torch.empty(cap, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self.weight[:size] = weight[ranked]
+        self.weight[:size] = block
         self._source = weight
         self.n = size
 
@@ -98,6 +97,24 @@ def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
             weight = weight.float()
         cached = _DRAFT_WEIGHTS[model] = (key, weight)
     return cached[1]
+
+
+_RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
+
+
+def _ranked_rows(model: LoopedTransformer, weight: torch.Tensor, size: int):
+    """The `size` most frequent tokens' ids, their membership mask (vocab,) and their head rows, gathered once
+    per model, head and size (a request copies them: building them each time cost 10-60 ms a request, the
+    ranking's tensor and the 4,096-row gather); read only."""
+    per_model = _RANKED.setdefault(model, {})
+    key = (weight.data_ptr(), weight._version, weight.dtype, size)
+    if key not in per_model:
+        per_model.clear()   # (a changed head: the old rows are stale)
+        ranked = frequency_ranking(model.cfg.vocab_size)[:size].to(weight.device)
+        member = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
+        member[ranked.cpu()] = True
+        per_model[key] = (ranked, member, weight[ranked].contiguous())
+    return per_model[key]
 
 
 class ExactArgmax:
