@@ -45,6 +45,10 @@ class RoundCosts:
         q.append(verify_ms)
         self.verify_ms[k] = statistics.median(q)
 
+    def samples(self, k: int) -> int:
+        """How many rounds of k drafts the cost of k is the median of."""
+        return len(self._verifies.get(k, ()))
+
     def verify(self, k: int) -> float:
         """Measured, or estimated: k = 0 (one plain pass) only from itself; k >= 1 from the nearest measured
         k >= 1 plus the slope between the smallest and largest of them (flat while only one is known: the
@@ -92,14 +96,16 @@ class DraftPolicy:
     call) only where it is faster than that (by a margin as large as the acceptance times MARGIN - 1);
     while it is chosen,
     a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that a request whose
-    drafts start to agree gets speculation back; while drafting pays, every 8th round takes
-    the next of (shape, 1..draft_ahead) in turn, so that a cost measured once under load (or not yet: costs
-    are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
+    drafts start to agree gets speculation back; while drafting pays, every 8th round takes another
+    (shape, 1..draft_ahead) in turn, among those whose rate is within EXPLORE_WITHIN of the best or whose cost
+    has fewer than 3 samples (every 64th round among all), so that a cost measured once under load (or not
+    yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
     several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
 
     DECAY = 0.9
     EXPLORE = 8
+    EXPLORE_WITHIN = 0.8
     PRIOR = 4
     MARGIN = 1.1
 
@@ -151,11 +157,12 @@ class DraftPolicy:
         else:
             a = min(self.acceptance, 0.999)
             best, best_rate = (False, 0), -1.0
+            rates = {}
             for pipe, c in self.tables.items():
                 if not self._timed(c):
                     continue
                 for k in range(1, cap + 1):
-                    rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
+                    rate = rates[pipe, k] = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (pipe, k), rate
             # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
@@ -165,10 +172,15 @@ class DraftPolicy:
                 best = (False, 0)
             self.pipeline, k = best
             self.rounds += 1
-            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then each other choice in turn, so that
-                timed = [p for p, c in self.tables.items() if self._timed(c)]
-                i = (self.rounds // self.EXPLORE) % (cap * len(timed))   # no stale or missing cost
-                self.pipeline, k = timed[i // cap], i % cap + 1           # keeps one out
+            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then another choice, so that no stale
+                # or missing cost keeps one out: every EXPLORE-th round one that may be as fast (its rate
+                # within EXPLORE_WITHIN of the best, or its cost measured fewer than 3 times), every
+                # EXPLORE * 8-th any; the rounds spent on choices at half the best rate cost ~6% before
+                near = [o for o, r in rates.items() if o != best and
+                        (r >= self.EXPLORE_WITHIN * best_rate or self.tables[o[0]].samples(o[1]) < 3)]
+                pool = near if near and self.rounds % (8 * self.EXPLORE) else [o for o in rates if o != best]
+                if pool:
+                    self.pipeline, k = pool[(self.rounds // self.EXPLORE) % len(pool)]
             elif k == 0 and cap > 0:
                 self.idle += 1
                 if self.idle >= self.probe_every:
