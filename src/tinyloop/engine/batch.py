@@ -39,7 +39,7 @@ class BatchRunner:
         self.before_forward = None
         self.before_head = None
 
-    def _table(self, seq) -> torch.Tensor:
+    def table(self, seq) -> torch.Tensor:
         """The sequence's pages as (blocks, slots) in the one-slot-per-loop order the model addresses; a
         loop-shared budget (`slot_cols`) maps several loops to one column. Kept on the sequence until its
         block table changes (the scheduler appends blocks, or replaces the last one or the whole table: the
@@ -74,7 +74,7 @@ class BatchRunner:
         self.last_scores = {}
         self.last_hidden = {}
         # adaptive depth applies to generated tokens (one-row chunks past the prompt); prompts run the ceiling
-        rows = [Rows(table=self._table(c.seq), start=c.start, n=c.n,
+        rows = [Rows(table=self.table(c.seq), start=c.start, n=c.n,
                      last_loop=c.seq.loops, tokens=c.token_ids, window=c.seq.window, tag=c,
                      exit_rule=c.seq.exit_rule if c.n == 1 and c.start >= len(c.seq.prompt) else None)
                  for c in chunks]

@@ -375,6 +375,18 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(seq, start, n, needs_logits))
         return n
 
+    def reserve(self, seq: Sequence, n_positions: int) -> bool:
+        """Blocks for n_positions of a running sequence from free pages only (no preemption, no copy): False,
+        and nothing taken, where they are not all free."""
+        need = self.blocks_for(n_positions) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need * seq.n_slots:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self.pool.allocate(seq.n_slots))
+        return True
+
     def _ensure_blocks(self, seq: Sequence, n_positions: int, out: SchedulerOutput) -> bool:
         """Give `seq` blocks for n_positions, preempting newer sequences if needed. False if `seq` itself
         had to go (it was the newest running sequence)."""

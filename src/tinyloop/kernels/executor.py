@@ -448,6 +448,46 @@ class NativeExecutor:
                     "path": path[:ne].tolist(), "verified": T.n_verified, "draft_ms": T.draft_ms,
                     "verify_ms": T.verify_ms}
 
+    def generate(self, kv, table: torch.Tensor, window: int, token: int, pos: int, loops: int, exit_rule,
+                 steps: int, noise: tuple | None, stop: list[int]) -> tuple[list[int], list[int]]:
+        """`steps` plain tokens of one sequence in one call (`tl_generate`): `token` at `pos` decoded (its
+        `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
+        in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
+        greedy). Returns the tokens and the core loops each step ran."""
+        with _CALL:
+            keep: list = []
+            t = _int64(table)
+            if pos + steps >= self.desc.rope_len:
+                self._rope(pos + steps + 1)
+            if exit_rule is not None and exit_rule.criterion == "gate":
+                self._gate()
+            self._set_readouts({})
+            base = L.TlRow()
+            base.token, base.pos, base.loops, base.window, base.readout = token, pos, loops, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            if exit_rule is not None:
+                base.exit_kind, base.min_loops = L.TL_EXIT[exit_rule.criterion], exit_rule.min_loops
+                base.threshold, base.survival = exit_rule.threshold, 1.0
+            G = L.TlGen()
+            G.steps, G.head = steps, ctypes.pointer(self.head)
+            G.head_norm, G.head_eps, G.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            G.top_p = 1.0
+            if noise is not None:
+                G.seed, G.n0, G.inv_temp, G.top_k, G.top_p = noise
+            stops = torch.tensor(sorted(stop) or [0], dtype=torch.int32)
+            G.stop, G.n_stop = stops.data_ptr(), len(stop)
+            toks, used = torch.zeros(steps, dtype=torch.int32), torch.zeros(steps, dtype=torch.int32)
+            G.tokens, G.loops = toks.data_ptr(), used.data_ptr()
+            kvd = self._kv_desc(kv)
+            self._grow_scratch(self.lib.tl_generate_scratch_floats(self.desc, G, pos + steps))
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_generate(self.desc, kvd, base, G, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native generation failed (code {rc})")
+            n = G.n_out
+            self.model.core_loop_tokens += int(used[:n].sum())
+            return toks[:n].tolist(), used[:n].tolist()
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head of rows x (..., dim) (`LoopedTransformer.logits`): fp32 logits (..., n)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()

@@ -90,6 +90,13 @@ class TlTree(ctypes.Structure):
                 ("top_k", _i), ("top_p", ctypes.c_float), ("n_verified", _i)]
 
 
+class TlGen(ctypes.Structure):
+    _fields_ = [("steps", _i), ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float),
+                ("vocab", _i), ("inv_temp", ctypes.c_float), ("n0", _i), ("seed", ctypes.c_uint64), ("top_k", _i),
+                ("top_p", ctypes.c_float), ("stop", _p), ("n_stop", _i), ("tokens", _p), ("loops", _p),
+                ("n_out", _i)]
+
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
 _said = False
@@ -131,6 +138,10 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_tree_round.restype = ctypes.c_int
         lib.tl_tree_scratch_floats.argtypes = [P(TlModel), P(TlTree), _i]
         lib.tl_tree_scratch_floats.restype = ctypes.c_int64
+        lib.tl_generate.argtypes = [P(TlModel), P(TlKV), P(TlRow), P(TlGen), _p, ctypes.c_int64]
+        lib.tl_generate.restype = ctypes.c_int
+        lib.tl_generate_scratch_floats.argtypes = [P(TlModel), P(TlGen), _i]
+        lib.tl_generate_scratch_floats.restype = ctypes.c_int64
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i

@@ -343,3 +343,49 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     R->verify_ms = now_ms() - t0;
     return 0;
 }
+
+// ---- plain tokens in one call (engine/serving.py: a lone plain request) --------------------------------
+// Step s runs the row of token t_s at position base->pos + s (tl_decode: prelude, its loops or its own exit,
+// the coda), then the head's argmax or draw under the key of output index n0 + s (tl_head) gives t_{s+1};
+// after a token in `stop` the call ends. The steps are the engine's own decode steps, back to back: what
+// goes is each step's Python (scheduling, the rows, the two calls: ~0.3 ms a token on the shipped model).
+extern "C" int64_t tl_generate_scratch_floats(const tl_model* m, const tl_gen* G, int32_t max_ctx) {
+    const int64_t k = G->head->k;
+    return m->dim + G->head->n + 2 * k + k / 8 + 64 + tl_scratch_floats(m, 1, max_ctx);
+}
+
+extern "C" int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_gen* G, float* scratch,
+                           int64_t scratch_len) {
+    G->n_out = 0;
+    if (G->steps < 1) return 10;
+    const int64_t k = G->head->k;
+    const int64_t extra = m->dim + G->head->n + 2 * k + k / 8 + 64;
+    if (tl_generate_scratch_floats(m, G, base->pos + G->steps) > scratch_len) return 1;
+    float* hid = scratch;
+    float* logits = hid + m->dim;
+    float* hsc = logits + G->head->n;
+    float* dec = scratch + extra;
+    int32_t token = base->token;
+    for (int s = 0; s < G->steps; ++s) {
+        tl_row row = *base;   // (a fresh row each step: its exit rule's survival starts again, as the engine's)
+        row.token = token;
+        row.pos = base->pos + s;
+        int rc = tl_decode(m, kv, &row, 1, hid, dec, scratch_len - extra);
+        if (rc) return rc;
+        tl_sampling d;
+        d.key = G->inv_temp > 0.0f ? tl_noise_key(G->seed, (int64_t)G->n0 + s) : 0u;
+        d.inv_temp = G->inv_temp;
+        d.top_k = G->top_k;
+        d.top_p = G->top_p;
+        rc = tl_head(G->head, hid, 1, G->head_norm, G->head_eps, G->vocab, logits, &token, hsc,
+                     G->inv_temp > 0.0f ? &d : nullptr, m->logit_softcap);
+        if (rc) return 20 + rc;
+        G->tokens[s] = token;
+        G->loops[s] = row.loops_run;
+        G->n_out = s + 1;
+        bool stop = false;
+        for (int i = 0; i < G->n_stop && !stop; ++i) stop = G->stop[i] == token;
+        if (stop) break;
+    }
+    return 0;
+}

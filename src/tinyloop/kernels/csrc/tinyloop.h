@@ -200,6 +200,21 @@ int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_tre
                   int64_t scratch_len);
 int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_ctx);
 
+// `steps` plain tokens of one sequence in one call (spec.cpp): the row `base` (token, its position, its
+// loops or exit rule) decoded, the head's argmax (inv_temp 0) or draw (the key of output index n0 + s) the
+// next token, and so on; ends after a token in `stop`. `base` rows from tokens only (no random initial state).
+typedef struct {
+    int32_t steps;
+    const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
+    float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
+    const int32_t* stop; int32_t n_stop;
+    int32_t* tokens; int32_t* loops;       // out (steps): each step's token and the core loops it ran
+    int32_t n_out;                         // out: the steps run
+} tl_gen;
+int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_gen* G, float* scratch,
+                int64_t scratch_len);
+int64_t tl_generate_scratch_floats(const tl_model* m, const tl_gen* G, int32_t max_ctx);
+
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
 const char* tl_isa(void);

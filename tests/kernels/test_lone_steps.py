@@ -1,0 +1,110 @@
+"""A sequence decoding alone makes several tokens per native call (engine/serving.py `_lone_plain_steps`,
+`tl_generate`): the output is exactly the one-step-per-call output for every kind of plain request it takes
+(greedy at any depth, `loops: "auto"`, sampled with top-k / top-p), and every way an output ends (max_tokens
+between two calls' worth, EOS, a stop string) ends it at the same token with the same finish reason. Requests
+it must not take (a second sequence running, logprobs, a grammar, penalties) run the per-step path.
+
+Why equal, not close: a call's steps are the engine's own rows (tl_decode of one row, then tl_head of one
+row, the draw under the key of the token's output index), run back to back; nothing in a row's arithmetic
+depends on how the calls are grouped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine import serving
+from tinyloop.engine.constraint import Constraint
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+
+kernels = pytest.importorskip("tinyloop.kernels.lib")
+
+
+@pytest.fixture(scope="module")
+def engine(shipped_model_path):
+    if os.environ.get("TINYLOOP_EXECUTOR") == "torch":
+        pytest.skip("the one-call steps are the native executor's")
+    try:
+        kernels.load()
+    except kernels.NativeBuildError as exc:
+        pytest.skip(f"native library unavailable: {exc}")
+    eng = Engine.load(shipped_model_path)
+    assert eng.model.executor is not None
+    return eng
+
+
+def _run(engine, prompt, params, monkeypatch, steps: int):
+    """(tokens, final event, the native generate calls' step counts) of the request alone on a core, with
+    MULTI_STEPS = steps (1: one step per call)."""
+    monkeypatch.setattr(serving, "MULTI_STEPS", steps)
+    ex = engine.model.executor
+    calls = []
+    orig = type(ex).generate
+    monkeypatch.setattr(ex, "generate", lambda *a, **kw: (calls.append(a[7]), orig(ex, *a, **kw))[1])
+    events = run_to_completion(BatchEngine(engine, max_num_seqs=1), [(prompt, params)])[0]
+    return [t for e in events for t in e.token_ids], events[-1], calls
+
+
+PROMPT = "And the LORD spake unto Moses, saying,"
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=21, temperature=0, loops=8, ignore_eos=True),
+    SamplingParams(max_tokens=19, temperature=0, loops=3, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0, loops="auto", ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.8, seed=3, top_p=0.9, loops=4, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=1.0, seed=11, top_k=40, loops=8, ignore_eos=True),
+], ids=["greedy-8", "greedy-3", "auto", "top-p", "top-k"])
+def test_several_steps_a_call_give_the_per_step_output(engine, monkeypatch, params):
+    prompt = engine.tokenizer.encode(PROMPT)
+    want, last_want, none = _run(engine, prompt, params, monkeypatch, 1)
+    got, last, calls = _run(engine, prompt, params, monkeypatch, 8)
+    assert not none and calls and max(calls) == 8            # (19-21 tokens: calls of 8, then the rest)
+    assert got == want and len(got) == params.max_tokens
+    assert last.finish_reason == last_want.finish_reason == "length"
+    assert last.text == last_want.text
+    for key in ("loops_used", "loops_histogram", "completion_tokens"):
+        assert last.stats.get(key) == last_want.stats.get(key), key
+
+
+def test_an_output_ends_at_the_same_token(engine, monkeypatch):
+    """EOS and a stop string inside a call's tokens end the output there, with the per-step path's reason."""
+    prompt = engine.tokenizer.encode(PROMPT)
+    free, _, _ = _run(engine, prompt, SamplingParams(max_tokens=40, temperature=0, loops=8, ignore_eos=True),
+                      monkeypatch, 1)
+    # a stop id in the middle of the second call, and a stop string made of a later token's text
+    stop_id = free[11]
+    text = engine.tokenizer.decode([free[17]]).strip()
+    for params in (SamplingParams(max_tokens=40, temperature=0, loops=8, stop_token_ids=[stop_id]),
+                   SamplingParams(max_tokens=40, temperature=0, loops=8, stop=[text], ignore_eos=True)):
+        want, last_want, _ = _run(engine, prompt, params, monkeypatch, 1)
+        got, last, calls = _run(engine, prompt, params, monkeypatch, 8)
+        assert calls and got == want and len(got) < 17
+        assert last.finish_reason == last_want.finish_reason == "stop"
+
+
+def test_requests_it_must_not_take_run_step_by_step(engine, monkeypatch):
+    prompt = engine.tokenizer.encode(PROMPT)
+    for params in (SamplingParams(max_tokens=12, temperature=0, loops=4, logprobs=2),
+                   SamplingParams(max_tokens=12, temperature=0, loops=4, repetition_penalty=1.3),
+                   SamplingParams(max_tokens=12, temperature=0, loops=4, constraint=Constraint("json_object"))):
+        _, _, calls = _run(engine, prompt, params, monkeypatch, 8)
+        assert not calls, params
+    # two sequences at once: the shared step, and each output is what it is alone
+    a = SamplingParams(max_tokens=16, temperature=0, loops=8, ignore_eos=True)
+    b = SamplingParams(max_tokens=6, temperature=0, loops=3, ignore_eos=True)
+    alone = [_run(engine, prompt, p, monkeypatch, 8)[0] for p in (a, b)]
+    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    ex = engine.model.executor
+    calls = []
+    orig = type(ex).generate
+    monkeypatch.setattr(ex, "generate", lambda *a, **kw: (calls.append(a[7]), orig(ex, *a, **kw))[1])
+    res = run_to_completion(BatchEngine(engine, max_num_seqs=4), [(prompt, a), (prompt, b)])
+    together = [[t for e in ev for t in e.token_ids] for ev in res]
+    assert together == alone
+    # while both run, no call takes several steps; after the short one ends, the long one runs alone:
+    # 16 - 6 - 1 tokens left, in calls of up to 8
+    assert calls and sum(calls) <= 16 - 6
