@@ -108,3 +108,28 @@ def test_requests_it_must_not_take_run_step_by_step(engine, monkeypatch):
     # while both run, no call takes several steps; after the short one ends, the long one runs alone:
     # 16 - 6 - 1 tokens left, in calls of up to 8
     assert calls and sum(calls) <= 16 - 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_speculative_request_holding_plain_rounds_runs_them_in_one_call(engine, monkeypatch, temperature):
+    """Where the draft policy holds k = 0 (drafts that do not pay), a speculative request running alone makes
+    its plain rounds up to the policy's next probe in one call (native_rounds.NativeSteps): the output is
+    plain decoding's, greedy or sampled."""
+    from tinyloop.engine.draft_policy import DraftPolicy
+
+    def hold_plain(self, cap):   # the policy's choice when plain rounds are faster: k = 0, counted idle
+        self.idle += 1
+        self._chose(0)
+        return 0
+    monkeypatch.setattr(DraftPolicy, "choose", hold_plain)
+    prompt = engine.tokenizer.encode(PROMPT)
+    plain = SamplingParams(max_tokens=30, temperature=temperature, seed=4, loops=8, ignore_eos=True)
+    want, _, _ = _run(engine, prompt, plain, monkeypatch, 1)
+    steps = []
+    ex = engine.model.executor
+    orig = type(ex).generate
+    monkeypatch.setattr(ex, "generate", lambda *a, **kw: (steps.append(a[7]), orig(ex, *a, **kw))[1])
+    events = run_to_completion(BatchEngine(engine, max_num_seqs=1),
+                               [(prompt, plain.replace(mode="speculative"))])[0]
+    assert [t for e in events for t in e.token_ids] == want
+    assert steps and max(steps) > 1 and events[-1].stats["plain_rounds"] >= sum(steps)

@@ -193,6 +193,23 @@ class DraftPolicy:
         self._chose(k)
         return k
 
+    def plain_run(self, most: int) -> int:
+        """After `choose` gave k = 0: how many plain rounds in a row it would give before its next probe (at
+        most `most`, at least 1), counted as chosen now so that they can run as one call."""
+        if most <= 1:
+            return 1
+        if not self.adaptive:
+            n = most
+        elif self.idle == 0:   # (timing plain's cost, or a probe just reset the count: one round)
+            return 1
+        else:
+            n = max(1, min(most, self.probe_every - self.idle))
+            self.idle += n - 1
+            self.rounds += n - 1
+        for _ in range(n - 1):
+            self._chose(0)
+        return n
+
     def _chose(self, k: int) -> None:
         self.chosen.append(k)
         self.k_sum += k

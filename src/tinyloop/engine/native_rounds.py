@@ -6,6 +6,7 @@ from __future__ import annotations
 
 ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
                         # plain row in the shared batched step costs less than a round of its own
+PLAIN_STEPS = 8         # plain rounds (k = 0) a request running alone makes per native call (NativeSteps)
 
 
 def draft_norm(sp):
@@ -35,6 +36,21 @@ class NativeRound:
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
             noise=noise(sp))
+
+
+class NativeSteps(NativeRound):
+    """Plain rounds (k = 0) back to back in one native call (`NativeExecutor.generate`, as a lone plain
+    request's steps: engine/serving.py): the policy's held plain rounds up to its next probe, while the
+    request runs alone. `result`: their tokens (ending after a stop id)."""
+
+    def run(self, kv) -> None:
+        sp = self.spec
+        cfg = sp.model.cfg
+        stop = list(sp.params.stop_token_ids)
+        if not sp.params.ignore_eos:
+            stop += [cfg.eos_token_id, *cfg.eos_token_ids]
+        self.result, _ = sp.model.executor.generate(kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
+                                                   self.k, noise(sp), [t for t in stop if t is not None])
 
 
 def noise(sp):

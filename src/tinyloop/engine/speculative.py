@@ -68,7 +68,7 @@ from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
-from .native_rounds import ALONE_UP_TO, NativeRound
+from .native_rounds import ALONE_UP_TO, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
@@ -144,7 +144,7 @@ class Speculator(TreeRounds):
         self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
         self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
-        self._last: tuple | None = None   # (k, accepted, draft ms, start) of the round not yet timed
+        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
@@ -339,8 +339,20 @@ class Speculator(TreeRounds):
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
         if k == 0:   # no draft: the plain row plain decoding runs (a round of one call of its own cost ~15% more)
+            alone = self.running is None or self.running() == 1
+            room = min(self.plan.params.max_tokens - self.sampler.n_out, self.plan.max_positions - self.length)
+            n = self.policy.plain_run(min(PLAIN_STEPS, room)) if alone else 1
+            if n > 1:   # the plain rounds the policy holds until its next probe, in one call (as generate's)
+                call = NativeSteps(self, n)
+                yield call
+                out = call.result
+                for y in out:
+                    self.sampler.accept(y)
+                self.length, self.exit_backlog = self.length + len(out), None
+                self._last = (0, 0, 0.0, now, len(out))
+                return out
             out = yield from self._plain_row(batched=False)
-            self._last = (0, 0, 0.0, now)   # (its whole cycle is plain's cost for the policy)
+            self._last = (0, 0, 0.0, now, 1)   # (its whole cycle is plain's cost for the policy)
             return out
         call = NativeRound(self, k)
         yield call
@@ -362,7 +374,7 @@ class Speculator(TreeRounds):
         self.length += len(out)
         # timed when the next round starts: a round's Python, scheduling and emission count with it (a few
         # tenths of a ms, as much as a loop on the shipped model, and paid once per round, not per token)
-        self._last = (k, len(out) - 1, res["draft_ms"], now)
+        self._last = (k, len(out) - 1, res["draft_ms"], now, 1)
         st = self.stats
         st["draft_s"] += res["draft_ms"] / 1000
         st["verify_s"] += res["verify_ms"] / 1000
@@ -378,8 +390,8 @@ class Speculator(TreeRounds):
         included), if it is not yet timed. Returns now."""
         now = time.perf_counter()
         if self._last is not None:
-            k0, accepted0, draft_ms0, t0 = self._last
-            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0))
+            k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: plain rounds run as one call)
+            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0) / rounds)
             self._last = None
         return now
 
