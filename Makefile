@@ -25,7 +25,7 @@ serve: native
 
 # The real agents the agent-API tests drive unchanged (tests/server: `codex exec` over the Responses API,
 # `claude -p` over Messages), pinned, from npm into the venv (~20 s, ~650 MB, once). Without npm or the
-# registry it says so and those two tests skip.
+# registry it says so and the agent tests skip.
 AGENTS := $(VENV)/agents/node_modules/.bin
 $(AGENTS)/codex: | $(STAMP)
 	@command -v npm >/dev/null 2>&1 && npm install -s --prefix $(VENV)/agents --no-audit --no-fund --fetch-retries 1 \

@@ -3,6 +3,7 @@ subprocesses) and a "forced" model whose greedy continuation is known exactly.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -60,6 +61,79 @@ def write_forced_model(path: Path, chain: list[int], tokenizer, *, max_seq_len: 
     return write_model(path, model, tokenizer=tokenizer, provenance={"tool": "tests/server", "forced": True})
 
 
+def write_tool_turn_model(path: Path, tokenizer, call: list[int], answer: list[int], markers: list[int], *,
+                          max_seq_len: int = 32768) -> Path:
+    """A tiny model that decides by the conversation: it writes `call` until one of `markers` (tokens that only
+    a tool's result brings, e.g. a file's content) is anywhere in its context, then `answer`. An agent's tool
+    round trip through the real engine, cache and tool constraint: the first turn calls the tool, the turn
+    that carries its result answers. `call` and `answer` are token lists that start at the prompt's last token
+    (the ":" the chat template ends with) and end with end-of-text.
+
+    Every chain token's embedding is a basis vector; the markers' are others. The prelude block's attention is
+    the detector: the query of every chain token and the key of every marker meet on RoPE's slowest pair (a
+    theta of 1e12 keeps it still over 32k positions) with a score of ~50, so a chain token's attention is all on
+    the markers when there are any, and its output (the markers' value) sets a flag dimension; without a marker
+    it averages values that are all zero. The other blocks are identities. The untied head maps each chain
+    token to its successors, ranked (later in `call` first, then `answer`'s): where a token has more than one,
+    the tool constraint masks the ones that do not fit (the generic format's JSON is held to its schema, free
+    text only inside strings), so a token may repeat across structure but not inside a string with two
+    continuations. The flag adds to every token of `answer`, more than the ranks differ, so with a marker in
+    context `answer` wins wherever it and `call` part."""
+    cfg = preset("tiny").replace(tie_embeddings=False, max_seq_len=max_seq_len, rope_theta=1e12)
+    chain = list(dict.fromkeys([*call, *answer]))
+    dims = {tok: i for i, tok in enumerate([*chain, *markers])}
+    flag = len(dims)
+    assert flag < cfg.dim, f"{flag + 1} dimensions needed, the model has {cfg.dim}"
+    assert not set(markers) & set(chain), "a marker token is in the scripts"
+    model = build_model(cfg, seed=0)
+    unit, boost, slow = 4.0, 6.0, cfg.head_dim - 1   # slow: the last RoPE pair (half-split: D/2-1 and D-1)
+    with torch.no_grad():
+        for blk in [*model.prelude, *model.core, *model.coda]:
+            for w in (blk.attn.wq, blk.attn.wk, blk.attn.wv, blk.attn.wo, blk.mlp.w_down):
+                w.weight.zero_()
+        model.embed.weight.zero_()
+        model.lm_head.weight.zero_()
+        for tok, i in dims.items():
+            model.embed.weight[tok, i] = 1.0
+        attn = model.prelude[0].attn   # pre-norm: a basis vector reaches it as sqrt(dim) times itself
+        for tok in chain:
+            attn.wq.weight[slow, dims[tok]] = 1.5            # head 0
+        for tok in markers:
+            attn.wk.weight[slow, dims[tok]] = 1.5            # kv head 0 (heads 0 and 1 read it)
+            attn.wv.weight[0, dims[tok]] = cfg.dim ** -0.5   # value: 1.0 in kv head 0's first channel
+        attn.wo.weight[flag, 0] = 1.0                        # head 0's first channel -> the flag
+        successors: dict[int, list[int]] = {}
+        for script in (call[::-1], answer[::-1]):             # reversed: the later occurrence ranks first
+            for nxt, tok in zip(script, script[1:]):
+                if nxt not in successors.setdefault(tok, []):
+                    successors[tok].append(nxt)
+        for tok, nexts in successors.items():
+            assert len(nexts) <= 5, f"token {tok} has too many successors: {nexts}"
+            for rank, nxt in enumerate(nexts):
+                model.lm_head.weight[nxt, dims[tok]] = unit * (10 - rank)
+        for tok in set(answer):
+            model.lm_head.weight[tok, flag] = unit * boost
+    return write_model(path, model, tokenizer=tokenizer, provenance={"tool": "tests/server", "forced": True})
+
+
+# What the agent tests' file holds: GPT-2 writes it as "Solid" + "GoldMagikarp", and after a space as one token,
+# both tokens that no agent's prompt carries (the marker's tokens for write_tool_turn_model).
+MARKER = "SolidGoldMagikarp"
+ANSWER = "Done."
+
+
+def write_agent_tool_model(path: Path, tokenizer, name: str, arguments: dict) -> Path:
+    """write_tool_turn_model for an agent's turn: it calls `name` with `arguments` in the generic tool format until
+    MARKER comes back in a tool's result, then answers ANSWER."""
+    def script(reply: dict) -> list[int]:
+        return tokenizer.encode(":") + tokenizer.encode(json.dumps(reply)) + [tokenizer.eos_id]
+
+    markers = [tokenizer.encode(" " + MARKER)[0], tokenizer.encode(MARKER)[-1]]
+    assert len(tokenizer.encode(" " + MARKER)) == 1 and len(set(markers)) == 2
+    return write_tool_turn_model(path, tokenizer, script({"tool_calls": [{"name": name, "arguments": arguments}]}),
+                                 script({"response": ANSWER}), markers)
+
+
 @pytest.fixture(scope="session")
 def forced_chain(tokenizer) -> list[int]:
     return tokenizer.encode(FORCED_TEXT)
@@ -74,12 +148,21 @@ def forced_model_path(tmp_path_factory, forced_chain, tokenizer):
 class ServerThread:
     """`create_app` under uvicorn in a thread of this process, on a free loopback port."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, *, record: bool = False):
+        """`record`: keep every POST's path and JSON body, in order, in `requests` (what a client sent)."""
         import uvicorn
 
         from tinyloop.server.app import create_app
 
         self.app = create_app(settings)
+        self.requests: list[tuple[str, dict]] = []
+        if record:
+            @self.app.middleware("http")
+            async def keep(request, call_next):
+                if request.method == "POST":
+                    self.requests.append((request.url.path, json.loads(await request.body() or b"null")))
+                return await call_next(request)
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,

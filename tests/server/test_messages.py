@@ -348,10 +348,20 @@ def test_async_client(server):
 
 
 CLAUDE = agent_bin("claude", "TINYLOOP_CLAUDE_BIN")
+NEEDS_CLAUDE = pytest.mark.skipif(not CLAUDE, reason="Claude Code is not installed (make agents, npm install "
+                                                      "@anthropic-ai/claude-code, or TINYLOOP_CLAUDE_BIN=path/to/claude)")
 
 
-@pytest.mark.skipif(not CLAUDE, reason="Claude Code is not installed (make agents, npm install @anthropic-ai/claude-code, or "
-                                       "TINYLOOP_CLAUDE_BIN=path/to/claude)")
+def claude_p(srv: ServerThread, tmp_path, prompt: str, *flags: str) -> subprocess.CompletedProcess:
+    """`claude -p` unchanged, in tmp_path, against the server (ANTHROPIC_BASE_URL)."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": srv.url,
+           "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    return subprocess.run([CLAUDE, "-p", prompt, "--model", MODEL, *flags], env=env, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+
+@NEEDS_CLAUDE
 def test_claude_code_runs_a_turn(tmp_path, tokenizer):
     """`claude -p` unchanged against the server (ANTHROPIC_BASE_URL), on a forced model whose answer under the
     generic tool format is known: `{"response": "Hi there."}` then end-of-text, after the prompt's last ":"."""
@@ -360,12 +370,33 @@ def test_claude_code_runs_a_turn(tmp_path, tokenizer):
     chain = tokenizer.encode(":") + tokenizer.encode('{"response": "Hi there."}') + [tokenizer.eos_id]
     model = write_forced_model(tmp_path / "forced32k.tinyloop", chain, tokenizer, max_seq_len=32768)
     with ServerThread(Settings(model_path=model, api_key=KEY)) as srv:
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": srv.url,
-               "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", "DISABLE_TELEMETRY": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-        run = subprocess.run([CLAUDE, "-p", "Say hi", "--model", MODEL, "--tools", "Read,Glob,Grep"], env=env,
-                             cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        run = claude_p(srv, tmp_path, "Say hi", "--tools", "Read,Glob,Grep")
     assert run.returncode == 0 and run.stdout.strip() == "Hi there.", (run.stdout[-2000:], run.stderr[-2000:])
+
+
+@NEEDS_CLAUDE
+def test_claude_code_runs_a_tool(tmp_path, tokenizer):
+    """A tool use round trip through `claude -p` unchanged: the model (conftest.write_agent_tool_model) calls
+    Claude Code's Bash tool (a tool_use block) to cat a file only the tool can bring back; Claude Code runs it
+    (allowed by --allowedTools, as -p asks no one) and sends its output as a tool_result block in its next
+    request, whereupon the model answers in text and Claude Code exits 0 with that answer."""
+    from .conftest import ANSWER, MARKER, write_agent_tool_model
+
+    model = write_agent_tool_model(tmp_path / "tools32k.tinyloop", tokenizer, "Bash", {"command": "cat marker.txt"})
+    (tmp_path / "marker.txt").write_text(MARKER + "\n")
+    with ServerThread(Settings(model_path=model, api_key=KEY), record=True) as srv:
+        run = claude_p(srv, tmp_path, "Show marker.txt", "--tools", "Bash", "--allowedTools", "Bash(cat:*)")
+    assert run.returncode == 0 and run.stdout.strip() == ANSWER, (run.stdout[-2000:], run.stderr[-2000:])
+    turns = [body for path, body in srv.requests if path == "/v1/messages"]
+    assert len(turns) == 2 and all(t["stream"] for t in turns), turns
+    assert [t["name"] for t in turns[0]["tools"]] == ["Bash"]
+    asked, answered = turns[1]["messages"][-2:]
+    (use,) = asked["content"]
+    assert asked["role"] == "assistant" and (use["type"], use["name"], use["input"]) == (
+        "tool_use", "Bash", {"command": "cat marker.txt"})
+    (result,) = answered["content"]
+    assert answered["role"] == "user" and result["type"] == "tool_result" and result["tool_use_id"] == use["id"]
+    assert not result.get("is_error") and MARKER in json.dumps(result["content"]), result
 
 
 # -- without a server ---------------------------------------------------------------------------------------------
