@@ -114,3 +114,93 @@ def test_quantized_parcae_file_quantizes_b_and_c_and_runs_natively(parcae_file, 
     # torch's own kernels (executor "torch": bf16 activations) round differently: close, not equal
     got_t = Engine.load(out, executor="torch").logits(PROMPT, loops=3)
     assert (got_n - got_t).abs().max() <= 0.03 * got_t.abs().max()
+
+
+# -- draft exits --------------------------------------------------------------------------------------------
+def loop_state(model, loops: int = 2):
+    toks = torch.tensor([PROMPT])
+    ctx = model.context(len(PROMPT))
+    e = model.embed_prelude(toks, ctx)
+    h = model.init_state(e)
+    for r in range(loops):
+        h = model.core_loop(h, e, r, ctx)
+    return e, h
+
+
+@torch.no_grad()
+def test_a_parcae_draft_exit_copies_c_and_the_coda_without_value_embeddings():
+    """DraftExit.from_model on a Parcae-like model whose coda block has value embeddings (before: a bare
+    state_dict RuntimeError on its gate) copies C and the coda, the gates left out: without coda value
+    embeddings the untrained exit reads a state out exactly as the model does (before, without C: argmax
+    agreement 0 here); with them it differs by their term alone (the same coda with that block's gate
+    removed). A quantized model's coda is refused by name."""
+    from tinyloop.model.draft_exit import DraftExit
+
+    for ve in ((0, 2), (0, 2, 3)):
+        model = parcae_model(CFG.replace(value_embeds=ve))
+        ex = DraftExit.from_model(model).eval()
+        assert ex.state_proj is not None and torch.equal(ex.state_proj.weight, model.state_proj.weight)
+        assert not any("ve_gate" in k for k in ex.state_dict())
+        e, h = loop_state(model)
+        got = model.logits(ex.blocks(h, model.context(len(PROMPT)), None))
+        if ve == (0, 2):
+            want = model.logits(model.run_coda(h, model.context(len(PROMPT)), e))
+        else:   # the model's read-out without the coda block's value-embedding term
+            model.coda[0].attn.ve_gate = None
+            model.ve_cols.pop(3)
+            want = model.logits(model.run_coda(h, model.context(len(PROMPT)), e))
+        assert (got - want).abs().max() <= 1e-5, ve
+    quant = parcae_model()
+    q, s, z = quantize_rtn(quant.coda[0].attn.wq.weight, 8, None)
+    from tinyloop.quant.linear import QuantLinear
+    from tinyloop.quant.packing import pack
+    quant.coda[0].attn.wq = QuantLinear.from_portable(pack(q, 8), s, z, 8, kernel="dense")
+    with pytest.raises(ValueError, match="float model's coda"):
+        DraftExit.from_model(quant)
+
+
+def test_a_parcae_draft_exit_file_round_trips_and_refuses_one_without_c(tmp_path):
+    """The exit file carries C (`d{d}.state_proj.weight`, config `state_proj: true`); a file made for a model
+    without C is refused for a Parcae model by name, and the other way round."""
+    from tinyloop.model.draft_exit import DraftExit, DraftExitError, read_draft_exits, write_draft_exits
+
+    model = parcae_model()
+    ex = DraftExit.from_model(model)
+    path = write_draft_exits(tmp_path / "p.draft.safetensors", {1: ex}, model.cfg, {})
+    exits, header = read_draft_exits(path, model.cfg)
+    assert header["config"]["state_proj"] is True
+    assert torch.allclose(exits[1].state_proj.weight, ex.state_proj.weight.half().float())
+    no_c = CFG.replace(state_proj=False)
+    with pytest.raises(DraftExitError, match="state_proj"):
+        read_draft_exits(path, no_c)
+    other = write_draft_exits(tmp_path / "n.draft.safetensors", {1: DraftExit(no_c)}, no_c, {})
+    with pytest.raises(DraftExitError, match="state_proj None"):
+        read_draft_exits(other, model.cfg)
+
+
+def test_train_draft_on_a_parcae_file(parcae_file, tmp_path):
+    """`tinyloop train-draft` on a Parcae-like file (coda value embeddings, C, the soft-cap): the teacher is the
+    model's own read-out (its argmax the model's), the exits distil towards it, the file attaches and greedy
+    speculation through it is plain greedy decoding, natively and on the PyTorch path."""
+    from tinyloop.train.draft_exit import teacher_pass, train_draft_exits
+
+    src, model = parcae_file
+    windows = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    t = teacher_pass(model, windows, (1,), 2, full_argmax=True)
+    assert torch.equal(t["argmax"], model(windows, loops=CFG.default_loops).argmax(-1))
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(300)))
+    out = src.with_name("p.draft.safetensors")
+    info = train_draft_exits(src, [text], out, draft_loops=(1,), tokens=2048, seq=32, batch=8, epochs=2,
+                             lr=1e-3, val_tokens=512, val_fraction=0.1, draft_vocab=512, log=lambda s: None)
+    assert info["agreement"]["1"]["kl_after"] < info["agreement"]["1"]["kl_before"]
+    for executor in (None, "torch"):
+        engine = Engine.load(src, executor=executor)
+        assert sorted(engine.model.draft_exits) == [1]
+        plain = engine.generate(PROMPT, SamplingParams(max_tokens=16, loops=3, temperature=0, ignore_eos=True))
+        spec = engine.generate(PROMPT, SamplingParams(max_tokens=16, mode="speculative", verify_loops=3,
+                                                      draft_loops=1, draft_ahead=3, temperature=0,
+                                                      ignore_eos=True))
+        assert spec.token_ids == plain.token_ids, executor
+        assert spec.stats["draft_exit"] is True
+    out.unlink()
