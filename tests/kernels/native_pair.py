@@ -79,8 +79,6 @@ def make_pair(cfg, weights: str):
     elif weights.startswith("int"):
         bits = int(weights[3:])
         for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
-            if rn in ("B", "state_proj"):   # (read as float weights by model/, linear_as: a file keeps them so)
-                continue
             q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
             qw = pack(q, bits)
             setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))

@@ -36,13 +36,15 @@ def _ids(model, prompt, params, use_native, **kw):
 @pytest.mark.parametrize("mode,kw", [("speculative", {"draft_loops": 1, "draft_ahead": 4}),
                                      ("speculative", {"draft_loops": 2, "draft_ahead": 3}),
                                      ("tree_speculative", {"draft_loops": 1, "k_branches": 2})])
-@pytest.mark.parametrize("with_exit", [False, True])
-def test_speculation_native_equals_pytorch(mode, kw, with_exit):
+@pytest.mark.parametrize("name,with_exit", [("tiny", False), ("tiny", True), ("parcae-like", True)])
+def test_speculation_native_equals_pytorch(mode, kw, name, with_exit):
     """Draft steps (capture, draft-exit read-outs, the exit's catch-up row) and verification, chain or
-    tree-masked, run natively, stepwise and as whole rounds in one call (chain, pipeline, tree); greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding."""
+    tree-masked, run natively, stepwise and as whole rounds in one call (chain, pipeline, tree); greedy tokens and acceptance equal the PyTorch path's, and equal plain greedy decoding.
+    parcae-like: the exit's own copy of C runs natively as in PyTorch (the coda's value embeddings, which the
+    exit leaves out, only in verification)."""
     from tinyloop.engine import SamplingParams
 
-    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    _, nat = make_pair(CONFIGS[name], "fp32")
     if with_exit:
         attach_varied_exits(nat, {1: 1, 2: 2})
     calls, rounds = [], []
@@ -232,11 +234,13 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     assert sum(t[-1].stats.get("batched_rounds", 0) for t in together) > 0
 
 
-@pytest.mark.parametrize("value_embeds,with_exit", [((0, 2, 3), False), ((), False), ((0, 2), True)])
+@pytest.mark.parametrize("value_embeds,with_exit", [((0, 2, 3), False), ((), False), ((0, 2), True),
+                                                     ((0, 2, 3), True)])
 def test_parcae_like_speculation_is_exact(value_embeds, with_exit):
     """Speculation on a Parcae-like model (native_pair.py: ReLU^2, the diagonal injection, prelude norm, C,
     q/k norms, the soft-cap), with value embeddings in the loop input (the rounds keep e that wide) or
-    without, with a draft exit (a coda copy without value embeddings: model/draft_exit.py) or the coda
+    without, with a draft exit (a copy of C and the coda, the coda's value embeddings left out even where
+    its block has them (0, 2, 3): model/draft_exit.py) or the coda
     drafting, is exact: greedy chain and tree speculation give plain greedy decoding's tokens, natively (stepwise
     passes, and one call a round: chain, pipeline, tree) and on the PyTorch path, and sampled speculation
     plain sampling's (the soft-capped logits drawn in the library)."""

@@ -283,7 +283,11 @@ class Speculator(TreeRounds):
         for j in range(k):
             draft = self._draft([toks[-1]], L + j, self.draft_readout)
             if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
-                catch_up = self._rows(L - 1, 1, self.d, state=(backlog, backlog), first_loop=self.d,
+                # (the exit reads the state alone: the row's loop input, as wide as the model's, is not read)
+                e_b = backlog if backlog.shape[-1] == self.model.loop_input_width else \
+                    torch.cat([backlog, backlog.new_zeros(*backlog.shape[:-1], self.model.loop_input_width
+                                                          - backlog.shape[-1])], dim=-1)
+                catch_up = self._rows(L - 1, 1, self.d, state=(e_b, backlog), first_loop=self.d,
                                       readout=self.exit_readout)
                 yield catch_up
                 yield draft

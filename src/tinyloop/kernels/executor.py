@@ -215,11 +215,13 @@ class NativeExecutor:
         if key not in table:
             blocks = self._exit_blocks.get(id(ro[0]))
             if blocks is None or blocks[0] is not ro[0]:
+                proj = getattr(ro[0], "state_proj", None)   # a Parcae exit's copy of C (none: a zero descriptor)
                 blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
-                    *(self._block(b) for b in ro[0].coda)))
+                    *(self._block(b) for b in ro[0].coda)),
+                    linear_desc(proj, self.keep) if proj is not None else L.TlLinear())
             slots = (ctypes.c_int32 * len(ro[1]))(*ro[1])
             keep.append(slots)
-            table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots))
+            table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots, blocks[2]))
         return table[key][0]
 
     def _set_readouts(self, readouts: dict) -> None:

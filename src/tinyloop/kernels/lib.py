@@ -38,7 +38,8 @@ class TlBlock(ctypes.Structure):
 
 
 class TlReadout(ctypes.Structure):
-    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(TlBlock)), ("slots", ctypes.POINTER(_i))]
+    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(TlBlock)), ("slots", ctypes.POINTER(_i)),
+                ("state_proj", TlLinear)]
 
 
 class TlModel(ctypes.Structure):

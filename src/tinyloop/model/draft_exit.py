@@ -12,6 +12,15 @@ An exit's blocks attend over their own keys and values (one extra cache slot per
 `KVCache.slot_extra`), written from loop-d states at every position the draft covers and, in
 prefill, at every prompt position.
 
+Parcae (issue 35): the exit copies the whole read-out after the loops, the projection C (`state_proj`, its
+own trainable copy) included, so an untrained exit reads a state out exactly as the model's coda does,
+except for one thing by design: the exit's blocks have no value embeddings (the coda blocks' gates are
+left out of the copy). An exit is a function of the loop-d state alone: its entries are written from a
+state wherever the draft has one (a round's backlog entry, written a round later from the kept state, has no
+loop input), and its rows need neither the tokens' tables nor the loop input's width. What the value
+embeddings added is what distillation (`train.draft_exit`) makes up for; verification runs the model's own
+coda, value embeddings and all, so speculative output stays exactly the plain output.
+
 File: `<model>.draft.safetensors` next to the model (a quantized model uses its source model's file,
 named in its header's provenance). safetensors metadata `"tinyloop"` holds the header:
 
@@ -20,7 +29,9 @@ named in its header's provenance). safetensors metadata `"tinyloop"` holds the h
      "draft_loops": [1, 2, 4], "verify_loops": 8, "base_model": "<file name>",
      "agreement": {"2": {"before": ..., "after": ...}, ...}, "provenance": {...}}
 
-and tensors `d{d}.coda.{i}.<Block parameter>` and `d{d}.norm.weight`, one set per draft depth d.
+and tensors `d{d}.coda.{i}.<Block parameter>` and `d{d}.norm.weight`, one set per draft depth d (with C:
+`d{d}.state_proj.weight`, and the config's `"state_proj": true`; a file without them is refused for such a
+model, by name).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from safetensors.torch import save_file
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from .companion import DRAFT_SUFFIX, find_companion
-from .layers import Block, RMSNorm
+from .layers import Block, RMSNorm, linear_as
 
 FORMAT = "tinyloop-draft-exit"
 FORMAT_VERSION = 1
@@ -52,27 +63,38 @@ class DraftExitError(ModelFileError):
 
 
 class DraftExit(nn.Module):
-    """Coda-shaped blocks + a final norm; the LM head is the model's. `blocks(h, ctx, slots)` -> hidden."""
+    """Coda-shaped blocks (without value embeddings) + a final norm, after a copy of C where the model projects
+    its state before the coda (Parcae); the LM head is the model's. `blocks(h, ctx, slots)` -> hidden."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.state_proj = nn.Linear(cfg.dim, cfg.dim, bias=False) if cfg.state_proj else None
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "DraftExit":
-        """A fresh exit initialised as a copy of `model`'s coda and final norm (training starts here)."""
+        """A fresh exit initialised as a copy of `model`'s read-out after the loops (C, the coda blocks, the
+        final norm; training starts here). The coda's value-embedding gates are not copied (the module's doc
+        says why); a float model's, not a quantized one's (its codes are no trainable weights)."""
         from .fused import split_projections
 
         ex = cls(model.cfg)
         coda = copy.deepcopy(model.coda)  # a loaded model's projections are fused, as its file stores them
         split_projections(coda)
-        ex.coda.load_state_dict(coda.state_dict())
+        state = {k: v for k, v in coda.state_dict().items() if not k.endswith(".attn.ve_gate.weight")}
+        try:
+            ex.coda.load_state_dict(state)
+            if ex.state_proj is not None:
+                ex.state_proj.load_state_dict(model.state_proj.state_dict())
+        except RuntimeError as exc:
+            raise ValueError("a draft exit starts from a float model's coda (quantized or swapped layers are not "
+                             f"trainable weights): {str(exc).splitlines()[0]}") from None
         ex.norm.load_state_dict(model.norm.state_dict())
         return ex.to(next(model.parameters()).dtype)
 
     def blocks(self, h: torch.Tensor, ctx, slots: list[int] | None) -> torch.Tensor:
-        x = h
+        x = h if self.state_proj is None else linear_as(self.state_proj, h)
         for i, blk in enumerate(self.coda):
             x = blk(x, ctx, None if slots is None else slots[i])
         return x
@@ -84,6 +106,8 @@ def shape_config(cfg: ModelConfig) -> dict[str, Any]:
     out["n_kv_heads"] = cfg.n_kv_heads
     out["head_dim"] = cfg.head_dim
     out["norm_eps"] = cfg.norm_eps
+    if cfg.state_proj:   # (only where the model has C: the files of every other model keep their config)
+        out["state_proj"] = True
     return out
 
 

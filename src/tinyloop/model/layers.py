@@ -265,8 +265,12 @@ class DiagonalInjection(nn.Module):
         return h * decay.to(h.dtype) + dt.to(h.dtype) * linear_as(self.B, e)
 
 
-def linear_as(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A bias-free float `nn.Linear` in x's dtype (16-bit weights under fp32 activations are widened)."""
+def linear_as(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A bias-free linear layer in x's dtype: a float `nn.Linear` (16-bit weights under fp32 activations are
+    widened), or a swapped module (a quantized file's `QuantLinear`: Parcae's B and C are quantized like the
+    blocks' linears), which computes in x's dtype itself."""
+    if type(lin) is not nn.Linear:
+        return lin(x)
     w = lin.weight
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
 

@@ -31,12 +31,20 @@ _BLOCK_PREFIXES = ("prelude.", "core.", "coda.")
 _SUFFIXES = ("qweight", "scales", "zeros")
 
 
+# the model-wide (dim, dim) linears quantized like the blocks': the injection adapter (Huginn, retrofits) and
+# Parcae's injection matrix B and its projection C after the loops (`state_proj`)
+_MODEL_LINEARS = ("adapter.weight", "injection.B.weight", "state_proj.weight")
+
+
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear weights of the blocks (attention and MLP projections) and the injection adapter (not the small
-    value-embedding gates, Linear(32 -> kv heads), which stay as stored)."""
+    """Linear weights of the blocks (attention and MLP projections), the injection adapter and Parcae's B and
+    C (not the small value-embedding gates, Linear(32 -> kv heads), which stay as stored: 32 inputs are one
+    quantization group, and a gate is read once per block, not per loop step's weights).
+
+    A file quantized before B and C were (they are in its `high_precision` list) loads as it was written."""
     if len(shape) != 2 or not name.endswith(".weight") or name.endswith(".ve_gate.weight"):
         return False
-    return name.startswith(_BLOCK_PREFIXES) or name == "adapter.weight"
+    return name.startswith(_BLOCK_PREFIXES) or name in _MODEL_LINEARS
 
 
 def quantized_names(expected: dict[str, tuple], quant: dict[str, Any]) -> list[str]:

@@ -67,12 +67,18 @@ def _float_weight(lin: nn.Module) -> torch.Tensor:
     return lin.float_weight() if isinstance(lin, StreamedLinear) else lin.weight.detach().float()
 
 
+# model-wide linears and the stage whose calibration pass reaches them: the injection (adapter, or Parcae's B)
+# enters every loop of the core; C (`state_proj`) projects the state before the coda
+_STAGE_OF = {"adapter": "core", "injection.B": "core", "state_proj": "coda"}
+
+
 def blocks(model: nn.Module) -> list[list[list[str]]]:
-    """Per block (adapter first in the core), its linear groups (`units`) in forward order."""
+    """Per block (the injection first in the core, C first in the coda), its linear groups (`units`) in
+    forward order; a model-wide linear is a step of its own."""
     out: list[list[list[str]]] = []
     for u in units(model):
         prefix = u[0].split(".")[:2]
-        if out and out[-1][0][0].split(".")[:2] == prefix and u[0] != "adapter":
+        if out and out[-1][0][0].split(".")[:2] == prefix and u[0] not in _STAGE_OF:
             out[-1].append(u)
         else:
             out.append([u])
@@ -85,8 +91,9 @@ def units(model: nn.Module) -> list[list[str]]:
     present = {n for n, _ in quantizable_linears(model)}
     stacks = [("prelude", model.prelude), ("core", model.core), ("coda", model.coda)]
     for stack_name, blocks in stacks:
-        if stack_name == "core" and "adapter" in present:
-            out.append(["adapter"])
+        for name, stage in _STAGE_OF.items():
+            if stage == stack_name and name in present:
+                out.append([name])
         for i, _ in enumerate(blocks):
             p = f"{stack_name}.{i}"
             for group in ([f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"], [f"{p}.attn.wo"],
@@ -163,8 +170,7 @@ def _calibration_pass(model: nn.Module, calib: torch.Tensor, loops: int, collect
         collector.loop_idx = None
         if stop_after == "core":
             continue
-        for blk in model.coda:
-            h = blk(h, ctx, None)
+        model.run_coda(h, ctx, e)   # as the model reads out: C, the coda's value embeddings from e
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -218,7 +224,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
     loops = spec.loops or model.cfg.default_loops
     bits, G = spec.bits, spec.group_size
     names = [n for u in units(model) for n in u]
-    core_names = {n for n in names if n.startswith("core.") or n == "adapter"}
+    core_names = {n for n in names if n.startswith("core.") or _STAGE_OF.get(n) == "core"}
     out: dict[str, torch.Tensor] = {}
     if emit is None:
         def emit(name: str, tensors: dict[str, torch.Tensor]) -> Reader:
@@ -234,7 +240,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec, calib: torch.Tensor | None
         collector = None
         if spec.method == "gptq":
             collector = _HessianCollector(model, step_names, loop1=loops > 1)
-            stage = "core" if step_names[0] == "adapter" else step_names[0].split(".")[0]
+            stage = _STAGE_OF.get(step_names[0]) or step_names[0].split(".")[0]
             try:
                 _calibration_pass(model, calib.to(device), loops, collector, stop_after=stage)
             finally:

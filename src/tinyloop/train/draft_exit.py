@@ -48,9 +48,7 @@ def teacher_pass(model, windows: torch.Tensor, draft_loops: tuple[int, ...], bat
             h = model.core_loop(h, e, r, ctx)
             if r + 1 in draft_loops:
                 out[f"h{r + 1}"].append(h.half())
-        y = h
-        for blk in model.coda:
-            y = blk(y, ctx, None)
+        y = model.run_coda(h, ctx, e)   # the model's own read-out: C, the post-loop norm, value embeddings
         yn = model.final_norm(y)
         out["y"].append(yn.half())
         if full_argmax:
@@ -58,11 +56,17 @@ def teacher_pass(model, windows: torch.Tensor, draft_loops: tuple[int, ...], bat
     return {k: torch.cat(v) for k, v in out.items() if v}
 
 
+def softcap(logits: torch.Tensor, model) -> torch.Tensor:
+    """The model's logit soft-cap (Parcae: c tanh(logits / c)), as `LoopedTransformer.logits` applies it."""
+    c = model.cfg.logit_softcap
+    return logits if c == 0 else c * torch.tanh(logits / c)
+
+
 def exit_loss(model, ex: DraftExit, h: torch.Tensor, y: torch.Tensor, head_rows: torch.Tensor):
     """(exit logits over the draft vocabulary, mean KL(teacher || exit) per position) for a batch of
     loop-d states h and the teacher's normed final states y."""
-    lg = F.linear(ex.norm(ex.blocks(h.float(), model.context(h.shape[1]), None)), head_rows)
-    teacher = F.log_softmax(F.linear(y.float(), head_rows), dim=-1)
+    lg = softcap(F.linear(ex.norm(ex.blocks(h.float(), model.context(h.shape[1]), None)), head_rows), model)
+    teacher = F.log_softmax(softcap(F.linear(y.float(), head_rows), model), dim=-1)
     kl = F.kl_div(F.log_softmax(lg, dim=-1).flatten(0, 1), teacher.flatten(0, 1), log_target=True,
                   reduction="batchmean")
     return lg, kl

@@ -89,9 +89,9 @@ void loop_input_ve(const tl_model* m, int token, float* e_row) {
     }
 }
 
-void project_state(const tl_model* m, float* x, int n, Buffers& B) {
-    tl_linear_rows(&m->state_proj, x, n, B.y, m->dim, B.lin);
-    memcpy(x, B.y, sizeof(float) * n * m->dim);
+void project_state(const tl_linear* C, int dim, float* x, int n, Buffers& B) {
+    tl_linear_rows(C, x, n, B.y, dim, B.lin);
+    memcpy(x, B.y, sizeof(float) * n * dim);
 }
 
 // LoopedTransformer.logits: c * tanh(out / c)

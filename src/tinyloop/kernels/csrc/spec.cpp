@@ -207,7 +207,8 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
     const int dim = m->dim;
     if (ro == 0 && m->post_loop_norm) rmsnorm(h, m->final_norm, B.x, 1, dim, m->norm_eps);
     else memcpy(B.x, h, sizeof(float) * dim);
-    if (ro == 0 && m->state_proj.n) project_state(m, B.x, 1, B);
+    if (ro == 0 && m->state_proj.n) project_state(&m->state_proj, dim, B.x, 1, B);
+    if (ro > 0 && m->readouts[ro - 1].state_proj.n) project_state(&m->readouts[ro - 1].state_proj, dim, B.x, 1, B);
     B.ve_e = ro == 0 && m->e_width > dim ? e_row : nullptr;
     if (ro == 0) {
         const tl_block* coda = m->blocks + m->n_prelude + m->n_core;

@@ -234,7 +234,7 @@ static void kl_readout(const tl_model* m, const tl_kv* kv, const tl_row* ph, con
         if (m->post_loop_norm) rmsnorm(h, m->final_norm, x.data() + i * dim, 1, (int)dim, m->norm_eps);
         else memcpy(x.data() + i * dim, h, sizeof(float) * dim);
     }
-    if (m->state_proj.n) project_state(m, x.data(), n, B);
+    if (m->state_proj.n) project_state(&m->state_proj, (int)dim, x.data(), n, B);
     const float* ve_e = B.ve_e;   // the coda's value embeddings: the selected rows' loop inputs
     std::vector<float> ev(B.ve_e ? n * B.ve_ld : 0);
     for (int i = 0; i < n && B.ve_e; ++i)
@@ -417,7 +417,8 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             else memcpy(x, h, sizeof(float) * dim);
             if (ro == 0 && W > dim) memcpy(B.e + i * W, B.e2 + idx[i] * W, sizeof(float) * W);
         }
-        if (ro == 0 && m->state_proj.n) project_state(m, B.x, n, B);
+        if (ro == 0 && m->state_proj.n) project_state(&m->state_proj, (int)dim, B.x, n, B);
+        if (ro > 0 && m->readouts[ro - 1].state_proj.n) project_state(&m->readouts[ro - 1].state_proj, (int)dim, B.x, n, B);
         B.ve_e = ro == 0 && W > dim ? B.e : nullptr;
         if (ro == 0) {
             const tl_block* coda = core + m->n_core;

@@ -36,8 +36,8 @@ void relu2(float* a, int64_t n);
 void diagonal_inject(const tl_model* m, const float* h, const float* e, int64_t ldE, float* x, int M, Buffers& B);
 // the loop input's value-embedding columns (dim ..) of a row from its token
 void loop_input_ve(const tl_model* m, int token, float* e_row);
-// x (n, dim) = x C^T (state_proj; uses B.y)
-void project_state(const tl_model* m, float* x, int n, Buffers& B);
+// x (n, dim) = x C^T (the model's state_proj, or a draft exit's copy; uses B.y)
+void project_state(const tl_linear* C, int dim, float* x, int n, Buffers& B);
 // y (m rows of ld, first n) = c tanh(y / c)
 void softcap(float* y, int m, int n, int64_t ld, float c);
 

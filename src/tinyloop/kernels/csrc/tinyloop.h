@@ -75,6 +75,7 @@ typedef struct tl_readout {                 // blocks that read a state out (a d
     int32_t n_blocks;
     const tl_block* blocks;
     const int32_t* slots;                   // the cache slot of each block
+    tl_linear state_proj;                   // n > 0: the state times the exit's C^T first (Parcae)
 } tl_readout;
 
 typedef struct {
