@@ -107,14 +107,13 @@ def _ranked_rows(model: LoopedTransformer, weight: torch.Tensor, size: int):
     per model, head and size (a request copies them: building them each time cost 10-60 ms a request, the
     ranking's tensor and the 4,096-row gather); read only."""
     per_model = _RANKED.setdefault(model, {})
-    key = (weight.data_ptr(), weight._version, weight.dtype, size)
-    if key not in per_model:
-        per_model.clear()   # (a changed head: the old rows are stale)
+    hit = per_model.get(size)
+    if hit is None or hit[0] is not weight:   # (`_draft_head_weight` makes a new tensor when the head changes)
         ranked = frequency_ranking(model.cfg.vocab_size)[:size].to(weight.device)
         member = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
         member[ranked.cpu()] = True
-        per_model[key] = (ranked, member, weight[ranked].contiguous())
-    return per_model[key]
+        hit = per_model[size] = (weight, ranked, member, weight[ranked].contiguous())
+    return hit[1:]
 
 
 class ExactArgmax:
