@@ -53,20 +53,25 @@ def shape_config(shape: str, workdir: Path):
 
 
 def build(workdir: Path, shape: str, variant: str, scale: float) -> Path:
+    """The int4 file of a shape and variant (kept in `workdir` for the next run). Groups of 128 columns, or 32
+    where 128 does not divide the width (Huginn's 5280 = 32 x 165)."""
     out = workdir / f"{shape}-{variant}-int4.tinyloop"
     if out.exists():
         return out
     cfg = shape_config(shape, workdir)
-    model = build_model(cfg, seed=0, dtype=torch.bfloat16)
-    if variant == "agree":
-        with torch.no_grad():
-            for blk in model.core:
-                for norm in (blk.attn_out_norm, blk.mlp_out_norm):
-                    norm.weight.mul_(scale)
-    bf16 = write_model(workdir / f"{shape}-{variant}.tinyloop", model, tokenizer=small_tokenizer())
-    del model
-    gc.collect()
-    quantize_file(bf16, out, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False), progress=False)
+    bf16 = workdir / f"{shape}-{variant}.tinyloop"
+    if not bf16.exists():   # (a build stopped after writing it)
+        model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+        if variant == "agree":
+            with torch.no_grad():
+                for blk in model.core:
+                    for norm in (blk.attn_out_norm, blk.mlp_out_norm):
+                        norm.weight.mul_(scale)
+        write_model(bf16, model, tokenizer=small_tokenizer())
+        del model
+        gc.collect()
+    group = 128 if cfg.dim % 128 == 0 else 32
+    quantize_file(bf16, out, QuantSpec(bits=4, group_size=group, method="rtn", compare_loop1=False), progress=False)
     os.remove(bf16)
     gc.collect()
     return out
