@@ -273,6 +273,9 @@ def test_kv_env_mapping(env, mode):
 
 
 def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
+    from tinyloop.engine import serving
+
+    monkeypatch.setattr(serving, "MULTI_STEPS", 1)   # every token a step of its own (the lone steps: below)
     runner = tiny_server.app.state.tl.worker.batch.runner
     real = runner.execute
     calls = {"n": 0}
@@ -296,6 +299,17 @@ def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
     assert set(err) == {"error"} and "simulated kernel failure" in err["error"]["message"]
     monkeypatch.undo()
     assert post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    # a lone request's tokens in one native call (engine/serving.py _lone_plain_steps): a failure there too
+    ex = tiny_server.app.state.tl.worker.engine.model.executor
+    if ex is not None:
+        def failing_steps(*a, **kw):
+            raise RuntimeError("simulated kernel failure in the lone steps")
+        monkeypatch.setattr(ex, "generate", failing_steps)
+        e = assert_error(post(tiny_server, "/v1/completions", {"model": "tinyloop", "prompt": "Hi", "max_tokens": 5,
+                                                              "temperature": 0}), 500)
+        assert "lone steps" in e["message"]
+        monkeypatch.undo()
+        assert post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 9}).status_code == 200
 
 
 def test_queue_full_is_429(tiny_server, monkeypatch):
@@ -341,6 +355,9 @@ def test_events_go_out_as_the_next_steps_gil_free_op_starts(tiny_server, monkeyp
     """The engine thread hands a step's events to the event loop as the next step's first long GIL-free op
     starts: the forward when the native executor runs it, else the LM head; every event still arrives, in
     order, and the last ones when the engine goes idle."""
+    from tinyloop.engine import serving
+
+    monkeypatch.setattr(serving, "MULTI_STEPS", 1)   # a step a token (a lone request's calls of several: the same hook)
     worker = tiny_server.app.state.tl.worker
     runner = worker.batch.runner
     native = worker.engine.model.executor is not None
