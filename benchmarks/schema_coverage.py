@@ -44,8 +44,11 @@ def load(path: Path) -> list[tuple[str, dict]]:
     text = path.read_text()
     if path.suffix == ".jsonl":
         return [one(json.loads(line), f"{path.stem}:{i}") for i, line in enumerate(text.splitlines()) if line.strip()]
+    items = json.loads(text)
+    if isinstance(items, dict):   # {"about": ..., "schemas": [...]}: tests/fixtures/jsonschemabench_sample.json
+        items = items["schemas"]
     return [one(item, item.get("name", f"{path.stem}:{i}") if isinstance(item, dict) else f"{path.stem}:{i}")
-            for i, item in enumerate(json.loads(text))]
+            for i, item in enumerate(items)]
 
 
 def main() -> None:
