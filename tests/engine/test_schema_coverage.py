@@ -17,6 +17,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.constraint import Constraint, Grammars
 from tinyloop.engine.schema_rewrite import negate, prepare
 from tinyloop.engine.serving import BatchEngine, run_to_completion
+from tinyloop.errors import ValidationError
 from tinyloop.tokenizer import Tokenizer
 
 CORPUS = json.loads((Path(__file__).parents[1] / "fixtures" / "schema_corpus.json").read_text())
@@ -184,3 +185,53 @@ def test_an_unknown_meta_schema_is_read_as_json_schema(grammars):
     assert grammar_accepts(grammars, c, {"target": "button"}) and not grammar_accepts(grammars, c, {})
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}
     assert prepare(draft7).schema == draft7 and not prepare(draft7).warnings
+
+
+@pytest.mark.parametrize("pattern,good,bad", [
+    ("^(?![iI][oO][bB]roker)", "netatmo", "ioBroker-x"),   # look-ahead (JSONSchemaBench's io-package)
+    (r"^(\w)\1$", "aa", "ab"),                             # a backreference
+])
+def test_a_pattern_the_grammar_cannot_compile_is_checked_after(grammars, pattern, good, bad):
+    """llguidance's regexes have no look-around and no backreferences: such a `pattern` is left out of the
+    grammar (the string is free), named in a warning, and the complete answer checked with Python's `re`
+    (jsonschema's), which has both: the answer the pattern refuses is flagged, the one it takes passes."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": pattern, "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}
+    prepared = prepare(schema)
+    assert prepared.loose == ("pattern at #/properties/name",)
+    assert "pattern" not in prepared.schema["properties"]["name"]
+    assert prepared.schema["properties"]["name"]["maxLength"] == 12   # the rest of the node still held
+    c = Constraint.json_schema(schema)
+    assert any("look-around" in w or "backreference" in w for w in grammars.check(c))
+    check = grammars.schema_check(c)
+    for doc, ok in (({"name": good}, True), ({"name": bad}, False)):
+        assert grammar_accepts(grammars, c, doc)
+        assert jsonschema.Draft202012Validator(schema).is_valid(doc) == ok
+        assert (check.validate(written(doc)) is None) == ok
+    assert not grammar_accepts(grammars, c, {"name": "x" * 13})
+    plain = {"type": "string", "pattern": "^[a-z]+$"}
+    assert prepare(plain).schema == plain and not prepare(plain).loose
+
+
+@pytest.mark.parametrize("schema,where", [
+    ({"$defs": {"node": {"type": "object", "properties": {"next": {
+        "anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}], "type": ["object", "null"]}}}}, "$ref": "#/$defs/node"},
+     "#/$defs/node/properties/next/anyOf/0"),
+    ({"type": "object", "properties": {"child": {"type": "object", "$ref": "#"}}}, "#/properties/child"),
+])
+def test_a_recursive_ref_llguidance_must_intersect_is_a_400_naming_it(grammars, schema, where):
+    """A `$ref` in a cycle that llguidance would have to intersect with other keywords (it compiles each
+    `$ref` once, lazily): refused, naming `$ref`, its target and where it is referred to (JSONSchemaBench's
+    WashingtonPost schemas, whose declared properties also match a patternProperties schema)."""
+    with pytest.raises(ValidationError) as exc:
+        grammars.check(Constraint.json_schema(schema))
+    assert exc.value.code == "unsupported_schema"
+    assert "recursive $ref" in str(exc.value) and where in str(exc.value)
+
+
+def test_a_ref_that_resolves_nowhere_is_a_400_naming_it(grammars):
+    schema = {"type": "object", "properties": {"b": {"$ref": "#/$defs/x"}},
+              "$defs": {"x": {"$id": "other.json", "properties": {"c": {"$ref": "#/$defs/y"}}}}}
+    with pytest.raises(ValidationError) as exc:
+        grammars.check(Constraint.json_schema(schema))
+    assert exc.value.code == "unsupported_schema" and str(exc.value).startswith("response_format: $ref: ")

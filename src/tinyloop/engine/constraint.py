@@ -176,6 +176,19 @@ def _reason(message: str, constraint: Constraint) -> str:
     if "coerce_one_of" in message:   # llguidance's option, not the API's: say what it means here
         return ("a oneOf whose branches may overlap cannot be held in this model's tool-call format (its calls are "
                 "not checked afterwards); use anyOf, or response_format, which takes it")
+    if constraint.kind == "json_schema" and "circular references with sibling keys" in message:
+        target = message.rsplit("#", 1)[-1].strip() if "#" in message else ""
+        paths = [p for p in keyword_paths(json.loads(constraint.source), "$ref")
+                 if _ref_at(json.loads(constraint.source), p) == f"#{target}"][:5]
+        return (f"a schema feature this server does not support: a recursive $ref (#{target}, referred to at "
+                f"{', '.join(paths) or '#'}) that would have to be intersected with other keywords (beside it, in "
+                f"an allOf, or a patternProperties schema that a declared property also matches); remove the "
+                f"recursion or the overlap ({message})")
+    if constraint.kind == "json_schema" and ("not present in a registry" in message
+                                             or (message.startswith("Pointer ") and "does not exist" in message)):
+        return (f"$ref: a reference that does not resolve within the schema (a pointer to nothing, another "
+                f"document, or an `id`/`$id` that changed the base URI it is resolved against): {message}; refer "
+                f"within the schema")
     if "Unimplemented" in message or "unimplemented" in message:
         where = ""
         if constraint.kind == "json_schema":
@@ -184,6 +197,15 @@ def _reason(message: str, constraint: Constraint) -> str:
             where = f" (at {', '.join(paths)})" if paths else ""
         return f"a schema feature this server does not support: {message}{where}; remove it from the schema"
     return message
+
+
+def _ref_at(schema: Any, pointer: str) -> Any:
+    """The `$ref` of the subschema at `pointer` ("#/a/b", as keyword_paths writes it)."""
+    node = schema
+    for part in pointer[2:].split("/") if pointer != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node.get(part) if isinstance(node, dict) else None
+    return node.get("$ref") if isinstance(node, dict) else None
 
 
 class Matcher:

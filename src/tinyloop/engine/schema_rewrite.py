@@ -10,7 +10,8 @@ whose answers are checked against the original schema once complete (`jsonschema
   `properties` of those, `anyOf`/`allOf`/`not` of those), or on a node that lists its values (the list
   filtered); `uniqueItems` over items of at most 4 values (every duplicate-free array written out);
 - loose, then checked (dropped from the grammar, named in a warning, the complete answer validated against
-  the original schema): the other forms of those keywords, `contains`, `unevaluated*`;
+  the original schema): the other forms of those keywords, `contains`, `unevaluated*`, a `pattern` with
+  look-around or backreferences;
 - an unknown `format`: a plain string, with a warning (validators treat `format` as an annotation too).
 
 `oneOf` whose branches `negate` turns round becomes an `anyOf` of each branch with the others' negations
@@ -64,6 +65,20 @@ def known_format(name: str) -> bool:
     return not is_error and not any("format" in m.lower() for m in messages)
 
 
+@lru_cache(maxsize=1024)
+def regex_problem(pattern: str) -> str | None:
+    """Why llguidance cannot compile `pattern` as a string's `pattern` (its regex engine has no look-around
+    and no backreferences), or None where it can."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if not is_error:
+        return None
+    said = " ".join(messages)
+    return said.rsplit("error:", 1)[1].strip().splitlines()[0] if "error:" in said else said.strip()[:120]
+
+
 @lru_cache(maxsize=64)
 def known_dialect(uri: str) -> bool:
     """Whether llguidance knows the meta-schema `uri` ($schema): it would try to fetch any other, and fail."""
@@ -109,6 +124,7 @@ class _Walk:
                                  for n, v in s["dependencies"].items()}
         extra: list[tuple[str, Any]] = []   # (keyword, a schema the node must also satisfy): an allOf around it
         self.format(s, path)
+        self.pattern(s, path)
         for k in LOOSE:
             if k in s:
                 self.let_loose(s, k, path)
@@ -153,6 +169,15 @@ class _Walk:
             s.pop("format")
             self.warnings.append(f"format at {path}: {f!r} is not a format this server knows; written as a "
                                  f"plain string")
+
+    def pattern(self, s: dict, path: str) -> None:
+        """A string `pattern` llguidance's regex engine cannot compile (look-around such as `^(?!ioBroker)`,
+        backreferences): loose, the complete answer checked with Python's `re`, which has both (jsonschema's
+        `pattern` is `re.search`). Only `pattern` itself: a `patternProperties` key cannot be left out (it
+        decides which keys `additionalProperties` covers), so such a key stays llguidance's 400."""
+        p = s.get("pattern")
+        if isinstance(p, str) and (why := regex_problem(p)) is not None:
+            self.let_loose(s, "pattern", path, f" ({why})")
 
     def dependencies(self, s: dict, extra: list) -> None:
         """`dependentRequired` / `dependentSchemas` / `dependencies`: "if NAME is present, then ...", as an
