@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.constraint import Constraint, Grammars
+from tinyloop.engine.constraint import CIRCULAR, JSON_OPTIONS, JSON_OVERRIDES, Constraint, Grammars
 from tinyloop.engine.schema_rewrite import negate, prepare
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
@@ -213,20 +213,87 @@ def test_a_pattern_the_grammar_cannot_compile_is_checked_after(grammars, pattern
     assert prepare(plain).schema == plain and not prepare(plain).loose
 
 
-@pytest.mark.parametrize("schema,where", [
-    ({"$defs": {"node": {"type": "object", "properties": {"next": {
-        "anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}], "type": ["object", "null"]}}}}, "$ref": "#/$defs/node"},
-     "#/$defs/node/properties/next/anyOf/0"),
-    ({"type": "object", "properties": {"child": {"type": "object", "$ref": "#"}}}, "#/properties/child"),
+VALUES = [None, True, 0, 1.5, "", "a", [], [1], ["x"], {}, {"a": 1}, {"a": "x"}, {"b": {}}, {"b": {"b": {}}},
+          {"b": {"a": 1}}, {"b": None}, {"a": "x", "b": {"a": "y"}}, {"c": 1}, {"redirect": [1]}, {"redirect": ["x"]},
+          {"redirect": {}}, {"items": [{}, {"a": "x"}]}, {"items": [1]}]
+
+
+def llguidance_refusal(schema) -> str:
+    """What llguidance says of compiling `schema` as it is ("" where it compiles)."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS, overrides=JSON_OVERRIDES)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return " ".join(messages) if is_error else ""
+
+
+def same_answers(original, rewritten, values=VALUES) -> None:
+    for v in values:
+        assert original_validator(original).is_valid(v) == original_validator(rewritten).is_valid(v), (v, rewritten)
+
+
+@pytest.mark.parametrize("name,schema", [
+    # a type beside anyOf whose branches all have it (a local $ref's target read): the type says nothing new
+    ("redundant type", {"type": "object", "properties": {"a": {"type": "string"}, "b": {
+        "anyOf": [{"$ref": "#"}, {"type": "null"}], "type": ["object", "null"]}}}),
+    ("redundant type beside $ref", {"type": "object", "properties": {"a": {"type": "string"},
+                                                                     "b": {"type": "object", "$ref": "#"}}}),
+    # keywords whose values say nothing, dropped
+    ("says nothing", {"type": "object", "additionalProperties": {}, "required": [],
+                      "anyOf": [{"$ref": "#/$defs/n"}, {"type": "object", "properties": {"c": {"type": "integer"}}}],
+                      "$defs": {"n": {"type": "object", "properties": {"b": {"$ref": "#"}, "a": {"type": "string"}}}}}),
+    # a declared property whose schema is the one of the pattern its name matches: the declaration dropped
+    ("same pattern", {"type": "object", "properties": {"b": {"items": {"$ref": "#"}, "type": "array"}},
+                      "patternProperties": {"^[a-z]+$": {"items": {"$ref": "#"}, "type": "array",
+                                                         "description": "the same"}},
+                      "additionalProperties": False}),
 ])
-def test_a_recursive_ref_llguidance_must_intersect_is_a_400_naming_it(grammars, schema, where):
-    """A `$ref` in a cycle that llguidance would have to intersect with other keywords (it compiles each
-    `$ref` once, lazily): refused, naming `$ref`, its target and where it is referred to (JSONSchemaBench's
-    WashingtonPost schemas, whose declared properties also match a patternProperties schema)."""
+def test_a_recursive_schema_llguidance_would_intersect_is_rewritten_exactly(grammars, name, schema):
+    """llguidance compiles each `$ref` once and cannot intersect one it is still compiling with other keywords
+    ("circular references with sibling keys": 23 of JSONSchemaBench's 125 WashingtonPost schemas). On that
+    refusal the schema is prepared once more with those intersections rewritten away
+    (`prepare(..., recursive_refs=True)`); each rewrite here is exact: the same answers as the original."""
+    first = prepare(schema)
+    assert CIRCULAR in llguidance_refusal(first.schema)   # the first try is refused: the second takes it
+    assert llguidance_refusal(prepare(schema, recursive_refs=True).schema) == ""
+    second = prepare(schema, recursive_refs=True)
+    assert not second.loose and second.schema != first.schema
+    same_answers(schema, second.schema)
+    c = Constraint.json_schema(schema)
+    grammars.check(c)
+    assert grammars.schema_check(c) is None   # held exactly: nothing checked after
+    for v in VALUES:
+        if isinstance(v, dict):
+            assert grammar_accepts(grammars, c, v) == original_validator(schema).is_valid(v), v
+
+
+def test_a_property_two_schemas_hold_in_a_recursive_schema_is_checked_after(grammars):
+    """A declared property whose name a pattern matches with another schema (WashingtonPost's `redirect`
+    under `.*`): the grammar holds it to the pattern's schema, the declared one is checked after."""
+    schema = {"type": "object", "properties": {"redirect": {"type": "array", "items": {"type": "string"},
+                                                             "maxItems": 1}},
+              "patternProperties": {".*": {"type": "array", "items": {"anyOf": [{"$ref": "#"}, {"type": "string"}],
+                                                                        "type": ["object", "string"]}}}}
+    second = prepare(schema, recursive_refs=True)
+    assert second.loose == ("properties at #/properties/redirect",)
+    for v in VALUES:   # looser than the original, never stricter
+        assert original_validator(second.schema).is_valid(v) or not original_validator(schema).is_valid(v), v
+    c = Constraint.json_schema(schema)
+    assert any("properties at #/properties/redirect" in w for w in grammars.check(c))
+    check = grammars.schema_check(c)
+    assert grammar_accepts(grammars, c, {"redirect": [{}, "x"]})
+    assert check.validate(written({"redirect": [{}, "x"]})) is not None   # two items, one an object: flagged
+    assert check.validate(written({"redirect": ["x"]})) is None
+
+
+def test_a_recursive_ref_llguidance_must_intersect_is_a_400_naming_it(grammars):
+    """Where the intersection is real (a keyword beside a recursive `$ref` that its target does not imply):
+    refused, naming `$ref`, its target and where it is referred to."""
+    schema = {"type": "object", "properties": {"child": {"$ref": "#", "minProperties": 1}}}
     with pytest.raises(ValidationError) as exc:
         grammars.check(Constraint.json_schema(schema))
     assert exc.value.code == "unsupported_schema"
-    assert "recursive $ref" in str(exc.value) and where in str(exc.value)
+    assert "recursive $ref (#, referred to at #/properties/child)" in str(exc.value)
 
 
 def test_a_ref_that_resolves_nowhere_is_a_400_naming_it(grammars):
