@@ -9,10 +9,11 @@ An answer whose check (the schema had parts the grammar holds only loosely) says
 
     PYTHONPATH=src .venv/bin/python benchmarks/schema_coverage.py [--schemas FILE_OR_DIR] [--samples 2]
 
-`--schemas`: a JSON list (of schemas, or of objects with a `schema`), such a list under `"schemas"`
+`--samples 0` plans only (coverage, no answers). `--schemas`: a JSON list (of schemas, or of objects with a `schema`), such a list under `"schemas"`
 (tests/fixtures/jsonschemabench_sample.json: 200 of JSONSchemaBench's schemas, from
 scripts/make_jsonschemabench_sample.py), JSON lines (each a schema, or an object with `json_schema` or `schema`,
-as text or JSON: JSONSchemaBench's rows), or a folder of `.json` files (its `data/<subset>/`). The default is
+as text or JSON: JSONSchemaBench's rows), or a folder of `.json` files (its `data/<subset>/`), or of such
+folders (its `data/`: names `subset/id`). The default is
 the test corpus (tests/fixtures/schema_corpus.json). Results: benchmarks/results/schema_coverage.json (`--out`).
 The sample's measurement (docs/structured.md):
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -45,8 +47,10 @@ def load(path: Path) -> list[tuple[str, dict]]:
             item = item.get("schema", item.get("json_schema"))
         return name, json.loads(item) if isinstance(item, str) else item
 
-    if path.is_dir():
-        return [one(json.loads(p.read_text()), p.stem) for p in sorted(path.glob("*.json"))]
+    if path.is_dir():   # JSONSchemaBench's data/ (a folder a subset: names subset/id) or one subset's folder
+        subs = sorted(p for p in path.iterdir() if p.is_dir())
+        return [one(json.loads(p.read_text()), f"{d.name}/{p.stem}" if subs else p.stem)
+                for d in subs or [path] for p in sorted(d.glob("*.json"))]
     text = path.read_text()
     if path.suffix == ".jsonl":
         return [one(json.loads(line), f"{path.stem}:{i}") for i, line in enumerate(text.splitlines()) if line.strip()]
@@ -119,8 +123,14 @@ def main() -> None:
         print("  by subset: " + ", ".join(f"{k} {taken[k]}/{v}" for k, v in subsets.items()))
     if loose:
         print("  schemas with a keyword checked after generation: " + ", ".join(f"{k} {v}" for k, v in loose.items()))
-    for name, why in refused.items():
-        print(f"  refused {name}: {why[:240]}")
+    if len(refused) > 12:   # the reasons, counted (paths and numbers left out)
+        reasons = Counter(re.sub(r"\d+", "N", re.sub(r" \(at #.*|, referred to at .*|; while processing .*", "", why))[:120]
+                          for why in refused.values())
+        for why, n in reasons.most_common():
+            print(f"  refused {n}: {why}")
+    else:
+        for name, why in refused.items():
+            print(f"  refused {name}: {why[:240]}")
     print(f"answers ({args.samples} a schema, {time.perf_counter() - t0:.1f} s): " +
           "  ".join(f"{k}: {answers[k]}" for k in ("valid", "flagged", "invalid", "cut short")))
     if flagged:
