@@ -355,3 +355,21 @@ def test_jsonschemabench_answers_validate_or_say_they_do_not(shipped):
     print(f"{len(reqs)} schemas, {stopped} answers ended by themselves")
     assert not invalid
     assert len(reqs) >= 35 and stopped >= 10   # (the rest cut short by max_tokens: nothing claimed of them)
+
+
+def test_schemas_a_ref_reaches_outside_the_keywords_are_rewritten_too(grammars):
+    """A `$ref` into a container that is no keyword (JSONSchemaBench's `#/$file`, a folder of schemas inside
+    `definitions`): the schema there is rewritten as any other (it was llguidance's "Unimplemented keys")."""
+    schema = {"type": "object", "properties": {"file": {"$ref": "#/$file"}, "color": {"$ref": "#/definitions/ui/color"}},
+              "required": ["file", "color"], "additionalProperties": False,
+              "$file": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                        "dependentRequired": {"a": ["b"]}, "additionalProperties": False},
+              "definitions": {"ui": {"color": {"type": "string", "format": "color-hex", "maxLength": 7}}}}
+    prepared = prepare(schema)
+    assert "dependentRequired" not in json.dumps(prepared.schema) and '"color-hex"' not in json.dumps(prepared.schema)
+    assert not prepared.loose and any("color-hex" in w for w in prepared.warnings)
+    c = Constraint.json_schema(schema)
+    grammars.check(c)
+    for doc in ({"file": {"a": 1, "b": 2}, "color": "#fff"}, {"file": {"a": 1}, "color": "#fff"},
+                {"file": {"b": 2}, "color": "#fff"}, {"file": {}, "color": "#ffffff00"}):
+        assert grammar_accepts(grammars, c, doc) == original_validator(schema).is_valid(doc), doc

@@ -55,6 +55,7 @@ def prepare(schema: Any, recursive_refs: bool = False) -> Prepared:
     the keywords that make it intersect are rewritten away (`_Walk.without_intersections`)."""
     walk = _Walk(schema, recursive_refs)
     out = walk.node(schema, "#")
+    out = walk.ref_targets(out)
     return Prepared(out, tuple(walk.warnings), tuple(walk.loose))
 
 
@@ -102,6 +103,7 @@ class _Walk:
         self.nested_ids: bool | None = None   # whether the schema sets `$id`/`id` below its root (refs not read)
         self.warnings: list[str] = []
         self.loose: list[str] = []
+        self.visited: set[str] = set()        # the paths walked as schemas
 
     def let_loose(self, s: dict, keyword: str, path: str, why: str = "") -> None:
         """`keyword` (and `then`/`else` with `if`) out of the grammar's schema, into the check's list."""
@@ -115,6 +117,7 @@ class _Walk:
     def node(self, s: Any, path: str) -> Any:
         if not isinstance(s, dict):
             return s
+        self.visited.add(path)
         s = dict(s)
         for k in SCHEMA_MAPS:
             if isinstance(s.get(k), dict):
@@ -163,6 +166,31 @@ class _Walk:
             product *= n
             kept.append(schema)
         return kept
+
+    def ref_targets(self, out: Any) -> Any:
+        """The schemas a local `$ref` points to that the walk did not reach through keywords (a folder of
+        schemas inside `definitions`, a container of its own such as `#/$file`: validators and llguidance
+        read them as schemas when referred to), walked and put in their place in `out`, until every local
+        `$ref` lands on a walked schema. One whose place moved in `out` (inside a node a rewrite wrapped in an
+        `allOf`) is left as it is (llguidance then names what it lacks)."""
+        from urllib.parse import unquote
+
+        while True:
+            todo = []
+            for ref in _local_refs(out):
+                path = "#" + unquote(ref[1:])
+                if path not in self.visited and path not in todo:
+                    todo.append(path)
+            walked = False
+            for path in todo:
+                self.visited.add(path)
+                parts = [p.replace("~1", "/").replace("~0", "~") for p in path[2:].split("/")]
+                target, parent = _at(self.root, parts), _at(out, parts[:-1])
+                if isinstance(target, dict) and isinstance(parent, dict) and parts[-1] in parent:
+                    parent[parts[-1]] = self.node(target, path)
+                    walked = True
+            if not walked:
+                return out
 
     def without_intersections(self, s: dict, path: str) -> None:
         """llguidance intersects the schemas that apply to one value: a node's keywords with each `anyOf`/
@@ -411,6 +439,33 @@ class _Walk:
 
 
 _NOWHERE = object()
+
+
+def _local_refs(s: Any) -> list[str]:
+    """Every `$ref` in `s` that points into the document below its root ("#/...")."""
+    out: list[str] = []
+    stack = [s]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if isinstance(x.get("$ref"), str) and x["$ref"].startswith("#/"):
+                out.append(x["$ref"])
+            stack += [v for k, v in x.items() if k not in ("enum", "const", "default", "examples")]
+        elif isinstance(x, list):
+            stack += x
+    return out
+
+
+def _at(s: Any, parts: list[str]) -> Any:
+    """The value at a JSON pointer's (decoded) parts, or None."""
+    for part in parts:
+        if isinstance(s, dict) and part in s:
+            s = s[part]
+        elif isinstance(s, list) and part.isdigit() and int(part) < len(s):
+            s = s[int(part)]
+        else:
+            return None
+    return s
 _SAYS_NOTHING = {"additionalProperties": ({}, True), "additionalItems": ({}, True), "items": ({}, True),
                  "properties": ({},), "patternProperties": ({},), "required": ([],)}
 _PLAIN_ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
