@@ -17,6 +17,11 @@ whose answers are checked against the original schema once complete (`jsonschema
 `oneOf` whose branches `negate` turns round becomes an `anyOf` of each branch with the others' negations
 (exact); any other is llguidance's (exact where it proves the branches disjoint, else coerced to `anyOf`:
 compiled with `coerce_one_of`, and the answer checked; `constraint.Grammars` and `schema_check` do both).
+
+Schemas a local `$ref` reaches outside the keywords (`#/$file`, a folder of schemas in `definitions`) are
+rewritten too. A recursive schema llguidance refuses ("circular references with sibling keys") is prepared a
+second time with `recursive_refs=True`, which rewrites away what makes llguidance intersect (`_Walk.
+without_intersections`: exact where the intersection says nothing new, else loose).
 """
 
 from __future__ import annotations
