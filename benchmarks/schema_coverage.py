@@ -9,14 +9,22 @@ An answer whose check (the schema had parts the grammar holds only loosely) says
 
     PYTHONPATH=src .venv/bin/python benchmarks/schema_coverage.py [--schemas FILE_OR_DIR] [--samples 2]
 
-`--schemas`: a JSON list (of schemas, or of objects with a `schema`), JSON lines (each a schema, or an object
-with `json_schema` or `schema`, as text or JSON: JSONSchemaBench's rows), or a folder of `.json` files. The
-default is the test corpus (tests/fixtures/schema_corpus.json). Results: benchmarks/results/schema_coverage.json.
+`--samples 0` plans only (coverage, no answers). `--schemas`: a JSON list (of schemas, or of objects with a `schema`), such a list under `"schemas"`
+(tests/fixtures/jsonschemabench_sample.json: 200 of JSONSchemaBench's schemas, from
+scripts/make_jsonschemabench_sample.py), JSON lines (each a schema, or an object with `json_schema` or `schema`,
+as text or JSON: JSONSchemaBench's rows), or a folder of `.json` files (its `data/<subset>/`), or of such
+folders (its `data/`: names `subset/id`). The default is
+the test corpus (tests/fixtures/schema_corpus.json). Results: benchmarks/results/schema_coverage.json (`--out`).
+The sample's measurement (docs/structured.md):
+
+    PYTHONPATH=src .venv/bin/python benchmarks/schema_coverage.py --schemas tests/fixtures/jsonschemabench_sample.json \
+        --samples 2 --max-tokens 256 --out benchmarks/results/schema_coverage_jsonschemabench.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -39,13 +47,18 @@ def load(path: Path) -> list[tuple[str, dict]]:
             item = item.get("schema", item.get("json_schema"))
         return name, json.loads(item) if isinstance(item, str) else item
 
-    if path.is_dir():
-        return [one(json.loads(p.read_text()), p.stem) for p in sorted(path.glob("*.json"))]
+    if path.is_dir():   # JSONSchemaBench's data/ (a folder a subset: names subset/id) or one subset's folder
+        subs = sorted(p for p in path.iterdir() if p.is_dir())
+        return [one(json.loads(p.read_text()), f"{d.name}/{p.stem}" if subs else p.stem)
+                for d in subs or [path] for p in sorted(d.glob("*.json"))]
     text = path.read_text()
     if path.suffix == ".jsonl":
         return [one(json.loads(line), f"{path.stem}:{i}") for i, line in enumerate(text.splitlines()) if line.strip()]
+    items = json.loads(text)
+    if isinstance(items, dict):   # {"about": ..., "schemas": [...]}: tests/fixtures/jsonschemabench_sample.json
+        items = items["schemas"]
     return [one(item, item.get("name", f"{path.stem}:{i}") if isinstance(item, dict) else f"{path.stem}:{i}")
-            for i, item in enumerate(json.loads(text))]
+            for i, item in enumerate(items)]
 
 
 def main() -> None:
@@ -61,6 +74,7 @@ def main() -> None:
     schemas = load(args.schemas)
     refused: dict[str, str] = {}
     warned = 0
+    loose: Counter = Counter()   # keywords left to the check after generation, by keyword
     reqs = []
     for name, schema in schemas:
         try:
@@ -70,6 +84,8 @@ def main() -> None:
             refused[name] = str(exc)
             continue
         warned += bool(plan.warnings)
+        check = engine.grammars.schema_check(c)
+        loose.update({w.split(" at ")[0] for w in (check.loose if check else ())})
         reqs += [(name, schema, (engine.encode_prompt("JSON:"), SamplingParams(
             max_tokens=args.max_tokens, temperature=0.8, seed=seed, constraint=c))) for seed in range(args.samples)]
     t0 = time.perf_counter()
@@ -101,8 +117,20 @@ def main() -> None:
     coverage = (len(schemas) - len(refused)) / max(len(schemas), 1)
     print(f"schemas: {len(schemas)}  accepted: {len(schemas) - len(refused)} ({coverage:.1%})  "
           f"with warnings: {warned}  refused: {len(refused)}")
-    for name, why in refused.items():
-        print(f"  refused {name}: {why[:160]}")
+    subsets = Counter(name.split("/")[0] for name, _ in schemas if "/" in name)
+    if len(subsets) > 1:   # JSONSchemaBench's rows are named subset/id
+        taken = Counter(name.split("/")[0] for name, _ in schemas if name not in refused)
+        print("  by subset: " + ", ".join(f"{k} {taken[k]}/{v}" for k, v in subsets.items()))
+    if loose:
+        print("  schemas with a keyword checked after generation: " + ", ".join(f"{k} {v}" for k, v in loose.items()))
+    if len(refused) > 12:   # the reasons, counted (paths and numbers left out)
+        reasons = Counter(re.sub(r"\d+", "N", re.sub(r" \(at #.*|, referred to at .*|; while processing .*", "", why))[:120]
+                          for why in refused.values())
+        for why, n in reasons.most_common():
+            print(f"  refused {n}: {why}")
+    else:
+        for name, why in refused.items():
+            print(f"  refused {name}: {why[:240]}")
     print(f"answers ({args.samples} a schema, {time.perf_counter() - t0:.1f} s): " +
           "  ".join(f"{k}: {answers[k]}" for k in ("valid", "flagged", "invalid", "cut short")))
     if flagged:
@@ -112,8 +140,9 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "schemas": str(args.schemas.relative_to(ROOT) if args.schemas.is_relative_to(ROOT) else args.schemas),
         "n_schemas": len(schemas), "accepted": len(schemas) - len(refused), "coverage": round(coverage, 4),
-        "with_warnings": warned, "refused": refused, "answers": dict(answers), "flagged": dict(flagged), "invalid": invalid,
-        "samples": args.samples, "max_tokens": args.max_tokens}, indent=1) + "\n")
+        "with_warnings": warned, "loose": dict(loose), "refused": refused, "answers": dict(answers), "flagged": dict(flagged), "invalid": invalid,
+        "samples": args.samples, "max_tokens": args.max_tokens,
+        "seconds": round(time.perf_counter() - t0, 1)}, indent=1) + "\n")
     sys.exit(1 if invalid else 0)
 
 

@@ -138,6 +138,53 @@ def test_a_schema_held_in_part_says_so(tiny512_server):
     assert "x-tinyloop-warning" not in plain.headers and "schema_check" not in plain.json()["choices"][0]
 
 
+def _named_events(raw: bytes) -> list[tuple[str, dict]]:
+    """(event name, data) of each frame of an `event:`/`data:` stream (Anthropic's, Responses')."""
+    out = []
+    for frame in raw.decode().strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in frame.splitlines() if ": " in line)
+        if "event" in lines and "data" in lines:
+            out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_streamed_messages_and_responses_carry_the_schema_check(tiny512_server):
+    """Streamed /v1/messages and /v1/responses under a schema held in part: the warning header before the
+    answer, and the check's outcome on the final event (`message_delta.schema_check`,
+    `response.completed`'s `schema_check`), true of the streamed answer; an answer cut short carries none."""
+    checked = {"messages": 0, "responses": 0}
+    for seed in range(3):
+        r = post(tiny512_server, "/v1/messages", {"model": "tinyloop", "messages": MSGS, "max_tokens": 64,
+                                                  "temperature": 0.8, "seed": seed, "stream": True,
+                                                  "output_config": {"format": {"type": "json_schema", "schema": LOOSE}}})
+        assert r.status_code == 200 and "uniqueItems at #/properties/tags" in r.headers["x-tinyloop-warning"]
+        events = _named_events(r.content)
+        text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+        last = [d for n, d in events if n == "message_delta"][-1]
+        if last["delta"]["stop_reason"] != "end_turn":
+            assert "schema_check" not in last
+        else:
+            valid = jsonschema.Draft202012Validator(LOOSE).is_valid(json.loads(text))
+            assert last["schema_check"] == "passed" if valid else last["schema_check"].startswith("failed: ")
+            checked["messages"] += 1
+        r = post(tiny512_server, "/v1/responses", {"model": "tinyloop", "input": "What is the weather in Paris?",
+                                                   "max_output_tokens": 64, "temperature": 0.8, "seed": seed,
+                                                   "stream": True, "store": False, "text": {"format": {
+                                                       "type": "json_schema", "name": "t", "schema": LOOSE}}})
+        assert r.status_code == 200 and "uniqueItems at #/properties/tags" in r.headers["x-tinyloop-warning"]
+        events = _named_events(r.content)
+        text = "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
+        name, last = events[-1]
+        if name != "response.completed":
+            assert name == "response.incomplete" and "schema_check" not in last
+        else:
+            valid = jsonschema.Draft202012Validator(LOOSE).is_valid(json.loads(text))
+            assert last["schema_check"] == "passed" if valid else last["schema_check"].startswith("failed: ")
+            assert "schema_check" not in last["response"]   # beside the response object, as the header is
+            checked["responses"] += 1
+    assert checked["messages"] >= 1 and checked["responses"] >= 1, checked
+
+
 def test_native_400s(tiny512_server):
     assert_error(post(tiny512_server, "/generate", {"prompt": "x", "regex": "[0-9"}), 400, "regex")
     assert_error(post(tiny512_server, "/generate", {"prompt": "x", "regex": "a", "grammar": 'root ::= "a"'}), 400, "grammar")

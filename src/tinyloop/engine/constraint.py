@@ -40,6 +40,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # over whatever the schema's own "x-guidance" says: a oneOf whose branches may overlap is compiled as anyOf
 # (the answer then checked, as vLLM and SGLang compile it unchecked); never ignore a keyword silently
 JSON_OVERRIDES = {"coerce_one_of": True, "lenient": False}
+CIRCULAR = "circular references with sibling keys"   # llguidance's refusal of a recursive $ref it must intersect
 ANY_JSON_OBJECT = {"type": "object"}
 CACHE_SIZE = 256          # compiled grammars kept per engine (least recently used dropped first)
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinyloop-mask")
@@ -63,13 +64,14 @@ class Constraint:
         # as given (no key sorting: the order of `properties` is the order the output writes them in)
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
-    def prepared(self):
-        """A json_schema's `schema_rewrite.Prepared`: the schema llguidance compiles, warnings, loose parts."""
+    def prepared(self, recursive_refs: bool = False):
+        """A json_schema's `schema_rewrite.Prepared`: the schema llguidance compiles, warnings, loose parts
+        (`recursive_refs`: the second try, `schema_rewrite.prepare`)."""
         from .schema_rewrite import prepare
 
-        return prepare(json.loads(self.source))
+        return prepare(json.loads(self.source), recursive_refs)
 
-    def grammar_text(self) -> str:
+    def grammar_text(self, recursive_refs: bool = False) -> str:
         """llguidance's grammar for this constraint (raises ValidationError naming `param`)."""
         import llguidance
 
@@ -77,7 +79,8 @@ class Constraint:
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.prepared().schema, defaults=JSON_OPTIONS,
+                return llguidance.LLMatcher.grammar_from_json_schema(self.prepared(recursive_refs).schema,
+                                                                     defaults=JSON_OPTIONS,
                                                                      overrides=JSON_OVERRIDES)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
@@ -138,12 +141,20 @@ class Grammars:
                 return hit
         text = constraint.grammar_text()
         matcher = llguidance.LLMatcher(self.lltokenizer(), text)
+        second = False
+        if matcher.is_error() and constraint.kind == "json_schema" and CIRCULAR in matcher.get_error():
+            # a recursive $ref llguidance would have to intersect: once more with those intersections
+            # rewritten away (schema_rewrite.prepare's recursive_refs), if that compiles
+            again = llguidance.LLMatcher(self.lltokenizer(), constraint.grammar_text(recursive_refs=True))
+            if not again.is_error():
+                matcher, second = again, True
         if matcher.is_error():
             error = matcher.get_error()
             schema_feature = constraint.kind == "json_schema" or "coerce_one_of" in error or "nimplemented" in error
             raise ValidationError(f"{constraint.param}: {_reason(error, constraint)}", param=constraint.param,
                                   code="unsupported_schema" if schema_feature else None)
-        check = SchemaCheck.of(constraint, matcher.get_grammar_warnings()) if constraint.kind == "json_schema" else None
+        check = SchemaCheck.of(constraint, matcher.get_grammar_warnings(), second) \
+            if constraint.kind == "json_schema" else None
         with self._lock:
             self.compiles += 1
             self._compiled[constraint] = (matcher, check)
@@ -176,6 +187,19 @@ def _reason(message: str, constraint: Constraint) -> str:
     if "coerce_one_of" in message:   # llguidance's option, not the API's: say what it means here
         return ("a oneOf whose branches may overlap cannot be held in this model's tool-call format (its calls are "
                 "not checked afterwards); use anyOf, or response_format, which takes it")
+    if constraint.kind == "json_schema" and CIRCULAR in message:
+        target = message.rsplit("#", 1)[-1].strip() if "#" in message else ""
+        paths = [p for p in keyword_paths(json.loads(constraint.source), "$ref")
+                 if _ref_at(json.loads(constraint.source), p) == f"#{target}"][:5]
+        return (f"a schema feature this server does not support: a recursive $ref (#{target}, referred to at "
+                f"{', '.join(paths) or '#'}) that would have to be intersected with other keywords (beside it, in "
+                f"an allOf, or a patternProperties schema that a declared property also matches); remove the "
+                f"recursion or the overlap ({message})")
+    if constraint.kind == "json_schema" and ("not present in a registry" in message
+                                             or (message.startswith("Pointer ") and "does not exist" in message)):
+        return (f"$ref: a reference that does not resolve within the schema (a pointer to nothing, another "
+                f"document, or an `id`/`$id` that changed the base URI it is resolved against): {message}; refer "
+                f"within the schema")
     if "Unimplemented" in message or "unimplemented" in message:
         where = ""
         if constraint.kind == "json_schema":
@@ -184,6 +208,15 @@ def _reason(message: str, constraint: Constraint) -> str:
             where = f" (at {', '.join(paths)})" if paths else ""
         return f"a schema feature this server does not support: {message}{where}; remove it from the schema"
     return message
+
+
+def _ref_at(schema: Any, pointer: str) -> Any:
+    """The `$ref` of the subschema at `pointer` ("#/a/b", as keyword_paths writes it)."""
+    node = schema
+    for part in pointer[2:].split("/") if pointer != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node.get(part) if isinstance(node, dict) else None
+    return node.get("$ref") if isinstance(node, dict) else None
 
 
 class Matcher:

@@ -21,10 +21,11 @@ class SchemaCheck:
     loose: tuple[str, ...] = ()        # "keyword at #/path" not enforced while generating
 
     @classmethod
-    def of(cls, constraint, grammar_warnings: list[str]) -> "SchemaCheck":
-        """A json_schema constraint's check, once compiled (`grammar_warnings`: llguidance's). Loose parts
-        need `jsonschema` to be checked: without it they are a 400 naming the keyword and its path."""
-        prepared = constraint.prepared()
+    def of(cls, constraint, grammar_warnings: list[str], recursive_refs: bool = False) -> "SchemaCheck":
+        """A json_schema constraint's check, once compiled (`grammar_warnings`: llguidance's; `recursive_refs`:
+        compiled on the second try, `schema_rewrite.prepare`). Loose parts need `jsonschema` to be checked:
+        without it they are a 400 naming the keyword and its path."""
+        prepared = constraint.prepared(recursive_refs)
         warnings, loose = list(prepared.warnings), list(prepared.loose)
         if any(ONE_OF_COERCED in w for w in grammar_warnings):
             paths = keyword_paths(json.loads(constraint.source), "oneOf")

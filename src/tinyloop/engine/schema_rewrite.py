@@ -10,12 +10,18 @@ whose answers are checked against the original schema once complete (`jsonschema
   `properties` of those, `anyOf`/`allOf`/`not` of those), or on a node that lists its values (the list
   filtered); `uniqueItems` over items of at most 4 values (every duplicate-free array written out);
 - loose, then checked (dropped from the grammar, named in a warning, the complete answer validated against
-  the original schema): the other forms of those keywords, `contains`, `unevaluated*`;
+  the original schema): the other forms of those keywords, `contains`, `unevaluated*`, a `pattern` with
+  look-around or backreferences;
 - an unknown `format`: a plain string, with a warning (validators treat `format` as an annotation too).
 
 `oneOf` whose branches `negate` turns round becomes an `anyOf` of each branch with the others' negations
 (exact); any other is llguidance's (exact where it proves the branches disjoint, else coerced to `anyOf`:
 compiled with `coerce_one_of`, and the answer checked; `constraint.Grammars` and `schema_check` do both).
+
+Schemas a local `$ref` reaches outside the keywords (`#/$file`, a folder of schemas in `definitions`) are
+rewritten too. A recursive schema llguidance refuses ("circular references with sibling keys") is prepared a
+second time with `recursive_refs=True`, which rewrites away what makes llguidance intersect (`_Walk.
+without_intersections`: exact where the intersection says nothing new, else loose).
 """
 
 from __future__ import annotations
@@ -48,9 +54,13 @@ class Prepared:
     loose: tuple[str, ...] = ()       # "keyword at #/path" not enforced while generating: checked after
 
 
-def prepare(schema: Any) -> Prepared:
-    walk = _Walk()
+def prepare(schema: Any, recursive_refs: bool = False) -> Prepared:
+    """`recursive_refs`: the second try, for a schema llguidance refused with "circular references with sibling
+    keys" (it compiles each `$ref` once, and cannot intersect one it is still compiling with other keywords):
+    the keywords that make it intersect are rewritten away (`_Walk.without_intersections`)."""
+    walk = _Walk(schema, recursive_refs)
     out = walk.node(schema, "#")
+    out = walk.ref_targets(out)
     return Prepared(out, tuple(walk.warnings), tuple(walk.loose))
 
 
@@ -62,6 +72,20 @@ def known_format(name: str) -> bool:
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return not is_error and not any("format" in m.lower() for m in messages)
+
+
+@lru_cache(maxsize=1024)
+def regex_problem(pattern: str) -> str | None:
+    """Why llguidance cannot compile `pattern` as a string's `pattern` (its regex engine has no look-around
+    and no backreferences), or None where it can."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if not is_error:
+        return None
+    said = " ".join(messages)
+    return said.rsplit("error:", 1)[1].strip().splitlines()[0] if "error:" in said else said.strip()[:120]
 
 
 @lru_cache(maxsize=64)
@@ -78,9 +102,13 @@ def _pointer(name: str) -> str:
 
 
 class _Walk:
-    def __init__(self):
+    def __init__(self, root: Any = None, recursive_refs: bool = False):
+        self.root = root                      # the schema as sent: local `$ref`s ("#/...") are read in it
+        self.recursive_refs = recursive_refs  # rewrite away what makes llguidance intersect (prepare's second try)
+        self.nested_ids: bool | None = None   # whether the schema sets `$id`/`id` below its root (refs not read)
         self.warnings: list[str] = []
         self.loose: list[str] = []
+        self.visited: set[str] = set()        # the paths walked as schemas
 
     def let_loose(self, s: dict, keyword: str, path: str, why: str = "") -> None:
         """`keyword` (and `then`/`else` with `if`) out of the grammar's schema, into the check's list."""
@@ -94,6 +122,7 @@ class _Walk:
     def node(self, s: Any, path: str) -> Any:
         if not isinstance(s, dict):
             return s
+        self.visited.add(path)
         s = dict(s)
         for k in SCHEMA_MAPS:
             if isinstance(s.get(k), dict):
@@ -108,7 +137,10 @@ class _Walk:
             s["dependencies"] = {n: v if isinstance(v, list) else self.node(v, f"{path}/dependencies/{_pointer(n)}")
                                  for n, v in s["dependencies"].items()}
         extra: list[tuple[str, Any]] = []   # (keyword, a schema the node must also satisfy): an allOf around it
+        if self.recursive_refs:
+            self.without_intersections(s, path)
         self.format(s, path)
+        self.pattern(s, path)
         for k in LOOSE:
             if k in s:
                 self.let_loose(s, k, path)
@@ -140,6 +172,131 @@ class _Walk:
             kept.append(schema)
         return kept
 
+    def ref_targets(self, out: Any) -> Any:
+        """The schemas a local `$ref` points to that the walk did not reach through keywords (a folder of
+        schemas inside `definitions`, a container of its own such as `#/$file`: validators and llguidance
+        read them as schemas when referred to), walked and put in their place in `out`, until every local
+        `$ref` lands on a walked schema. One whose place moved in `out` (inside a node a rewrite wrapped in an
+        `allOf`) is left as it is (llguidance then names what it lacks)."""
+        from urllib.parse import unquote
+
+        while True:
+            todo = []
+            for ref in _local_refs(out):
+                path = "#" + unquote(ref[1:])
+                if path not in self.visited and path not in todo:
+                    todo.append(path)
+            walked = False
+            for path in todo:
+                self.visited.add(path)
+                parts = [p.replace("~1", "/").replace("~0", "~") for p in path[2:].split("/")]
+                target, parent = _at(self.root, parts), _at(out, parts[:-1])
+                if isinstance(target, dict) and isinstance(parent, dict) and parts[-1] in parent:
+                    parent[parts[-1]] = self.node(target, path)
+                    walked = True
+            if not walked:
+                return out
+
+    def without_intersections(self, s: dict, path: str) -> None:
+        """llguidance intersects the schemas that apply to one value: a node's keywords with each `anyOf`/
+        `oneOf` branch and with a `$ref` beside them, a declared property's schema with that of each
+        `patternProperties` pattern its name matches. Where one of those reaches a `$ref` it is still compiling
+        (a recursive schema), it refuses the schema. Rewritten so that nothing is intersected: exactly where the
+        intersection says nothing new, else loose (checked after)."""
+        for k, nothing in _SAYS_NOTHING.items():   # exact: these values constrain nothing
+            if k in s and s[k] in nothing:
+                s.pop(k)
+        self.redundant_type(s)
+        self.pattern_overlap(s, path)
+
+    def redundant_type(self, s: dict) -> None:
+        """`type` beside `anyOf`/`oneOf`/`allOf`/`$ref` whose every value already has one of those types (each
+        branch's `type` or `enum`, a local `$ref`'s target's): left out. Exact: the node is `type` and the rest,
+        and the rest implies `type`."""
+        declared = _type_set(s.get("type"))
+        if declared is None or not set(s) & {"anyOf", "oneOf", "allOf", "$ref"}:
+            return
+        rest = self.types({k: v for k, v in s.items() if k != "type"}, 0)
+        if rest is not None and all(_type_within(t, declared) for t in rest):
+            s.pop("type")
+
+    def pattern_overlap(self, s: dict, path: str) -> None:
+        """A declared property whose name a `patternProperties` pattern matches (Python's `re.search`, as
+        jsonschema reads patterns) is held to both schemas. Where every matching pattern's schema is the
+        property's own (annotations aside), the declaration is left out: exact (the pattern holds the name to
+        the same schema, and a matched name is not an additional property). Otherwise the declaration is left
+        out and loose: the grammar holds the name to the patterns' schemas, the answer is checked against the
+        declared one after. (A pattern whose schema says nothing adds nothing: the declaration stays.)"""
+        props, patterns = s.get("properties"), s.get("patternProperties")
+        if not isinstance(props, dict) or not isinstance(patterns, dict) or not patterns:
+            return
+        import re
+
+        kept = {}
+        for name, schema in props.items():
+            try:
+                matching = [sub for p, sub in patterns.items() if re.search(p, name) and _bare(sub) not in ({}, True)]
+            except re.error:
+                matching = []
+            if not matching:
+                kept[name] = schema
+            elif any(_bare(sub) != _bare(schema) for sub in matching):
+                self.let_loose({}, "properties", f"{path}/properties/{_pointer(name)}",
+                               " (its name also matches a patternProperties pattern, whose schema the grammar holds; "
+                               "the two cannot be intersected in this recursive schema)")
+        s["properties"] = kept
+
+    def types(self, s: Any, depth: int) -> set[str] | None:
+        """The JSON types `s` may match (as `type` spells them), or None where this cannot say (any)."""
+        if s is False:
+            return set()
+        if not isinstance(s, dict) or depth > 16:
+            return None
+        out = _type_set(s.get("type"))
+
+        def meet(other: set[str] | None) -> None:
+            nonlocal out
+            if other is not None:
+                out = other if out is None else ({t for t in out if any(_type_within(t, {o}) for o in other)} |
+                                                 {o for o in other if any(_type_within(o, {t}) for t in out)})
+        if "const" in s or isinstance(s.get("enum"), list):
+            values = [s["const"]] if "const" in s else s["enum"]
+            meet({"integer" if isinstance(v, int) and not isinstance(v, bool) else _json_type(v) for v in values})
+        if isinstance(s.get("$ref"), str):
+            target = self.resolve(s["$ref"])
+            if target is _NOWHERE:
+                return None
+            meet(self.types(target, depth + 1))
+        for key in ("anyOf", "oneOf"):
+            if isinstance(s.get(key), list):
+                each = [self.types(b, depth + 1) for b in s[key]]
+                if None not in each:
+                    meet(set().union(*each))
+        for b in s["allOf"] if isinstance(s.get("allOf"), list) else []:
+            meet(self.types(b, depth + 1))
+        return out
+
+    def resolve(self, ref: str) -> Any:
+        """A local `$ref` ("#", "#/definitions/x") read in the schema as sent; _NOWHERE for any other (another
+        document, an anchor), and where the schema sets `$id`/`id` below its root (a `$ref` below one resolves
+        against it, not the root: not guessed)."""
+        if self.nested_ids is None:
+            self.nested_ids = _finds_id(self.root, top=True)
+        if self.nested_ids or not (ref == "#" or ref.startswith("#/")):
+            return _NOWHERE
+        from urllib.parse import unquote
+
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return _NOWHERE
+        return node
+
     def format(self, s: dict, path: str) -> None:
         """An unknown `format`: a plain string. (And an unknown `$schema`, such as a registry's own
         meta-schema, read as JSON Schema: llguidance would try to fetch it.)"""
@@ -153,6 +310,15 @@ class _Walk:
             s.pop("format")
             self.warnings.append(f"format at {path}: {f!r} is not a format this server knows; written as a "
                                  f"plain string")
+
+    def pattern(self, s: dict, path: str) -> None:
+        """A string `pattern` llguidance's regex engine cannot compile (look-around such as `^(?!ioBroker)`,
+        backreferences): loose, the complete answer checked with Python's `re`, which has both (jsonschema's
+        `pattern` is `re.search`). Only `pattern` itself: a `patternProperties` key cannot be left out (it
+        decides which keys `additionalProperties` covers), so such a key stays llguidance's 400."""
+        p = s.get("pattern")
+        if isinstance(p, str) and (why := regex_problem(p)) is not None:
+            self.let_loose(s, "pattern", path, f" ({why})")
 
     def dependencies(self, s: dict, extra: list) -> None:
         """`dependentRequired` / `dependentSchemas` / `dependencies`: "if NAME is present, then ...", as an
@@ -275,6 +441,71 @@ class _Walk:
             return
         s.pop("if"), s.pop("then", None), s.pop("else", None)
         extra.append(("if", _any([_all([cond, then]), _all([n, other])])))
+
+
+_NOWHERE = object()
+
+
+def _local_refs(s: Any) -> list[str]:
+    """Every `$ref` in `s` that points into the document below its root ("#/...")."""
+    out: list[str] = []
+    stack = [s]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if isinstance(x.get("$ref"), str) and x["$ref"].startswith("#/"):
+                out.append(x["$ref"])
+            stack += [v for k, v in x.items() if k not in ("enum", "const", "default", "examples")]
+        elif isinstance(x, list):
+            stack += x
+    return out
+
+
+def _at(s: Any, parts: list[str]) -> Any:
+    """The value at a JSON pointer's (decoded) parts, or None."""
+    for part in parts:
+        if isinstance(s, dict) and part in s:
+            s = s[part]
+        elif isinstance(s, list) and part.isdigit() and int(part) < len(s):
+            s = s[int(part)]
+        else:
+            return None
+    return s
+_SAYS_NOTHING = {"additionalProperties": ({}, True), "additionalItems": ({}, True), "items": ({}, True),
+                 "properties": ({},), "patternProperties": ({},), "required": ([],)}
+_PLAIN_ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                      "writeOnly", "markdownDescription"}
+
+
+def _bare(schema: Any) -> Any:
+    """`schema` without its top-level annotations (which constrain nothing), for comparing two schemas."""
+    return {k: v for k, v in schema.items() if k not in _PLAIN_ANNOTATIONS | {"$schema"}} \
+        if isinstance(schema, dict) else schema
+
+
+def _type_set(t: Any) -> set[str] | None:
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    return None
+
+
+def _type_within(t: str, declared: set[str]) -> bool:
+    """Every value of JSON type `t` (as `type` spells it) has one of the `declared` types."""
+    return t in declared or (t == "integer" and "number" in declared)
+
+
+def _finds_id(s: Any, top: bool = False) -> bool:
+    """Whether a schema below the root sets `$id` (or draft 4's `id`) (conservative: a keyword's value that
+    happens to be an object with a string `id`, such as a hyper-schema link, counts too)."""
+    if isinstance(s, list):
+        return any(_finds_id(x) for x in s)
+    if not isinstance(s, dict):
+        return False
+    if not top and (isinstance(s.get("$id"), str) or isinstance(s.get("id"), str)):
+        return True
+    return any(_finds_id(v) for k, v in s.items() if k not in ("enum", "const", "default", "examples"))
 
 
 def _filter_values(s: dict, keep) -> bool:

@@ -524,7 +524,10 @@ class MessagesFramer(Framer):
         out = self._frames(ev, final=True) + [self.sse(n, d) for n, d in self.blocks.close()]
         delta = {"stop_reason": stop_reason(ev.finish_reason, ev.stop_sequence, self.blocks.called, self.context_bound),
                  "stop_sequence": ev.stop_sequence}
-        out.append(self.sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(ev.stats or {})}))
+        last = {"type": "message_delta", "delta": delta, "usage": usage(ev.stats or {})}
+        if (ev.stats or {}).get("schema_check"):   # a schema checked after generation (docs/structured.md)
+            last["schema_check"] = ev.stats["schema_check"]
+        out.append(self.sse("message_delta", last))
         out.append(self.sse("message_stop", {"type": "message_stop"}))
         return out
 

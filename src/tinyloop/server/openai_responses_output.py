@@ -244,7 +244,10 @@ class ResponsesFramer(Framer):
         out += [self.sse(kind, data) for kind, data in self.items.close("incomplete" if cut else "completed")]
         final = finished(self.response, self.items, ev.finish_reason, ev.stats or {})
         self.on_done(final)
-        return out + [self.sse("response.incomplete" if cut else "response.completed", {"response": final})]
+        last = {"response": final}
+        if (ev.stats or {}).get("schema_check"):   # a schema checked after generation (docs/structured.md)
+            last["schema_check"] = ev.stats["schema_check"]
+        return out + [self.sse("response.incomplete" if cut else "response.completed", last)]
 
     def fail(self, err: APIError) -> list[bytes]:
         """An `error` event (OpenAI's stream error: code, message, param), then `response.failed`."""
