@@ -31,8 +31,9 @@ def exact_activations(monkeypatch):
 @torch.inference_mode()
 def test_native_linear_every_row_count(weights):
     """One linear layer over 1 .. 40 input rows (a decode batch, a head over it, a prefill chunk), on 1 and 2
-    threads: the dot-product tiles below 6 rows (12 for float weights) and the outer-product panels from
-    there (a remainder of rows and of weight rows included) agree with the layer in fp32."""
+    threads, in batch-invariant mode (the dot-product tiles at every row count) and out of it (the outer-product
+    panels from 6 rows, 12 for float weights; a remainder of rows and of weight rows included): each agrees
+    with the layer in fp32."""
     from tinyloop.kernels.executor import _forward, linear_desc
 
     g = torch.Generator().manual_seed(11)
@@ -49,12 +50,17 @@ def test_native_linear_every_row_count(weights):
         lin.weight.data = w.to(dt)
     keep: list = []
     desc = linear_desc(lin, keep)
+    lib = kernels.load()
     for m in (1, 3, 7, 8, 13, 16, 17, 40, 100):   # 100: two slabs of rows
         x = torch.randn(m, 96, generator=g)
         ref = x @ ref_w.t()
-        for threads in (1, 2):
-            got = _forward(desc, x, threads)
-            assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads)
+        for threads, mode in ((1, 0), (2, 0), (2, 1)):
+            old = lib.tl_set_batch_invariant(mode)
+            try:
+                got = _forward(desc, x, threads)
+            finally:
+                lib.tl_set_batch_invariant(old)
+            assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), (m, threads, mode)
 
 
 @pytest.mark.skipif(kernels.load().tl_isa() == b"portable scalar",
@@ -90,6 +96,49 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
     scale = exact.abs().max().item()
     assert (alone - exact).abs().max().item() < 2e-2 * scale
     assert (alone - exact).abs().max().item() > 1e-4 * scale   # the activations were rounded
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int4", "int2"])
+@torch.inference_mode()
+def test_float_and_fp32_activation_layers_do_not_depend_on_the_batch(weights):
+    """Batch invariance of 16-bit layers and of quantized ones with fp32 activations (int2, or int4 with
+    TINYLOOP_NATIVE_Q8=0 as here; in a model, int4 layers whose width is not whole 64s): every dot-product
+    kernel (the one-row GEMV, eight weight rows finished at once, from cache or streamed, and every tile shape)
+    reduces an output in one order (one accumulator over k, vsum's lane order; per group for the codes), so a
+    row's result is bitwise the same alone and in a batch of fewer rows than the panels take; in batch-invariant
+    mode (`tl_set_batch_invariant`, TINYLOOP_BATCH_INVARIANT=1) the panels are not taken and that holds for any
+    batch. Nothing here is a tolerance."""
+    from tinyloop.kernels.executor import _forward, linear_desc
+
+    g = torch.Generator().manual_seed(5)
+    rows_out = 1030 if weights in ("fp32", "fp16", "bf16") else 71   # float: 4.2-8.4 MB, a streamed GEMV
+    w = torch.randn(rows_out, 1024, generator=g) * 0.05
+    if weights.startswith("int"):
+        bits = int(weights[3:])
+        q, sc, z = quantize_rtn(w, bits, 32)
+        lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
+    else:
+        lin = nn.Linear(1024, rows_out, bias=False)
+        lin.weight.data = w.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[weights])
+    keep: list = []
+    desc = linear_desc(lin, keep)
+    assert not desc.act_q8 or weights == "int2"
+    x = torch.randn(40, 1024, generator=g)
+    lib = kernels.load()
+    alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(len(x))])
+    below = 12 if weights in ("fp32", "fp16", "bf16") else 6   # the panels' row counts (matmul.cpp)
+    old = lib.tl_set_batch_invariant(0)
+    try:
+        for rows in range(2, below):
+            part = torch.cat([_forward(desc, x[i:i + rows], 2) for i in range(0, len(x) - rows + 1, rows)])
+            assert torch.equal(part, alone[:len(part)]), rows
+        lib.tl_set_batch_invariant(1)
+        for rows in (2, 5, 7, 12, 13, 16, 40):
+            for threads in (1, 2):
+                part = torch.cat([_forward(desc, x[i:i + rows], threads) for i in range(0, len(x) - rows + 1, rows)])
+                assert torch.equal(part, alone[:len(part)]), (rows, threads)
+    finally:
+        lib.tl_set_batch_invariant(old)
 
 
 def _amx_host() -> bool:

@@ -146,6 +146,9 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i
+        lib.tl_set_batch_invariant.argtypes = [_i]
+        lib.tl_set_batch_invariant.restype = _i
+        lib.tl_set_batch_invariant(1 if batch_invariant_setting() else 0)
         lib.tl_set_amx.argtypes = [_i]
         lib.tl_set_amx.restype = _i
         lib.tl_amx.restype = _i
@@ -153,6 +156,14 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_isa.restype = ctypes.c_char_p
         _libs[isa] = lib
         return lib
+
+
+def batch_invariant_setting() -> bool:
+    """Batch-invariant mode, on unless `TINYLOOP_BATCH_INVARIANT=0`: no layer takes the outer-product panels
+    (matmul.cpp), so 16-bit and fp32-activation quantized layers give a row the same result whatever else
+    shares the step, as int4/int8 layers with int8 activations always do. Off, those layers run many rows
+    (a prefill chunk, a large batch) faster: docs/decode.md, "Batch invariance"."""
+    return os.environ.get("TINYLOOP_BATCH_INVARIANT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def loaded() -> ctypes.CDLL | None:

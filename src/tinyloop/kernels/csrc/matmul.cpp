@@ -58,11 +58,14 @@ void float_tile(const tl_linear* L, const float* x, float* y, int ldy, int n0, i
 }
 
 #if TL_SIMD
-// One input row (a GEMV), eight weight rows at a time, eight sums finished by one vsum8. Two orders:
-// - cached weights (a looped block's layers, re-read every loop): the eight rows are read side by side;
-// - weights streamed from memory (a head, a big model's layers): one row after the other, one sequential
-//   stream, and the next eight rows prefetched in order (the hardware prefetcher does not follow eight
-//   interleaved row streams: measured 2-3x slower on a 25.7 MB head; side by side is faster in cache)
+// One input row (a GEMV), eight weight rows at a time, eight sums finished by one vsum8. Every output is
+// one accumulator over k in order, finished by vsum's order: what float_tile computes for it at any tile
+// shape, so a row's result does not depend on the rows beside it (batch invariance). The eight rows are read
+// side by side, the rows a few blocks on prefetched a cache line per row at a time: two blocks on for weights
+// in cache (a looped block's layers, re-read every loop), 32 KB on for weights streamed from memory (a head, a
+// big model's layers). (Until session 20 a streamed row was read alone with four accumulators, which made its
+// sums differ from the tiles' in the last bits; 1.0-1.15x its time on the shipped fp16 head, 1.03x on the
+// Ouro-1.4B shape's bf16 head, both noisy.)
 constexpr int64_t STREAM_BYTES = 4 << 20;
 
 template <int KIND>
@@ -74,31 +77,15 @@ void float_gemv(const tl_linear* L, const float* x, float* y, int n0, int n1) {
     for (; n + 8 <= n1; n += 8) {
         vf acc[8];
         const int64_t base = (int64_t)n * K;
-        if (stream) {
-            const char* next = (const char*)L->w + (base + 8 * (int64_t)K) * ES;
-            for (int j = 0; j < 8; ++j) {
-                const int64_t r = base + (int64_t)j * K;
-                vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-                int k = 0;
-                for (; k + 4 * TL_W <= K; k += 4 * TL_W) {
-                    for (int i = 0; i < ES / 2; ++i)
-                        _mm_prefetch(next + ((int64_t)j * K + k) * ES + 64 * i, _MM_HINT_T0);
-                    a0 = vfma(load_w(KIND, L->w, r + k), vload(x + k), a0);
-                    a1 = vfma(load_w(KIND, L->w, r + k + TL_W), vload(x + k + TL_W), a1);
-                    a2 = vfma(load_w(KIND, L->w, r + k + 2 * TL_W), vload(x + k + 2 * TL_W), a2);
-                    a3 = vfma(load_w(KIND, L->w, r + k + 3 * TL_W), vload(x + k + 3 * TL_W), a3);
-                }
-                for (; k < K; k += TL_W) a0 = vfma(load_w(KIND, L->w, r + k), vload(x + k), a0);
-                acc[j] = vadd(vadd(a0, a1), vadd(a2, a3));
-            }
-        } else {
-            for (int j = 0; j < 8; ++j) acc[j] = vzero();
-            for (int k = 0; k < K; k += TL_W) {
-                if (k % 32 == 0)   // the rows two blocks ahead, a cache line per row at a time
-                    for (int j = 0; j < 8; ++j) tl_prefetch(L->w, KIND, base + (int64_t)(16 + j) * K + k);
-                const vf xv = vload(x + k);
-                for (int j = 0; j < 8; ++j) acc[j] = vfma(load_w(KIND, L->w, base + (int64_t)j * K + k), xv, acc[j]);
-            }
+        for (int j = 0; j < 8; ++j) acc[j] = vzero();
+        // the rows `ahead` rows on, a cache line per row at a time: two blocks in cache; streamed, at least
+        // 32 KB on (the streams' next lines must be on their way well before they are read)
+        const int ahead = stream ? std::max(16, 32768 / (K * ES) / 8 * 8) : 16;
+        for (int k = 0; k < K; k += TL_W) {
+            if ((k * ES) % 64 == 0)
+                for (int j = 0; j < 8; ++j) tl_prefetch(L->w, KIND, base + (int64_t)(ahead + j) * K + k);
+            const vf xv = vload(x + k);
+            for (int j = 0; j < 8; ++j) acc[j] = vfma(load_w(KIND, L->w, base + (int64_t)j * K + k), xv, acc[j]);
         }
         vstore(y + n, vsum8(acc));
     }
@@ -210,9 +197,16 @@ constexpr int PNR = 6;           // weight rows per micro-tile
 // at every row count, for batch invariance (their 4 x 2 tiles took 0.84-1.29x the panels' time at 16 rows
 // and 0.86-1.12x at 24, session 12). `panel_forced` (tests): every layer's.
 int panel_forced = 0;
+// Batch-invariant mode (`tl_set_batch_invariant`, on by default; lib.py turns it off for
+// TINYLOOP_BATCH_INVARIANT=0): no layer takes the panels, so every output of every layer is reduced in its
+// kernel's one fixed order (the float and fp32-activation tiles and the one-row products share one; the
+// integer kernels have their own canonical one) and a row's result does not depend on how many rows share
+// the call. Off, 16-bit and fp32-activation quantized layers take the panels from 12 / 6 rows.
+int batch_invariant = 1;
 
 static inline int panel_min_rows(const tl_linear* L) {
     if (panel_forced) return panel_forced;
+    if (batch_invariant) return 1 << 30;
     // int8 activations never take the panels by themselves: the panels' fp32 sums would make a row's result
     // depend on how many rows share the call (the tiles' canonical reduction does not)
     return L->kind <= TL_BF16 ? 12 : int8_activations(L) ? 1 << 30 : 6;
@@ -405,6 +399,18 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
             default: quant_rows<2>(L, xp, xs, m, y, ldy, n0, n1); break;
         }
     });
+}
+
+// batch-invariant mode on (1) or off (0); returns the old setting
+extern "C" int32_t tl_set_batch_invariant(int32_t on) {
+#if TL_SIMD
+    const int old = batch_invariant;
+    batch_invariant = on ? 1 : 0;
+    return old;
+#else
+    (void)on;
+    return 1;   // (the portable build has no panels: always invariant)
+#endif
 }
 
 // the fewest input rows that take the outer-product path, for every layer (tests and benchmarks compare

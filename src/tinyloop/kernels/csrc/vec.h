@@ -53,12 +53,17 @@ static inline float vsum(vf a) {
     return _mm_cvtss_f32(s);
 }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-// the sums of a[0] .. a[7], one per lane (eight dot products finished at once, no per-dot horizontal sum)
+// the sums of a[0] .. a[7], one per lane (eight dot products finished at once, no per-dot horizontal sum);
+// lane j is bitwise vsum(a[j]): ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so a dot product finished
+// eight at a time equals the same one finished alone (batch invariance: matmul.cpp)
 static inline vf vsum8(const vf* a) {
-    const vf t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const vf t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const vf u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   // lanes: sums of halves
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    vf s[4];   // s[j] = [a[j] lanes i + (i + 4) | a[j + 4] lanes i + (i + 4)], i = 0..3
+    for (int j = 0; j < 4; ++j)
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20), _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    // [(s0 + s2), (s1 + s3)] of two vectors side by side, then the two added
+    const vf p = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+    const vf q = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(p, q, 0x88), _mm256_shuffle_ps(p, q, 0xDD));
 }
 // e^x, relative error ~2e-7 (Cephes' expf polynomial); x is clamped to +-88 (e^88 is still finite)
 static inline vf vexp(vf x) {
