@@ -119,6 +119,7 @@ class DraftPolicy:
         if pipeline_costs is not None:
             self.tables[True] = pipeline_costs
         self.pipeline = prefer_pipeline and pipeline_costs is not None   # the shape of the round chosen last
+        self.pipeline_only = prefer_pipeline and pipeline_costs is None   # (its one table is the pipeline's)
         # a new request starts from the model's recent acceptance, worth PRIOR drafts of evidence (its own
         # rounds outweigh it within a few rounds); before any, Jeffreys' prior alone
         p = self.tables[False].prior()
@@ -139,8 +140,11 @@ class DraftPolicy:
     def _timed(c: RoundCosts) -> bool:
         return c.draft_ms is not None and any(s >= 1 for s in c.verify_ms)
 
-    def choose(self, cap: int) -> int:
+    def choose(self, cap: int, pipeline_cap: int | None = None) -> int:
+        """This round's k (and `pipeline`): chain rounds draft at most `cap` (within k_max); pipeline rounds,
+        whose drafts in flight the executor bounds by k_max, at most `pipeline_cap` in all (None: `cap`)."""
         cap = max(0, min(cap, self.k_max))
+        pipeline_cap = cap if pipeline_cap is None else max(0, pipeline_cap)
         if not self.adaptive:
             self._chose(cap)
             return cap
@@ -161,7 +165,7 @@ class DraftPolicy:
             for pipe, c in self.tables.items():
                 if not self._timed(c):
                     continue
-                for k in range(1, cap + 1):
+                for k in range(1, (pipeline_cap if pipe or self.pipeline_only else cap) + 1):
                     rate = rates[pipe, k] = (1.0 - a ** (k + 1)) / (1.0 - a) / (k * c.draft_ms + c.verify(k))
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (pipe, k), rate

@@ -7,6 +7,8 @@ from __future__ import annotations
 ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
                         # plain row in the shared batched step costs less than a round of its own
 PLAIN_STEPS = 8         # plain rounds (k = 0) a request running alone makes per native call (NativeSteps)
+PIPELINE_RUN = 16       # drafts a pipeline round may make in all while they are accepted (draft_ahead bounds
+                        # those in flight at once): a round's fill and drain passes, paid once a round
 
 
 def draft_norm(sp):
@@ -35,7 +37,7 @@ class NativeRound:
             head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=noise(sp))
+            noise=noise(sp), ahead=sp.params.draft_ahead)
 
 
 class NativeSteps(NativeRound):

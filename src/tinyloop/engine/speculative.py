@@ -65,10 +65,10 @@ from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
-from .draft_policy import DraftPolicy, TreeOrChain, round_costs
+from .draft_policy import DraftPolicy, TreeOrChain, round_costs, tested
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
-from .native_rounds import ALONE_UP_TO, PLAIN_STEPS, NativeRound, NativeSteps
+from .native_rounds import ALONE_UP_TO, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
@@ -226,7 +226,7 @@ class Speculator(TreeRounds):
         if tree:
             out = yield from self._native_tree_round(ahead)
         elif self.native:
-            out = yield from self._native_round(ahead)
+            out = yield from self._native_round(ahead, min(PIPELINE_RUN, remaining - 1))
         else:
             out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
         if self.shapes is not None:
@@ -330,16 +330,17 @@ class Speculator(TreeRounds):
         st["accepted"] += len(out) - 1
         return out
 
-    def _native_round(self, cap: int):
+    def _native_round(self, cap: int, pipeline_cap: int):
         """A greedy round as one native call (chain or pipeline): the policy's k drafts, verification, head
-        argmax. In a
+        argmax. A chain round drafts at most `cap` (draft_ahead); a pipeline round keeps at most that many
+        drafts in flight and runs on while they are accepted, up to `pipeline_cap` drafts in all. In a
         crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
         a round of its own would not). A draft exit's entries of such positions are not written: later
         drafts attend to them as the pool holds them, which changes proposals only, never the output."""
         now = self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
             return (yield from self._plain_row(batched=True))
-        k = self.policy.choose(cap)
+        k = self.policy.choose(cap, pipeline_cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
         if k == 0:   # no draft: the plain row plain decoding runs (a round of one call of its own cost ~15% more)
@@ -382,11 +383,13 @@ class Speculator(TreeRounds):
         st = self.stats
         st["draft_s"] += res["draft_ms"] / 1000
         st["verify_s"] += res["verify_ms"] / 1000
-        st["draft_tokens"] += k
-        st["proposed"] += k
+        # (a pipeline round stops drafting at its first rejection: it proposed the drafts it tested)
+        made = tested(k, len(out) - 1) if "emitted" in res else k
+        st["draft_tokens"] += made
+        st["proposed"] += made
         st["accepted"] += len(out) - 1
-        st["draft_passes"] += k + 1
-        st["verify_positions"] += k + 1
+        st["draft_passes"] += made + 1
+        st["verify_positions"] += made + 1
         return out
 
     def _time_last_chain(self) -> float:

@@ -331,7 +331,7 @@ class NativeExecutor:
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
-                   pipeline: bool = False, noise: tuple | None = None) -> dict:
+                   pipeline: bool = False, noise: tuple | None = None, ahead: int = 0) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
@@ -341,7 +341,8 @@ class NativeExecutor:
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
         the two phases' milliseconds. `pipeline` (k >= 1): the same round as depth-aligned passes
-        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written.
+        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written; `ahead`
+        (> 0) bounds its drafts in flight at once (k bounds those of the call).
         `noise` (seed, n0, 1 / T, top_k, top_p): a sampled round, every token drawn under the noise of its output index
         (n0 for the token after `pending`; engine/sampling.py)."""
         with _CALL:
@@ -356,7 +357,7 @@ class NativeExecutor:
             base.token, base.pos, base.window, base.readout = pending, pos, window, 0
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             R = L.TlRound()
-            R.k, R.d, R.V, R.draft_readout = k, d, V, ro
+            R.k, R.d, R.V, R.draft_readout, R.ahead = k, d, V, ro, ahead
             R.top_p = 1.0
             if noise is not None:
                 R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise

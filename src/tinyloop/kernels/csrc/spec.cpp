@@ -223,7 +223,7 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
 
 extern "C" int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
     const int64_t n = R->k + 1, dim = m->dim;
-    return 2 * n * dim + n * ve_extra(m) + 4 * dim + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
+    return 2 * n * dim + n * ve_extra(m) + 4 * dim + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
            + 2 * dim + dim / 8 + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
@@ -240,8 +240,8 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     float* es = scratch;                 // (n, W) loop inputs (prelude outputs, value embeddings)
     float* hs = es + n * W;              // (n, dim) states
     float* tmp = hs + n * dim;           // (4 dim) read-outs, normed rows
-    float* logits = tmp + 4 * dim;
-    float* hsc = logits + std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
+    float* logits = tmp + 4 * dim;       // (2, head columns): the verification's row, then the draft's
+    float* hsc = logits + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
     int64_t total;
     Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + 2 * dim + dim / 8 + 64, &total);
     const double t0 = now_ms();
@@ -276,7 +276,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     }
     R->tokens[0] = base->token;
     enter(0);
-    int oldest = 0, newest = 0, emitted = 0, row_loops = 0;
+    int oldest = 0, newest = 0, emitted = 0, row_loops = 0, picked = 0;   // picked: the newest drafted token's position
     const tl_block* core = m->blocks + m->n_prelude;
     const int core_slot0 = m->n_prelude + m->n_coda;
     for (;;) {
@@ -307,25 +307,44 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         else memcpy(hs + oldest * dim, B.x, sizeof(float) * M * dim);
         for (int j = oldest; j <= newest; ++j) ++loop[j];
         row_loops += M;
+        // after the pass: the oldest, through loop V-1, is verified (the coda, the head, the greedy token); the
+        // newest, through loop d-1, is drafted from (the draft read-out, the draft head's pick); where both come
+        // in one pass and the draft reads the model's own head, the two rows share one read of it (a row's
+        // logits do not depend on the rows beside it: matmul.cpp)
+        const bool verify_now = loop[oldest] == V;
+        const bool draft_now = loop[newest] == d && (newest < k || R->draft_readout > 0);   // (the last
+        const bool pick_now = loop[newest] == d && newest < k;                              // draft's exit
+        const bool shared = verify_now && pick_now && !R->draft_head;                       // entry too)
         bool stop = false;
-        if (loop[oldest] == V) {   // verified: the coda, the head, the greedy token
+        const int64_t HN = R->head->n;
+        if (verify_now) {
             read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B, es + oldest * W);
             int32_t y;
             const tl_sampling s = round_draw(R, oldest);
-            const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s,
-                                   m->logit_softcap);
-            if (rc) return 20 + rc;
+            if (shared) {   // the draft's read-out, then both rows' norms and one head call
+                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp + dim, B, es + newest * W);
+                float* two = tmp + 2 * dim;
+                if (R->head_norm) rmsnorm(tmp, R->head_norm, two, 1, (int)dim, R->head_eps);
+                else memcpy(two, tmp, sizeof(float) * dim);
+                if (R->draft_norm) rmsnorm(tmp + dim, R->draft_norm, two + dim, 1, (int)dim, R->draft_eps);
+                else memcpy(two + dim, tmp + dim, sizeof(float) * dim);
+                tl_linear_rows(R->head, two, 2, logits, HN, hsc);
+                if (m->logit_softcap > 0.0f) tl_step::softcap(logits, 1, HN, HN, m->logit_softcap);
+                y = tl_draw(logits, R->vocab, nullptr, &s);
+                R->tokens[newest + 1] = draft_pick(R, logits + HN, draft_cols, newest);
+            } else {
+                const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s,
+                                       m->logit_softcap);
+                if (rc) return 20 + rc;
+            }
             R->verify[emitted++] = y;
             if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds
             else stop = true;                                            // a correction, or the last draft's bonus
         }
         if (stop) break;
-        if (loop[newest] == d) {   // drafted: the draft read-out, the draft head's argmax, the next position
-            const bool more = newest < k;
-            if (more || R->draft_readout > 0) {   // (the last draft's exit entry is written too: no backlog)
-                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B, es + newest * W);
-            }
-            if (more) {
+        if (draft_now && !shared) {
+            read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B, es + newest * W);
+            if (pick_now) {
                 const float* x = tmp;
                 if (R->draft_norm) {
                     rmsnorm(tmp, R->draft_norm, tmp + dim, 1, (int)dim, R->draft_eps);
@@ -333,9 +352,14 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
                 }
                 tl_linear_rows(DH, x, 1, logits, DH->n, hsc);
                 R->tokens[newest + 1] = draft_pick(R, logits, draft_cols, newest);
-                ++newest;
-                enter(newest);
             }
+        }
+        if (pick_now) picked = newest + 1;
+        // the next position enters at loop 0 once its draft is picked, while fewer than `ahead` drafts are in
+        // flight (its loop-l reads of the position before it find those keys written: that one is ahead)
+        if (picked > newest && (R->ahead <= 0 || picked - oldest <= R->ahead)) {
+            newest = picked;
+            enter(newest);
         }
     }
     R->n_emitted = emitted;

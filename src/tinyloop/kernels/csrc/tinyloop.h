@@ -168,13 +168,16 @@ typedef struct {
     // sampling (inv_temp > 0): every token of the round, draft or verified, is tl_draw's with the key of its
     // output index, n0 + its offset in the round (the token after the pending one is index n0)
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
+    int32_t ahead;   // the pipeline: at most this many drafts in flight, not yet verified (0: no bound)
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);
 int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
 // The same round as a pipeline of depth-aligned passes (each in-flight position at its own loop in one
 // pass over the weights; step.cpp): `verify` gets the n_emitted output tokens (accepted drafts, then the
-// verifier's correction or bonus); every draft's exit entry is written (no backlog after it).
+// verifier's correction or bonus); every draft's exit entry is written (no backlog after it). k bounds the
+// drafts of the whole call and `ahead` those in flight at once, so a call may run far past `ahead` drafts
+// while they are accepted (the next drafts beside the verification of the earlier ones).
 int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                      int64_t scratch_len);
 int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx);
