@@ -1,9 +1,10 @@
 """Paired in-process comparisons (session 19): tree K=2 (tree rounds only) against the chain at the same d and k,
-and `auto` against loops 3 and 8, end to end and after the first token; 7 alternating pairs each.
+`auto` against loops 3 and 8, and (session 20) the default speculation against plain loops 8, end to end and
+after the first token; 7 alternating pairs each.
 
-    OMP_NUM_THREADS=1 TINYLOOP_NATIVE_THREADS=1 .venv/bin/python benchmarks/spec_pairs.py
+    OMP_NUM_THREADS=1 TINYLOOP_NATIVE_THREADS=1 .venv/bin/python benchmarks/spec_pairs.py [OUT.json] [NAME-FILTER]
 """
-import time, statistics, json
+import sys, time, statistics, json
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import run_ids
 eng = Engine.load()
@@ -27,7 +28,10 @@ pairs = {"tree K=2 (tree rounds) / chain, d=2 k=4 fixed":
              ((SamplingParams(**g, mode="tree_speculative", draft_loops=1, draft_ahead=4, k_branches=2), dict(adaptive=False)),
               (SamplingParams(**g, mode="speculative", draft_loops=1, draft_ahead=4), dict(adaptive=False))),
          "auto / loops 3": ((SamplingParams(**g, loops="auto"), {}), (SamplingParams(**g, loops=3), {})),
-         "auto / loops 8": ((SamplingParams(**g, loops="auto"), {}), (SamplingParams(**g, loops=8), {}))}
+         "auto / loops 8": ((SamplingParams(**g, loops="auto"), {}), (SamplingParams(**g, loops=8), {})),
+         "speculative default / loops 8": ((SamplingParams(**g, mode="speculative"), {}), (SamplingParams(**g, loops=8), {}))}
+if len(sys.argv) > 2:
+    pairs = {k: v for k, v in pairs.items() if sys.argv[2] in k}
 out = {}
 for name, ((pa, ka), (pb, kb)) in pairs.items():
     run(pa, **ka); run(pb, **kb)
@@ -38,4 +42,4 @@ for name, ((pa, ka), (pb, kb)) in pairs.items():
     out[name] = {"speed_ratio": round(statistics.median(r), 3), "decode_speed_ratio": round(statistics.median(rd), 3),
                  "pairs": [round(x, 3) for x in r]}
     print(name, out[name], flush=True)
-json.dump(out, open("benchmarks/results/spec_pairs_s19.json", "w"), indent=1)
+json.dump(out, open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/spec_pairs.json", "w"), indent=1)

@@ -1,4 +1,4 @@
-"""Batch invariance on the shipped int4 model (issue 36): a greedy request's tokens and log-probabilities are
+"""Batch invariance on the shipped int4 and fp16 models (issue 36): a greedy request's tokens and log-probabilities are
 bitwise those of the same request run alone, whatever else the engine runs beside it (random mixes of
 sizes, depths, `loops: "auto"`, speculative and sampled neighbours, n = 2), however its prompt is chunked,
 and when its prefix comes from the prefix cache.
@@ -6,7 +6,8 @@ and when its prefix comes from the prefix cache.
 Why bitwise, not a tolerance: every kernel of an int4/int8 layer with int8 activations forms each
 activation block's exact int32 sum and adds the scaled sums in block order (matmul.cpp's canonical
 reduction; the AMX tiles too), the head is such a layer, and attention, norms and the KV writes are
-computed per row in one order. Where that does not hold (the PyTorch executor, the portable build without
+computed per row in one order. A 16-bit layer's kernels (the one-row GEMV and every tile) reduce an output
+in one order too, and batch-invariant mode (on by default) keeps them off the outer-product panels. Where that does not hold (the PyTorch executor, the portable build without
 int8 activations) the test is skipped and says so.
 """
 
@@ -24,8 +25,8 @@ from tinyloop.engine.serving import BatchEngine, run_to_completion
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 
 
-@pytest.fixture(scope="module")
-def engine(shipped_model_path):
+@pytest.fixture(scope="module", params=["int4", "fp16"])
+def engine(request, shipped_model_path, shipped_float_model_path):
     if os.environ.get("TINYLOOP_EXECUTOR") == "torch":
         pytest.skip("the PyTorch executor's kernels are not batch-invariant")
     try:
@@ -34,7 +35,9 @@ def engine(shipped_model_path):
         pytest.skip(f"native library unavailable: {exc}")
     if isa == b"portable scalar":
         pytest.skip("the portable build has no int8 activations (its fp32 tiles are not checked here)")
-    eng = Engine.load(shipped_model_path)
+    if request.param == "fp16" and not kernels.batch_invariant_setting():
+        pytest.skip("TINYLOOP_BATCH_INVARIANT=0: 16-bit layers take the panels from 12 rows")
+    eng = Engine.load(shipped_model_path if request.param == "int4" else shipped_float_model_path)
     assert eng.model.executor is not None
     return eng
 

@@ -180,8 +180,11 @@ class DraftPolicy:
                 # or missing cost keeps one out: every EXPLORE-th round one that may be as fast (its rate
                 # within EXPLORE_WITHIN of the best, or its cost measured fewer than 3 times), every
                 # EXPLORE * 8-th any; the rounds spent on choices at half the best rate cost ~6% before
+                # (a pipeline run past draft_ahead is tried for its few samples only where its extrapolated
+                # rate is near: sixteen lengths would otherwise take 48 exploring rounds)
                 near = [o for o, r in rates.items() if o != best and
-                        (r >= self.EXPLORE_WITHIN * best_rate or self.tables[o[0]].samples(o[1]) < 3)]
+                        (r >= self.EXPLORE_WITHIN * best_rate or
+                         (o[1] <= self.k_max and self.tables[o[0]].samples(o[1]) < 3))]
                 pool = near if near and self.rounds % (8 * self.EXPLORE) else [o for o in rates if o != best]
                 if pool:
                     self.pipeline, k = pool[(self.rounds // self.EXPLORE) % len(pool)]
