@@ -114,7 +114,8 @@ class NativeExecutor:
 
     @property
     def name(self) -> str:
-        return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''})"
+        mode = "batch-invariant" if L.batch_invariant_setting() else "panels from 6-12 rows (not batch-invariant)"
+        return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''}, {mode})"
 
     def _block(self, blk, index: int | None = None) -> L.TlBlock:
         """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
