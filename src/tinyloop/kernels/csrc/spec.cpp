@@ -224,7 +224,7 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
 extern "C" int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
     const int64_t n = R->k + 1, dim = m->dim;
     return 2 * n * dim + n * ve_extra(m) + 4 * dim + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
-           + 2 * dim + dim / 8 + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
+           + 2 * (2 * dim + dim / 8) + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
 extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R,
@@ -243,7 +243,9 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     float* logits = tmp + 4 * dim;       // (2, head columns): the verification's row, then the draft's
     float* hsc = logits + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
     int64_t total;
-    Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + 2 * dim + dim / 8 + 64, &total);
+    // hsc: the head's scratch, for two rows (a shared head call: the linear's m * k + m * k / 8 floats; one
+    // row's tl_head: its normed copy and the linear's)
+    Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + 2 * (2 * dim + dim / 8) + 64, &total);
     const double t0 = now_ms();
     std::vector<tl_row> rows(n);
     std::vector<int> loop(n, 0), slots(n);
