@@ -65,25 +65,29 @@ def test_native_linear_every_row_count(weights):
 
 @pytest.mark.skipif(kernels.load().tl_isa() == b"portable scalar",
                     reason="the portable build has no int8 activations (its layers run in fp32)")
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)])
+@pytest.mark.parametrize("bits,group,width", [(4, 32, 1024), (4, 64, 1024), (4, 128, 1024), (4, 256, 1024),
+                                               (8, None, 1024), (4, 32, 1056)])
 @torch.inference_mode()
-def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group):
+def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group, width):
     """Batch invariance of a layer with int8 activations: a row's result is bitwise the same alone, in a
     batch of any size (1 .. 24 rows: every tile shape, and the AMX tiles where the host has them), at any
     position in it, on 1 or 2 threads, and with its weights streamed (one weight row at a time). Every
     integer kernel forms each activation block's exact int32 sum and adds the scaled sums in block order
-    (matmul.cpp, the canonical reduction), so nothing here is a tolerance."""
+    (matmul.cpp, the canonical reduction), so nothing here is a tolerance. Width 1056 = 16 x 64 + 32 (as
+    Huginn's 5280): int4 in activation blocks of 32 takes int8 activations too, its last 32 columns a block
+    of their own (intdot.cpp's qq_tail32)."""
     from tinyloop.kernels.executor import linear_desc, _forward
 
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
-    w = torch.randn(71, 1024, generator=torch.Generator().manual_seed(0)) * 0.05
+    w = torch.randn(71, width, generator=torch.Generator().manual_seed(0)) * 0.05
     q, sc, z = quantize_rtn(w, bits, group)
     lin = QuantLinear.from_portable(pack(q, bits), sc, z, bits, kernel="native")
     keep: list = []
     desc = linear_desc(lin, keep)
     assert desc.act_q8
-    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(40, width, generator=torch.Generator().manual_seed(1))
     x[:, 100] = 6.0   # a large value: its block's scale differs from its neighbours'
+    x[:, width - 3] = -5.0   # and one in the last block
     alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 40):   # 71 weight rows: odd tails of every tile
         for threads in (1, 2):

@@ -81,9 +81,11 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
     d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
     # int4 and int8 weights take int8 activations (integer dot products, scaled per group or 256 columns)
-    # where the rows are whole 64s and the groups whole 32s (int4) or 64s (int8); matmul.cpp says why
-    d.act_q8 = int(d.k % 64 == 0 and (d.kind == L.TL_Q4 and d.group % 32 == 0
-                                      or d.kind == L.TL_Q8 and d.group % 64 == 0) and q8_activations())
+    # where the rows are whole 64s and the groups whole 32s (int4) or 64s (int8), or (int4 in groups that are
+    # not whole 64s: activation blocks of 32) whole 32s; intdot.h says why
+    q4 = d.kind == L.TL_Q4 and d.group % 32 == 0 and (d.k % 64 == 0 or d.k % 32 == 0 and d.group % 64 != 0)
+    q8 = d.kind == L.TL_Q8 and d.group % 64 == 0 and d.k % 64 == 0
+    d.act_q8 = int((q4 or q8) and q8_activations())
     keep.append(w)
     if d.k % 8:
         raise Unsupported(f"{d.k} input features (the kernels need a multiple of 8)")

@@ -25,7 +25,8 @@ constexpr int CHUNK = 32;   // output rows per unit of work the threads share (a
 //   sum_k (c - z) s x ~= sum_a s_a d_a (sum_{k in a} c' q) - sum_g s_g z'_g X_g,  X_g = sum_{a in g} d_a sum q.
 // With 32-column blocks (SPLIT, int4 only: int8 weights take int8 activations where their groups are whole
 // 64s) a 64-column step holds two of them: the low four int32 lanes of its sums are the first block's, the
-// high four the second's, and the scales are applied as two halves. K is a multiple of 64.
+// high four the second's, and the scales are applied as two halves. K is a multiple of 64, or (SPLIT) of 32: a
+// last 32 columns are a block of their own (qq_tail32).
 // (act_block: intdot.h)
 
 // What every tile of one call shares, computed once per call (no division in the loops below): per span
@@ -62,6 +63,22 @@ static inline void load_codes(const uint8_t* at, __m256i low4, __m256i* wa, __m2
         *wa = _mm256_loadu_si256((const __m256i*)at);
         *wb = _mm256_loadu_si256((const __m256i*)(at + 32));
     }
+}
+
+// The last 32 columns of an int4 row that is not whole 64s (an activation block of its own; K % 64 == 32): the
+// exact int32 sum of codes times activation codes, from its 16 code bytes (even columns in the low nibbles, odd
+// in the high) and the 16 + 16 activation codes quantize_q8 stores there (evens, then odds). maddubs' pair sums
+// stay within int16 (2 * 15 * 127), and the sum is exact whatever instructions form it (so VNNI builds take
+// this one too).
+static inline int32_t qq_tail32(const uint8_t* codes16, const int8_t* x32) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)codes16), low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i*)x32)),
+                                    _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i*)(x32 + 16))));
+    __m128i t = _mm_madd_epi16(p, _mm_set1_epi16(1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
 }
 
 // The canonical reduction every integer kernel computes (the tiles below and the AMX tiles: amx.cpp), so
@@ -228,6 +245,13 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
         }
         alignas(16) float tv[NQ * 4];
         for (int q = 0; q < NQ; ++q) _mm_store_ps(tv + 4 * q, tot[q]);
+        if (BITS == 4 && K % 64) {   // the last 32 columns, the last activation block (qq_tail32)
+            const int c = K & ~63, g = c / L->group;
+            for (int r = 0; r < MR; ++r)
+                for (int j = 0; j < NR; ++j)
+                    tv[r * NR + j] = fmaf((float)qq_tail32(row + j * row_bytes + c / 2, xq + (int64_t)r * K + c),
+                                          xd[(int64_t)r * NA + NA - 1] * sf[(size_t)j * NG + g], tv[r * NR + j]);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -241,6 +265,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 // x (m, K) -> int8 codes xq (m, K) (int4 weights: each 64 columns evens first, then odds; int8: in column
 // order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB)
 void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, bool nibbles) {
+    const int K64 = K & ~63;
     for (int r = 0; r < m; ++r)
         for (int a = 0; a < K / AB; ++a) {
             const float* v = x + (int64_t)r * K + a * AB;
@@ -250,7 +275,8 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
             int sum = 0;
             for (int i = 0; i < AB; ++i) {
                 const int c = a * AB + i, e = (int)nearbyintf(v[i] * id);
-                q[nibbles ? (c & ~63) + (c & 1) * 32 + (c & 63) / 2 : c] = (int8_t)e;
+                q[!nibbles ? c : c < K64 ? (c & ~63) + (c & 1) * 32 + (c & 63) / 2
+                                         : K64 + (c & 1) * 16 + (c - K64) / 2] = (int8_t)e;   // (a last 32: qq_tail32)
                 sum += e;
             }
             xd[(int64_t)r * (K / AB) + a] = d;
@@ -413,6 +439,13 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                         _mm256_loadu_ps(sT + g0[s] * 8)), t);
                 }
             }
+            if (BITS == 4 && K % 64) {   // the last 32 columns, the last activation block (qq_tail32)
+                const int c = K & ~63;
+                alignas(32) int32_t It[8];
+                for (int j = 0; j < 8; ++j) It[j] = qq_tail32(w + j * row_bytes + c / 2, xr + c);
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)It)),
+                                    _mm256_mul_ps(_mm256_set1_ps(dr[NA - 1]), _mm256_loadu_ps(sT + (c / L->group) * 8)), t);
+            }
             const float* Xr = X + (int64_t)r * NG;
             __m256 part[8];   // qq_zero_corr's eight lanes (groups g mod 8), for the eight weight rows
             for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
@@ -479,7 +512,7 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
             X[(int64_t)r * NG + g] = t;
         }
     const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
-    if (m >= amx_min && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+    if (m >= amx_min && K % 64 == 0 && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
     thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
     qq_plan(L, AB == 32, plan);
     const QQPlan& P = plan;

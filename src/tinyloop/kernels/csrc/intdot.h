@@ -4,11 +4,14 @@
 #include "tinyloop.h"
 #include "vec.h"
 
-// the layers the integer kernels take (the executor sets act_q8 where these hold)
+// the layers the integer kernels take (the executor sets act_q8 where these hold): rows of whole 64s, or for
+// int4 in activation blocks of 32 (groups not whole 64s) whole 32s, the last 32 columns a block of their own
+// (Huginn's width, 5280 = 82 x 64 + 32)
 static inline bool int8_activations(const tl_linear* L) {
 #if TL_SIMD
-    return L->act_q8 && L->k % 64 == 0 && L->group % 32 == 0
-           && (L->kind == TL_Q4 || (L->kind == TL_Q8 && L->group % 64 == 0));
+    return L->act_q8 && L->group % 32 == 0
+           && ((L->kind == TL_Q4 && (L->k % 64 == 0 || (L->k % 32 == 0 && L->group % 64 != 0)))
+               || (L->kind == TL_Q8 && L->group % 64 == 0 && L->k % 64 == 0));
 #else
     (void)L;
     return false;
