@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -146,6 +148,41 @@ def test_int8_activations(monkeypatch):
     lr, ln, _, _ = one_step(ref_m, nat)
     err = (lr - ln).abs().max().item() / lr.abs().max().item()
     assert 0 < err < 5e-2, err
+
+
+def test_int8_activations_at_a_width_of_whole_32s(monkeypatch):
+    """A model whose width is whole 32s but not 64s (96 here; Huginn's 5280) in int4 groups of 32 takes int8
+    activations in those layers too, the last 32 columns an activation block of their own. Its step equals the
+    outer-product panels' (forced), which round the activations to int8 the same way (per block) and then sum
+    in fp32: they differ only by the order of fp32 sums (~1e-7 relative per product here, 7e-7 measured after
+    the step's layers; 1e-5 leaves room), where the int8 rounding itself moves these chaotic random logits by
+    ~5e-2, so a block scaled or placed wrongly could not pass. And greedy speculation (verification rows beside
+    each other, drafts alone) gives plain decoding's tokens, which needs a row's logits not to depend on the
+    rows beside it."""
+    from tinyloop.engine import SamplingParams
+    from conftest import core_ids
+
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    cfg = CONFIGS["huginn-like"].replace(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=256,
+                                         embed_scale=math.sqrt(96))
+    ref_m, nat = make_pair(cfg, "int4")
+    descs = [d for b in nat.executor.blocks for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    assert any(d.act_q8 and d.k % 64 == 32 for d in descs)
+    lib = kernels.load()
+    _, tiles, _, _ = one_step(ref_m, nat)
+    old = lib.tl_set_panel_min_rows(1)
+    try:
+        _, panels, _, _ = one_step(ref_m, nat)
+    finally:
+        lib.tl_set_panel_min_rows(old)
+    err = (tiles - panels).abs().max().item() / panels.abs().max().item()
+    assert err < 1e-5, err
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain = core_ids(nat, prompt, SamplingParams(max_tokens=24, loops=4, temperature=0))
+    for kw in (dict(pipeline=False), dict(pipeline=True)):
+        spec = core_ids(nat, prompt, SamplingParams(max_tokens=24, mode="speculative", draft_loops=1, verify_loops=4,
+                                                    draft_ahead=4, temperature=0), draft_vocab=None, adaptive=False, **kw)
+        assert spec == plain, kw
 
 
 @torch.inference_mode()
