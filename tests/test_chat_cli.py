@@ -36,8 +36,9 @@ class Pty:
         e = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", **(env or {})}
         e.pop("NO_COLOR", None)
         pid, fd = pty.fork()
-        if pid == 0:   # the child: exec at once
-            try:
+        if pid == 0:   # the child: exec at once, with SIGINT's default (as a shell starts a foreground program;
+            try:       # a test run in a background job would otherwise pass its ignored SIGINT on)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(sys.executable, [sys.executable, "-m", "tinyloop", "chat", *args], e)
             finally:
                 os._exit(127)
@@ -375,6 +376,7 @@ def test_ctrl_c_aborts_the_request_on_the_core(nanbeige):
     r, out, err = repl(nanbeige)
     r.settings.max_tokens = 200
     sent = []
+    before = signal.getsignal(signal.SIGINT)   # (the default handler, or SIG_IGN in a background job)
 
     def write(text):
         out.write(text)
@@ -386,7 +388,7 @@ def test_ctrl_c_aborts_the_request_on_the_core(nanbeige):
     r.answer("Hi")
     core = nanbeige.core()
     assert "(stopped)" in out.getvalue() and not core.has_work and core.num_running == 0 and r.history == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler     # restored
+    assert signal.getsignal(signal.SIGINT) is before     # restored
     del r.write
     r.settings.max_tokens = 4
     r.answer("Hi")
