@@ -33,7 +33,7 @@ from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.model import build_model  # noqa: E402
 from tinyloop.modelfile import write_model  # noqa: E402
 from tinyloop.tools.convert import huginn_config, ouro_config  # noqa: E402
-from tinyloop.tools.families import nanbeige_config  # noqa: E402
+from tinyloop.tools.families import nanbeige_config, parcae_config  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402
 from tinyloop.tokenizer import HFTokenizer  # noqa: E402
@@ -60,8 +60,18 @@ SHAPES = {
                                      num_hidden_layers=22, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
                                      vocab_size=166144, max_position_embeddings=65536, rope_theta=7e7,
                                      rms_norm_eps=1e-6, num_loops=2, tie_word_embeddings=False)),
+    # Parcae-1.3B (issue 35): the reference's parcae_lm/configs/parcae/parcae-xlarge-1_3b.py (sandyresearch/parcae
+    # at dee8363): 8 + 8 + 8 blocks of 1536, 12 heads, ReLU^2 MLP of 6144, 8 recurrences, vocab 32768, tied
+    "parcae-1.3b": ("parcae", dict(n_embd=1536, num_attention_heads=12, num_key_value_heads=12, intermediate_size=6144,
+                                   n_layers_in_prelude=8, n_layers_in_recurrent_block=8, n_layers_in_coda=8,
+                                   mean_recurrence=8, mean_backprop_depth=4, vocab_size=32768, padding_multiple=64,
+                                   block_size=2048, norm_eps=1e-5, qk_norm=True, prelude_norm=True,
+                                   logit_softcap=None, injection_type="diagonal", state_init="like-init",
+                                   init_strategy="scaled-zero", tie_embeddings=True,
+                                   recurrent_embedding_dimension=1536,
+                                   recurrent_intermediation_embedding_dimension=6144)),
 }
-CONFIG_OF = {"ouro": ouro_config, "huginn": huginn_config, "nanbeige": nanbeige_config}
+CONFIG_OF = {"ouro": ouro_config, "huginn": huginn_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
 HEAD_BITS = {"nanbeige-3b": 8}   # (its 510 M-parameter head at 16 bits would read more than both loops' int4 layers)
 
 
