@@ -34,13 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_shapes import SHAPES, small_tokenizer  # noqa: E402
+from real_shapes import CONFIG_OF, HEAD_BITS, SHAPES, small_tokenizer  # noqa: E402
 
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.engine.serving import run_ids  # noqa: E402
 from tinyloop.model import build_model  # noqa: E402
 from tinyloop.modelfile import write_model  # noqa: E402
-from tinyloop.tools.convert import huginn_config, ouro_config  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402
 
@@ -49,7 +48,7 @@ PROMPT = [5, 17, 42, 7, 99, 3, 11, 64]
 
 def shape_config(shape: str, workdir: Path):
     family, hf = SHAPES[shape]
-    return (ouro_config if family == "ouro" else huginn_config)(hf, workdir, [0])
+    return CONFIG_OF[family](hf, workdir, [0])
 
 
 def build(workdir: Path, shape: str, variant: str, scale: float) -> Path:
@@ -59,6 +58,9 @@ def build(workdir: Path, shape: str, variant: str, scale: float) -> Path:
     if out.exists():
         return out
     cfg = shape_config(shape, workdir)
+    if variant == "agree" and SHAPES[shape][0] not in ("ouro", "huginn"):
+        raise SystemExit(f"--variants agree scales the core's sandwich post-norms: Ouro and Huginn shapes only, "
+                         f"not {shape}")
     bf16 = workdir / f"{shape}-{variant}.tinyloop"
     if not bf16.exists():   # (a build stopped after writing it)
         model = build_model(cfg, seed=0, dtype=torch.bfloat16)
@@ -71,7 +73,8 @@ def build(workdir: Path, shape: str, variant: str, scale: float) -> Path:
         del model
         gc.collect()
     group = 128 if cfg.dim % 128 == 0 else 32
-    quantize_file(bf16, out, QuantSpec(bits=4, group_size=group, method="rtn", compare_loop1=False), progress=False)
+    quantize_file(bf16, out, QuantSpec(bits=4, group_size=group, method="rtn", compare_loop1=False), progress=False,
+                  head_bits=HEAD_BITS.get(shape))
     os.remove(bf16)
     gc.collect()
     return out
@@ -134,7 +137,7 @@ def measure(path: Path, tokens: int, fixed: list[tuple[int, int]], V: int, auto:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="ouro-1.4b", choices=["ouro-1.4b", "huginn-3.5b"])
+    ap.add_argument("--shape", default="ouro-1.4b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tinyloop-spec-shape"))
@@ -148,9 +151,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TINYLOOP_NATIVE_THREADS", str(args.threads))
     args.workdir.mkdir(parents=True, exist_ok=True)
-    spec = args.fixed if args.fixed is not None else ("1:4,2:4" if args.shape.startswith("ouro") else "4:8")
-    fixed = [tuple(int(x) for x in s.split(":")) for s in spec.split(",") if s]
     V = shape_config(args.shape, args.workdir).default_loops
+    spec = args.fixed if args.fixed is not None else ("1:4,2:4" if args.shape.startswith("ouro") else f"{max(1, V // 4)}:4"
+                                                      if not args.shape.startswith("huginn") else "4:8")
+    fixed = [tuple(int(x) for x in s.split(":")) for s in spec.split(",") if s]
     out = {"shape": args.shape, "loops": V, "host": platform.processor() or platform.machine(), "threads": args.threads, "tokens": args.tokens,
            "torch": torch.__version__, "run": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "variants": {}}
     for v in args.variants.split(","):
