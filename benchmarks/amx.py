@@ -55,9 +55,7 @@ def measure(path: str, args) -> dict:
     ex = eng.model.executor
     if ex is None:
         return {"model": path, "error": "no native executor for this model"}
-    m = ex.desc
-    core = [ex.blocks[m.n_prelude + j] for j in range(m.n_core)]
-    descs = [d for b in core for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    descs = ex.linears("core")
     res: dict = {"model": Path(path).name, "int8_activation_layers": sum(bool(d.act_q8) for d in descs),
                  "layers": len(descs), "pass_by_rows": {}}
     for M in [int(r) for r in args.rows.split(",")]:

@@ -1,5 +1,5 @@
-"""What batch-invariant mode (`TINYLOOP_BATCH_INVARIANT=1`, issue 36) costs: every layer of a model's loop and
-its LM head through the native library for M input rows (a decode step of M sequences, a prefill chunk), with
+"""What batch-invariant mode (`TINYLOOP_BATCH_INVARIANT`, issue 36) costs: every linear layer of a model's blocks
+(prelude, the core once, coda) and its LM head through the native library for M input rows (a decode step of M sequences, a prefill chunk), with
 the mode off (16-bit and fp32-activation quantized layers take the outer-product panels from 12 / 6 rows) and
 on (they keep the dot-product tiles, whose sums do not depend on M), alternated, best of `--repeats`. int4/int8
 layers with int8 activations never take the panels: on the shipped int4 model the mode changes nothing.
@@ -36,9 +36,7 @@ def main() -> int:
         print("no native executor for this model", file=sys.stderr)
         return 1
     lib = native.load()
-    m = ex.desc
-    layers = [d for b in ex.blocks[:m.n_prelude + m.n_core + m.n_coda]
-              for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)] + [ex.head]
+    layers = ex.linears() + [ex.head]
     out = {"model": args.model, "threads": args.threads, "isa": lib.tl_isa().decode(), "rows": {}}
     for M in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn(M, d.k) for d in layers]

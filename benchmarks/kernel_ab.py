@@ -39,9 +39,7 @@ def main() -> int:
         lib.tl_set_threads.argtypes = [ctypes.c_int]
         lib.tl_set_threads(args.threads)
     ex = Engine.load(args.model, draft_exit=False).model.executor
-    m = ex.desc
-    descs = [d for b in ex.blocks[m.n_prelude:m.n_prelude + m.n_core]
-             for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    descs = ex.linears("core")
     out = {"a": args.lib_a, "b": args.lib_b, "model": args.model, "threads": args.threads, "rows": {}}
     for M in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn(M, d.k) for d in descs]

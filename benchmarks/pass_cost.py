@@ -32,9 +32,7 @@ def main() -> int:
     if ex is None:
         print("no native executor for this model", file=sys.stderr)
         return 1
-    m = ex.desc
-    core = [ex.blocks[m.n_prelude + j] for j in range(m.n_core)]
-    descs = [d for b in core for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    descs = ex.linears("core")
     macs = sum(d.n * d.k for d in descs)
     out = {"model": args.model, "threads": args.threads, "loop_macs": macs, "rows": {}}
     base = None

@@ -166,7 +166,7 @@ def test_int8_activations_at_a_width_of_whole_32s(monkeypatch):
     cfg = CONFIGS["huginn-like"].replace(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=256,
                                          embed_scale=math.sqrt(96))
     ref_m, nat = make_pair(cfg, "int4")
-    descs = [d for b in nat.executor.blocks for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    descs = nat.executor.linears()
     assert any(d.act_q8 and d.k % 64 == 32 for d in descs)
     lib = kernels.load()
     _, tiles, _, _ = one_step(ref_m, nat)

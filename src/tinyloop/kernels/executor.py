@@ -97,15 +97,20 @@ class NativeExecutor:
         self._exit_blocks: dict[int, tuple] = {}
         self.isa = self.lib.tl_isa().decode()
 
+    def linears(self, blocks: str = "all") -> list:
+        """The linear layers' descriptors of the model's blocks ("all"), or of its core's ("core": one loop's
+        matrices, what a pass over the weights reads), in block order."""
+        m = self.desc
+        bs = self.blocks[m.n_prelude:m.n_prelude + m.n_core] if blocks == "core" else self.blocks
+        return [d for b in bs for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+
     def _mark_streamed(self, m) -> None:
         """Weights a token reads beyond STREAMED_BYTES come from memory every step: the integer kernels then
         read one row after the other (the order the prefetcher follows), else several rows side by side
         (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
         the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the Ouro-1.4B
         shape (0.85 GB a token) does not."""
-        descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n]
-        for b in self.blocks:
-            descs += [*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down]
+        descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n] + self.linears()
         total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
         streamed = int(total > STREAMED_BYTES)
         for d in descs:
