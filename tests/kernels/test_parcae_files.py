@@ -94,7 +94,7 @@ def test_quantized_parcae_file_quantizes_b_and_c_and_runs_natively(parcae_file, 
     want_ids = reference_ids(rtn_reference(model, bits), PROMPT, params) if method == "rtn" else None
     for q8 in ("1", "0"):
         monkeypatch.setenv("TINYLOOP_NATIVE_Q8", q8)
-        native = Engine.load(out)
+        native = Engine.load(out, executor="native")   # (whatever TINYLOOP_EXECUTOR says: this test is the native one)
         m = native.model
         assert isinstance(m.executor, NativeExecutor)
         greedy = core_ids(m, PROMPT, params)
