@@ -6,6 +6,7 @@ a library that does not take it runs its own fallback). Build A from an older co
 ~/.cache/tinyloop/kernels).
 
     .venv/bin/python benchmarks/kernel_ab.py LIB_A.so LIB_B.so MODEL [--threads 2] [--rows 1,2,4,9,32] [--repeats 3]
+        [--layers core|blocks|head]   (one loop's matrices, every block's, or the LM head alone)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,9,32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", choices=["core", "blocks", "head"], default="core")
     ap.add_argument("--json")
     args = ap.parse_args()
     ref = native.load()
@@ -39,8 +41,9 @@ def main() -> int:
         lib.tl_set_threads.argtypes = [ctypes.c_int]
         lib.tl_set_threads(args.threads)
     ex = Engine.load(args.model, draft_exit=False).model.executor
-    descs = ex.linears("core")
-    out = {"a": args.lib_a, "b": args.lib_b, "model": args.model, "threads": args.threads, "rows": {}}
+    descs = [ex.head] if args.layers == "head" else ex.linears("core" if args.layers == "core" else "all")
+    out = {"a": args.lib_a, "b": args.lib_b, "model": args.model, "threads": args.threads, "layers": args.layers,
+           "rows": {}}
     for M in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn(M, d.k) for d in descs]
         ys = [torch.empty(M, d.n) for d in descs]

@@ -322,7 +322,11 @@ static inline void hsum8_halves(const __m256i* a, __m256i* lo, __m256i* hi) {
 // correction in qq_zero_corr's order (eight partial sums over g mod 8 added as vsum adds them, then the
 // rest one by one), y = t - corr; so the result is bitwise the other tiles' and AMX's.
 // Returns where it stopped: the rows [n, n1) left over (fewer than eight) go to the tiles.
-template <int BITS, bool SPLIT>
+// With UB (two input rows or more), the block's weight-side work (int4: the nibbles unpacked; int8 without VNNI:
+// c - 128 and its magnitude) is done once, into an L1 buffer the input rows then read as operands, instead of
+// once per input row: per 64 columns and weight row an input row costs 5 vector operations, not 9 (int4), 8
+// not 14 (int8). The integer sums are the same, so are the outputs.
+template <int BITS, bool SPLIT, bool UB>
 static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs,
                     const float* X, int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k, NG = K / L->group, NS = P.NS, S = SPLIT ? 64 : P.S, NA = K / act_block(L->group);
@@ -340,6 +344,11 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
     tb.resize((size_t)16 * NG);
     float* const sT = tb.data();
     float* const zT = sT + (size_t)8 * NG;
+    constexpr int UB_STEP = BITS == 4 ? 64 : 128;   // buffer bytes per weight row and 64 columns
+    struct alignas(32) Line { uint8_t b[32]; };
+    thread_local std::vector<Line> ubv;             // (K / 64, 8, UB_STEP) the block's unpacked codes
+    if (UB) ubv.resize((size_t)(K / 64) * 8 * UB_STEP / 32);
+    uint8_t* const ub = UB ? (uint8_t*)ubv.data() : nullptr;
     int n = n0;
     for (; n + 8 <= n1; n += 8) {
         int g = 0;
@@ -369,6 +378,29 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 8 ? 128.f : 0.f);
             }
         const uint8_t* w = codes + (int64_t)n * row_bytes;
+        if (UB)
+            for (int c = 0; c + 64 <= K; c += 64) {
+                const uint8_t* at = w + (int64_t)c * BITS / 8;
+                if (BITS == 8 || (L->streamed && c % 128 == 0))   // as the rows' loop below prefetches
+                    for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
+                for (int j = 0; j < 8; ++j) {
+                    __m256i wa, wb;
+                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                    __m256i* u = (__m256i*)(ub + ((int64_t)(c / 64) * 8 + j) * UB_STEP);
+#if !TL_VNNI
+                    if (BITS == 8) {
+                        wa = _mm256_xor_si256(wa, flip);
+                        wb = _mm256_xor_si256(wb, flip);
+                        _mm256_store_si256(u + 2, wa);
+                        _mm256_store_si256(u + 3, wb);
+                        wa = _mm256_sign_epi8(wa, wa);
+                        wb = _mm256_sign_epi8(wb, wb);
+                    }
+#endif
+                    _mm256_store_si256(u, wa);
+                    _mm256_store_si256(u + 1, wb);
+                }
+            }
         for (int r = 0; r < m; ++r) {
             const int8_t* xr = xq + (int64_t)r * K;
             const float* dr = xd + (int64_t)r * NA;
@@ -397,15 +429,21 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                         const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
                         // the line 32 rows ahead that holds these columns: one a step (int8: 64 bytes), one
                         // every other step (int4: 32 bytes); int4 layers in cache are not worth it
-                        if (r == 0 && (BITS == 8 || (L->streamed && c % 128 == 0)))
+                        if (!UB && r == 0 && (BITS == 8 || (L->streamed && c % 128 == 0)))
                             for (int j = 0; j < 8; ++j)
                                 _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
                         const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
                         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
+                        const __m256i* u = UB ? (const __m256i*)(ub + (int64_t)(c / 64) * 8 * UB_STEP) : nullptr;
 #pragma GCC unroll 8
                         for (int j = 0; j < 8; ++j) {
                             __m256i wa, wb;
-                            load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                            if (UB) {
+                                wa = _mm256_load_si256(u + j * (UB_STEP / 32));
+                                wb = _mm256_load_si256(u + j * (UB_STEP / 32) + 1);
+                            } else {
+                                load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                            }
 #if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
                             acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
 #else
@@ -413,9 +451,17 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                 acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
                                     _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
                             } else {   // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
-                                const __m256i fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
-                                const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(fa, fa), _mm256_sign_epi8(x0, fa));
-                                const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(fb, fb), _mm256_sign_epi8(x1, fb));
+                                __m256i fa, fb, aa, ab;
+                                if (UB) {   // (the buffer: |c - 128|, then c - 128)
+                                    aa = wa, ab = wb;
+                                    fa = _mm256_load_si256(u + j * (UB_STEP / 32) + 2);
+                                    fb = _mm256_load_si256(u + j * (UB_STEP / 32) + 3);
+                                } else {
+                                    fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
+                                    aa = _mm256_sign_epi8(fa, fa), ab = _mm256_sign_epi8(fb, fb);
+                                }
+                                const __m256i p0 = _mm256_maddubs_epi16(aa, _mm256_sign_epi8(x0, fa));
+                                const __m256i p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(x1, fb));
                                 acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
                                                                                    _mm256_madd_epi16(p1, ones)));
                             }
@@ -475,7 +521,9 @@ template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,
              int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
-    if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX) n0 = qq_rows8<BITS, SPLIT>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    if (m == 1) n0 = qq_rows8<BITS, SPLIT, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    else if (BITS == 8 && TL_VNNI) n0 = qq_rows8<BITS, SPLIT, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);   // (codes as they are)
+    else if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX) n0 = qq_rows8<BITS, SPLIT, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
     if (n0 >= n1) return;
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
