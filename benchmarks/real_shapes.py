@@ -119,13 +119,23 @@ def token_bytes(engine: Engine, loops: int | None = None) -> int:
 
 
 def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executor: str = "native",
-              loops: int | None = None) -> dict:
+              loops: int | None = None, fmt: str = "int4") -> dict:
+    """fmt: "int4" (RTN g128, the shape's HEAD_BITS head) or "bf16" (the built file as it is)."""
     family, hf = SHAPES[name]
     tok = small_tokenizer()
     cfg = CONFIG_OF[family](hf, workdir, [0])
     int4 = workdir / f"{name}-int4.tinyloop"
     t_write = t_quant = None
-    if not int4.exists():  # (--workdir keeps it for the next run)
+    if fmt == "bf16":
+        int4 = workdir / f"{name}-bf16.tinyloop"
+        if not int4.exists():
+            t0 = time.perf_counter()
+            model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+            write_model(int4, model, tokenizer=tok)
+            del model
+            gc.collect()
+            t_write = round(time.perf_counter() - t0, 1)
+    elif not int4.exists():  # (--workdir keeps it for the next run)
         t0 = time.perf_counter()
         model = build_model(cfg, seed=0, dtype=torch.bfloat16)
         bf16 = write_model(workdir / f"{name}.tinyloop", model, tokenizer=tok)
@@ -167,7 +177,7 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executo
     del engine
     gc.collect()
     return {"shape": name, "executor": executor, "params": cfg.param_count(), "loops": loops,
-            "int4_file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
+            "format": fmt, "int4_file_GiB" if fmt == "int4" else "file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
             "rss_before_load_GiB": round(rss0, 2), "build_write_s": t_write, "quantize_s": t_quant,
             "load_s": round(t_load, 1), "decode_tok_s_by_threads": decode, "decode_tok_s": max(decode.values()),
             "token_GB": round(nbytes / 1e9, 3),

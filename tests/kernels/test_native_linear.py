@@ -66,7 +66,8 @@ def test_native_linear_every_row_count(weights):
 @pytest.mark.skipif(kernels.load().tl_isa() == b"portable scalar",
                     reason="the portable build has no int8 activations (its layers run in fp32)")
 @pytest.mark.parametrize("bits,group,width", [(4, 32, 1024), (4, 64, 1024), (4, 128, 1024), (4, 256, 1024),
-                                               (8, None, 1024), (4, 32, 1056)])
+                                               (8, None, 1024), (4, 32, 1056),
+                                               (4, 32, 2080), (4, 128, 2176), (8, None, 2112)])
 @torch.inference_mode()
 def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group, width):
     """Batch invariance of a layer with int8 activations: a row's result is bitwise the same alone, in a
@@ -75,7 +76,8 @@ def test_int8_activations_do_not_depend_on_the_batch(monkeypatch, bits, group, w
     integer kernel forms each activation block's exact int32 sum and adds the scaled sums in block order
     (matmul.cpp, the canonical reduction), so nothing here is a tolerance. Width 1056 = 16 x 64 + 32 (as
     Huginn's 5280): int4 in activation blocks of 32 takes int8 activations too, its last 32 columns a block
-    of their own (intdot.cpp's qq_tail32)."""
+    of their own (intdot.cpp's qq_tail32). Widths past 1,024 columns: several rows go through the codes in
+    chunks of 1,024 (qq_rows8's buffer), each row's running total kept between chunks."""
     from tinyloop.kernels.executor import linear_desc, _forward
 
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")

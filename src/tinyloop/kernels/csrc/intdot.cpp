@@ -322,10 +322,11 @@ static inline void hsum8_halves(const __m256i* a, __m256i* lo, __m256i* hi) {
 // correction in qq_zero_corr's order (eight partial sums over g mod 8 added as vsum adds them, then the
 // rest one by one), y = t - corr; so the result is bitwise the other tiles' and AMX's.
 // Returns where it stopped: the rows [n, n1) left over (fewer than eight) go to the tiles.
-// With UB (two input rows or more), the block's weight-side work (int4: the nibbles unpacked; int8 without VNNI:
-// c - 128 and its magnitude) is done once, into an L1 buffer the input rows then read as operands, instead of
-// once per input row: per 64 columns and weight row an input row costs 5 vector operations, not 9 (int4), 8
-// not 14 (int8). The integer sums are the same, so are the outputs.
+// With UB (many input rows: UB_MIN_ROWS_*), the block's weight-side work (int4: the nibbles unpacked; int8
+// without VNNI: c - 128 and its magnitude) is done once, into an L1 buffer the input rows then read as
+// operands, instead of once per input row: per 64 columns and weight row an input row costs 5 vector
+// operations, not 9 (int4), 8 not 14 (int8); the multiplies among them (4 for int8) are what is left. The
+// integer sums are the same, so are the outputs.
 template <int BITS, bool SPLIT, bool UB>
 static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs,
                     const float* X, int m, float* y, int ldy, int n0, int n1) {
@@ -344,11 +345,19 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
     tb.resize((size_t)16 * NG);
     float* const sT = tb.data();
     float* const zT = sT + (size_t)8 * NG;
+    // UB: the columns in chunks of SPC spans (1,024 columns), so that the buffer (8 KB of int4 codes, 16 KB of
+    // int8) stays in L1 while every input row reads it; each row's running total t waits in tacc between chunks
     constexpr int UB_STEP = BITS == 4 ? 64 : 128;   // buffer bytes per weight row and 64 columns
+    const int SPC = UB ? std::max(1, 1024 / S) : std::max(NS, 1);
     struct alignas(32) Line { uint8_t b[32]; };
-    thread_local std::vector<Line> ubv;             // (K / 64, 8, UB_STEP) the block's unpacked codes
-    if (UB) ubv.resize((size_t)(K / 64) * 8 * UB_STEP / 32);
+    thread_local std::vector<Line> ubv;             // (SPC * S / 64, 8, UB_STEP) the chunk's unpacked codes
+    thread_local std::vector<Line> taccv;           // (m) the input rows' totals (8 floats each)
+    if (UB) {
+        ubv.resize((size_t)(SPC * S / 64) * 8 * UB_STEP / 32);
+        taccv.resize(m);
+    }
     uint8_t* const ub = UB ? (uint8_t*)ubv.data() : nullptr;
+    float* const tacc = UB ? (float*)taccv.data() : nullptr;
     int n = n0;
     for (; n + 8 <= n1; n += 8) {
         int g = 0;
@@ -378,134 +387,141 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 8 ? 128.f : 0.f);
             }
         const uint8_t* w = codes + (int64_t)n * row_bytes;
-        if (UB)
-            for (int c = 0; c + 64 <= K; c += 64) {
-                const uint8_t* at = w + (int64_t)c * BITS / 8;
-                if (BITS == 8 || (L->streamed && c % 128 == 0))   // as the rows' loop below prefetches
-                    for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
-                for (int j = 0; j < 8; ++j) {
-                    __m256i wa, wb;
-                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
-                    __m256i* u = (__m256i*)(ub + ((int64_t)(c / 64) * 8 + j) * UB_STEP);
-#if !TL_VNNI
-                    if (BITS == 8) {
-                        wa = _mm256_xor_si256(wa, flip);
-                        wb = _mm256_xor_si256(wb, flip);
-                        _mm256_store_si256(u + 2, wa);
-                        _mm256_store_si256(u + 3, wb);
-                        wa = _mm256_sign_epi8(wa, wa);
-                        wb = _mm256_sign_epi8(wb, wb);
+        for (int cb = 0; cb == 0 || cb < NS; cb += SPC) {   // (without UB: one chunk, every span)
+            const int ce = std::min(NS, cb + SPC), c_ub = cb * S;   // spans [cb, ce); c_ub: the buffer's first column
+            if (UB)
+                for (int c = cb * S; c < ce * S; c += 64) {
+                    const uint8_t* at = w + (int64_t)c * BITS / 8;
+                    if (BITS == 8 || (L->streamed && c % 128 == 0))   // as the rows' loop below prefetches
+                        for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
+                    for (int j = 0; j < 8; ++j) {
+                        __m256i wa, wb;
+                        load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                        __m256i* u = (__m256i*)(ub + ((int64_t)((c - c_ub) / 64) * 8 + j) * UB_STEP);
+    #if !TL_VNNI
+                        if (BITS == 8) {
+                            wa = _mm256_xor_si256(wa, flip);
+                            wb = _mm256_xor_si256(wb, flip);
+                            _mm256_store_si256(u + 2, wa);
+                            _mm256_store_si256(u + 3, wb);
+                            wa = _mm256_sign_epi8(wa, wa);
+                            wb = _mm256_sign_epi8(wb, wb);
+                        }
+    #endif
+                        _mm256_store_si256(u, wa);
+                        _mm256_store_si256(u + 1, wb);
                     }
-#endif
-                    _mm256_store_si256(u, wa);
-                    _mm256_store_si256(u + 1, wb);
                 }
-            }
-        for (int r = 0; r < m; ++r) {
-            const int8_t* xr = xq + (int64_t)r * K;
-            const float* dr = xd + (int64_t)r * NA;
-            __m256 t = _mm256_setzero_ps();
-            for (int s = 0; s < NS; ++s) {
-                __m256i acc[8];
-#if TL_VNNI512
-                if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
-                    __m512i a5[8];
-                    for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
-                    for (int c = s * S; c < (s + 1) * S; c += 64) {
-                        if (r == 0)   // four blocks ahead (from cache or memory)
-                            for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (32 + j) * row_bytes + c), _MM_HINT_T0);
-                        const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
-#pragma GCC unroll 8
-                        for (int j = 0; j < 8; ++j)
-                            a5[j] = _mm512_dpbusd_epi32(a5[j], _mm512_loadu_si512((const void*)(w + j * row_bytes + c)), x);
-                    }
-                    for (int j = 0; j < 8; ++j)
-                        acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(a5[j]), _mm512_extracti64x4_epi64(a5[j], 1));
-                } else
-#endif
-                {
-                    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-                    for (int c = s * S; c < (s + 1) * S; c += 64) {
-                        const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
-                        // the line 32 rows ahead that holds these columns: one a step (int8: 64 bytes), one
-                        // every other step (int4: 32 bytes); int4 layers in cache are not worth it
-                        if (!UB && r == 0 && (BITS == 8 || (L->streamed && c % 128 == 0)))
+            for (int r = 0; r < m; ++r) {
+                const int8_t* xr = xq + (int64_t)r * K;
+                const float* dr = xd + (int64_t)r * NA;
+                __m256 t = UB && cb > 0 ? _mm256_load_ps(tacc + 8 * r) : _mm256_setzero_ps();
+                for (int s = cb; s < ce; ++s) {
+                    __m256i acc[8];
+    #if TL_VNNI512
+                    if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
+                        __m512i a5[8];
+                        for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
+                        for (int c = s * S; c < (s + 1) * S; c += 64) {
+                            if (r == 0)   // four blocks ahead (from cache or memory)
+                                for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (32 + j) * row_bytes + c), _MM_HINT_T0);
+                            const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
+    #pragma GCC unroll 8
                             for (int j = 0; j < 8; ++j)
-                                _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
-                        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
-                        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
-                        const __m256i* u = UB ? (const __m256i*)(ub + (int64_t)(c / 64) * 8 * UB_STEP) : nullptr;
-#pragma GCC unroll 8
-                        for (int j = 0; j < 8; ++j) {
-                            __m256i wa, wb;
-                            if (UB) {
-                                wa = _mm256_load_si256(u + j * (UB_STEP / 32));
-                                wb = _mm256_load_si256(u + j * (UB_STEP / 32) + 1);
-                            } else {
-                                load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
-                            }
-#if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
-                            acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
-#else
-                            if (BITS == 4) {
-                                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
-                                    _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
-                            } else {   // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
-                                __m256i fa, fb, aa, ab;
-                                if (UB) {   // (the buffer: |c - 128|, then c - 128)
-                                    aa = wa, ab = wb;
-                                    fa = _mm256_load_si256(u + j * (UB_STEP / 32) + 2);
-                                    fb = _mm256_load_si256(u + j * (UB_STEP / 32) + 3);
+                                a5[j] = _mm512_dpbusd_epi32(a5[j], _mm512_loadu_si512((const void*)(w + j * row_bytes + c)), x);
+                        }
+                        for (int j = 0; j < 8; ++j)
+                            acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(a5[j]), _mm512_extracti64x4_epi64(a5[j], 1));
+                    } else
+    #endif
+                    {
+                        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+                        for (int c = s * S; c < (s + 1) * S; c += 64) {
+                            const uint8_t* at = w + (int64_t)c * BITS / 8;   // the block's 64 columns at c
+                            // the line 32 rows ahead that holds these columns: one a step (int8: 64 bytes), one
+                            // every other step (int4: 32 bytes); int4 layers in cache are not worth it
+                            if (!UB && r == 0 && (BITS == 8 || (L->streamed && c % 128 == 0)))
+                                for (int j = 0; j < 8; ++j)
+                                    _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
+                            const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
+                            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
+                            const __m256i* u = UB ? (const __m256i*)(ub + (int64_t)((c - c_ub) / 64) * 8 * UB_STEP) : nullptr;
+    #pragma GCC unroll 8
+                            for (int j = 0; j < 8; ++j) {
+                                __m256i wa, wb;
+                                if (UB) {
+                                    wa = _mm256_load_si256(u + j * (UB_STEP / 32));
+                                    wb = _mm256_load_si256(u + j * (UB_STEP / 32) + 1);
                                 } else {
-                                    fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
-                                    aa = _mm256_sign_epi8(fa, fa), ab = _mm256_sign_epi8(fb, fb);
+                                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
                                 }
-                                const __m256i p0 = _mm256_maddubs_epi16(aa, _mm256_sign_epi8(x0, fa));
-                                const __m256i p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(x1, fb));
-                                acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
-                                                                                   _mm256_madd_epi16(p1, ones)));
+    #if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
+                                acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
+    #else
+                                if (BITS == 4) {
+                                    acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
+                                        _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
+                                } else {   // c - 128 as a signed byte: |c - 128| against q with its sign (as qq_tile)
+                                    __m256i fa, fb, aa, ab;
+                                    if (UB) {   // (the buffer: |c - 128|, then c - 128)
+                                        aa = wa, ab = wb;
+                                        fa = _mm256_load_si256(u + j * (UB_STEP / 32) + 2);
+                                        fb = _mm256_load_si256(u + j * (UB_STEP / 32) + 3);
+                                    } else {
+                                        fa = _mm256_xor_si256(wa, flip), fb = _mm256_xor_si256(wb, flip);
+                                        aa = _mm256_sign_epi8(fa, fa), ab = _mm256_sign_epi8(fb, fb);
+                                    }
+                                    const __m256i p0 = _mm256_maddubs_epi16(aa, _mm256_sign_epi8(x0, fa));
+                                    const __m256i p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(x1, fb));
+                                    acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                                       _mm256_madd_epi16(p1, ones)));
+                                }
+    #endif
                             }
-#endif
                         }
                     }
+                    __m256i lo, hi;
+                    hsum8_halves(acc, &lo, &hi);
+                    if (SPLIT) {   // two 32-column blocks: lanes 0-3 the first, 4-7 the second
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s]),
+                                            _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s + 1]),
+                                            _mm256_loadu_ps(sT + g1[s] * 8)), t);
+                    } else {
+                        __m256i I = _mm256_add_epi32(lo, hi);
+    #if TL_VNNI
+                        if (BITS == 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + s]));
+    #endif
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_set1_ps(dr[s]),
+                                            _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                    }
                 }
-                __m256i lo, hi;
-                hsum8_halves(acc, &lo, &hi);
-                if (SPLIT) {   // two 32-column blocks: lanes 0-3 the first, 4-7 the second
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s]),
-                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s + 1]),
-                                        _mm256_loadu_ps(sT + g1[s] * 8)), t);
-                } else {
-                    __m256i I = _mm256_add_epi32(lo, hi);
-#if TL_VNNI
-                    if (BITS == 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + s]));
-#endif
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_set1_ps(dr[s]),
-                                        _mm256_loadu_ps(sT + g0[s] * 8)), t);
+                if (UB && ce < NS) {   // more chunks to come
+                    _mm256_store_ps(tacc + 8 * r, t);
+                    continue;
                 }
+                if (BITS == 4 && K % 64) {   // the last 32 columns, the last activation block (qq_tail32)
+                    const int c = K & ~63;
+                    alignas(32) int32_t It[8];
+                    for (int j = 0; j < 8; ++j) It[j] = qq_tail32(w + j * row_bytes + c / 2, xr + c);
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)It)),
+                                        _mm256_mul_ps(_mm256_set1_ps(dr[NA - 1]), _mm256_loadu_ps(sT + (c / L->group) * 8)), t);
+                }
+                const float* Xr = X + (int64_t)r * NG;
+                __m256 part[8];   // qq_zero_corr's eight lanes (groups g mod 8), for the eight weight rows
+                for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
+                for (int g = 0; g < NG8; g += 8)
+                    for (int l = 0; l < 8; ++l)
+                        part[l] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + (g + l) * 8), _mm256_loadu_ps(zT + (g + l) * 8)),
+                                                  _mm256_set1_ps(Xr[g + l]), part[l]);
+                // vsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+                __m256 corr = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
+                                            _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
+                for (int g = NG8; g < NG; ++g)
+                    corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + g * 8), _mm256_loadu_ps(zT + g * 8)),
+                                           _mm256_set1_ps(Xr[g]), corr);
+                _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
             }
-            if (BITS == 4 && K % 64) {   // the last 32 columns, the last activation block (qq_tail32)
-                const int c = K & ~63;
-                alignas(32) int32_t It[8];
-                for (int j = 0; j < 8; ++j) It[j] = qq_tail32(w + j * row_bytes + c / 2, xr + c);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)It)),
-                                    _mm256_mul_ps(_mm256_set1_ps(dr[NA - 1]), _mm256_loadu_ps(sT + (c / L->group) * 8)), t);
-            }
-            const float* Xr = X + (int64_t)r * NG;
-            __m256 part[8];   // qq_zero_corr's eight lanes (groups g mod 8), for the eight weight rows
-            for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
-            for (int g = 0; g < NG8; g += 8)
-                for (int l = 0; l < 8; ++l)
-                    part[l] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + (g + l) * 8), _mm256_loadu_ps(zT + (g + l) * 8)),
-                                              _mm256_set1_ps(Xr[g + l]), part[l]);
-            // vsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-            __m256 corr = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
-                                        _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
-            for (int g = NG8; g < NG; ++g)
-                corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + g * 8), _mm256_loadu_ps(zT + g * 8)),
-                                       _mm256_set1_ps(Xr[g]), corr);
-            _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
         }
     }
     return n;
@@ -517,13 +533,19 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
 // group 128, one thread: qq_rows8 1.07-1.16x at 1-2 rows, 0.89-0.93x at 4; the shipped model's 768 x 256
 // group 32: 1.07x at 1 row to 1.22x at 7; the shipped head 1.66x at 5)
 constexpr int Q4_ROWS8_MAX = 2;
+// qq_rows8's buffer from these row counts (the shipped model, one thread, against the codes unpacked for each
+// input row: its int4 core layers 0.99x the time at 4 rows, 0.94 at 8, 0.89-0.91 at 16-64; its int8 head 1.1x
+// at 4, 0.99 at 8, 0.87-0.91 at 16-64: the multiplies, two ports' worth, bound both forms; the 4 x 2 tiles
+// stay faster for the Ouro-1.4B shape's int4 layers in groups of 128 at 3-8 rows: 1.13-1.42x with the buffer)
+constexpr int UB_MIN_ROWS_Q4 = 8, UB_MIN_ROWS_Q8 = 16;
 template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,
              int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
-    if (m == 1) n0 = qq_rows8<BITS, SPLIT, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
-    else if (BITS == 8 && TL_VNNI) n0 = qq_rows8<BITS, SPLIT, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);   // (codes as they are)
-    else if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX) n0 = qq_rows8<BITS, SPLIT, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+    const bool ub = m >= (BITS == 8 ? UB_MIN_ROWS_Q8 : UB_MIN_ROWS_Q4) && !(BITS == 8 && TL_VNNI);   // (VNNI: int8 codes as they are)
+    if (BITS == 8 || SPLIT || m <= Q4_ROWS8_MAX)
+        n0 = ub ? qq_rows8<BITS, SPLIT, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1)
+                : qq_rows8<BITS, SPLIT, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
     if (n0 >= n1) return;
     int mt = 0;
     for (; mt + 4 <= m; mt += 4)
