@@ -262,26 +262,62 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
     if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, xd, X, y, ldy, n, n1);
 }
 
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
 // x (m, K) -> int8 codes xq (m, K) (int4 weights: each 64 columns evens first, then odds; int8: in column
-// order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB)
+// order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB). Vectorized,
+// with what the scalar form computes: the block's max |x| (a max: in any order), q = round-to-nearest-even
+// of x * (1 / d) (_mm256_round_ps as nearbyintf), |q| <= 127 (packs never saturate); the int4 order is a
+// byte shuffle of the codes in column order.
 void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, bool nibbles) {
     const int K64 = K & ~63;
-    for (int r = 0; r < m; ++r)
-        for (int a = 0; a < K / AB; ++a) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // packs' lanes back in column order
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < m; ++r) {
+        int8_t* q = xq + (int64_t)r * K;
+        for (int a = 0; a < K / AB; ++a) {   // AB is whole 32s
             const float* v = x + (int64_t)r * K + a * AB;
-            float id;
-            const float d = q8_scale(v, AB, &id);
-            int8_t* q = xq + (int64_t)r * K;
-            int sum = 0;
-            for (int i = 0; i < AB; ++i) {
-                const int c = a * AB + i, e = (int)nearbyintf(v[i] * id);
-                q[!nibbles ? c : c < K64 ? (c & ~63) + (c & 1) * 32 + (c & 63) / 2
-                                         : K64 + (c & 1) * 16 + (c - K64) / 2] = (int8_t)e;   // (a last 32: qq_tail32)
-                sum += e;
+            __m256 mx = _mm256_setzero_ps();
+            for (int i = 0; i < AB; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + i), absmask));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i sum = _mm256_setzero_si256();
+            for (int i = 0; i < AB; i += 32) {
+                __m256i e[4];
+                for (int k = 0; k < 4; ++k) {
+                    e[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * k), vid),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    sum = _mm256_add_epi32(sum, e[k]);
+                }
+                const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(e[0], e[1]), _mm256_packs_epi32(e[2], e[3]));
+                _mm256_storeu_si256((__m256i*)(q + a * AB + i), _mm256_permutevar8x32_epi32(b, order));
             }
             xd[(int64_t)r * (K / AB) + a] = d;
-            xs[(int64_t)r * (K / AB) + a] = (float)sum;
+            xs[(int64_t)r * (K / AB) + a] = (float)hsum_epi32(sum);
         }
+        if (!nibbles) continue;
+        for (int c = 0; c < K64; c += 64) {   // each 64 columns: the 32 evens, then the 32 odds
+            const __m256i A = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(q + c)), evens_odds);
+            const __m256i B = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(q + c + 32)), evens_odds);
+            _mm256_storeu_si256((__m256i*)(q + c), _mm256_permute4x64_epi64(_mm256_unpacklo_epi64(A, B), 0xD8));
+            _mm256_storeu_si256((__m256i*)(q + c + 32), _mm256_permute4x64_epi64(_mm256_unpackhi_epi64(A, B), 0xD8));
+        }
+        if (K > K64) {   // a last 32 columns (qq_tail32): its 16 evens, then its 16 odds
+            int8_t t[32];
+            for (int c = 0; c < 32; ++c) t[(c & 1) * 16 + c / 2] = q[K64 + c];
+            memcpy(q + K64, t, 32);
+        }
+    }
 }
 
 // an 8 x 8 float transpose in registers: a[i] lane j <- a[j] lane i (exact: values are only moved)
