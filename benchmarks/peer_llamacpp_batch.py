@@ -51,6 +51,8 @@ class LlamaRunner:
         import llama_cpp as L
 
         self.L = L
+        self._quiet = L.llama_log_callback(lambda level, text, data: None)   # (kept: the library holds it)
+        L.llama_log_set(self._quiet, ctypes.c_void_p(0))
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)

@@ -231,6 +231,22 @@ def test_native_prefill_every_kv_format(kv_format, kv_dtype):
     check(*prefill_pair(ref, nat, kv_format, kv_dtype), tol=1e-2)
 
 
+@pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float32), ("fp16", torch.float16),
+                                                ("fp16", torch.bfloat16), ("int8", torch.float32),
+                                                ("int4", torch.float32), ("int4-h", torch.float32)])
+def test_a_prefill_chunk_attends_as_rows_one_at_a_time(kv_format, kv_dtype):
+    """Attention is computed per row in one order whatever rows share the call (attention.cpp), so a prefill
+    chunk's positions have bitwise the logits they have with the first position in a step of its own, or the
+    last (windows and grouped heads included: SEQS, nanbeige-like). Nothing here is a tolerance."""
+    for name in ("tiny", "nanbeige-like"):
+        ref, nat = make_pair(CONFIGS[name], "fp32")
+        for seq in SEQS:
+            whole = prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq])[1]
+            for split in (1, seq[0] - 1):
+                assert torch.equal(whole, prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq], split=split)[1]), \
+                    (name, seq, split)
+
+
 @pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("fp16", torch.bfloat16),
                                                 ("int8", torch.float32), ("int4", torch.float32),
                                                 ("int4-h", torch.float32)])
