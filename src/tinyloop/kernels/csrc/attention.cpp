@@ -142,8 +142,8 @@ int visible_keys(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, i
 
 // s[t] = scale * q . key(ent[t]) for float keys read as stored (T: float or 16-bit, LOAD: TL_W as floats)
 template <typename T, vf (*LOAD)(const T*)>
-void scores(const T* keys, const int64_t* ent, int L, const float* q, int D, float scale, float* s) {
-    int t = 0;
+void scores(const T* keys, const int64_t* ent, int L, const float* q, int D, float scale, float* s, int t0 = 0) {
+    int t = t0;   // (a multiple of 8: the blocks below start where they would from 0)
 #if TL_SIMD
     for (; t + 8 <= L; t += 8) {   // eight keys at a time: eight independent sums, finished together
         vf acc[8];
@@ -199,7 +199,109 @@ void softmax(float* s, int n) {
     const float inv = 1.0f / sum;
     for (t = 0; t < n; ++t) s[t] *= inv;
 }
+#if TL_SIMD
+// scores() of two rows a and b over their common keys [0, n) (n whole 8s), each key read once for both: the
+// same eight sums per block (each key's accumulator over d in order), the same vsum8, so the same bits
+template <typename T, vf (*LOAD)(const T*)>
+void scores2(const T* keys, const int64_t* ent, int n, const float* qa, const float* qb, int D, float scale, float* sa,
+             float* sb) {
+    for (int t = 0; t < n; t += 8) {
+        vf A[8], B[8];
+        for (int h = 0; h < 8; h += 4) {   // four keys at a time: 8 accumulators, 2 queries, a key in registers
+            vf a[4], b[4];
+            for (int j = 0; j < 4; ++j) a[j] = b[j] = vzero();
+            for (int d = 0; d < D; d += TL_W) {
+                const vf qav = vload(qa + d), qbv = vload(qb + d);
+                for (int j = 0; j < 4; ++j) {
+                    const vf k = LOAD(keys + ent[t + h + j] * D + d);
+                    a[j] = vfma(k, qav, a[j]);
+                    b[j] = vfma(k, qbv, b[j]);
+                }
+            }
+            for (int j = 0; j < 4; ++j) A[h + j] = a[j], B[h + j] = b[j];
+        }
+        vstore(sa + t, vmul(vsum8(A), vset1(scale)));
+        vstore(sb + t, vmul(vsum8(B), vset1(scale)));
+    }
+}
+
+// weighted_sum() of two rows whose keys are [0, La) and [0, La] (b one position on), each value read once for both:
+// every output an fma chain over t in order from zero, as weighted_sum's, 32 outputs at a time (D whole 32s)
+template <typename T, vf (*LOAD)(const T*)>
+void weighted_sum2(const T* vals, const int64_t* ent, int La, const float* pa, const float* pb, int D, float* oa,
+                   float* ob) {
+    for (int d0 = 0; d0 < D; d0 += 4 * TL_W) {
+        vf a[4], b[4];
+        for (int i = 0; i < 4; ++i) a[i] = b[i] = vzero();
+        for (int t = 0; t < La; ++t) {
+            const vf pav = vset1(pa[t]), pbv = vset1(pb[t]);
+            const T* v = vals + ent[t] * D + d0;
+            for (int i = 0; i < 4; ++i) {
+                const vf x = LOAD(v + i * TL_W);
+                a[i] = vfma(pav, x, a[i]);
+                b[i] = vfma(pbv, x, b[i]);
+            }
+        }
+        const vf pbv = vset1(pb[La]);
+        const T* v = vals + ent[La] * D + d0;
+        for (int i = 0; i < 4; ++i) {
+            vstore(oa + d0 + i * TL_W, a[i]);
+            vstore(ob + d0 + i * TL_W, vfma(pbv, LOAD(v + i * TL_W), b[i]));
+        }
+    }
+}
+
+template <typename T, vf (*LOAD)(const T*)>
+void attend_pair(const T* keys, const T* vals, const int64_t* ent, int La, int rep, int D, const float* qa,
+                 const float* qb, float* sa, float* sb, float* oa, float* ob) {
+    const float scale = 1.0f / sqrtf((float)D);
+    const int Lb = La + 1, T8 = La / 8 * 8;
+    for (int i = 0; i < rep; ++i) {
+        scores2<T, LOAD>(keys, ent, T8, qa + i * D, qb + i * D, D, scale, sa + (int64_t)i * La, sb + (int64_t)i * Lb);
+        scores<T, LOAD>(keys, ent, La, qa + i * D, D, scale, sa + (int64_t)i * La, T8);   // the rest of each row
+        scores<T, LOAD>(keys, ent, Lb, qb + i * D, D, scale, sb + (int64_t)i * Lb, T8);
+        softmax(sa + (int64_t)i * La, La);
+        softmax(sb + (int64_t)i * Lb, Lb);
+        weighted_sum2<T, LOAD>(vals, ent, La, sa + (int64_t)i * La, sb + (int64_t)i * Lb, D, oa + i * D, ob + i * D);
+    }
+}
+#endif
 }  // namespace
+
+// Two rows of one sequence at consecutive positions (a prefill chunk's), no tree keys, no window, a float pool,
+// D whole 32s (tl_attend_pairs says when): tl_attend_row's results for both, bit for bit, each key and value read
+// once for the two (attention over a long prompt is bound by reading them). scratch: tl_attend_scratch(2 * H / Hkv,
+// keys seen by b, D) floats.
+bool tl_attend_pairs(const tl_kv* kv, const tl_row* a, const tl_row* b, int D) {
+#if TL_SIMD
+    return (kv->format == TL_KV_F32 || kv->format == TL_KV_F16 || kv->format == TL_KV_BF16) && D % 32 == 0
+           && a->table == b->table && a->stride == b->stride && a->tree_n == 0 && b->tree_n == 0
+           && a->window <= 0 && b->window <= 0 && b->pos == a->pos + 1;
+#else
+    (void)kv; (void)a; (void)b; (void)D;
+    return false;
+#endif
+}
+
+void tl_attend_pair(const tl_kv* kv, const tl_row* a, const tl_row* b, int slot, int H, int Hkv, int D,
+                    const float* qa, const float* qb, float* oa, float* ob, int g, float* scratch) {
+#if TL_SIMD
+    const int rep = H / Hkv, La = a->pos + 1, Lb = La + 1;
+    float* sa = scratch;                                    // (rep, La) and (rep, Lb) scores
+    float* sb = sa + (int64_t)rep * La;
+    int64_t* ent = (int64_t*)(scratch + (((int64_t)rep * (La + Lb) + 1) & ~(int64_t)1));   // (Lb), 8-byte aligned
+    entries(kv, b, slot, Hkv, g, 0, b->pos, ent);
+    qa += (int64_t)g * rep * D, qb += (int64_t)g * rep * D, oa += (int64_t)g * rep * D, ob += (int64_t)g * rep * D;
+    if (kv->format == TL_KV_F32)
+        attend_pair<float, vload>((const float*)kv->k, (const float*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+    else if (kv->format == TL_KV_F16)
+        attend_pair<uint16_t, vload_f16>((const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+    else
+        attend_pair<uint16_t, vload_bf16>((const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+#else
+    (void)kv; (void)a; (void)b; (void)slot; (void)H; (void)Hkv; (void)D; (void)qa; (void)qb; (void)oa; (void)ob; (void)g; (void)scratch;
+#endif
+}
 
 // Attention of one row's H query heads (q: (H, D), already rotated) over the keys it sees in one slot
 // (pages from `table` column `slot`): storage indices lo .. pos (the window's), or for a tree node the
