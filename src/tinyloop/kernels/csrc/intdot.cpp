@@ -434,7 +434,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                         __m256i wa, wb;
                         load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
                         __m256i* u = (__m256i*)(ub + ((int64_t)((c - c_ub) / 64) * 8 + j) * UB_STEP);
-    #if !TL_VNNI
+#if !TL_VNNI
                         if (BITS == 8) {
                             wa = _mm256_xor_si256(wa, flip);
                             wb = _mm256_xor_si256(wb, flip);
@@ -443,7 +443,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                             wa = _mm256_sign_epi8(wa, wa);
                             wb = _mm256_sign_epi8(wb, wb);
                         }
-    #endif
+#endif
                         _mm256_store_si256(u, wa);
                         _mm256_store_si256(u + 1, wb);
                     }
@@ -454,7 +454,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 __m256 t = UB && cb > 0 ? _mm256_load_ps(tacc + 8 * r) : _mm256_setzero_ps();
                 for (int s = cb; s < ce; ++s) {
                     __m256i acc[8];
-    #if TL_VNNI512
+#if TL_VNNI512
                     if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
                         __m512i a5[8];
                         for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
@@ -462,14 +462,14 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                             if (r == 0)   // four blocks ahead (from cache or memory)
                                 for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(w + (32 + j) * row_bytes + c), _MM_HINT_T0);
                             const __m512i x = _mm512_loadu_si512((const void*)(xr + c));
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
                             for (int j = 0; j < 8; ++j)
                                 a5[j] = _mm512_dpbusd_epi32(a5[j], _mm512_loadu_si512((const void*)(w + j * row_bytes + c)), x);
                         }
                         for (int j = 0; j < 8; ++j)
                             acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(a5[j]), _mm512_extracti64x4_epi64(a5[j], 1));
                     } else
-    #endif
+#endif
                     {
                         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
                         for (int c = s * S; c < (s + 1) * S; c += 64) {
@@ -482,7 +482,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                             const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c));
                             const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c + 32));
                             const __m256i* u = UB ? (const __m256i*)(ub + (int64_t)((c - c_ub) / 64) * 8 * UB_STEP) : nullptr;
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
                             for (int j = 0; j < 8; ++j) {
                                 __m256i wa, wb;
                                 if (UB) {
@@ -491,9 +491,9 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                 } else {
                                     load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
                                 }
-    #if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
+#if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
                                 acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
-    #else
+#else
                                 if (BITS == 4) {
                                     acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_add_epi16(
                                         _mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1)), ones));
@@ -512,7 +512,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                     acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
                                                                                        _mm256_madd_epi16(p1, ones)));
                                 }
-    #endif
+#endif
                             }
                         }
                     }
@@ -525,9 +525,9 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                             _mm256_loadu_ps(sT + g1[s] * 8)), t);
                     } else {
                         __m256i I = _mm256_add_epi32(lo, hi);
-    #if TL_VNNI
+#if TL_VNNI
                         if (BITS == 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + s]));
-    #endif
+#endif
                         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_set1_ps(dr[s]),
                                             _mm256_loadu_ps(sT + g0[s] * 8)), t);
                     }
