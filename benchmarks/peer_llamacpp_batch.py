@@ -178,8 +178,7 @@ def main() -> int:
         engine = Engine.load(model, draft_exit=False)
         tok = engine.tokenizer
         long_ids = (tok.encode(TEXT * 40))[: args.prompt]
-        prompts = [tok.encode(f"Chapter {i + 1}. {TEXT[: 40 + 7 * i]}")[:24] for i in range(SEQS)]
-        prompts = [p[-12:] for p in prompts]
+        prompts = [tok.encode(f"Chapter {i + 1}. {TEXT[: 40 + 7 * i]}")[-12:] for i in range(SEQS)]   # (12 ids each)
         per_seq = 12 + args.tokens + 8
         for t in threads:
             set_threads(engine, t)

@@ -93,9 +93,10 @@ def write_gguf(path: Path, hf: dict, qtype: str = "Q4_0", arch: str = "llama") -
             stripe[:, :, at:at + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
         return np.tile(stripe, (n // stripe.shape[0] + 1, 1, 1))[:n].reshape(n, k // per * size)
 
-    def matrix(name: str, n: int, k: int, kind: str = qtype) -> None:
+    def matrix(name: str, n: int, k: int, kind: str = qtype, read: bool = True) -> None:
         """Q4_0: an fp16 scale, then 16 bytes of nibbles per 32 weights; Q6_K: per 256 weights 128 bytes of
-        low bits, 64 of high bits, 16 int8 sub-block scales, an fp16 scale; F16: random normals."""
+        low bits, 64 of high bits, 16 int8 sub-block scales, an fp16 scale; F16: random normals. read: whether
+        a token reads all of it (not the embedding: one row)."""
         nonlocal nbytes
         if kind == "F16":
             stripe = (rng.standard_normal((min(n, 256), k), dtype=np.float32) * 0.02).astype(np.float16)
@@ -109,15 +110,9 @@ def write_gguf(path: Path, hf: dict, qtype: str = "Q4_0", arch: str = "llama") -
             q = blocks(n, k, 256, 210, [208])
             q.reshape(n, k // 256, 210)[:, :, 192:208] = 8   # sub-block scales
             w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
-        nbytes += q.nbytes
+        nbytes += q.nbytes if read else 0
 
-    def f16(name: str, n: int, k: int) -> None:
-        nonlocal nbytes
-        before = nbytes
-        matrix(name, n, k, "F16")
-        nbytes = before   # (one row of it a token)
-
-    f16("token_embd.weight", V, d)
+    matrix("token_embd.weight", V, d, "F16", read=False)
     for i in range(L):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, dtype=np.float32))
         matrix(f"blk.{i}.attn_q.weight", H * hd, d)

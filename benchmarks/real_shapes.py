@@ -124,33 +124,25 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executo
     family, hf = SHAPES[name]
     tok = small_tokenizer()
     cfg = CONFIG_OF[family](hf, workdir, [0])
-    int4 = workdir / f"{name}-int4.tinyloop"
+    path = workdir / f"{name}-{fmt}.tinyloop"   # (--workdir keeps it for the next run)
     t_write = t_quant = None
-    if fmt == "bf16":
-        int4 = workdir / f"{name}-bf16.tinyloop"
-        if not int4.exists():
-            t0 = time.perf_counter()
-            model = build_model(cfg, seed=0, dtype=torch.bfloat16)
-            write_model(int4, model, tokenizer=tok)
-            del model
-            gc.collect()
-            t_write = round(time.perf_counter() - t0, 1)
-    elif not int4.exists():  # (--workdir keeps it for the next run)
+    if not path.exists():
         t0 = time.perf_counter()
         model = build_model(cfg, seed=0, dtype=torch.bfloat16)
-        bf16 = write_model(workdir / f"{name}.tinyloop", model, tokenizer=tok)
+        bf16 = write_model(workdir / f"{name}.tinyloop" if fmt == "int4" else path, model, tokenizer=tok)
         del model
         gc.collect()
         t_write = round(time.perf_counter() - t0, 1)
+    if fmt == "int4" and t_write is not None:
         t0 = time.perf_counter()
-        quantize_file(bf16, int4, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False),
+        quantize_file(bf16, path, QuantSpec(bits=4, group_size=128, method="rtn", compare_loop1=False),
                       progress=False, head_bits=HEAD_BITS.get(name))
         t_quant = round(time.perf_counter() - t0, 1)
         os.remove(bf16)
         gc.collect()
     rss0 = rss_gib()
     t0 = time.perf_counter()
-    engine = Engine.load(int4, draft_exit=False, executor=executor)
+    engine = Engine.load(path, draft_exit=False, executor=executor)
     t_load = time.perf_counter() - t0
     rss1 = rss_gib()
     decode = {}
@@ -177,7 +169,7 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executo
     del engine
     gc.collect()
     return {"shape": name, "executor": executor, "params": cfg.param_count(), "loops": loops,
-            "format": fmt, "int4_file_GiB" if fmt == "int4" else "file_GiB": round(int4.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
+            "format": fmt, "int4_file_GiB" if fmt == "int4" else "file_GiB": round(path.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
             "rss_before_load_GiB": round(rss0, 2), "build_write_s": t_write, "quantize_s": t_quant,
             "load_s": round(t_load, 1), "decode_tok_s_by_threads": decode, "decode_tok_s": max(decode.values()),
             "token_GB": round(nbytes / 1e9, 3),

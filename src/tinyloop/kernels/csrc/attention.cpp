@@ -269,10 +269,10 @@ void attend_pair(const T* keys, const T* vals, const int64_t* ent, int La, int r
 }  // namespace
 
 // Two rows of one sequence at consecutive positions (a prefill chunk's), no tree keys, no window, a float pool,
-// D whole 32s (tl_attend_pairs says when): tl_attend_row's results for both, bit for bit, each key and value read
+// D whole 32s (tl_attend_pairable says when): tl_attend_row's results for both, bit for bit, each key and value read
 // once for the two (attention over a long prompt is bound by reading them). scratch: tl_attend_scratch(2 * H / Hkv,
 // keys seen by b, D) floats.
-bool tl_attend_pairs(const tl_kv* kv, const tl_row* a, const tl_row* b, int D) {
+bool tl_attend_pairable(const tl_kv* kv, const tl_row* a, const tl_row* b, int D) {
 #if TL_SIMD
     return (kv->format == TL_KV_F32 || kv->format == TL_KV_F16 || kv->format == TL_KV_BF16) && D % 32 == 0
            && a->table == b->table && a->stride == b->stride && a->tree_n == 0 && b->tree_n == 0

@@ -19,7 +19,7 @@ void tl_kv_copy(const tl_kv* kv, int64_t src, int64_t dst, int64_t n, int D);
 void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv, int D, const float* q,
                    float* out, int g, float* scratch);
 int64_t tl_attend_scratch(int rep, int max_ctx, int D);
-bool tl_attend_pairs(const tl_kv* kv, const tl_row* a, const tl_row* b, int D);
+bool tl_attend_pairable(const tl_kv* kv, const tl_row* a, const tl_row* b, int D);
 void tl_attend_pair(const tl_kv* kv, const tl_row* a, const tl_row* b, int slot, int H, int Hkv, int D,
                     const float* qa, const float* qb, float* oa, float* ob, int g, float* scratch);
 
@@ -119,7 +119,7 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             tl_kv_write(kv, 1, e, D, B.tmp);
         }
     }
-    // a prefill chunk's rows in pairs where tl_attend_pairs holds (each key read once for two rows, the same
+    // a prefill chunk's rows in pairs where tl_attend_pairable holds (each key read once for two rows, the same
     // bits as each alone), the others one at a time
     thread_local std::vector<int> units_tl;   // first row of each unit; a pair's second row is the next one
     std::vector<int>& units = units_tl;       // (the calling thread's: the workers read it)
@@ -127,7 +127,7 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
     for (int r = 0; r < M;) {
         units.push_back(r);
         const bool pair = r + 1 < M && (slots ? slots[r] == slots[r + 1] : true)
-                          && tl_attend_pairs(kv, &rows[r], &rows[r + 1], D);
+                          && tl_attend_pairable(kv, &rows[r], &rows[r + 1], D);
         r += pair ? 2 : 1;
     }
     tl_parallel_for((int)units.size() * Hkv, [&](int task, int t) {   // a (unit, kv head) each
