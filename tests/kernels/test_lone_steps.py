@@ -2,15 +2,20 @@
 `tl_generate`): the output is exactly the one-step-per-call output for every kind of plain request it takes
 (greedy at any depth, `loops: "auto"`, sampled with top-k / top-p), and every way an output ends (max_tokens
 between two calls' worth, EOS, a stop string) ends it at the same token with the same finish reason. Requests
-it must not take (a second sequence running, logprobs, a grammar, penalties) run the per-step path.
+it must not take (a second sequence running, logprobs, penalties) run the per-step path. Under a grammar the
+call picks each token under the grammar's bitmask and hands it back through a callback: the same tokens, the
+grammar's end (EOS) at the same place, and a grammar that fails inside the call fails that request alone.
 
 Why equal, not close: a call's steps are the engine's own rows (tl_decode of one row, then tl_head of one
-row, the draw under the key of the token's output index), run back to back; nothing in a row's arithmetic
-depends on how the calls are grouped.
+row, the draw under the key of the token's output index, over the allowed tokens where a grammar is), run back
+to back; nothing in a row's arithmetic depends on how the calls are grouped. The per-step path under a grammar
+picks in the same head call under the same bitmask (`Sampler.head_pick`), so the two runs compare the
+grouping alone; tests/engine/test_constraint.py holds the masked pick to the PyTorch sampler's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -90,7 +95,8 @@ def test_requests_it_must_not_take_run_step_by_step(engine, monkeypatch):
     prompt = engine.tokenizer.encode(PROMPT)
     for params in (SamplingParams(max_tokens=12, temperature=0, loops=4, logprobs=2),
                    SamplingParams(max_tokens=12, temperature=0, loops=4, repetition_penalty=1.3),
-                   SamplingParams(max_tokens=12, temperature=0, loops=4, constraint=Constraint("json_object"))):
+                   SamplingParams(max_tokens=12, temperature=0, loops=4, repetition_penalty=1.3,
+                                  constraint=Constraint("json_object"))):
         _, _, calls = _run(engine, prompt, params, monkeypatch, 8)
         assert not calls, params
     # two sequences at once: the shared step, and each output is what it is alone
@@ -133,3 +139,56 @@ def test_a_speculative_request_holding_plain_rounds_runs_them_in_one_call(engine
                                [(prompt, plain.replace(mode="speculative"))])[0]
     assert [t for e in events for t in e.token_ids] == want
     assert steps and max(steps) > 1 and events[-1].stats["plain_rounds"] >= sum(steps)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0, loops=8, constraint=Constraint("json_object")),
+    SamplingParams(max_tokens=40, temperature=0, loops="auto", constraint=Constraint.json_schema(SCHEMA)),
+    SamplingParams(max_tokens=60, temperature=0.9, seed=5, loops=4, constraint=Constraint.json_schema(SCHEMA)),
+    SamplingParams(max_tokens=60, temperature=1.0, seed=2, top_k=20, top_p=0.9, loops=8,
+                   constraint=Constraint("regex", "[A-Z][a-z]{2,8}( [a-z]{1,8}){2,5}\\.")),
+    SamplingParams(max_tokens=13, temperature=0.7, seed=9, loops=8, constraint=Constraint("json_object")),
+], ids=["greedy-json", "auto-schema", "sampled-schema", "top-k-p-regex", "cut-short"])
+def test_constrained_steps_a_call_give_the_per_step_output(engine, monkeypatch, params):
+    """Each token picked inside the call under the grammar's bitmask is the per-step path's; an output the
+    grammar completes ends with EOS at the same token (finish reason stop), one cut short by max_tokens too."""
+    prompt = engine.tokenizer.encode(PROMPT)
+    want, last_want, none = _run(engine, prompt, params, monkeypatch, 1)
+    got, last, calls = _run(engine, prompt, params, monkeypatch, 8)
+    assert not none and calls and max(calls) > 1
+    assert got == want and last.finish_reason == last_want.finish_reason
+    text = engine.tokenizer.decode(got)
+    if last.finish_reason == "stop" and params.constraint.kind != "regex":
+        json.loads(text)   # (the grammar's end: a whole value)
+    if params.max_tokens == 13:
+        assert last.finish_reason == "length" and len(got) == 13
+
+
+def test_a_grammar_failing_inside_the_call_fails_that_request_alone(engine, monkeypatch):
+    """An exception in the grammar's callback (here the matcher's accept, on the fifth token) ends the native
+    call at once and fails the request with that error, as the per-step path would; the engine goes on."""
+    from tinyloop.engine.constraint import Matcher
+
+    orig = Matcher.accept
+    seen = []
+
+    def accept(self, tok):
+        seen.append(tok)
+        if len(seen) == 5:
+            raise RuntimeError("simulated grammar failure")
+        return orig(self, tok)
+    monkeypatch.setattr(Matcher, "accept", accept)
+    prompt = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=30, temperature=0, loops=4, constraint=Constraint.json_schema(SCHEMA))
+    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    events = run_to_completion(BatchEngine(engine, max_num_seqs=1), [(prompt, params)])[0]
+    assert isinstance(events[-1], RuntimeError) and "simulated grammar failure" in str(events[-1])
+    assert sum(len(e.token_ids) for e in events[:-1]) < 5   # (nothing of the failed call's tokens went out)
+    monkeypatch.setattr(Matcher, "accept", orig)
+    got, last, _ = _run(engine, prompt, params, monkeypatch, 8)
+    assert last.finish_reason in ("stop", "length") and len(got) > 5

@@ -52,7 +52,8 @@ def test_draws_equal_the_definition(isa):
         row = x.clone()
         got = lib.tl_choose(row.data_ptr(), n, None if ids is None else ids.data_ptr(), inv_t, key)
         assert got == want and torch.isfinite(x[got])
-        assert lib.tl_choose(x.clone().data_ptr(), n, None, 0.0, key) == int(torch.argmax(x))   # T = 0: argmax
+        row = x.clone()   # (held: a temporary's memory is freed before the call writes into it)
+        assert lib.tl_choose(row.data_ptr(), n, None, 0.0, key) == int(torch.argmax(x))   # T = 0: argmax
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -80,9 +81,49 @@ def test_truncated_draws_equal_the_definition(isa):
                 continue
         want = int(torch.argmax(kept + sampling.gumbel(key, torch.arange(n))))
         s = kernels.TlSampling(key, inv_t, top_k, top_p)
-        assert lib.tl_draw(x.clone().data_ptr(), n, None, s) == want, (trial, top_k, top_p)
+        row = x.clone()
+        assert lib.tl_draw(row.data_ptr(), n, None, s) == want, (trial, top_k, top_p)
         assert torch.isfinite(kept[want])
         if 0 < top_k < n:
             assert int(torch.isfinite(kept).sum()) <= top_k
         checked += 1
     assert checked > 40
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_masked_draws_equal_the_definition(isa):
+    """tl_draw under a grammar's bitmask (llguidance's layout: bit j of word i allows token 32 i + j): the
+    forbidden tokens -inf first, then the argmax (1 / T = 0) or the draw, top-k / top-p over what is left, as
+    the PyTorch sampler does with the masked row; over the full row and over a subset's token ids. Masks mix
+    words of all ones, all zeros and both (the kernel's three cases) and may allow a single token."""
+    lib = kernels.load(isa)
+    g = torch.Generator().manual_seed(3)
+    for trial in range(48):
+        n = int(torch.randint(40, 5000, (), generator=g))
+        words = torch.randint(-2**31, 2**31, ((n + 31) // 32,), generator=g, dtype=torch.int64).to(torch.int32)
+        kind = torch.randint(0, 3, words.shape, generator=g)
+        words[kind == 0] = -1                            # all 32 allowed
+        words[kind == 1] = 0                             # none
+        if trial % 6 == 5:                               # one token alone
+            words.zero_()
+            one = int(torch.randint(0, n, (), generator=g))
+            words[one >> 5] = torch.tensor(1 << (one & 31), dtype=torch.int64).to(torch.int32)
+        ids = None if trial % 2 else torch.randint(0, n, (n // 2,), generator=g)
+        tok = torch.arange(n) if ids is None else ids
+        allowed = ((words.view(torch.uint32).to(torch.int64)[tok >> 5] >> (tok & 31)) & 1).bool()
+        if not allowed.any():
+            continue
+        x = torch.randn(tok.numel(), generator=g) * 3
+        masked = x.masked_fill(~allowed, float("-inf"))
+        inv_t = [0.0, 1.0, 1 / 0.7][trial % 3]
+        top_k, top_p = [(0, 1.0), (5, 1.0), (0, 0.8)][(trial // 3) % 3]
+        key = sampling.noise_key(trial, 11)
+        if inv_t == 0.0:
+            want = int(torch.argmax(masked))
+        else:
+            kept = sampling.truncate(masked * torch.tensor(inv_t, dtype=torch.float32), top_k, top_p)
+            want = int(torch.argmax(kept + sampling.gumbel(key, tok)))
+        s = kernels.TlSampling(key, inv_t, top_k, top_p, words.data_ptr())
+        row = x.clone()
+        got = lib.tl_draw(row.data_ptr(), tok.numel(), None if ids is None else ids.data_ptr(), s)
+        assert got == want and bool(allowed[got]), (trial, inv_t, top_k, top_p)

@@ -255,6 +255,13 @@ class Matcher:
             self._ready = True
         return self._words
 
+    def bitmask(self) -> int:
+        """The address of this position's bitmask words, once they hold it (waiting for the worker's fill): what
+        the native head reads to pick the token itself (`tl_sampling.mask`). The words stay at this address for
+        the matcher's life."""
+        self._current()
+        return self._bits.data_ptr()
+
     def _bools(self, invert: bool) -> np.ndarray:
         u8 = self._current().view(np.uint8)
         return np.unpackbits(~u8 if invert else u8, bitorder="little")[: self.vocab_size].view(np.bool_)

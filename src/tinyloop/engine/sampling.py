@@ -233,14 +233,19 @@ def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: 
 
 def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
     """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
-    its draw. The native executor does both inside the head call (the logits stay there); the PyTorch path
-    draws with `draw_row` over the logits."""
+    its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher
+    (`Sampler.head_pick`). The native executor does all of it inside the head call (the logits stay there);
+    the PyTorch path draws with `draw_row` over the (masked) logits."""
     if noise is None or all(z is None for z in noise):
         return model.greedy_tokens(x)
     if model.executor is not None:
         return model.executor.argmax(x, noise)
     lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
-    return [int(lg[i].argmax()) if z is None else draw_row(lg[i], *z) for i, z in enumerate(noise)]
+    out = []
+    for i, z in enumerate(noise):
+        row = lg[i] if z is None or len(z) < 5 else z[4].apply(lg[i])
+        out.append(int(row.argmax()) if z is None or not z[1] > 0 else draw_row(row, *z[:4]))
+    return out
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -344,6 +349,28 @@ class Sampler:
     def plain_greedy(self) -> bool:
         """Greedy with no penalties, logit bias or constraint: the token is the argmax of the raw logits."""
         return self.params.greedy and not self.penalized and self.active_matcher is None
+
+    @property
+    def head_matcher(self):
+        """The grammar's `Matcher` where the head can pick the token itself under its bitmask (a constraint's
+        matcher, not a thinking block's; no penalties or bias: the pick is then the argmax or draw of the raw
+        row over the allowed tokens, which `tl_draw` computes with the mask), else None."""
+        m = self.active_matcher
+        return m if m is not None and not self.penalized and hasattr(m, "bitmask") else None
+
+    def head_pick(self):
+        """What the head needs to pick this output's next token itself (`BatchRunner.execute`'s `greedy`):
+        None (the raw argmax), (key, 1 / T, top_k, top_p) (a draw), either with the matcher as a fifth entry
+        (1 / T = 0: the masked argmax); False where the row's logits must come back (penalties, bias, a thinking
+        block)."""
+        if self.plain_greedy:
+            return None
+        if self.plain_sampled:
+            return self.draw_params()
+        m = self.head_matcher
+        if m is None:
+            return False
+        return (0, 0.0, 0, 1.0, m) if self.params.greedy else (*self.draw_params(), m)
 
     def greedy_token(self, logits: torch.Tensor) -> int:
         if not self.penalized:  # argmax of the row (widening to float64 changes no order)

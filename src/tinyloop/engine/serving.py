@@ -318,9 +318,10 @@ class BatchEngine:
         """A sequence decoding alone makes up to MULTI_STEPS tokens in one native call (`tl_generate`): the
         same rows, head and draws as that many engine steps, without each step's Python (scheduling, the rows,
         two calls: ~0.3 ms a token on the shipped model, a fifth of a token at 8 loops). Only where nothing
-        else runs or waits (a request arriving meanwhile waits for the call, ~MULTI_STEPS tokens), for a plain
-        greedy or plain sampled output (no penalties, bias, grammar or thinking budget, logprobs, n > 1) on
-        the native executor.
+        else runs or waits (a request arriving meanwhile waits for the call, ~MULTI_STEPS tokens), for a greedy
+        or sampled output without penalties, bias, thinking budget, logprobs or n > 1, on the native executor.
+        Under a grammar the call picks each token under its bitmask and hands it to the grammar through a
+        callback, whose next mask is computed (a worker thread, the GIL dropped) while the next step's loops run.
         The tokens are fed one by one as the steps would have fed them: stop ids, stop strings, max_tokens and
         an abort end the output at the same token (the steps after it computed keys past the sequence's
         length, which nothing reads). Returns whether it ran the step."""
@@ -336,28 +337,44 @@ class BatchEngine:
         req, o = entry
         params = req.plan.params
         steps = min(MULTI_STEPS, params.max_tokens - o.stream.n)
+        s = o.sampler
+        grammar = s.head_matcher if s.matcher is not None else None   # (not a thinking block's: it may force a token)
         if steps < 2 or len(req.outputs) != 1 or req.embedding or params.logprobs is not None \
-                or not (o.sampler.plain_greedy or o.sampler.plain_sampled) or o.sampler.matcher is not None:
-            return False   # (a matcher, even one that allows every token now, may force a token later)
+                or (s.matcher is not None and grammar is None) or s.head_pick() is False:
+            return False
         row = Rows(table=self.runner.table(seq), start=c.start, n=1, last_loop=seq.loops, tokens=[seq.tokens[c.start]],
                    window=seq.window, exit_rule=seq.exit_rule)
         if not ex.supports(row) or not self.sched.reserve(seq, c.start + steps):
             return False
-        s = o.sampler
         noise = None if params.greedy else (s.seed, s.n_out, *s.draw_params()[1:])
+        failed: list[BaseException] = []
+
+        def follow(tok: int) -> int:   # the grammar inside the call: -1 the mask is wanted, else a token picked
+            try:
+                if tok < 0:
+                    grammar.bitmask()   # (the fill started when the last token was accepted)
+                else:
+                    s.accept(tok)       # the grammar takes it and starts the next position's mask
+                return 0
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the call
+                failed.append(exc)
+                return 1
+
         try:
             if self.runner.before_forward is not None:
                 self.runner.before_forward()
             toks, used = ex.generate(self.kv, self.runner.table(seq), seq.window, seq.tokens[c.start], c.start,
-                                     seq.loops, seq.exit_rule, steps, noise, o.stream.stop_ids)
+                                     seq.loops, seq.exit_rule, steps, noise, o.stream.stop_ids,
+                                     None if grammar is None else (grammar.bitmask(), follow))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             log.exception("batch step failed")
-            self.fail(req, exc)
+            self.fail(req, failed[0] if failed else exc)
             return True
         for j, tok in enumerate(toks):
             try:
                 self.sched.complete(ScheduledChunk(seq, c.start + j, 1, True))
-                s.accept(tok)
+                if grammar is None:   # (under a grammar the call's callback accepted it)
+                    s.accept(tok)
                 self.sched.append_token(seq, tok)
                 self._token(req, o, tok, used[j] if seq.exit_rule is not None else None)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
@@ -392,7 +409,7 @@ class BatchEngine:
                     self.fail(req, exc)
                 continue
             try:
-                quick = argmax.get(chunk.seq.seq_id) if o.sampler.plain_greedy or o.sampler.plain_sampled else None
+                quick = argmax.get(chunk.seq.seq_id) if len(group) == 1 else None   # (the head picked it: _greedy)
                 tok = quick if quick is not None else o.sampler.sample(row)
                 lp = None
                 if req.plan.params.logprobs is not None:
@@ -438,11 +455,9 @@ class BatchEngine:
             entry = self._outputs.get(c.seq.seq_id)
             if entry is not None and entry[0].params.max_tokens > 0 and len(entry[0].outputs) == 1 \
                     and entry[0].plan.params.logprobs is None:
-                s = entry[1].sampler
-                if s.plain_greedy:
-                    ids[c.seq.seq_id] = None
-                elif s.plain_sampled:
-                    ids[c.seq.seq_id] = s.draw_params()
+                pick = entry[1].sampler.head_pick()
+                if pick is not False:
+                    ids[c.seq.seq_id] = pick
         return ids
 
     def _bind_sibling(self, parent: Sequence, kid: Sequence) -> None:

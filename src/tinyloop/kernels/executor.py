@@ -458,11 +458,14 @@ class NativeExecutor:
                     "verify_ms": T.verify_ms}
 
     def generate(self, kv, table: torch.Tensor, window: int, token: int, pos: int, loops: int, exit_rule,
-                 steps: int, noise: tuple | None, stop: list[int]) -> tuple[list[int], list[int]]:
+                 steps: int, noise: tuple | None, stop: list[int], grammar=None) -> tuple[list[int], list[int]]:
         """`steps` plain tokens of one sequence in one call (`tl_generate`): `token` at `pos` decoded (its
         `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
         in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
-        greedy). Returns the tokens and the core loops each step ran."""
+        greedy). `grammar` (the address of a bitmask, callback): each pick is over the tokens the bitmask
+        allows; callback(-1) before each head returns once the bitmask is this position's, callback(token)
+        after each pick passes the token to the grammar (`tl_gen`); either returns 0 to go on.
+        Returns the tokens and the core loops each step ran."""
         with _CALL:
             keep: list = []
             t = _int64(table)
@@ -485,6 +488,8 @@ class NativeExecutor:
                 G.seed, G.n0, G.inv_temp, G.top_k, G.top_p = noise
             stops = torch.tensor(sorted(stop) or [0], dtype=torch.int32)
             G.stop, G.n_stop = stops.data_ptr(), len(stop)
+            if grammar is not None:
+                G.mask, G.grammar = grammar[0], L.GRAMMAR_CB(grammar[1])   # (G holds the callback for the call)
             toks, used = torch.zeros(steps, dtype=torch.int32), torch.zeros(steps, dtype=torch.int32)
             G.tokens, G.loops = toks.data_ptr(), used.data_ptr()
             kvd = self._kv_desc(kv)
@@ -507,7 +512,8 @@ class NativeExecutor:
     def argmax(self, x: torch.Tensor, noise: list | None = None) -> list[int]:
         """`LoopedTransformer.greedy_tokens`: the argmax over the vocabulary of each row of x (T, dim)'s logits,
         fused into the head call (the logits stay in a scratch buffer); a row whose noise[i] is (key, 1 / T,
-        top_k, top_p) is drawn instead (`tl_draw`)."""
+        top_k, top_p) is drawn instead (`tl_draw`; 1 / T = 0: the argmax), and with a fifth entry, a grammar's
+        `Matcher`, over the tokens its bitmask allows (read when the head runs: its fill overlaps the loops)."""
         x2 = x.reshape(-1, self.head.k).float().contiguous()
         ids = torch.empty(x2.shape[0], dtype=torch.int32)
         with _CALL:
@@ -524,8 +530,9 @@ class NativeExecutor:
         M, k = x2.shape
         scratch = torch.empty(2 * M * k + M * (k // 8) + 16, dtype=torch.float32)
         draws = None
-        if noise is not None:   # (key, 1 / T, top_k, top_p) per row, None: the argmax
-            draws = (L.TlSampling * M)(*[L.TlSampling(0, 0.0, 0, 1.0) if z is None else L.TlSampling(*z)
+        if noise is not None:   # (key, 1 / T, top_k, top_p[, matcher]) per row, None: the argmax
+            draws = (L.TlSampling * M)(*[L.TlSampling(0, 0.0, 0, 1.0) if z is None else
+                                         L.TlSampling(*z[:4], z[4].bitmask() if len(z) > 4 else None)
                                          for z in noise])
         with _CALL:
             self.lib.tl_set_threads(self.threads)

@@ -266,6 +266,24 @@ extern "C" int32_t tl_choose(float* x, int32_t n, const int64_t* ids, float inv_
 }
 
 extern "C" int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sampling* s) {
+    if (s->mask) {   // the grammar's forbidden tokens out first (a word of all ones: 32 allowed, skipped)
+        const uint32_t* w = s->mask;
+        if (ids) {
+            for (int j = 0; j < n; ++j)
+                if (!((w[ids[j] >> 5] >> (ids[j] & 31)) & 1u)) x[j] = -INFINITY;
+        } else {
+            for (int i = 0; 32 * i < n; ++i) {
+                const uint32_t bits = w[i];
+                if (bits == 0xffffffffu) continue;
+                const int end = std::min(n, 32 * i + 32);
+                if (bits == 0u)
+                    std::fill(x + 32 * i, x + end, -INFINITY);
+                else
+                    for (int j = 32 * i; j < end; ++j)
+                        if (!((bits >> (j & 31)) & 1u)) x[j] = -INFINITY;
+            }
+        }
+    }
     if (!(s->inv_temp > 0.0f)) return tl_step::argmax(x, n);
     if ((s->top_k > 0 && s->top_k < n) || s->top_p < 1.0f) {
         for (int j = 0; j < n; ++j) x[j] = x[j] * s->inv_temp;

@@ -34,7 +34,7 @@ extern "C" int64_t tl_round_scratch_floats(const tl_model* m, const tl_round* R,
 // how the token at offset j of a round (after the pending token) is picked: greedy rounds take the argmax
 // (inv_temp 0), sampled ones draw under the key of its output index
 static tl_sampling round_draw(const tl_round* R, int j) {
-    tl_sampling s;
+    tl_sampling s{};
     s.key = R->inv_temp > 0.0f ? tl_noise_key(R->seed, (int64_t)R->n0 + j) : 0u;
     s.inv_temp = R->inv_temp;
     s.top_k = R->top_k;
@@ -399,14 +399,19 @@ extern "C" int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* bas
         row.pos = base->pos + s;
         int rc = tl_decode(m, kv, &row, 1, hid, dec, scratch_len - extra);
         if (rc) return rc;
-        tl_sampling d;
+        tl_sampling d{};
         d.key = G->inv_temp > 0.0f ? tl_noise_key(G->seed, (int64_t)G->n0 + s) : 0u;
         d.inv_temp = G->inv_temp;
         d.top_k = G->top_k;
         d.top_p = G->top_p;
+        if (G->grammar) {   // this position's mask (computed while the loops above ran)
+            if (G->grammar(-1)) return 30;
+            d.mask = G->mask;
+        }
         rc = tl_head(G->head, hid, 1, G->head_norm, G->head_eps, G->vocab, logits, &token, hsc,
-                     G->inv_temp > 0.0f ? &d : nullptr, m->logit_softcap);
+                     G->inv_temp > 0.0f || d.mask ? &d : nullptr, m->logit_softcap);
         if (rc) return 20 + rc;
+        if (G->grammar && G->grammar(token)) return 31;   // (the token is in `tokens` once the call goes on)
         G->tokens[s] = token;
         G->loops[s] = row.loops_run;
         G->n_out = s + 1;

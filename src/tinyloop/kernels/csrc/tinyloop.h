@@ -126,8 +126,10 @@ int tl_linear_forward(const tl_linear* w, const float* x, int32_t m, float* y, f
 // `vocab` logits when argmax is non-null. scratch: 2 * m * k + m * k / 8 floats. With `draws` non-null, row r
 // is drawn by tl_draw with draws[r] instead (its logits are overwritten). softcap c > 0: the logits are
 // c tanh(logits / c) (model/looped.py logits) before the argmax or draw.
-// A row's sampling: the key of its draw, 1 / T (0: the argmax), top-k (0: off) and top-p (1: off).
-typedef struct tl_sampling { uint32_t key; float inv_temp; int32_t top_k; float top_p; } tl_sampling;
+// A row's sampling: the key of its draw, 1 / T (0: the argmax), top-k (0: off) and top-p (1: off), and a
+// grammar's bitmask (null: none; bit j of word i allows token 32 i + j: llguidance's layout): the tokens it
+// forbids are -inf before anything else, so the argmax or draw is over the allowed tokens alone.
+typedef struct tl_sampling { uint32_t key; float inv_temp; int32_t top_k; float top_p; const uint32_t* mask; } tl_sampling;
 int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_w, float eps, int32_t vocab,
             float* logits, int32_t* argmax, float* scratch, const tl_sampling* draws, float softcap);
 
@@ -135,8 +137,9 @@ int tl_head(const tl_linear* head, const float* x, int32_t m, const float* norm_
 // `seed`; the Gumbel noise g(key, token) of tokens ids[0 .. n-1] (null: 0 .. n-1); and the token a row
 // draws: argmax_j x[j] * inv_temp + g(key, ids[j]) (inv_temp 0: the plain argmax); x is overwritten (the
 // scores of the tokens that could be drawn, -inf for the rest).
-// tl_draw: a row's token under its tl_sampling: x / T, what top-k and top-p drop set to -inf, then the draw as
-// tl_choose's (engine/sampling.py `truncate`); x is overwritten.
+// tl_draw: a row's token under its tl_sampling: what its mask forbids set to -inf (token ids[j], null: j), x / T,
+// what top-k and top-p drop set to -inf, then the draw as tl_choose's (engine/sampling.py `truncate`); x is
+// overwritten.
 int32_t tl_draw(float* x, int32_t n, const int64_t* ids, const tl_sampling* s);
 uint32_t tl_noise_key(uint64_t seed, int64_t n);
 void tl_gumbel(uint32_t key, const int64_t* ids, int32_t n, float* out);
@@ -207,11 +210,16 @@ int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_
 // `steps` plain tokens of one sequence in one call (spec.cpp): the row `base` (token, its position, its
 // loops or exit rule) decoded, the head's argmax (inv_temp 0) or draw (the key of output index n0 + s) the
 // next token, and so on; ends after a token in `stop`. `base` rows from tokens only (no random initial state).
+// Under a grammar (`grammar` non-null: engine/serving.py's constrained lone steps), each head's pick is over
+// the tokens `mask` allows: grammar(-1) is called before each head (it returns once `mask` holds this
+// position's bitmask) and grammar(token) after each pick (the grammar takes the token and starts the next
+// position's mask, which is computed while the next step's loops run); a non-zero return ends the call.
 typedef struct {
     int32_t steps;
     const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     const int32_t* stop; int32_t n_stop;
+    const uint32_t* mask; int32_t (*grammar)(int32_t token);
     int32_t* tokens; int32_t* loops;       // out (steps): each step's token and the core loops it ran
     int32_t n_out;                         // out: the steps run
 } tl_gen;

@@ -69,7 +69,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const int cols = draft_cols(T);
     const bool sampled = T->inv_temp > 0.0f;
     auto draw_at = [&](int offset) {   // how the token at `offset` after the pending one is picked
-        tl_sampling s;
+        tl_sampling s{};
         s.key = sampled ? tl_noise_key(T->seed, (int64_t)T->n0 + offset) : 0u;
         s.inv_temp = T->inv_temp;
         s.top_k = T->top_k;
