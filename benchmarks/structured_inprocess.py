@@ -6,9 +6,11 @@ it: benchmarks/structured.py's prompts and schema, 64 tokens at temperature 0.8 
 runs under the same load; the ratio per pair is free ms/token over constrained ms/token, and the median of
 the pairs is printed (robust on a shared host, where a level swings 2x between seconds). `--old-sampler`
 adds a third variant: the sampler as it was before issue-27c (the full masked row where more than a
-quarter of the vocabulary is allowed), to compare the two in one run.
+quarter of the vocabulary is allowed), to compare the two in one run. `--per-step` adds the constrained
+request as it ran before session 22: one engine step per token, the Python sampler masking the row (the
+native head neither masks nor picks, so no multi-token native call).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/structured_inprocess.py [--rounds 5] [--requests 8] [--old-sampler]
+    PYTHONPATH=src .venv/bin/python benchmarks/structured_inprocess.py [--rounds 5] [--requests 8] [--old-sampler] [--per-step]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tinyloop.engine.sampling import Sampler, draw_row, processed_logits  # noqa
 from tinyloop.engine.serving import BatchEngine  # noqa: E402
 
 NEW_SAMPLE = Sampler.sample
+HEAD_MATCHER = Sampler.head_matcher
 
 
 def old_sample(self, logits):
@@ -51,14 +54,17 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per variant per round")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--old-sampler", action="store_true")
+    ap.add_argument("--per-step", action="store_true")
     args = ap.parse_args()
     eng = Engine.load(args.model)
     batch = BatchEngine(eng)
     con = Constraint.json_schema(SCHEMA)
-    names = ["free", "json"] + (["json_old_sampler"] if args.old_sampler else [])
+    names = ["free", "json"] + (["json_old_sampler"] if args.old_sampler else []) \
+        + (["json_per_step"] if args.per_step else [])
 
     def one(i: int, v: str) -> tuple[float, list[int]]:
         Sampler.sample = old_sample if v == "json_old_sampler" else NEW_SAMPLE
+        Sampler.head_matcher = property(lambda self: None) if v == "json_per_step" else HEAD_MATCHER
         extra = {"ignore_eos": True} if v == "free" else {"constraint": con}
         p = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1000 + i, **extra)
         evs = []
@@ -86,7 +92,7 @@ def main() -> int:
                     outs.setdefault((v, j), toks)
             print(f"round {r + 1}: " + ", ".join(f"{v} {statistics.median(res[v][-args.requests:]):.3f} ms/token"
                                                 for v in names), flush=True)
-    Sampler.sample = NEW_SAMPLE
+    Sampler.sample, Sampler.head_matcher = NEW_SAMPLE, HEAD_MATCHER
     for v in names[1:]:
         pairs = [f / c for f, c in zip(res["free"], res[v])]
         print(f"{v}: tokens/s over free text, paired: median {statistics.median(pairs):.3f} "
@@ -94,6 +100,9 @@ def main() -> int:
     if args.old_sampler:
         same = sum(outs[("json", j)] == outs[("json_old_sampler", j)] for j in range(args.requests))
         print(f"same tokens, json vs json_old_sampler: {same} of {args.requests} requests")
+    if args.per_step:
+        same = sum(outs[("json", j)] == outs[("json_per_step", j)] for j in range(args.requests))
+        print(f"same tokens, json vs json_per_step: {same} of {args.requests} requests")
     return 0
 
 

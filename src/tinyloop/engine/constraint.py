@@ -23,6 +23,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -233,6 +234,8 @@ class Matcher:
         self._ready = False                   # the bitmask holds this position's mask
         self._unpacked: dict[str, Any] = {}   # this position's mask in other forms, made when asked
         self._pending: Future | None = None
+        self._filled = False                  # the bitmask holds this position's mask as llguidance gave it
+        self.lazy = False                     # a position's fill waits until its mask is read (`lazily`)
         self.consumed = 0
         self._prefetch()
 
@@ -241,14 +244,32 @@ class Matcher:
         self.ll.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
 
     def _prefetch(self) -> None:
-        self._ready = False
+        self._ready = self._filled = False
         self._unpacked = {}
-        self._pending = _POOL.submit(self._fill)
+        self._pending = None if self.lazy else _POOL.submit(self._fill)
+
+    @contextmanager
+    def lazily(self):
+        """Within: a position's mask is computed when something reads it, on the reading thread (the native
+        lone steps, engine/serving.py: the fill right after the token is taken, inside the call; a worker
+        thread would take a core from the executor's threads mid-step and stall them at their next barrier,
+        measured slower: docs/structured.md "Cost per token"); after: in the worker as soon as the position
+        begins again."""
+        self.lazy = True
+        try:
+            yield self
+        finally:
+            self.lazy = False
+            if not self._filled and self._pending is None:
+                self._pending = _POOL.submit(self._fill)
 
     def _current(self) -> np.ndarray:
         """This position's bitmask words (waiting for the worker if it is not done yet)."""
         if not self._ready:
             self._wait()   # every position's fill was started when the position began (_prefetch)
+            if not self._filled:   # (lazy: nobody started it)
+                self._fill()
+                self._filled = True
             if self.error is not None or not self._words.any():  # nothing can follow: end the output
                 self._words[:] = 0
                 self._words.view(np.uint32)[self.eos >> 5] = 1 << (self.eos & 31)
@@ -325,10 +346,11 @@ class Matcher:
         return mask_paths(self, paths, scores, cols)
 
     def _wait(self) -> None:
-        """Wait for this position's mask to be in the bitmask (the worker's fill)."""
+        """Wait for the worker's fill of this position's mask, if one runs."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+            self._filled = True
 
     @property
     def accepting(self) -> bool:

@@ -22,6 +22,7 @@ and stats), an Exception if the request failed, and None once the request is ove
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -320,8 +321,8 @@ class BatchEngine:
         two calls: ~0.3 ms a token on the shipped model, a fifth of a token at 8 loops). Only where nothing
         else runs or waits (a request arriving meanwhile waits for the call, ~MULTI_STEPS tokens), for a greedy
         or sampled output without penalties, bias, thinking budget, logprobs or n > 1, on the native executor.
-        Under a grammar the call picks each token under its bitmask and hands it to the grammar through a
-        callback, whose next mask is computed (a worker thread, the GIL dropped) while the next step's loops run.
+        Under a grammar each pick is over the grammar's bitmask, and a callback hands the token to the grammar,
+        which computes the next position's mask before the call goes on (`Matcher.lazily`).
         The tokens are fed one by one as the steps would have fed them: stop ids, stop strings, max_tokens and
         an abort end the output at the same token (the steps after it computed keys past the sequence's
         length, which nothing reads). Returns whether it ran the step."""
@@ -349,12 +350,11 @@ class BatchEngine:
         noise = None if params.greedy else (s.seed, s.n_out, *s.draw_params()[1:])
         failed: list[BaseException] = []
 
-        def follow(tok: int) -> int:   # the grammar inside the call: -1 the mask is wanted, else a token picked
+        def follow(tok: int) -> int:   # the grammar inside the call (tl_gen): take tok (-1: none), fill the mask
             try:
-                if tok < 0:
-                    grammar.bitmask()   # (the fill started when the last token was accepted)
-                else:
-                    s.accept(tok)       # the grammar takes it and starts the next position's mask
+                if tok >= 0:
+                    s.accept(tok)
+                grammar.bitmask()   # (lazily: computed here, on this thread)
                 return 0
             except BaseException as exc:  # noqa: BLE001 - raised below, after the call
                 failed.append(exc)
@@ -363,9 +363,10 @@ class BatchEngine:
         try:
             if self.runner.before_forward is not None:
                 self.runner.before_forward()
-            toks, used = ex.generate(self.kv, self.runner.table(seq), seq.window, seq.tokens[c.start], c.start,
-                                     seq.loops, seq.exit_rule, steps, noise, o.stream.stop_ids,
-                                     None if grammar is None else (grammar.bitmask(), follow))
+            with grammar.lazily() if grammar is not None else contextlib.nullcontext():
+                toks, used = ex.generate(self.kv, self.runner.table(seq), seq.window, seq.tokens[c.start], c.start,
+                                         seq.loops, seq.exit_rule, steps, noise, o.stream.stop_ids,
+                                         None if grammar is None else (grammar.bitmask(), follow))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             log.exception("batch step failed")
             self.fail(req, failed[0] if failed else exc)

@@ -463,8 +463,8 @@ class NativeExecutor:
         `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
         in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
         greedy). `grammar` (the address of a bitmask, callback): each pick is over the tokens the bitmask
-        allows; callback(-1) before each head returns once the bitmask is this position's, callback(token)
-        after each pick passes the token to the grammar (`tl_gen`); either returns 0 to go on.
+        allows; callback(-1) before the first step and callback(token) after each pick return once the grammar
+        has taken the token and the bitmask holds the next position's (`tl_gen`), 0 to go on.
         Returns the tokens and the core loops each step ran."""
         with _CALL:
             keep: list = []
