@@ -221,8 +221,8 @@ def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: 
 
     lib = loaded()
     if lib is not None:
-        row = x.to(torch.float32).contiguous().clone()
-        ids64 = None if ids is None else ids.to(torch.int64).contiguous()
+        row = x.to("cpu", torch.float32).contiguous().clone()   # (the library reads host memory: a GPU row comes over)
+        ids64 = None if ids is None else ids.to("cpu", torch.int64).contiguous()
         return int(lib.tl_draw(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
                                TlSampling(key, inv_temp, top_k, top_p)))
     if (0 < top_k < x.shape[-1]) or top_p < 1.0:

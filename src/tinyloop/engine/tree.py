@@ -74,7 +74,7 @@ def beam_step(logp: torch.Tensor, frontier_scores: torch.Tensor, k: int) -> tupl
     by cumulative draft log-probability. logp: (F, n) draft log-probabilities of each frontier node's
     children over the draft vocabulary; frontier_scores: (F,). Returns (rows, cols, scores), greedy first.
     """
-    total = (logp.double() + frontier_scores.double()[:, None]).flatten()  # (F*n,)
+    total = (logp.double() + frontier_scores.to(logp.device, torch.float64)[:, None]).flatten()  # (F*n,)
     greedy = int(torch.argmax(logp[0]))
     greedy_score = float(total[greedy])
     total[greedy] = float("inf")

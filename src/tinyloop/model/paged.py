@@ -224,13 +224,13 @@ class PagedView:
     def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rope
 
-    def _mask(self, i: int, m: Rows) -> torch.Tensor | None:
+    def _mask(self, i: int, m: Rows, device: torch.device) -> torch.Tensor | None:
         if i not in self._masks:
             if m.n == 1 and m.window == 0 and m.tree_mask is None:
                 mask = None
-            else:
+            else:   # (the rows' positions are host tensors; the mask goes where the queries are)
                 key_pos = torch.arange(m.end, device=m.positions.device)
-                mask = build_mask(m.positions, key_pos, m.window, m.tree_mask, m.tree_key_positions)
+                mask = build_mask(m.positions, key_pos, m.window, m.tree_mask, m.tree_key_positions).to(device)
             self._masks[i] = mask
         return self._masks[i]
 
@@ -265,7 +265,7 @@ class PagedView:
                 self._store(0, slot, k[0], v[0])
             q = q.transpose(1, 2)
             return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt),
-                                self._mask(0, self.members[0])).transpose(1, 2)
+                                self._mask(0, self.members[0], q.device)).transpose(1, 2)
         q, k, v = q[0], k[0], v[0]
         n, H, D = q.shape
         out = torch.empty(n, H, D, dtype=adt, device=q.device)
@@ -290,7 +290,7 @@ class PagedView:
         for i in self._io:
             m, a = self.members[i], self.local[i]
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
-            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt), self._mask(i, m))[0].transpose(0, 1)
+            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt), self._mask(i, m, qs.device))[0].transpose(0, 1)
         return out[None]
 
 
