@@ -192,3 +192,28 @@ def test_a_grammar_failing_inside_the_call_fails_that_request_alone(engine, monk
     monkeypatch.setattr(Matcher, "accept", orig)
     got, last, _ = _run(engine, prompt, params, monkeypatch, 8)
     assert last.finish_reason in ("stop", "length") and len(got) > 5
+
+
+def test_a_constrained_request_joined_mid_way_keeps_its_tokens(engine, monkeypatch):
+    """A constrained request runs alone (its steps in native calls, the grammar lazily filled inside them), then
+    a second request joins (shared steps: the grammar's mask filled in the worker and read by the head), then it
+    runs alone again: its tokens are those of one step a call throughout."""
+    prompt = engine.tokenizer.encode(PROMPT)
+    long = {"type": "object", "properties": {"story": {"type": "string", "minLength": 60, "maxLength": 80}},
+            "required": ["story"], "additionalProperties": False}   # (longer than the first three steps make)
+    a = SamplingParams(max_tokens=48, temperature=0.9, seed=7, loops=4, constraint=Constraint.json_schema(long))
+    b = SamplingParams(max_tokens=6, temperature=0, loops=3, ignore_eos=True)
+    want = _run(engine, prompt, a, monkeypatch, 1)[0]
+    alone_b = _run(engine, prompt, b, monkeypatch, 1)[0]
+    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    core = BatchEngine(engine, max_num_seqs=4)
+    got: dict[str, list] = {"a": [], "b": []}
+    core.add(engine.plan(prompt, a), lambda ev: ev is not None and got["a"].append(ev))
+    for _ in range(3):   # the prompt's step, then calls of up to 8 tokens alone
+        core.step()
+    assert 8 < sum(len(e.token_ids) for e in got["a"]) < len(want)
+    core.add(engine.plan(prompt, b), lambda ev: ev is not None and got["b"].append(ev))
+    while core.has_work:
+        core.step()
+    assert [t for e in got["a"] for t in e.token_ids] == want
+    assert [t for e in got["b"] for t in e.token_ids] == alone_b
