@@ -127,3 +127,36 @@ def test_masked_draws_equal_the_definition(isa):
         row = x.clone()
         got = lib.tl_draw(row.data_ptr(), tok.numel(), None if ids is None else ids.data_ptr(), s)
         assert got == want and bool(allowed[got]), (trial, inv_t, top_k, top_p)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_argmax_follows_torch(isa):
+    """The library's argmax (the head's greedy pick, every draw's last step; tl_choose at 1 / T = 0): the first
+    of equal maxima, the first NaN where there is one, as torch.argmax; rows of every length around the
+    vector widths, with ties, -inf runs (a pruned draw's row), +inf, -0.0 against +0.0 and NaNs."""
+    lib = kernels.load(isa)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        n = [1, 7, 8, 31, 32, 33, 63, 100, 1000, 50_257][trial % 10]
+        x = torch.randn(n, generator=g).round(decimals=1)            # (ties likely)
+        kind = (trial // 10) % 8
+        if kind == 1:
+            x[torch.rand(n, generator=g) < 0.9] = float("-inf")
+        elif kind == 2:
+            x[:] = float("-inf")
+        elif kind == 3:
+            x[int(torch.randint(0, n, (), generator=g))] = float("inf")
+            x[int(torch.randint(0, n, (), generator=g))] = float("inf")
+        elif kind == 4:
+            x[int(torch.randint(0, n, (), generator=g))] = float("nan")
+            x[int(torch.randint(0, n, (), generator=g))] = float("inf")
+        elif kind == 5:
+            x[int(torch.randint(0, n, (), generator=g))] = float("nan")
+            x[int(torch.randint(0, n, (), generator=g))] = float("nan")
+        elif kind == 6:
+            x[:] = 0.0
+            x[int(torch.randint(0, n, (), generator=g))] = -0.0
+        elif kind == 7:
+            x = x.abs().neg()                                          # a max of -0.0 or 0.0 possibly tied
+        row = x.clone()
+        assert lib.tl_choose(row.data_ptr(), n, None, 0.0, 0) == int(torch.argmax(x)), (trial, n, kind)
