@@ -339,7 +339,7 @@ class BatchEngine:
         params = req.plan.params
         steps = min(MULTI_STEPS, params.max_tokens - o.stream.n)
         s = o.sampler
-        grammar = s.head_matcher if s.matcher is not None else None   # (not a thinking block's: it may force a token)
+        grammar = s.head_matcher   # (a constraint's; not a thinking block's, which may force a token later)
         if steps < 2 or len(req.outputs) != 1 or req.embedding or params.logprobs is not None \
                 or (s.matcher is not None and grammar is None) or s.head_pick() is False:
             return False
@@ -350,10 +350,9 @@ class BatchEngine:
         noise = None if params.greedy else (s.seed, s.n_out, *s.draw_params()[1:])
         failed: list[BaseException] = []
 
-        def follow(tok: int) -> int:   # the grammar inside the call (tl_gen): take tok (-1: none), fill the mask
+        def follow(tok: int) -> int:   # the grammar inside the call (tl_gen): take tok, fill the next mask
             try:
-                if tok >= 0:
-                    s.accept(tok)
+                s.accept(tok)
                 grammar.bitmask()   # (lazily: computed here, on this thread)
                 return 0
             except BaseException as exc:  # noqa: BLE001 - raised below, after the call

@@ -462,9 +462,9 @@ class NativeExecutor:
         """`steps` plain tokens of one sequence in one call (`tl_generate`): `token` at `pos` decoded (its
         `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
         in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
-        greedy). `grammar` (the address of a bitmask, callback): each pick is over the tokens the bitmask
-        allows; callback(-1) before the first step and callback(token) after each pick return once the grammar
-        has taken the token and the bitmask holds the next position's (`tl_gen`), 0 to go on.
+        greedy). `grammar` (the address of a bitmask holding the first position's mask, callback): each pick is
+        over the tokens the bitmask allows; callback(token) after each pick returns once the grammar has taken
+        the token and the bitmask holds the next position's (`tl_gen`), 0 to go on.
         Returns the tokens and the core loops each step ran."""
         with _CALL:
             keep: list = []

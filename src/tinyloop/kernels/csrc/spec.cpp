@@ -393,7 +393,6 @@ extern "C" int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* bas
     float* hsc = logits + G->head->n;
     float* dec = scratch + extra;
     int32_t token = base->token;
-    if (G->grammar && G->grammar(-1)) return 30;   // the first position's mask
     for (int s = 0; s < G->steps; ++s) {
         tl_row row = *base;   // (a fresh row each step: its exit rule's survival starts again, as the engine's)
         row.token = token;
@@ -405,7 +404,7 @@ extern "C" int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* bas
         d.inv_temp = G->inv_temp;
         d.top_k = G->top_k;
         d.top_p = G->top_p;
-        if (G->grammar) d.mask = G->mask;   // (this position's: grammar() filled it)
+        d.mask = G->mask;   // (this position's: the caller's, then grammar()'s fill)
         rc = tl_head(G->head, hid, 1, G->head_norm, G->head_eps, G->vocab, logits, &token, hsc,
                      G->inv_temp > 0.0f || d.mask ? &d : nullptr, m->logit_softcap);
         if (rc) return 20 + rc;

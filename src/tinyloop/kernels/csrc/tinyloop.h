@@ -210,10 +210,9 @@ int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_
 // `steps` plain tokens of one sequence in one call (spec.cpp): the row `base` (token, its position, its
 // loops or exit rule) decoded, the head's argmax (inv_temp 0) or draw (the key of output index n0 + s) the
 // next token, and so on; ends after a token in `stop`. `base` rows from tokens only (no random initial state).
-// Under a grammar (`grammar` non-null: engine/serving.py's constrained lone steps) each pick is over the tokens
-// the bitmask `mask` allows: grammar(-1) before the first step and grammar(token) after each pick return once
-// the grammar has taken the token (-1: none) and `mask` holds the next position's bitmask; a non-zero return
-// ends the call.
+// Under a grammar (engine/serving.py's constrained lone steps) each pick is over the tokens the bitmask `mask`
+// allows (it holds the first position's when the call starts), and grammar(token) after each pick returns once
+// the grammar has taken the token and `mask` holds the next position's; a non-zero return ends the call.
 typedef struct {
     int32_t steps;
     const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
