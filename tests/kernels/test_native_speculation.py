@@ -312,3 +312,37 @@ def test_parcae_like_speculation_is_exact(value_embeds, with_exit):
                             temperature=0.9, seed=11)
     for shape in ({}, dict(pipeline=True)):
         assert _ids(nat, prompt, spec_p, True, draft_vocab=None, adaptive=False, **shape)[0] == sampled, shape
+
+
+@pytest.mark.parametrize("head_rows", [1, 2, 3, 5])
+def test_chain_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
+    """A chain round's lazy verification scores `head_rows` rows a head call up to the first disagreement
+    (draft_policy.head_chunk picks it from the head's measured cost by rows); a head row is bitwise the same
+    in any call, so every chunk gives plain greedy decoding's tokens, with rejections and full acceptances."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.engine.native_rounds import NativeRound
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    monkeypatch.setattr(NativeRound, "head_rows", lambda self: head_rows)
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=40, loops=4, temperature=0), True)
+    params = SamplingParams(max_tokens=40, mode="speculative", draft_loops=1, verify_loops=4, temperature=0,
+                            draft_ahead=4)
+    got, st = _ids(nat, prompt, params, True, draft_vocab=None, pipeline=False, adaptive=False)
+    assert got == plain
+    assert st["native_rounds"] and 0 < st["acceptance_rate"] < 1
+
+
+def test_head_chunk_follows_the_cost_by_rows():
+    """Small chunks where head rows cost their own arithmetic (at acceptance 0.9 and five rows: two rows a call
+    1.52 ms expected, three 1.51, one call 1.67), one call where extra rows are nearly free, one row at a time
+    when drafts are rarely accepted and rows cost their own time."""
+    from tinyloop.engine.draft_policy import head_chunk
+
+    linear = [0.39, 0.70, 1.00, 1.30, 1.67]     # the shipped int8 head on AVX2 (ms by rows)
+    flat = [0.46, 0.47, 0.56, 0.59, 0.61]       # the same with AMX tiles
+    assert head_chunk(linear, 0.9, 5) == 3
+    assert head_chunk(flat, 0.9, 5) == 5
+    assert head_chunk(flat, 0.5, 5) == 5
+    assert head_chunk([0.4, 0.8, 1.2, 1.6, 2.0], 0.2, 5) == 1
+    assert head_chunk(flat, 0.9, 1) == 1

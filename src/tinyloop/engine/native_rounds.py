@@ -4,6 +4,8 @@ round's tokens and times when the generator resumes (engine/speculative.py, engi
 
 from __future__ import annotations
 
+from .draft_policy import head_chunk
+
 ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
                         # plain row in the shared batched step costs less than a round of its own
 PLAIN_STEPS = 8         # plain rounds (k = 0) a request running alone makes per native call (NativeSteps)
@@ -37,7 +39,15 @@ class NativeRound:
             head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=noise(sp), ahead=sp.params.draft_ahead)
+            noise=noise(sp), ahead=sp.params.draft_ahead, head_rows=self.head_rows())
+
+    def head_rows(self) -> int:
+        """A chain round's verification rows per head call, for this request's acceptance and what the head
+        costs by rows on this host (measured once per model)."""
+        if self.spec.pipeline or self.k == 0:
+            return 2
+        n = self.k + 1
+        return head_chunk(self.spec.model.executor.head_costs(n), self.spec.policy.acceptance, n)
 
 
 class NativeSteps(NativeRound):

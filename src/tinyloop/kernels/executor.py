@@ -13,6 +13,7 @@ The math is model/'s; tests/kernels/test_native.py checks every configuration ag
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 import torch.nn as nn
@@ -62,6 +63,7 @@ class NativeExecutor:
             raise Unsupported("dim and head_dim must be multiples of 8")
         self.lib = L.load()
         self.model, self.keep = model, []
+        self._head_costs: list[float] = []   # (head_costs)
         m = self.desc = L.TlModel()
         m.dim, m.n_heads, m.n_kv_heads, m.head_dim = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
@@ -334,10 +336,30 @@ class NativeExecutor:
         keep.append(h0)
         return h0
 
+    def head_costs(self, rows: int = 9) -> list[float]:
+        """Milliseconds of the LM head (`tl_linear_forward` over the model's head) at 1..rows input rows on
+        this host, measured once (the best of 3 after a warm-up): what a chain round's lazy verification
+        weighs its calls by (draft_policy.head_chunk)."""
+        if len(self._head_costs) < rows:
+            dim = self.model.cfg.dim
+            x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
+            out = []
+            for m in range(1, rows + 1):
+                _forward(self.head, x[:m], self.threads)
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    _forward(self.head, x[:m], self.threads)
+                    best = min(best, (time.perf_counter() - t0) * 1000)
+                out.append(best)
+            self._head_costs = out
+        return self._head_costs[:rows]
+
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
-                   pipeline: bool = False, noise: tuple | None = None, ahead: int = 0) -> dict:
+                   pipeline: bool = False, noise: tuple | None = None, ahead: int = 0,
+                   head_rows: int = 2) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
@@ -346,7 +368,8 @@ class NativeExecutor:
         `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None);
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
-        the two phases' milliseconds. `pipeline` (k >= 1): the same round as depth-aligned passes
+        the two phases' milliseconds. `head_rows`: verification rows per head call (lazily, up to the first
+        disagreement; draft_policy.head_chunk). `pipeline` (k >= 1): the same round as depth-aligned passes
         (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written; `ahead`
         (> 0) bounds its drafts in flight at once (k bounds those of the call).
         `noise` (seed, n0, 1 / T, top_k, top_p): a sampled round, every token drawn under the noise of its output index
@@ -363,7 +386,7 @@ class NativeExecutor:
             base.token, base.pos, base.window, base.readout = pending, pos, window, 0
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             R = L.TlRound()
-            R.k, R.d, R.V, R.draft_readout, R.ahead = k, d, V, ro, ahead
+            R.k, R.d, R.V, R.draft_readout, R.ahead, R.head_rows = k, d, V, ro, ahead, head_rows
             R.top_p = 1.0
             if noise is not None:
                 R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise

@@ -14,6 +14,8 @@
 #include "threads.h"
 #include "vec.h"
 #include <stdlib.h>
+#include <string.h>
+#include <algorithm>
 #include <vector>
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
@@ -299,13 +301,182 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
 }
 }  // namespace
 
+// ---- int8 weights whose activation blocks are whole 64s (the int8 head): the weight rows straight from the
+// model as A tiles (no copy), the call's activation tiles as B (kept in tiles 4-7 for the whole call where
+// they fit), one C tile a block, and an epilogue per input row with the 16 weight rows in the vector's lanes:
+// C holds (weight row, input row) sums, read a column at a time (one gather an input row), so a call of m
+// rows costs m short epilogues a strip, not amx_rows' 16 scaled and scattered weight rows. Lane w computes
+// what qq_rows8 computes for weight row n0 + w (the same int32 sums, t = fma(I_a, d_a * s_g(a), t) block by
+// block, the zero points' correction in qq_zero_corr's order), so the outputs are bitwise the other kernels'.
+// The shipped head (50,257 x 256), one thread, against the vector tiles (qq_rows8 with VNNI): 2 rows 0.53 ms
+// against 0.47, 4 0.59 / 0.64, 5 0.61 / 0.75-0.78, 8 0.70 / 1.14, 16 0.93 / 1.45 (amx_rows), 32 1.7 / 2.2.
+// (Two C tiles a block, alternating steps, cost 0.60 / 0.73 / 1.15 at 2 / 5 / 16 rows; prefetching strips
+// ahead into L1 or L2 made it slower.)
+namespace {
+void load_config_q8(int NT, bool resident) {
+    TileCfg c;
+    for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;    // C: 16 weight rows x 16 int32
+    for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;    // A: 16 weight rows x 64 code bytes
+    for (int t = 4; t < (resident ? 4 + NT : 6); ++t) c.rows[t] = 16, c.colsb[t] = 64;   // B: 16 x (4 cols x 16 rows)
+    _tile_loadconfig(&c);
+}
+
+// the activation tiles of a call: (MB, NT, 16, 64), tile row k / 4 holding column k % 4 of each input row
+void fill_b(const int8_t* xq, int m, int K, bool split, std::vector<int8_t>& B) {
+    const int NT = K / 64, MB = (m + 15) / 16;
+    B.assign((size_t)MB * NT * 1024, 0);
+    int pos[64];
+    for (int k = 0; k < 64; ++k) pos[k] = split ? split_pos(k) : k;
+    for (int r = 0; r < m; ++r) {
+        const int b = r / 16, br = r % 16;
+        const int8_t* q = xq + (int64_t)r * K;
+        for (int t = 0; t < NT; ++t) {
+            int8_t* tile = B.data() + ((size_t)b * NT + t) * 1024;
+            for (int k = 0; k < 64; ++k) tile[(k / 4) * 64 + br * 4 + k % 4] = q[64 * t + pos[k]];
+        }
+    }
+}
+
+#define TL_Q8_STEP(CT, AT, BT, a_ptr, astride, b_ptr, resident) \
+    do {                                                          \
+        _tile_loadd(AT, (a_ptr), (astride));                      \
+        if (!(resident)) _tile_loadd(BT, (b_ptr), 64);            \
+        _tile_dpbusd(CT, AT, BT);                                 \
+    } while (0)
+
+// steps [t0, t1) of one block into C0 (even steps) and C1 (odd), stored to out and out + 256
+void q8_block(const uint8_t* A, int64_t astride, const int8_t* Bb, int t0, int t1, bool resident, int32_t* out) {
+    _tile_zero(0);
+    for (int t = t0; t < t1; ++t) {
+        const uint8_t* at = A + 64 * t;
+        const int8_t* bt = Bb + 1024 * t;
+        if (resident) {   // the B tiles stay loaded for the whole call (tiles 4 + t)
+            switch (t) {
+                case 0: TL_Q8_STEP(0, 2, 4, at, astride, bt, true); break;
+                case 1: TL_Q8_STEP(0, 3, 5, at, astride, bt, true); break;
+                case 2: TL_Q8_STEP(0, 2, 6, at, astride, bt, true); break;
+                default: TL_Q8_STEP(0, 3, 7, at, astride, bt, true); break;
+            }
+        } else if ((t - t0) & 1) {
+            TL_Q8_STEP(0, 3, 5, at, astride, bt, false);
+        } else {
+            TL_Q8_STEP(0, 2, 4, at, astride, bt, false);
+        }
+    }
+    _tile_stored(0, out, 64);
+}
+
+void tiles_q8(const tl_linear* L, const int8_t* B, int AB, int m, int n0, bool resident, int32_t* cb) {
+    const int K = L->k, NT = K / 64, NA = K / AB, spb = AB / 64, MB = (m + 15) / 16;
+    const int nr = L->n - n0 < 16 ? L->n - n0 : 16;
+    const int64_t row_bytes = K;
+    const uint8_t* A = (const uint8_t*)L->w + (int64_t)n0 * row_bytes;
+    thread_local std::vector<uint8_t> pad;   // a last strip of fewer than 16 rows, zero-padded (no read past the model)
+    if (nr < 16) {
+        pad.assign((size_t)16 * row_bytes, 0);
+        memcpy(pad.data(), A, (size_t)nr * row_bytes);
+        A = pad.data();
+    }
+    for (int b = 0; b < MB; ++b)
+        for (int a = 0; a < NA; ++a)
+            q8_block(A, row_bytes, B + (size_t)b * NT * 1024, a * spb, (a + 1) * spb, resident && MB == 1,
+                     cb + ((size_t)b * NA + a) * 256);
+}
+
+// a strip's outputs from its sums cb (tiles_q8), one input row at a time
+void epilogue_q8(const tl_linear* L, int AB, const float* xd, const float* xs, const float* X, int m, int n0,
+                 const int32_t* cb, float* y, int ldy) {
+    const int K = L->k, NA = K / AB, NG = K / L->group, NG8 = NG / 8 * 8;
+    const int nr = L->n - n0 < 16 ? L->n - n0 : 16;
+    thread_local std::vector<float> szv;
+    szv.resize((size_t)2 * NG * 16);
+    // the strip's weight scales and zero points (- 128) per group, the 16 weight rows side by side
+    float* sv = szv.data();
+    float* zv = sv + (size_t)NG * 16;
+    const __mmask16 live = (__mmask16)((1u << nr) - 1);
+    if (NG == 1) {
+        _mm512_storeu_ps(sv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, L->scales + n0)));
+        _mm512_storeu_ps(zv, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, L->zeros + n0))),
+                                           _mm512_set1_ps(128.f)));
+    } else {
+        for (int w = 0; w < 16; ++w)
+            for (int g = 0; g < NG; ++g) {
+                const bool in = w < nr;
+                sv[(size_t)g * 16 + w] = in ? f16_to_f32(L->scales[(int64_t)(n0 + w) * NG + g]) : 0.f;
+                zv[(size_t)g * 16 + w] = in ? (float)L->zeros[(int64_t)(n0 + w) * NG + g] - 128.f : 0.f;
+            }
+    }
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int r = 0; r < m; ++r) {
+        const int b = r / 16, br = r % 16;
+        const __m512i idx = _mm512_add_epi32(col, _mm512_set1_epi32(br));
+        __m512 t = _mm512_setzero_ps();
+        for (int a = 0; a < NA; ++a) {
+            __m512i I = _mm512_i32gather_epi32(idx, cb + ((size_t)b * NA + a) * 256, 4);
+            I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + a]));   // sum (c - 128) q
+            const int g = a * AB / L->group;
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_set1_ps(xd[(int64_t)r * NA + a]),
+                                                                      _mm512_loadu_ps(sv + (size_t)g * 16)), t);
+        }
+        const float* Xr = X + (int64_t)r * NG;
+        __m512 part[8];
+        for (int l = 0; l < 8; ++l) part[l] = _mm512_setzero_ps();
+        for (int g = 0; g < NG8; g += 8)
+            for (int l = 0; l < 8; ++l)
+                part[l] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(sv + (size_t)(g + l) * 16), _mm512_loadu_ps(zv + (size_t)(g + l) * 16)),
+                                          _mm512_set1_ps(Xr[g + l]), part[l]);
+        __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
+                                    _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
+        for (int g = NG8; g < NG; ++g)
+            corr = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(sv + (size_t)g * 16), _mm512_loadu_ps(zv + (size_t)g * 16)),
+                                   _mm512_set1_ps(Xr[g]), corr);
+        _mm512_mask_storeu_ps(y + (int64_t)r * ldy + n0, live, _mm512_sub_ps(t, corr));
+    }
+}
+}  // namespace
+
+void amx_rows_q8(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
+                 int m, float* y, int ldy) {
+    thread_local std::vector<int8_t> Bv;   // the calling thread's; the workers read it during the call
+    fill_b(xq, m, L->k, false, Bv);
+    const int8_t* B = Bv.data();
+    const int NT = L->k / 64;
+    const bool resident = NT <= 4 && m <= 16;
+    // weight rows a unit of work: 16 strips, so that the pipeline below runs long (2 strips a unit: 1.2x the time)
+    constexpr int UNIT = 256;
+    tl_parallel_for((L->n + UNIT - 1) / UNIT, [&](int c, int) {
+        load_config_q8(NT, resident);   // (every unit: see amx_rows)
+        if (resident)
+            for (int t = 0; t < NT; ++t) switch (t) {
+                case 0: _tile_loadd(4, B, 64); break;
+                case 1: _tile_loadd(5, B + 1024, 64); break;
+                case 2: _tile_loadd(6, B + 2048, 64); break;
+                default: _tile_loadd(7, B + 3072, 64); break;
+            }
+        // software-pipelined: a strip's products are issued before the previous strip's epilogue reads its
+        // sums (stored one strip earlier), so the tile unit and the vector units work side by side
+        thread_local std::vector<int32_t> cbv;
+        const size_t per = (size_t)((m + 15) / 16) * (L->k / AB) * 256;
+        cbv.resize(2 * per);
+        const int first = c * UNIT, last = std::min(L->n, (c + 1) * UNIT);
+        int i = 0;
+        for (int n0 = first; n0 < last; n0 += 16, ++i) {
+            tiles_q8(L, B, AB, m, n0, resident, cbv.data() + (i & 1) * per);
+            if (n0 > first) epilogue_q8(L, AB, xd, xs, X, m, n0 - 16, cbv.data() + ((i - 1) & 1) * per, y, ldy);
+        }
+        if (i > 0) epilogue_q8(L, AB, xd, xs, X, m, first + 16 * (i - 1), cbv.data() + ((i - 1) & 1) * per, y, ldy);
+        _tile_release();
+    });
+}
+
 void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
               int m, float* y, int ldy) {
     thread_local Prep P;   // the calling thread's; the workers read it during the call
     const int K = L->k, G = L->group, bits = L->kind == TL_Q8 ? 8 : 4;
     P.K = K, P.NT = K / 64, P.AB = AB, P.NA = K / AB, P.NG = K / G, P.MB = (m + 15) / 16, P.split = AB == 32;
     const int NT = P.NT, NA = P.NA, NG = P.NG, MB = P.MB;
-    P.B.assign((size_t)MB * NT * 1024, 0);
+    fill_b(xq, m, K, P.split, P.B);
     P.dT.assign((size_t)MB * NA * 16, 0.f);
     P.qsT.assign(bits == 8 ? (size_t)MB * NA * 16 : 0, 0);
     P.XT.assign((size_t)MB * NG * 16, 0.f);
@@ -314,15 +485,8 @@ void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, con
         while (a * AB >= gend) { ++g; gend += G; }
         P.ga[a] = g;
     }
-    int pos[64];
-    for (int k = 0; k < 64; ++k) pos[k] = P.split ? split_pos(k) : k;
     for (int r = 0; r < m; ++r) {
         const int b = r / 16, br = r % 16;
-        const int8_t* q = xq + (int64_t)r * K;
-        for (int t = 0; t < NT; ++t) {
-            int8_t* tile = P.B.data() + ((size_t)b * NT + t) * 1024;
-            for (int k = 0; k < 64; ++k) tile[(k / 4) * 64 + br * 4 + k % 4] = q[64 * t + pos[k]];
-        }
         for (int a = 0; a < NA; ++a) {
             P.dT[((size_t)b * NA + a) * 16 + br] = xd[(int64_t)r * NA + a];
             if (bits == 8) P.qsT[((size_t)b * NA + a) * 16 + br] = (int32_t)xs[(int64_t)r * NA + a];
@@ -345,5 +509,8 @@ void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, con
 #else
 void amx_rows(const tl_linear*, int, const int8_t*, const float*, const float*, const float*, int, float*, int) {
     abort();   // amx_ready() is false in this build
+}
+void amx_rows_q8(const tl_linear*, int, const int8_t*, const float*, const float*, const float*, int, float*, int) {
+    abort();
 }
 #endif

@@ -617,8 +617,11 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
             for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
             X[(int64_t)r * NG + g] = t;
         }
-    const int amx_min = AB == 32 ? AMX_MIN_ROWS_SPLIT : L->kind == TL_Q8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS;
-    if (m >= amx_min && K % 64 == 0 && amx_ready()) return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+    if (L->kind == TL_Q8) {
+        if (AB % 64 == 0 && m >= AMX_MIN_ROWS_Q8 && amx_ready()) return amx_rows_q8(L, AB, xq, xd, xs, X, m, y, ldy);
+    } else if (m >= (AB == 32 ? AMX_MIN_ROWS_SPLIT : AMX_MIN_ROWS) && K % 64 == 0 && amx_ready()) {
+        return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+    }
     thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
     qq_plan(L, AB == 32, plan);
     const QQPlan& P = plan;

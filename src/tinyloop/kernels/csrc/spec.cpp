@@ -151,20 +151,21 @@ extern "C" int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     }
     int rc = tl_decode(m, kv, vr.data(), (int)n, hid, dec, dec_len);
     if (rc) return rc;
-    // The head, lazily, HEAD_ROWS rows at a time: row j's token is needed only while the drafts before it
+    // The head, lazily, head_rows rows at a time: row j's token is needed only while the drafts before it
     // were all accepted (the caller's walk stops at the first disagreement; later entries stay -1). A head
     // row is bitwise the same whatever rows share its call (intdot.cpp's canonical reduction), so the
-    // tokens are those of one call over all n rows. Two rows cost ~1.8x one (the shipped int8 head on
-    // AVX2: 0.39, 0.70, 1.30 and 1.67 ms for 1, 2, 4 and 5 rows), so pairs keep most of what a batch saves
-    // and skip the rows after a rejection: at acceptance 0.73 a k = 4 round scores 3.3 rows, not 5.
+    // tokens are those of one call over all n rows. What a call costs by its rows depends on the host (the
+    // shipped int8 head: 0.39, 0.70, 1.30 and 1.67 ms for 1, 2, 4 and 5 rows on AVX2, where pairs keep most
+    // of what a batch saves and skip the rows after a rejection; 0.46, 0.47, 0.59, 0.61 with AMX tiles, where
+    // one call over all rows costs less), so the caller chooses (engine/draft_policy.py head_chunk).
     std::vector<tl_sampling> draws(n);
     for (int j = 0; j < n; ++j) {
         draws[j] = round_draw(R, j);
         R->verify[j] = -1;
     }
-    constexpr int HEAD_ROWS = 2;
+    const int head_rows = R->head_rows > 0 ? R->head_rows : 2;
     for (int j0 = 0; j0 < n;) {
-        const int c = (int)std::min<int64_t>(HEAD_ROWS, n - j0);
+        const int c = (int)std::min<int64_t>(head_rows, n - j0);
         rc = tl_head(R->head, hid + j0 * dim, c, R->head_norm, R->head_eps, R->vocab, logits, R->verify + j0, hsc,
                      draws.data() + j0, m->logit_softcap);
         if (rc) return 20 + rc;

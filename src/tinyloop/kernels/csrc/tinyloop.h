@@ -172,6 +172,7 @@ typedef struct {
     // output index, n0 + its offset in the round (the token after the pending one is index n0)
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     int32_t ahead;   // the pipeline: at most this many drafts in flight, not yet verified (0: no bound)
+    int32_t head_rows;   // the chain: verification rows per head call (<= 0: 2), up to the first disagreement
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);
