@@ -157,6 +157,11 @@ class Speculator(TreeRounds):
                                   costs=round_costs(model, *key, self.pipeline and not both, sampled),
                                   pipeline_costs=round_costs(model, *key, True, sampled) if both else None,
                                   prefer_pipeline=self.pipeline)
+        if self.native and plan.draft_ahead > 0:
+            # the head's cost by rows (chain rounds' verification chunk, native_rounds.head_rows), measured
+            # once per model here, before any round is timed: inside a round it made that round's cost (by
+            # which the policy ranks draft lengths) tens of ms too high
+            ex.head_costs(plan.draft_ahead + 1)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,

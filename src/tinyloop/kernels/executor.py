@@ -341,10 +341,10 @@ class NativeExecutor:
         this host, measured once (the best of 3 after a warm-up): what a chain round's lazy verification
         weighs its calls by (draft_policy.head_chunk)."""
         if len(self._head_costs) < rows:
-            dim = self.model.cfg.dim
-            x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
+            most = max(rows, 9)   # (up to draft_ahead 8 at once: a longer draft re-measures)
+            x = torch.randn(most, self.model.cfg.dim, generator=torch.Generator().manual_seed(0))
             out = []
-            for m in range(1, rows + 1):
+            for m in range(1, most + 1):
                 _forward(self.head, x[:m], self.threads)
                 best = float("inf")
                 for _ in range(3):
