@@ -346,3 +346,22 @@ def test_head_chunk_follows_the_cost_by_rows():
     assert head_chunk(flat, 0.5, 5) == 5
     assert head_chunk([0.4, 0.8, 1.2, 1.6, 2.0], 0.2, 5) == 1
     assert head_chunk(flat, 0.9, 1) == 1
+
+
+@pytest.mark.parametrize("head_rows", [1, 3, 5])
+def test_tree_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
+    """A native tree round scores each verified chain `head_rows` rows a head call as the walk reaches them;
+    plain greedy decoding's tokens at every chunk."""
+    from tinyloop.engine import SamplingParams
+    from tinyloop.engine.native_rounds import NativeTreeRound
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    calls = []
+    monkeypatch.setattr(NativeTreeRound, "head_rows", lambda self: calls.append(1) or head_rows)
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=40, loops=4, temperature=0), True)
+    params = SamplingParams(max_tokens=40, mode="tree_speculative", draft_loops=1, verify_loops=4, temperature=0,
+                            draft_ahead=4, k_branches=2)
+    got, st = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False)
+    assert got == plain
+    assert calls   # (the rounds ran natively, at this chunk)

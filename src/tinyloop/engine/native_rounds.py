@@ -81,4 +81,9 @@ class NativeTreeRound(NativeRound):
         self.result = sp.model.executor.tree_round(
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
             sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
-            None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp))
+            None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp), head_rows=self.head_rows())
+
+    def head_rows(self) -> int:
+        """Rows of a verified chain per head call (up to depth + 1), as a chain round chooses them."""
+        n = self.k + 1
+        return head_chunk(self.spec.model.executor.head_costs(n), self.spec.policy.acceptance, n)

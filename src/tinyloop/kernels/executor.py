@@ -431,11 +431,12 @@ class NativeExecutor:
 
     def tree_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, depth: int, K: int, d: int,
                    V: int, draft_readout, last_readout, draft_weight: torch.Tensor | None,
-                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None, noise: tuple | None = None) -> dict:
+                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None, noise: tuple | None = None,
+                   head_rows: int = 2) -> dict:
         """One tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted `depth` levels
         deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification and the walk.
         `draft_readout` / `last_readout`: the read-out of the draft passes and of the last one (None, or a
-        draft exit's (exit, slots)); the draft head and `noise` (sampled rounds) as in `spec_round`. Returns
+        draft exit's (exit, slots)); the draft head, `noise` (sampled rounds) and `head_rows` as in `spec_round`. Returns
         the nodes' tokens and parents, the emitted tokens, the accepted path's nodes, how many nodes the
         verification ran (lazily: the chains the walk needed) and the two phases' ms."""
         with _CALL:
@@ -452,6 +453,7 @@ class NativeExecutor:
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             T = L.TlTree()
             T.depth, T.K, T.d, T.V, T.draft_readout, T.last_readout = depth, K, d, V, ro, ro_last
+            T.head_rows = head_rows
             if draft_weight is not None:
                 T.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
             if draft_ids is not None:

@@ -93,7 +93,7 @@ class TlTree(ctypes.Structure):
                 ("head_eps", ctypes.c_float), ("vocab", _i), ("tokens", _p), ("parents", _p), ("emitted", _p),
                 ("path", _p), ("n_nodes", _i), ("n_emitted", _i), ("draft_ms", ctypes.c_double),
                 ("verify_ms", ctypes.c_double), ("inv_temp", ctypes.c_float), ("n0", _i), ("seed", ctypes.c_uint64),
-                ("top_k", _i), ("top_p", ctypes.c_float), ("n_verified", _i)]
+                ("top_k", _i), ("top_p", ctypes.c_float), ("n_verified", _i), ("head_rows", _i)]
 
 
 class TlGen(ctypes.Structure):

@@ -203,6 +203,7 @@ typedef struct {
     // with the key of output index n0 + t; the beam ranks children by their perturbed draft log-probability
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     int32_t n_verified;                    // out: nodes the verification ran (the chains the walk needed)
+    int32_t head_rows;                     // rows of a chain per head call as the walk reaches them (<= 0: 2)
 } tl_tree;
 int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_tree* T, float* scratch,
                   int64_t scratch_len);

@@ -191,7 +191,7 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
     const double t1 = now_ms();
 
     // verification, lazily: loops d..V-1 (from each node's draft state, under the ancestor mask) and the coda
-    // of a chain of nodes at a time, in one pass; then the head over that chain, HEAD_ROWS rows at a time as
+    // of a chain of nodes at a time, in one pass; then the head over that chain, head_rows rows at a time as
     // the walk reaches them. The first chain is the best path from the root (the greedy path: a greedy
     // node's first child is its best-scored); where the walk leaves a chain for another child, the best
     // chain below that child is verified the same way. A node's pass sees the keys a pass over every node
@@ -230,7 +230,9 @@ extern "C" int tl_tree_round(const tl_model* m, const tl_kv* kv, const tl_row* b
         n_verified += (int)todo.size();
         return 0;
     };
-    constexpr int HEAD_ROWS = 2;   // (spec.cpp: two rows cost ~1.8x one; the rows after a rejection are skipped)
+    // (the caller's choice, as spec.cpp's: what a call costs by rows depends on the host; rows past a
+    // rejection are skipped)
+    const size_t HEAD_ROWS = T->head_rows > 0 ? (size_t)T->head_rows : 2;
     auto score_rows = [&](const std::vector<int>& chain, size_t at) -> int {   // the head over chain[at, at + HEAD_ROWS)
         const int c = (int)std::min<size_t>(HEAD_ROWS, chain.size() - at);
         for (int j = 0; j < c; ++j) {
