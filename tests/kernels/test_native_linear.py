@@ -283,3 +283,35 @@ def test_int8_activations_with_more_groups_than_the_stack_holds(monkeypatch):
     assert (alone - panels).abs().max().item() <= 1e-5 * scale
     exact = x @ QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="dense").w.float().t()
     assert (tiles - exact).abs().max().item() < 2e-2 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("group,k", [(32, 256), (32, 288), (128, 512), (256, 768)])
+@torch.inference_mode()
+def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k):
+    """int4 layers of models that stay in cache take codes repacked 16 weight rows a vector (`pack_int4`,
+    AVX-512 VNNI builds); a row's outputs are bitwise those of the portable codes' kernels (one canonical
+    reduction) at every row count the packed kernel takes and past it, for groups of 32 (a last block of 32
+    columns too), 128 and 256 and weight rows not a multiple of 16. Builds without the kernel say so
+    (`tl_pack_int4_size` < 0) and are not packed."""
+    from tinyloop.kernels.executor import _forward, linear_desc, pack_int4
+
+    kernels.load()
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(83, k, generator=g) * 0.05
+    w[81, :32] = 1.0    # codes at the top and bottom of their range (past the rows the load checks)
+    w[82, :32] = -1.0
+    q, sc, z = quantize_rtn(w, 4, group)
+    lin = QuantLinear.from_portable(pack(q, 4), sc, z, 4, kernel="native")
+    keep: list = []
+    plain = linear_desc(lin, keep)
+    assert plain.act_q8
+    packed = linear_desc(lin, keep)
+    if not pack_int4(packed, keep):
+        assert kernels.load().tl_pack_int4_size(packed) < 0
+        pytest.skip("this build has no packed int4 kernel (AVX-512 VNNI)")
+    for m in (1, 2, 3, 5, 8, 9, 13, 16, 17, 24):
+        x = torch.randn(m, k, generator=g)
+        x[0, :32] = 40.0
+        for threads in (1, 2):
+            assert torch.equal(_forward(packed, x, threads), _forward(plain, x, threads)), (m, threads)

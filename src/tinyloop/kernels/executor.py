@@ -13,6 +13,7 @@ The math is model/'s; tests/kernels/test_native.py checks every configuration ag
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 from . import lib as L
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
-                     linear_desc, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+                     linear_desc, pack_int4, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .parcae import parcae_desc, value_embed_desc
 
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
@@ -87,6 +88,7 @@ class NativeExecutor:
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
         self._mark_streamed(m)
+        self._pack(self.linears())
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
         self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
         m.head, m.head_norm, m.head_eps = ctypes.pointer(self.head), self.head_norm, self.head_eps   # (kl rule)
@@ -118,6 +120,17 @@ class NativeExecutor:
         for d in descs:
             d.streamed = streamed
         self.streamed = bool(streamed)
+
+    def _pack(self, descs) -> None:
+        """int4 layers of a model that stays in cache (not `streamed`) take the packed kernel (16 weight rows a
+        vector, `layers.pack_int4`: a copy of their codes, ~1.7 MB for the shipped model) where the build has
+        it; TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise the same either way
+        (both form the canonical reduction); what changes is the speed of a few rows (benchmarks/pass_cost.py)."""
+        if self.streamed or os.environ.get("TINYLOOP_NATIVE_PACK", "1") == "0":
+            return
+        for d in descs:
+            if d.kind == L.TL_Q4 and d.act_q8 and not d.packed:
+                pack_int4(d, self.keep)
 
     @property
     def name(self) -> str:
@@ -227,6 +240,7 @@ class NativeExecutor:
                 blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
                     *(self._block(b) for b in ro[0].coda)),
                     linear_desc(proj, self.keep) if proj is not None else L.TlLinear())
+                self._pack([d for b in blocks[1] for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)])
             slots = (ctypes.c_int32 * len(ro[1]))(*ro[1])
             keep.append(slots)
             table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots, blocks[2]))

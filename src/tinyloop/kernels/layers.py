@@ -62,6 +62,22 @@ def tensor_desc(w: torch.Tensor, keep: list) -> L.TlLinear:
     return d
 
 
+def pack_int4(d: L.TlLinear, keep: list) -> bool:
+    """Repack an int4 layer's codes for the 16-rows-a-vector kernel (intdot.cpp qq_packed, AVX-512 VNNI builds)
+    into a buffer kept in `keep`, and point the descriptor at it; False where this build or layer has no such
+    kernel. A copy of the codes: the executor packs only models that stay in cache (Executor._pack)."""
+    lib = L.load()
+    size = lib.tl_pack_int4_size(d)
+    if size <= 0:
+        return False
+    buf = torch.empty(size, dtype=torch.uint8)
+    if lib.tl_pack_int4(d, buf.data_ptr()) != 0:
+        return False
+    keep.append(buf)
+    d.packed = buf.data_ptr()
+    return True
+
+
 def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
     that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;

@@ -27,7 +27,7 @@ _i = ctypes.c_int32
 
 class TlLinear(ctypes.Structure):
     _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p),
-                ("act_q8", _i), ("streamed", _i)]
+                ("act_q8", _i), ("streamed", _i), ("packed", _p)]
 
 
 class TlBlock(ctypes.Structure):
@@ -121,6 +121,10 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_scratch_floats.argtypes = [P(TlModel), _i, _i]
         lib.tl_scratch_floats.restype = ctypes.c_int64
         lib.tl_linear_forward.argtypes = [P(TlLinear), _p, _i, _p, _p]
+        lib.tl_pack_int4_size.argtypes = [P(TlLinear)]
+        lib.tl_pack_int4_size.restype = ctypes.c_int64
+        lib.tl_pack_int4.argtypes = [P(TlLinear), _p]
+        lib.tl_pack_int4.restype = _i
         lib.tl_linear_forward.restype = ctypes.c_int
         lib.tl_head.argtypes = [P(TlLinear), _p, _i, _p, ctypes.c_float, _i, _p, _p, _p, _p, ctypes.c_float]
         lib.tl_head.restype = ctypes.c_int

@@ -5,6 +5,7 @@
 #include "amx.h"
 #include "threads.h"
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #if TL_SIMD
@@ -602,6 +603,102 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
         qq_tile<BITS, 1, 4, SPLIT>(L, xq + (int64_t)mt * K, P, xd + (int64_t)mt * NA, X + (int64_t)mt * NG,
                                    y + (int64_t)mt * ldy, ldy, n0, n1);
 }
+
+// ---- int4 codes repacked 16 weight rows a vector (small models: the executor packs layers whose model stays
+// in cache, tl_pack_int4) ----
+// A strip of 16 weight rows lies as (K / 8) octets of 64 bytes, byte 4 w + i holding column 8 o + i of row w
+// in its low nibble and column 8 o + 4 + i in its high one; then the 16 rows' scales (fp32, NG x 16) and
+// scale x zero point (NG x 16). Against an input row's int8 codes in column order, a 512-bit vpdpbusd takes
+// 4 columns of all 16 rows at once (the row's 4 codes broadcast), so an activation block's sums come out one
+// per lane with no horizontal reduction, and the unpacked codes serve every input row of the call. Lane w
+// computes the canonical reduction for weight row 16 s + w (exact int32 sums per activation block, then t =
+// fma(I_a, d_a * s_g(a), t) block by block, the zero points' correction in qq_zero_corr's order: eight
+// partial sums over g mod 8 added as vsum adds them, then the rest), so its outputs are bitwise the other
+// kernels'. Measured: benchmarks/pass_cost.py (docs/decode.md).
+#if TL_VNNI512
+constexpr int PACKED_MAX_ROWS = 16;   // rows a call takes the packed kernel up to (AMX tiles past it)
+
+static inline int64_t packed_strip_bytes(const tl_linear* L) {
+    return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * 128;
+}
+
+template <int MR>
+static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y,
+                             int ldy, int s0, int s1) {
+    const int K = L->k, NG = K / L->group, AB = act_block(L->group), NA = K / AB, opb = AB / 8, NG8 = NG / 8 * 8;
+    const int64_t SB = packed_strip_bytes(L);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int s = s0; s < s1; ++s) {
+        const uint8_t* P = L->packed + s * SB;
+        const float* sv = (const float*)(P + (int64_t)K * 8);
+        const float* szv = sv + (int64_t)NG * 16;
+        __m512 t[MR];
+        for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
+        for (int a = 0; a < NA; ++a) {
+            __m512i acc[MR];
+            for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+            for (int o = a * opb; o < (a + 1) * opb; ++o) {
+                const __m512i raw = _mm512_loadu_si512(P + 64 * o);
+                const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+#pragma GCC unroll 8
+                for (int r = 0; r < MR; ++r) {
+                    const int8_t* xr = xq + (int64_t)r * K + 8 * o;
+                    int32_t x0, x1;
+                    memcpy(&x0, xr, 4);
+                    memcpy(&x1, xr + 4, 4);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(x0));
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(x1));
+                }
+            }
+            const __m512 s_g = _mm512_loadu_ps(sv + (int64_t)(a * AB / L->group) * 16);
+            for (int r = 0; r < MR; ++r)
+                t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xd[(int64_t)r * NA + a]), s_g), t[r]);
+        }
+        const int n0 = 16 * s, nr = L->n - n0 < 16 ? L->n - n0 : 16;
+        const __mmask16 live = (__mmask16)((1u << nr) - 1);
+        for (int r = 0; r < MR; ++r) {
+            const float* Xr = X + (int64_t)r * NG;
+            __m512 part[8];
+            for (int l = 0; l < 8; ++l) part[l] = _mm512_setzero_ps();
+            for (int g = 0; g < NG8; g += 8)
+                for (int l = 0; l < 8; ++l)
+                    part[l] = _mm512_fmadd_ps(_mm512_loadu_ps(szv + (int64_t)(g + l) * 16), _mm512_set1_ps(Xr[g + l]), part[l]);
+            __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
+                                        _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
+            for (int g = NG8; g < NG; ++g)
+                corr = _mm512_fmadd_ps(_mm512_loadu_ps(szv + (int64_t)g * 16), _mm512_set1_ps(Xr[g]), corr);
+            _mm512_mask_storeu_ps(y + (int64_t)r * ldy + n0, live, _mm512_sub_ps(t[r], corr));
+        }
+    }
+}
+
+// m input rows (codes in column order) against every strip: units of 8 strips over the threads, each unit's
+// input rows up to 8 at a time (its 16 KB of codes stay in L1 from the first row block on)
+static void qq_packed(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy) {
+    const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
+    const int strips = (L->n + 15) / 16;
+    constexpr int UNIT = 8;
+    tl_parallel_for((strips + UNIT - 1) / UNIT, [&](int c, int) {
+        const int s0 = c * UNIT, s1 = std::min(strips, s0 + UNIT);
+        for (int r0 = 0; r0 < m; r0 += 8) {
+            const int mr = std::min(8, m - r0);
+            const int8_t* xr = xq + (int64_t)r0 * K;
+            const float *dr = xd + (int64_t)r0 * NA, *Xr = X + (int64_t)r0 * NG;
+            float* yr = y + (int64_t)r0 * ldy;
+            switch (mr) {
+                case 1: qq_packed_strips<1>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 2: qq_packed_strips<2>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 3: qq_packed_strips<3>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 4: qq_packed_strips<4>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 5: qq_packed_strips<5>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 6: qq_packed_strips<6>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                case 7: qq_packed_strips<7>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+                default: qq_packed_strips<8>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+            }
+        }
+    });
+}
+#endif
 }  // namespace
 
 void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
@@ -610,13 +707,21 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     float* xd = scratch + (int64_t)m * K;                // then 2 * m * k / 32 floats (<= m * k / 8)
     float* xs = xd + (int64_t)m * NA;
     float* X = xs + (int64_t)m * NA;                     // then m * k / group (<= m * k / 32) floats
-    quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4);
+#if TL_VNNI512
+    const bool packed = L->packed && L->kind == TL_Q4 && m <= PACKED_MAX_ROWS;
+#else
+    const bool packed = false;
+#endif
+    quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4 && !packed);   // (the packed kernel: column order)
     for (int r = 0; r < m; ++r)
         for (int g = 0; g < NG; ++g) {
             float t = 0.f;
             for (int a = g * APG; a < (g + 1) * APG; ++a) t = fmaf(xd[(int64_t)r * NA + a], xs[(int64_t)r * NA + a], t);
             X[(int64_t)r * NG + g] = t;
         }
+#if TL_VNNI512
+    if (packed) return qq_packed(L, xq, xd, X, m, y, ldy);
+#endif
     if (L->kind == TL_Q8) {
         if (AB % 64 == 0 && m >= AMX_MIN_ROWS_Q8 && amx_ready()) return amx_rows_q8(L, AB, xq, xd, xs, X, m, y, ldy);
     } else if (m >= (AB == 32 ? AMX_MIN_ROWS_SPLIT : AMX_MIN_ROWS) && K % 64 == 0 && amx_ready()) {
@@ -636,3 +741,46 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     });
 }
 #endif
+
+extern "C" int64_t tl_pack_int4_size(const tl_linear* L) {
+#if TL_SIMD && TL_VNNI512
+    if (L->kind != TL_Q4 || !int8_activations(L) || L->k % 8) return -1;
+    return (int64_t)((L->n + 15) / 16) * packed_strip_bytes(L);
+#else
+    (void)L;
+    return -1;
+#endif
+}
+
+extern "C" int32_t tl_pack_int4(const tl_linear* L, uint8_t* out) {
+#if TL_SIMD && TL_VNNI512
+    if (tl_pack_int4_size(L) < 0) return 1;
+    const int K = L->k, NG = K / L->group, strips = (L->n + 15) / 16;
+    const int64_t SB = packed_strip_bytes(L), row_bytes = K / 2;
+    const uint8_t* w = (const uint8_t*)L->w;
+    auto code = [&](int row, int col) -> uint8_t { return (w[row * row_bytes + col / 2] >> (4 * (col & 1))) & 15; };
+    for (int s = 0; s < strips; ++s) {
+        uint8_t* P = out + s * SB;
+        for (int o = 0; o < K / 8; ++o)
+            for (int wr = 0; wr < 16; ++wr)
+                for (int i = 0; i < 4; ++i) {
+                    const int row = 16 * s + wr;
+                    P[64 * o + 4 * wr + i] = row < L->n ? (uint8_t)(code(row, 8 * o + i) | code(row, 8 * o + 4 + i) << 4) : 0;
+                }
+        float* sv = (float*)(P + (int64_t)K * 8);
+        float* szv = sv + (int64_t)NG * 16;
+        for (int g = 0; g < NG; ++g)
+            for (int wr = 0; wr < 16; ++wr) {
+                const int row = 16 * s + wr;
+                const float sc = row < L->n ? f16_to_f32(L->scales[(int64_t)row * NG + g]) : 0.f;
+                sv[g * 16 + wr] = sc;
+                szv[g * 16 + wr] = row < L->n ? sc * (float)L->zeros[(int64_t)row * NG + g] : 0.f;   // (qq_zero_corr's s z')
+            }
+    }
+    return 0;
+#else
+    (void)L;
+    (void)out;
+    return 1;
+#endif
+}

@@ -18,6 +18,7 @@ typedef struct {
     const uint8_t* zeros;    // uint8 (n, k / group): w = (q - zero) * scale
     int32_t act_q8;          // TL_Q8 / TL_Q4 with SIMD: activations quantized to int8 (integer dot products)
     int32_t streamed;        // the model's weights do not stay in cache: one row is read after the other
+    const uint8_t* packed;   // int4 with int8 activations: the codes repacked 16 rows a vector (tl_pack_int4), or null
 } tl_linear;
 
 typedef struct {
@@ -227,6 +228,12 @@ typedef struct {
 int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_gen* G, float* scratch,
                 int64_t scratch_len);
 int64_t tl_generate_scratch_floats(const tl_model* m, const tl_gen* G, int32_t max_ctx);
+
+// An int4 layer's codes, scales and zero points repacked for 16 weight rows a 512-bit vector (intdot.cpp
+// qq_packed: AVX-512 VNNI builds): the bytes it takes (-1: this build or layer has no such kernel), and the
+// packing into out; the descriptor's `packed` then points at out (kept alive by the caller).
+int64_t tl_pack_int4_size(const tl_linear* L);
+int32_t tl_pack_int4(const tl_linear* L, uint8_t* out);
 
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);
