@@ -5,6 +5,7 @@ crowded batches (tests/kernels/native_pair.py builds the models)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
@@ -365,3 +366,32 @@ def test_tree_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
     got, st = _ids(nat, prompt, params, True, draft_vocab=None, adaptive=False)
     assert got == plain
     assert calls   # (the rounds ran natively, at this chunk)
+
+
+def test_drafts_read_the_int8_heads_rows_where_the_model_has_one(monkeypatch):
+    """The shipped int4 file's head is int8: a native draft head reads those codes' rows (the ranked tokens,
+    then the request's own as they appear) instead of the 16-bit embedding rows; greedy speculation stays
+    plain decoding token for token, with the default policy and fixed drafts."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    from tinyloop.engine import Engine, SamplingParams
+    from tinyloop.engine.draft_head import DraftHead, _QuantRows
+    from tinyloop.engine.serving import run_ids
+
+    eng = Engine.load()
+    if getattr(eng.model, "executor", None) is None:
+        pytest.skip("the shipped model runs without the native executor here")
+    dh = DraftHead(eng.model, "auto")
+    assert isinstance(dh.q, _QuantRows)
+    src = eng.model.head_linear.native_weights()
+    view = dh.native_rows().native_weights()
+    assert torch.equal(view["qweight"], src["qweight"][dh.ids[: dh.n]])
+    tok = int(torch.nonzero(~dh.member)[0])
+    dh.add([tok])
+    assert dh.native_rows().native_weights()["qweight"][-1].equal(src["qweight"][tok])
+    ids = eng.tokenizer.encode("ROMEO. But soft, what light through yonder window breaks? It is the east, and")
+    plain = run_ids(eng, ids, SamplingParams(max_tokens=32, temperature=0, loops=8))
+    for kw in ({}, {"draft_loops": 1, "draft_ahead": 4}):
+        st = {}
+        got = run_ids(eng, ids, SamplingParams(max_tokens=32, temperature=0, mode="speculative", **kw), stats=st)
+        assert got == plain
+        assert st["acceptance_rate"] > 0

@@ -36,7 +36,7 @@ class NativeRound:
         norm = draft_norm(sp)
         self.result = sp.model.executor.spec_round(
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
-            head.weight[: head.n] if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
+            head.native_rows() if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
             noise=noise(sp), ahead=sp.params.draft_ahead, head_rows=self.head_rows())
@@ -80,7 +80,7 @@ class NativeTreeRound(NativeRound):
         norm = draft_norm(sp)
         self.result = sp.model.executor.tree_round(
             kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
-            sp.exit_readout, head.weight[: head.n] if head.ids is not None else None,
+            sp.exit_readout, head.native_rows() if head.ids is not None else None,
             None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp), head_rows=self.head_rows())
 
     def head_rows(self) -> int:

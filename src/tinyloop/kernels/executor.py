@@ -52,6 +52,11 @@ def unsupported_features(cfg) -> list[str]:
     return out
 
 
+def _draft_desc(w, keep: list) -> L.TlLinear:
+    """A draft head's rows as a layer: a float tensor, or a module-like holder of int8 rows."""
+    return tensor_desc(w, keep) if isinstance(w, torch.Tensor) else linear_desc(w, keep)
+
+
 class NativeExecutor:
     def __init__(self, model, threads: int | None = None):
         cfg = model.cfg
@@ -406,7 +411,7 @@ class NativeExecutor:
                 R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise
             if k > 0:
                 if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
-                    R.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
+                    R.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
                 if draft_ids is not None:
                     ids = draft_ids.to(torch.int64).contiguous()
                     keep.append(ids)
@@ -469,7 +474,7 @@ class NativeExecutor:
             T.depth, T.K, T.d, T.V, T.draft_readout, T.last_readout = depth, K, d, V, ro, ro_last
             T.head_rows = head_rows
             if draft_weight is not None:
-                T.draft_head = ctypes.pointer(tensor_desc(draft_weight, keep))
+                T.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
             if draft_ids is not None:
                 ids = draft_ids.to(torch.int64).contiguous()
                 keep.append(ids)
@@ -561,9 +566,10 @@ class NativeExecutor:
             self._head(x2, self._head_buf, ids, noise)
         return ids.tolist()
 
-    def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (..., k) @ w (n, k)^T for a float weight read as stored (a draft head's rows): fp32 (..., n)."""
-        return _forward(tensor_desc(w, []), x, self.threads)
+    def project(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x (..., k) @ w (n, k)^T for a draft head's rows (float, read as stored, or int8 rows of the head:
+        `draft_head._QuantRows`): fp32 (..., n)."""
+        return _forward(_draft_desc(w, []), x, self.threads)
 
     def _head(self, x2: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None, noise: list | None = None) -> None:
         M, k = x2.shape
