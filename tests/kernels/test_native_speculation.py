@@ -368,10 +368,11 @@ def test_tree_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
     assert calls   # (the rounds ran natively, at this chunk)
 
 
-def test_drafts_read_the_int8_heads_rows_where_the_model_has_one(monkeypatch):
+def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
     """The shipped int4 file's head is int8: a native draft head reads those codes' rows (the ranked tokens,
-    then the request's own as they appear) instead of the 16-bit embedding rows; greedy speculation stays
-    plain decoding token for token, with the default policy and fixed drafts."""
+    then the request's own as they appear) instead of the 16-bit embedding rows; its draft exits (trained
+    in float) are rounded to the blocks' int4 in groups of 32; greedy speculation stays plain decoding token
+    for token, with the default policy and fixed drafts."""
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine.draft_head import DraftHead, _QuantRows
@@ -380,6 +381,10 @@ def test_drafts_read_the_int8_heads_rows_where_the_model_has_one(monkeypatch):
     eng = Engine.load()
     if getattr(eng.model, "executor", None) is None:
         pytest.skip("the shipped model runs without the native executor here")
+    from tinyloop.quant.linear import QuantLinear
+    for ex in eng.model.draft_exits.values():
+        lin = [m for blk in ex.coda for m in blk.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
+        assert lin and all(isinstance(m, QuantLinear) and (m.bits, m.group_size) == (4, 32) for m in lin)
     dh = DraftHead(eng.model, "auto")
     assert isinstance(dh.q, _QuantRows)
     src = eng.model.head_linear.native_weights()

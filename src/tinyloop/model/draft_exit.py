@@ -170,7 +170,8 @@ def read_draft_exits(path: str | Path, cfg: ModelConfig) -> tuple[dict[int, Draf
 
 def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
     """Install exits on a loaded model (`model.draft_exits`), prepared like the model's own blocks: the
-    model's float dtype, and on a decode-prepared model the same fusion and fp16 FBGEMM weights."""
+    model's float dtype, and on a decode-prepared model the same fusion and fp16 FBGEMM weights; on a model
+    whose blocks are int4 or int2, those bits and groups (round to nearest)."""
     from .fast import fuse_projections, swap_linears
     from ..quant.fp16 import FP16Linear
 
@@ -179,12 +180,37 @@ def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
     embed_dtype = model.embed.weight.dtype
     float_dtype = torch.float32 if weights == "fp16" or not embed_dtype.is_floating_point else embed_dtype
     device = model.embed.weight.device
+    quant = _coda_quant(model)
     for ex in exits.values():
         ex.to(device=device, dtype=float_dtype).eval()
         for p in ex.parameters():
             p.requires_grad_(False)
         if prepared and any(getattr(b.attn, "wqkv", None) is not None for b in model.coda):  # as the model's
             fuse_projections(ex)
-        if weights == "fp16":
+        if quant is not None:   # a quantized model's exits in its blocks' bits and groups (below)
+            swap_linears(ex, lambda name, lin: _rtn_linear(lin, *quant))
+        elif weights == "fp16":
             swap_linears(ex, lambda name, lin: FP16Linear.from_linear(lin))
     model.draft_exits = dict(exits)
+
+
+def _coda_quant(model: nn.Module) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized model's coda linears (int4 / int2), None for float blocks."""
+    from ..quant.linear import QuantLinear
+
+    for blk in model.coda:
+        for mod in blk.modules():
+            if isinstance(mod, QuantLinear) and mod.bits < 8:
+                return mod.bits, mod.group_size
+    return None
+
+
+def _rtn_linear(lin: nn.Linear, bits: int, group: int) -> nn.Module:
+    """A draft exit's float linear rounded to the model's own format (RTN): the exit is a draft's read-out, so
+    its rounding changes proposals only, never an output; a 16-bit exit block on a quantized model cost as
+    much as two loops a draft (its float GEMVs against the packed int4 kernels)."""
+    from ..quant.linear import QuantLinear
+    from ..quant.packing import pack, quantize_rtn
+
+    q, s, z = quantize_rtn(lin.weight.detach().float(), bits, group)
+    return QuantLinear.from_portable(pack(q, bits), s, z, bits, device=lin.weight.device)
