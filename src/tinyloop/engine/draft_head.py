@@ -110,11 +110,16 @@ class _QuantRows:
         src = head.native_weights()
         if not isinstance(src, dict) or src["bits"] != 8:
             return None
-        bufs = {k: torch.zeros((ids.shape[0], *src[k].shape[1:]), dtype=src[k].dtype)
-                for k in ("qweight", "scales", "zeros")}
-        rows = ids[:size].cpu()
-        for k in bufs:
-            bufs[k][:size] = src[k][rows]
+        # the ranked rows gathered once per model, head and size (a request copies them, as the float rows)
+        per_model = _QUANT_RANKED.setdefault(model, {})
+        hit = per_model.get(size)
+        if hit is None or hit[0] is not src["qweight"]:
+            rows = ids[:size].cpu()
+            hit = per_model[size] = (src["qweight"], {k: src[k][rows].contiguous() for k in ("qweight", "scales", "zeros")})
+        bufs = {}
+        for k, block in hit[1].items():
+            bufs[k] = torch.empty((ids.shape[0], *block.shape[1:]), dtype=block.dtype)
+            bufs[k][:size] = block
         return cls(src, bufs)
 
     def copy_row(self, i: int, token: int) -> None:
@@ -146,6 +151,7 @@ def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
 
 
 _RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
+_QUANT_RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
 def _ranked_rows(model: LoopedTransformer, weight: torch.Tensor, size: int):
