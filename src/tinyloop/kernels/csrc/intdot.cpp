@@ -610,13 +610,13 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 // in its low nibble and column 8 o + 4 + i in its high one; then the 16 rows' scales (fp32, NG x 16) and
 // scale x zero point (NG x 16). Against an input row's int8 codes in column order, a 512-bit vpdpbusd takes
 // 4 columns of all 16 rows at once (the row's 4 codes broadcast), so an activation block's sums come out one
-// per lane with no horizontal reduction, and the unpacked codes serve every input row of the call. Lane w
+// per lane with no horizontal reduction, and the unpacked codes serve every input row of the call (up to 8 at
+// a time). Lane w
 // computes the canonical reduction for weight row 16 s + w (exact int32 sums per activation block, then t =
 // fma(I_a, d_a * s_g(a), t) block by block, the zero points' correction in qq_zero_corr's order: eight
 // partial sums over g mod 8 added as vsum adds them, then the rest), so its outputs are bitwise the other
 // kernels'. Measured: benchmarks/pass_cost.py (docs/decode.md).
 #if TL_VNNI512
-constexpr int PACKED_MAX_ROWS = 16;   // rows a call takes the packed kernel up to (AMX tiles past it)
 
 static inline int64_t packed_strip_bytes(const tl_linear* L) {
     return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * 128;
@@ -708,7 +708,9 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     float* xs = xd + (int64_t)m * NA;
     float* X = xs + (int64_t)m * NA;                     // then m * k / group (<= m * k / 32) floats
 #if TL_VNNI512
-    const bool packed = L->packed && L->kind == TL_Q4 && m <= PACKED_MAX_ROWS;
+    // (at every row count: the shipped model's loop, one thread, 0.31 ms at 17 rows against 0.71 with the AMX
+    // tiles, 0.87 against 1.58 at 64, 1.65 against 3.04 at 128: the tiles' per-strip unpacking and scaling)
+    const bool packed = L->packed && L->kind == TL_Q4;
 #else
     const bool packed = false;
 #endif
