@@ -170,8 +170,8 @@ def read_draft_exits(path: str | Path, cfg: ModelConfig) -> tuple[dict[int, Draf
 
 def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
     """Install exits on a loaded model (`model.draft_exits`), prepared like the model's own blocks: the
-    model's float dtype, and on a decode-prepared model the same fusion and fp16 FBGEMM weights; on a model
-    whose blocks are int4 or int2, those bits and groups (round to nearest)."""
+    model's float dtype, and on a decode-prepared model the same fusion and fp16 FBGEMM weights; on a CPU model
+    whose blocks are int4 (or int2), int4 in their groups (round to nearest: `_coda_quant`)."""
     from .fast import fuse_projections, swap_linears
     from ..quant.fp16 import FP16Linear
 
@@ -180,7 +180,7 @@ def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
     embed_dtype = model.embed.weight.dtype
     float_dtype = torch.float32 if weights == "fp16" or not embed_dtype.is_floating_point else embed_dtype
     device = model.embed.weight.device
-    quant = _coda_quant(model)
+    quant = _coda_quant(model) if device.type == "cpu" else None
     for ex in exits.values():
         ex.to(device=device, dtype=float_dtype).eval()
         for p in ex.parameters():
@@ -195,13 +195,15 @@ def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
 
 
 def _coda_quant(model: nn.Module) -> tuple[int, int] | None:
-    """(bits, group size) of a quantized model's coda linears (int4 / int2), None for float blocks."""
+    """The format a quantized model's exits take: int4 in the coda's groups where its linears are int4 (int2
+    blocks: int4 in groups of 32, as rounding a float exit to 2 bits would cost its drafts much of their
+    agreement), None for float blocks."""
     from ..quant.linear import QuantLinear
 
     for blk in model.coda:
         for mod in blk.modules():
             if isinstance(mod, QuantLinear) and mod.bits < 8:
-                return mod.bits, mod.group_size
+                return 4, mod.group_size if mod.bits == 4 else 32
     return None
 
 
