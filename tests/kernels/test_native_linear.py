@@ -159,10 +159,10 @@ def _amx_host() -> bool:
 @torch.inference_mode()
 def test_amx_tiles_equal_the_vector_tiles(monkeypatch, bits, group):
     """Where the host has AMX the native build uses its int8 tiles from AMX_MIN_ROWS rows (`tl_amx()`, the
-    ISA string names them), and int8 weights (the head: `amx_rows_q8`) from two rows; they are bitwise the
-    vector tiles (both form the canonical reduction): row counts from 2 (int8) or 8 to 40, two activation
-    blocks a row (int8 weights are per channel: one group), weight rows not a multiple of 16, int8 codes at their extremes. Elsewhere the switch
-    reports no AMX and both runs are the vector tiles."""
+    ISA string names them), and int8 weights (the head: `amx_rows_q8`) from three; they are bitwise the vector
+    tiles (both form the canonical reduction): row counts from 2 (int8) or 8 to 40, two activation blocks a row
+    (int8 weights are per channel: one group), weight rows not a multiple of 16, int8 codes at their extremes.
+    Elsewhere the switch reports no AMX and both runs are the vector tiles."""
     from tinyloop.kernels.executor import linear_desc, _forward
 
     lib = kernels.load()

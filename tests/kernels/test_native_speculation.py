@@ -383,7 +383,7 @@ def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
         pytest.skip("the shipped model runs without the native executor here")
     from tinyloop.quant.linear import QuantLinear
     for ex in eng.model.draft_exits.values():
-        lin = [m for blk in ex.coda for m in blk.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
+        lin = [m for b in ex.coda for m in b.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
         assert lin and all(isinstance(m, QuantLinear) and (m.bits, m.group_size) == (4, 32) for m in lin)
     dh = DraftHead(eng.model, "auto")
     assert isinstance(dh.q, _QuantRows)
@@ -400,3 +400,40 @@ def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
         got = run_ids(eng, ids, SamplingParams(max_tokens=32, temperature=0, mode="speculative", **kw), stats=st)
         assert got == plain
         assert st["acceptance_rate"] > 0
+
+
+@pytest.mark.parametrize("with_exit", [False, True])
+def test_chain_rounds_back_to_back_in_one_call(with_exit):
+    """A lone request runs up to CHAIN_ROUNDS chain rounds per native call at the policy's k (here fixed), each
+    from where the last ended, a draft exit's backlog carried between them; the output is plain decoding's,
+    greedy and sampled, and a stop id emitted mid-call ends the request there as plain decoding's does."""
+    from tinyloop.engine import SamplingParams
+
+    _, nat = make_pair(CONFIGS["tiny"], "fp32")
+    if with_exit:
+        attach_varied_exits(nat, {1: 1, 2: 2})
+    calls = []
+    orig = nat.executor.spec_round
+
+    def spec_round(*a, **kw):
+        res = orig(*a, **kw)
+        calls.append((kw.get("rounds", 1), len(res.get("outs", [None]))))
+        return res
+    nat.executor.spec_round = spec_round
+    prompt = [5, 17, 300, 42, 7, 9]
+    plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=48, loops=4, temperature=0), True)
+    spec = dict(mode="speculative", draft_loops=1, verify_loops=4, draft_ahead=3)
+    got, st = _ids(nat, prompt, SamplingParams(max_tokens=48, temperature=0, **spec), True, draft_vocab=None,
+                   adaptive=False)
+    assert got == plain
+    assert any(r > 1 and n > 1 for r, n in calls)   # several rounds ran in one call
+    stop = plain[20]
+    cut = plain[:plain.index(stop) + 1]
+    want, _ = _ids(nat, prompt, SamplingParams(max_tokens=48, loops=4, temperature=0, stop_token_ids=[stop]), True)
+    got, _ = _ids(nat, prompt, SamplingParams(max_tokens=48, temperature=0, stop_token_ids=[stop], **spec), True,
+                  draft_vocab=None, adaptive=False)
+    assert got == want and want in (cut, cut[:-1])
+    sampled = dict(temperature=0.8, seed=7, max_tokens=40)
+    want, _ = _ids(nat, prompt, SamplingParams(loops=4, **sampled), True)
+    got, _ = _ids(nat, prompt, SamplingParams(**sampled, **spec), True, draft_vocab=None, adaptive=False)
+    assert got == want

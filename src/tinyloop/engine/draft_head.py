@@ -115,7 +115,8 @@ class _QuantRows:
         hit = per_model.get(size)
         if hit is None or hit[0] is not src["qweight"]:
             rows = ids[:size].cpu()
-            hit = per_model[size] = (src["qweight"], {k: src[k][rows].contiguous() for k in ("qweight", "scales", "zeros")})
+            block = {k: src[k][rows].contiguous() for k in ("qweight", "scales", "zeros")}
+            hit = per_model[size] = (src["qweight"], block)
         bufs = {}
         for k, block in hit[1].items():
             bufs[k] = torch.empty((ids.shape[0], *block.shape[1:]), dtype=block.dtype)

@@ -241,6 +241,17 @@ class DraftPolicy:
             self._chose(0)
         return n
 
+    def chain_run(self, k: int, most: int) -> int:
+        """After `choose` gave k >= 1: how many rounds at k to run back to back in one call (at most `most`, at
+        least 1), up to the next round that explores another choice, counted as chosen now."""
+        n = max(1, most)
+        if self.adaptive:
+            n = min(n, self.EXPLORE - self.rounds % self.EXPLORE) if self.rounds % self.EXPLORE else 1
+        for _ in range(n - 1):
+            self._chose(k)
+        self.rounds += n - 1
+        return n
+
     def _chose(self, k: int) -> None:
         self.chosen.append(k)
         self.k_sum += k

@@ -11,6 +11,8 @@ ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many
 PLAIN_STEPS = 8         # plain rounds (k = 0) a request running alone makes per native call (NativeSteps)
 PIPELINE_RUN = 16       # drafts a pipeline round may make in all while they are accepted (draft_ahead bounds
                         # those in flight at once): a round's fill and drain passes, paid once a round
+CHAIN_ROUNDS = 4        # chain rounds a request running alone makes per native call at the policy's k: the
+                        # Python between rounds (emission, the policy, the call's set-up) paid once a call
 
 
 def draft_norm(sp):
@@ -29,6 +31,7 @@ class NativeRound:
 
     def __init__(self, spec: "Speculator", k: int):
         self.spec, self.k = spec, k
+        self.rounds = 1   # (chain rounds back to back in the call: Speculator._native_round sets it)
         self.result: dict | None = None
 
     def run(self, kv) -> None:
@@ -39,7 +42,8 @@ class NativeRound:
             head.native_rows() if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=noise(sp), ahead=sp.params.draft_ahead, head_rows=self.head_rows())
+            noise=noise(sp), ahead=sp.params.draft_ahead, head_rows=self.head_rows(), rounds=self.rounds,
+            stop=stop_ids(sp) if self.rounds > 1 else ())
 
     def head_rows(self) -> int:
         """A chain round's verification rows per head call, for this request's acceptance and what the head
@@ -57,12 +61,18 @@ class NativeSteps(NativeRound):
 
     def run(self, kv) -> None:
         sp = self.spec
-        cfg = sp.model.cfg
-        stop = list(sp.params.stop_token_ids)
-        if not sp.params.ignore_eos:
-            stop += [cfg.eos_token_id, *cfg.eos_token_ids]
         self.result, _ = sp.model.executor.generate(kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
-                                                   self.k, noise(sp), [t for t in stop if t is not None])
+                                                   self.k, noise(sp), stop_ids(sp))
+
+
+def stop_ids(sp) -> list[int]:
+    """The ids that end a request (its stop ids, and the model's end ids unless ignore_eos): a call of several
+    rounds or steps ends after the one that emits one."""
+    cfg = sp.model.cfg
+    stop = list(sp.params.stop_token_ids)
+    if not sp.params.ignore_eos:
+        stop += [cfg.eos_token_id, *cfg.eos_token_ids]
+    return [t for t in stop if t is not None]
 
 
 def noise(sp):

@@ -68,7 +68,7 @@ from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs, tested
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
-from .native_rounds import ALONE_UP_TO, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
+from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
@@ -365,8 +365,32 @@ class Speculator(TreeRounds):
             self._last = (0, 0, 0.0, now, 1)   # (its whole cycle is plain's cost for the policy)
             return out
         call = NativeRound(self, k)
+        alone = self.running is None or self.running() == 1
+        if alone and not self.pipeline:   # the rounds the policy holds at this k, in one call (CHAIN_ROUNDS)
+            room = min(self.plan.params.max_tokens - self.sampler.n_out, self.plan.max_positions - self.length)
+            call.rounds = self.policy.chain_run(k, min(CHAIN_ROUNDS, room // (k + 1)))
         yield call
         res = call.result
+        if "outs" in res:   # several chain rounds: each one's output, accepted as they came
+            outs = res["outs"]
+            out = []
+            for o in outs:
+                for y in o:
+                    self.sampler.accept(y)
+                out += o
+            self.exit_backlog = res["last_h"] if self.exit is not None and len(outs[-1]) == k + 1 else None
+            self.length += len(out)
+            self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs))
+            st = self.stats
+            st["rounds"] += len(outs) - 1   # (round() counts one)
+            st["draft_s"] += res["draft_ms"] / 1000
+            st["verify_s"] += res["verify_ms"] / 1000
+            st["draft_tokens"] += k * len(outs)
+            st["proposed"] += k * len(outs)
+            st["accepted"] += len(out) - len(outs)
+            st["draft_passes"] += (k + 1) * len(outs)
+            st["verify_positions"] += (k + 1) * len(outs)
+            return out
         if "emitted" in res:   # the pipeline: its output as verified, every exit entry written
             out = res["emitted"]
             for y in out:
@@ -402,8 +426,10 @@ class Speculator(TreeRounds):
         included), if it is not yet timed. Returns now."""
         now = time.perf_counter()
         if self._last is not None:
-            k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: plain rounds run as one call)
-            self.policy.update(k0, accepted0, draft_ms0, max(0.0, (now - t0) * 1000 - draft_ms0) / rounds)
+            k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: rounds run as one call)
+            rest = max(0.0, (now - t0) * 1000 - draft_ms0) / rounds
+            for acc in (accepted0 if isinstance(accepted0, list) else [accepted0]):   # (chain rounds: each one's)
+                self.policy.update(k0, acc, draft_ms0 / rounds, rest)
             self._last = None
         return now
 

@@ -378,7 +378,7 @@ class NativeExecutor:
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
                    pipeline: bool = False, noise: tuple | None = None, ahead: int = 0,
-                   head_rows: int = 2) -> dict:
+                   head_rows: int = 2, rounds: int = 1, stop: list[int] | tuple = ()) -> dict:
         """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
         (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
         rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
@@ -388,7 +388,10 @@ class NativeExecutor:
         `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
         Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
         the two phases' milliseconds. `head_rows`: verification rows per head call (lazily, up to the first
-        disagreement; draft_policy.head_chunk). `pipeline` (k >= 1): the same round as depth-aligned passes
+        disagreement; draft_policy.head_chunk). `rounds` > 1 (a chain, k >= 1): that many rounds back to back,
+        each from where the last ended, the call ending early after a round whose output holds a token of
+        `stop`; "outs" then holds each round's output (and "last_h" the last round's state). `pipeline` (k >= 1):
+        the same round as depth-aligned passes
         (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written; `ahead`
         (> 0) bounds its drafts in flight at once (k bounds those of the call).
         `noise` (seed, n0, 1 / T, top_k, top_p): a sampled round, every token drawn under the noise of its output index
@@ -398,13 +401,21 @@ class NativeExecutor:
             t = _int64(table)
             ro = self._readout(draft_readout, readouts, keep)
             self._set_readouts(readouts)
-            max_pos = pos + k
+            multi = rounds > 1 and k > 0 and not pipeline
+            max_pos = pos + (rounds * (k + 1) if multi else k)
             if max_pos >= self.desc.rope_len:
                 self._rope(max_pos + 1)
             base = L.TlRow()
             base.token, base.pos, base.window, base.readout = pending, pos, window, 0
             base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
             R = L.TlRound()
+            if multi:
+                outs = torch.zeros(rounds * (k + 1), dtype=torch.int32)
+                out_n = torch.zeros(rounds, dtype=torch.int32)
+                stops = torch.tensor(list(stop) or [-1], dtype=torch.int32)
+                keep += [outs, out_n, stops]
+                R.rounds, R.out, R.out_n = rounds, outs.data_ptr(), out_n.data_ptr()
+                R.stop, R.n_stop = stops.data_ptr(), len(stop)
             R.k, R.d, R.V, R.draft_readout, R.ahead, R.head_rows = k, d, V, ro, ahead, head_rows
             R.top_p = 1.0
             if noise is not None:
@@ -442,8 +453,14 @@ class NativeExecutor:
                 self.model.core_loop_tokens += R.row_loops
                 return {"emitted": ver[:R.n_emitted].tolist(), "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
             # loops run: k + 1 draft passes of d loops, k + 1 verification rows of V - d (as the stepwise path counts)
-            self.model.core_loop_tokens += (k + 1) * V
+            self.model.core_loop_tokens += (k + 1) * V * (R.n_rounds if multi else 1)
             act = self.model.act_dtype or self.model.embed.weight.dtype
+            if multi:
+                lens, flat = out_n[:R.n_rounds].tolist(), outs.tolist()
+                starts = [sum(lens[:i]) for i in range(len(lens))]
+                return {"outs": [flat[s:s + n] for s, n in zip(starts, lens)],
+                        "last_h": last_h if act == torch.float32 else last_h.to(act),
+                        "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
             return {"tokens": toks.tolist(), "verify": ver.tolist(),
                     "last_h": last_h if act == torch.float32 else last_h.to(act),
                     "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
@@ -455,7 +472,8 @@ class NativeExecutor:
         """One tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted `depth` levels
         deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification and the walk.
         `draft_readout` / `last_readout`: the read-out of the draft passes and of the last one (None, or a
-        draft exit's (exit, slots)); the draft head, `noise` (sampled rounds) and `head_rows` as in `spec_round`. Returns
+        draft exit's (exit, slots)); the draft head, `noise` (sampled rounds) and `head_rows` as in `spec_round`.
+        Returns
         the nodes' tokens and parents, the emitted tokens, the accepted path's nodes, how many nodes the
         verification ran (lazily: the chains the walk needed) and the two phases' ms."""
         with _CALL:

@@ -83,7 +83,8 @@ class TlRound(ctypes.Structure):
                 ("tokens", _p), ("verify", _p), ("last_h", _p), ("draft_ms", ctypes.c_double),
                 ("verify_ms", ctypes.c_double), ("n_emitted", _i), ("row_loops", _i), ("inv_temp", ctypes.c_float),
                 ("n0", _i), ("seed", ctypes.c_uint64), ("top_k", _i), ("top_p", ctypes.c_float), ("ahead", _i),
-                ("head_rows", _i)]
+                ("head_rows", _i), ("rounds", _i), ("stop", _p), ("n_stop", _i), ("out", _p), ("out_n", _p),
+                ("n_rounds", _i)]
 
 
 class TlTree(ctypes.Structure):

@@ -174,6 +174,14 @@ typedef struct {
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     int32_t ahead;   // the pipeline: at most this many drafts in flight, not yet verified (0: no bound)
     int32_t head_rows;   // the chain: verification rows per head call (<= 0: 2), up to the first disagreement
+    // several chain rounds in one call (rounds > 1 with out and out_n; tl_spec_round only): after each, the
+    // committed position advances by its output, the next round drafts from its last token (a draft exit's
+    // backlog from the last draft's state where all k were accepted; sampled draws at the next output
+    // indices), until `rounds` rounds or a round whose output holds a token of `stop`. Out: the rounds'
+    // outputs one after another in `out` (rounds * (k + 1)), their lengths in `out_n`, n_rounds run;
+    // draft_ms / verify_ms summed; last_h the last round's.
+    int32_t rounds; const int32_t* stop; int32_t n_stop;
+    int32_t* out; int32_t* out_n; int32_t n_rounds;
 } tl_round;
 int tl_spec_round(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R, float* scratch,
                   int64_t scratch_len);
