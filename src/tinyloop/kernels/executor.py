@@ -358,7 +358,10 @@ class NativeExecutor:
     def head_costs(self, rows: int = 9) -> list[float]:
         """Milliseconds of the LM head (`tl_linear_forward` over the model's head) at 1..rows input rows on
         this host, measured once (the best of 3 after a warm-up): what a chain round's lazy verification
-        weighs its calls by (draft_policy.head_chunk)."""
+        weighs its calls by (draft_policy.head_chunk). A streamed model's head is read from memory whatever the
+        rows (and timing it would cost its first request seconds): flat, so one call scores every row."""
+        if self.streamed:
+            return [1.0] * rows
         if len(self._head_costs) < rows:
             most = max(rows, 9)   # (up to draft_ahead 8 at once: a longer draft re-measures)
             x = torch.randn(most, self.model.cfg.dim, generator=torch.Generator().manual_seed(0))
