@@ -1,0 +1,243 @@
+"""Native calls that run a whole piece of one request (`NativeExecutor` inherits them): a greedy or sampled
+chain-speculation round, several back to back, or a pipeline of depth-aligned passes (`spec_round`,
+`tl_spec_round` / `tl_spec_pipeline`); a tree round (`tree_round`, `tl_tree_round`); a lone request's plain
+steps (`generate`, `tl_generate`); and the LM head's cost by rows that a round's verification weighs its head
+calls by (`head_costs`). engine/native_rounds.py drives them; docs/speculative.md and docs/decode.md say what
+each runs."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+import torch.nn as nn
+
+from . import lib as L
+from .layers import _CALL, _forward, _vec, linear_desc, tensor_desc
+
+
+class RequestCalls:
+    """The calls above, as methods of the executor (they read its descriptors, scratch, rope and KV helpers)."""
+
+    def head_costs(self, rows: int = 9) -> list[float]:
+        """Milliseconds of the LM head (`tl_linear_forward` over the model's head) at 1..rows input rows on
+        this host, measured once (the best of 3 after a warm-up): what a chain round's lazy verification
+        weighs its calls by (draft_policy.head_chunk). A streamed model's head is read from memory whatever the
+        rows (and timing it would cost its first request seconds): flat, so one call scores every row."""
+        if self.streamed:
+            return [1.0] * rows
+        if len(self._head_costs) < rows:
+            most = max(rows, 9)   # (up to draft_ahead 8 at once: a longer draft re-measures)
+            x = torch.randn(most, self.model.cfg.dim, generator=torch.Generator().manual_seed(0))
+            out = []
+            for m in range(1, most + 1):
+                _forward(self.head, x[:m], self.threads)
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    _forward(self.head, x[:m], self.threads)
+                    best = min(best, (time.perf_counter() - t0) * 1000)
+                out.append(best)
+            self._head_costs = out
+        return self._head_costs[:rows]
+
+    def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
+                   draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
+                   draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
+                   pipeline: bool = False, noise: tuple | None = None, ahead: int = 0,
+                   head_rows: int = 2, rounds: int = 1, stop: list[int] | tuple = ()) -> dict:
+        """One greedy chain-speculation round in one call (`tl_spec_round`): k drafts from `pending` at `pos`
+        (read out by `draft_readout`: "coda" or a draft exit's (exit, slots); scored by `draft_weight`'s
+        rows after `draft_norm`, column j being token `draft_ids[j]`; `draft_weight` None: by the model's
+        head as loaded, the whole vocabulary), the last draft's loops 0..d-1, the
+        verification of the k + 1 positions (loops d..V-1, the coda) and the head's argmax after each.
+        `backlog`: the loop-d state of position pos-1 whose draft-exit entry is still due (or None);
+        `want_state`: whether the last position's loop-d state is needed (a draft exit's backlog).
+        Returns the tokens (pending + drafts), the verifier's tokens, the last position's loop-d state and
+        the two phases' milliseconds. `head_rows`: verification rows per head call (lazily, up to the first
+        disagreement; draft_policy.head_chunk). `rounds` > 1 (a chain, k >= 1): that many rounds back to back,
+        each from where the last ended, the call ending early after a round whose output holds a token of
+        `stop`; "outs" then holds each round's output (and "last_h" the last round's state). `pipeline` (k >= 1):
+        the same round as depth-aligned passes
+        (`tl_spec_pipeline`): "emitted" holds the round's output tokens, every exit entry is written; `ahead`
+        (> 0) bounds its drafts in flight at once (k bounds those of the call).
+        `noise` (seed, n0, 1 / T, top_k, top_p): a sampled round, every token drawn under the noise of its output index
+        (n0 for the token after `pending`; engine/sampling.py)."""
+        with _CALL:
+            keep, readouts = [], {}
+            t = _int64(table)
+            ro = self._readout(draft_readout, readouts, keep)
+            self._set_readouts(readouts)
+            multi = rounds > 1 and k > 0 and not pipeline
+            max_pos = pos + (rounds * (k + 1) if multi else k)
+            if max_pos >= self.desc.rope_len:
+                self._rope(max_pos + 1)
+            base = L.TlRow()
+            base.token, base.pos, base.window, base.readout = pending, pos, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            R = L.TlRound()
+            if multi:
+                outs = torch.zeros(rounds * (k + 1), dtype=torch.int32)
+                out_n = torch.zeros(rounds, dtype=torch.int32)
+                stops = torch.tensor(list(stop) or [-1], dtype=torch.int32)
+                keep += [outs, out_n, stops]
+                R.rounds, R.out, R.out_n = rounds, outs.data_ptr(), out_n.data_ptr()
+                R.stop, R.n_stop = stops.data_ptr(), len(stop)
+            R.k, R.d, R.V, R.draft_readout, R.ahead, R.head_rows = k, d, V, ro, ahead, head_rows
+            R.top_p = 1.0
+            if noise is not None:
+                R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise
+            if k > 0:
+                if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
+                    R.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
+                if draft_ids is not None:
+                    ids = draft_ids.to(torch.int64).contiguous()
+                    keep.append(ids)
+                    R.draft_ids = ids.data_ptr()
+                if draft_norm is not None:
+                    R.draft_norm, R.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
+            if backlog is not None:
+                b = backlog.reshape(-1).float().contiguous()
+                keep.append(b)
+                R.backlog_h = b.data_ptr()
+            R.head = ctypes.pointer(self.head)
+            R.head_norm, R.head_eps, R.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            toks = torch.zeros(k + 1, dtype=torch.int32)
+            ver = torch.zeros(k + 1, dtype=torch.int32)
+            last_h = torch.empty(self.model.cfg.dim, dtype=torch.float32)
+            R.tokens, R.verify = toks.data_ptr(), ver.data_ptr()
+            R.last_h = last_h.data_ptr() if want_state else None
+            kvd = self._kv_desc(kv)
+            pipeline = pipeline and k > 0
+            scratch_floats = self.lib.tl_pipeline_scratch_floats if pipeline else self.lib.tl_round_scratch_floats
+            self._grow_scratch(scratch_floats(self.desc, R, max_pos + 1))
+            self.lib.tl_set_threads(self.threads)
+            run = self.lib.tl_spec_pipeline if pipeline else self.lib.tl_spec_round
+            rc = run(self.desc, kvd, base, R, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native speculation round failed (code {rc})")
+            if pipeline:
+                self.model.core_loop_tokens += R.row_loops
+                return {"emitted": ver[:R.n_emitted].tolist(), "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
+            # loops run: k + 1 draft passes of d loops, k + 1 verification rows of V - d (as the stepwise path counts)
+            self.model.core_loop_tokens += (k + 1) * V * (R.n_rounds if multi else 1)
+            act = self.model.act_dtype or self.model.embed.weight.dtype
+            if multi:
+                lens, flat = out_n[:R.n_rounds].tolist(), outs.tolist()
+                starts = [sum(lens[:i]) for i in range(len(lens))]
+                return {"outs": [flat[s:s + n] for s, n in zip(starts, lens)],
+                        "last_h": last_h if act == torch.float32 else last_h.to(act),
+                        "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
+            return {"tokens": toks.tolist(), "verify": ver.tolist(),
+                    "last_h": last_h if act == torch.float32 else last_h.to(act),
+                    "draft_ms": R.draft_ms, "verify_ms": R.verify_ms}
+
+    def tree_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, depth: int, K: int, d: int,
+                   V: int, draft_readout, last_readout, draft_weight: torch.Tensor | None,
+                   draft_ids: torch.Tensor | None, draft_norm: nn.Module | None, noise: tuple | None = None,
+                   head_rows: int = 2) -> dict:
+        """One tree-speculation round in one call (`tl_tree_round`, K > 1): a beam of K drafted `depth` levels
+        deep from `pending` at `pos` (node i stored at pos + i), the tree-masked verification and the walk.
+        `draft_readout` / `last_readout`: the read-out of the draft passes and of the last one (None, or a
+        draft exit's (exit, slots)); the draft head, `noise` (sampled rounds) and `head_rows` as in `spec_round`.
+        Returns
+        the nodes' tokens and parents, the emitted tokens, the accepted path's nodes, how many nodes the
+        verification ran (lazily: the chains the walk needed) and the two phases' ms."""
+        with _CALL:
+            keep, readouts = [], {}
+            t = _int64(table)
+            ro = self._readout(draft_readout, readouts, keep)
+            ro_last = self._readout(last_readout, readouts, keep)
+            self._set_readouts(readouts)
+            n = 1 + K * depth
+            if pos + n > self.desc.rope_len:
+                self._rope(pos + n)
+            base = L.TlRow()
+            base.token, base.pos, base.window, base.readout = pending, pos, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            T = L.TlTree()
+            T.depth, T.K, T.d, T.V, T.draft_readout, T.last_readout = depth, K, d, V, ro, ro_last
+            T.head_rows = head_rows
+            if draft_weight is not None:
+                T.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
+            if draft_ids is not None:
+                ids = draft_ids.to(torch.int64).contiguous()
+                keep.append(ids)
+                T.draft_ids = ids.data_ptr()
+            if draft_norm is not None:
+                T.draft_norm, T.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
+            T.head = ctypes.pointer(self.head)
+            T.head_norm, T.head_eps, T.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            if noise is not None:
+                T.seed, T.n0, T.inv_temp, T.top_k, T.top_p = noise
+            toks, parents = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+            emitted, path = torch.zeros(depth + 1, dtype=torch.int32), torch.zeros(depth + 1, dtype=torch.int32)
+            T.tokens, T.parents, T.emitted, T.path = (x.data_ptr() for x in (toks, parents, emitted, path))
+            kvd = self._kv_desc(kv)
+            self._grow_scratch(self.lib.tl_tree_scratch_floats(self.desc, T, pos + 1))
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_tree_round(self.desc, kvd, base, T, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native tree round failed (code {rc})")
+            # every node's d draft loops; V - d verification loops of the nodes the walk needed
+            self.model.core_loop_tokens += T.n_nodes * d + T.n_verified * (V - d)
+            ne = T.n_emitted
+            return {"tokens": toks.tolist(), "parents": parents.tolist(), "emitted": emitted[:ne].tolist(),
+                    "path": path[:ne].tolist(), "verified": T.n_verified, "draft_ms": T.draft_ms,
+                    "verify_ms": T.verify_ms}
+
+    def generate(self, kv, table: torch.Tensor, window: int, token: int, pos: int, loops: int, exit_rule,
+                 steps: int, noise: tuple | None, stop: list[int], grammar=None) -> tuple[list[int], list[int]]:
+        """`steps` plain tokens of one sequence in one call (`tl_generate`): `token` at `pos` decoded (its
+        `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
+        in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
+        greedy). `grammar` (the address of a bitmask holding the first position's mask, callback): each pick is
+        over the tokens the bitmask allows; callback(token) after each pick returns once the grammar has taken
+        the token and the bitmask holds the next position's (`tl_gen`), 0 to go on.
+        Returns the tokens and the core loops each step ran."""
+        with _CALL:
+            keep: list = []
+            t = _int64(table)
+            if pos + steps >= self.desc.rope_len:
+                self._rope(pos + steps + 1)
+            if exit_rule is not None and exit_rule.criterion == "gate":
+                self._gate()
+            self._set_readouts({})
+            base = L.TlRow()
+            base.token, base.pos, base.loops, base.window, base.readout = token, pos, loops, window, 0
+            base.table, base.stride, base.n_blocks = t.data_ptr(), t.shape[1], t.shape[0]
+            if exit_rule is not None:
+                base.exit_kind, base.min_loops = L.TL_EXIT[exit_rule.criterion], exit_rule.min_loops
+                base.threshold, base.survival = exit_rule.threshold, 1.0
+            G = L.TlGen()
+            G.steps, G.head = steps, ctypes.pointer(self.head)
+            G.head_norm, G.head_eps, G.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            G.top_p = 1.0
+            if noise is not None:
+                G.seed, G.n0, G.inv_temp, G.top_k, G.top_p = noise
+            stops = torch.tensor(sorted(stop) or [0], dtype=torch.int32)
+            G.stop, G.n_stop = stops.data_ptr(), len(stop)
+            if grammar is not None:
+                G.mask, G.grammar = grammar[0], L.GRAMMAR_CB(grammar[1])   # (G holds the callback for the call)
+            toks, used = torch.zeros(steps, dtype=torch.int32), torch.zeros(steps, dtype=torch.int32)
+            G.tokens, G.loops = toks.data_ptr(), used.data_ptr()
+            kvd = self._kv_desc(kv)
+            self._grow_scratch(self.lib.tl_generate_scratch_floats(self.desc, G, pos + steps))
+            self.lib.tl_set_threads(self.threads)
+            rc = self.lib.tl_generate(self.desc, kvd, base, G, self.scratch.data_ptr(), self.scratch.numel())
+            if rc != 0:
+                raise RuntimeError(f"native generation failed (code {rc})")
+            n = G.n_out
+            self.model.core_loop_tokens += int(used[:n].sum())
+            return toks[:n].tolist(), used[:n].tolist()
+
+
+def _draft_desc(w, keep: list) -> L.TlLinear:
+    """A draft head's rows as a layer: a float tensor, or a module-like holder of int8 rows."""
+    return tensor_desc(w, keep) if isinstance(w, torch.Tensor) else linear_desc(w, keep)
+
+
+def _int64(table: torch.Tensor) -> torch.Tensor:
+    """A block table as the library reads it: contiguous int64."""
+    return table if table.dtype == torch.int64 and table.is_contiguous() else table.to(torch.int64).contiguous()
