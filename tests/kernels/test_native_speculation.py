@@ -22,6 +22,20 @@ def exact_activations(monkeypatch):
     monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")
 
 
+def _record_spec_rounds(model, note) -> list:
+    """Wrap the native executor's `spec_round`: each call's note(args, kwargs, result) is appended to the list
+    returned."""
+    seen: list = []
+    orig = model.executor.spec_round
+
+    def spec_round(*a, **kw):
+        res = orig(*a, **kw)
+        seen.append(note(a, kw, res))
+        return res
+    model.executor.spec_round = spec_round
+    return seen
+
+
 def _ids(model, prompt, params, use_native, **kw):
     from conftest import core_ids
     ex = model.executor
@@ -110,14 +124,7 @@ def test_long_pipeline_rounds_are_exact(monkeypatch, ahead, with_exit):
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:
         attach_varied_exits(nat, {1: 1, 2: 2})
-    runs = []
-    orig = nat.executor.spec_round
-
-    def spec_round(*a, **kw):
-        res = orig(*a, **kw)
-        runs.append((a[5], kw.get("ahead"), len(res["emitted"])))
-        return res
-    nat.executor.spec_round = spec_round
+    runs = _record_spec_rounds(nat, lambda a, kw, res: (a[5], kw.get("ahead"), len(res["emitted"])))
 
     def longest(self, cap, pipeline_cap=None):   # every round as long a pipeline as the request allows
         self._chose(pipeline_cap)
@@ -412,14 +419,7 @@ def test_chain_rounds_back_to_back_in_one_call(with_exit):
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:
         attach_varied_exits(nat, {1: 1, 2: 2})
-    calls = []
-    orig = nat.executor.spec_round
-
-    def spec_round(*a, **kw):
-        res = orig(*a, **kw)
-        calls.append((kw.get("rounds", 1), len(res.get("outs", [None]))))
-        return res
-    nat.executor.spec_round = spec_round
+    calls = _record_spec_rounds(nat, lambda a, kw, res: (kw.get("rounds", 1), len(res.get("outs", [None]))))
     prompt = [5, 17, 300, 42, 7, 9]
     plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=48, loops=4, temperature=0), True)
     spec = dict(mode="speculative", draft_loops=1, verify_loops=4, draft_ahead=3)
