@@ -371,54 +371,34 @@ class Speculator(TreeRounds):
             call.rounds = self.policy.chain_run(k, min(CHAIN_ROUNDS, room // (k + 1)))
         yield call
         res = call.result
-        if "outs" in res:   # several chain rounds: each one's output, accepted as they came
-            outs = res["outs"]
-            out = []
-            for o in outs:
-                for y in o:
-                    self.sampler.accept(y)
-                out += o
-            self.exit_backlog = res["last_h"] if self.exit is not None and len(outs[-1]) == k + 1 else None
-            self.length += len(out)
-            self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs))
-            st = self.stats
-            st["rounds"] += len(outs) - 1   # (round() counts one)
-            st["draft_s"] += res["draft_ms"] / 1000
-            st["verify_s"] += res["verify_ms"] / 1000
-            st["draft_tokens"] += k * len(outs)
-            st["proposed"] += k * len(outs)
-            st["accepted"] += len(out) - len(outs)
-            st["draft_passes"] += (k + 1) * len(outs)
-            st["verify_positions"] += (k + 1) * len(outs)
-            return out
-        if "emitted" in res:   # the pipeline: its output as verified, every exit entry written
-            out = res["emitted"]
-            for y in out:
-                self.sampler.accept(y)
-            self.exit_backlog = None
-        else:
+        if "emitted" in res:   # the pipeline: its output as verified (it stops drafting at its first rejection:
+            outs = [res["emitted"]]   # it proposed the drafts it tested), every exit entry written
+            made = tested(k, len(outs[0]) - 1)
+        elif "outs" in res:   # several chain rounds: each one's output
+            outs, made = res["outs"], k
+        else:   # one chain round: the accepted drafts, then the verifier's token
             toks, ys = res["tokens"], res["verify"]
-            out = []
-            for j in range(k + 1):
-                self.sampler.accept(ys[j])
-                out.append(ys[j])
-                if j == k or ys[j] != toks[j + 1]:
-                    break
-            self.exit_backlog = res["last_h"] if self.exit is not None and len(out) == k + 1 else None
+            n = next(j for j in range(k + 1) if j == k or ys[j] != toks[j + 1]) + 1
+            outs, made = [ys[:n]], k
+        out = [y for o in outs for y in o]
+        for y in out:
+            self.sampler.accept(y)
+        # a chain round whose drafts were all accepted leaves the last draft's exit entry due
+        self.exit_backlog = res["last_h"] if "emitted" not in res and self.exit is not None \
+            and len(outs[-1]) == k + 1 else None
         self.length += len(out)
         # timed when the next round starts: a round's Python, scheduling and emission count with it (a few
-        # tenths of a ms, as much as a loop on the shipped model, and paid once per round, not per token)
-        self._last = (k, len(out) - 1, res["draft_ms"], now, 1)
+        # tenths of a ms, as much as a loop on the shipped model, and paid once per call, not per token)
+        self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs))
         st = self.stats
+        st["rounds"] += len(outs) - 1   # (round() counts one)
         st["draft_s"] += res["draft_ms"] / 1000
         st["verify_s"] += res["verify_ms"] / 1000
-        # (a pipeline round stops drafting at its first rejection: it proposed the drafts it tested)
-        made = tested(k, len(out) - 1) if "emitted" in res else k
-        st["draft_tokens"] += made
-        st["proposed"] += made
-        st["accepted"] += len(out) - 1
-        st["draft_passes"] += made + 1
-        st["verify_positions"] += made + 1
+        st["draft_tokens"] += made * len(outs)
+        st["proposed"] += made * len(outs)
+        st["accepted"] += len(out) - len(outs)
+        st["draft_passes"] += (made + 1) * len(outs)
+        st["verify_positions"] += (made + 1) * len(outs)
         return out
 
     def _time_last_chain(self) -> float:
@@ -428,7 +408,7 @@ class Speculator(TreeRounds):
         if self._last is not None:
             k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: rounds run as one call)
             rest = max(0.0, (now - t0) * 1000 - draft_ms0) / rounds
-            for acc in (accepted0 if isinstance(accepted0, list) else [accepted0]):   # (chain rounds: each one's)
+            for acc in (accepted0 if isinstance(accepted0, list) else [accepted0]):   # (each round's)
                 self.policy.update(k0, acc, draft_ms0 / rounds, rest)
             self._last = None
         return now

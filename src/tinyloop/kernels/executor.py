@@ -106,8 +106,7 @@ class NativeExecutor(RequestCalls):
         """The linear layers' descriptors of the model's blocks ("all"), or of its core's ("core": one loop's
         matrices, what a pass over the weights reads), in block order."""
         m = self.desc
-        bs = self.blocks[m.n_prelude:m.n_prelude + m.n_core] if blocks == "core" else self.blocks
-        return [d for b in bs for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+        return _linears(self.blocks[m.n_prelude:m.n_prelude + m.n_core] if blocks == "core" else self.blocks)
 
     def _mark_streamed(self, m) -> None:
         """Weights a token reads beyond STREAMED_BYTES come from memory every step: the integer kernels then
@@ -241,7 +240,7 @@ class NativeExecutor(RequestCalls):
                 blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
                     *(self._block(b) for b in ro[0].coda)),
                     linear_desc(proj, self.keep) if proj is not None else L.TlLinear())
-                self._pack([d for b in blocks[1] for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)])
+                self._pack(_linears(blocks[1]))
             slots = (ctypes.c_int32 * len(ro[1]))(*ro[1])
             keep.append(slots)
             table[key] = (len(table) + 1, L.TlReadout(len(ro[0].coda), blocks[1], slots, blocks[2]))
@@ -408,3 +407,8 @@ def _tree_keys(r, keep: list) -> tuple[list[int], int, list[tuple[int, int, int]
         keep += [idx, pos]
         per_row.append((len(cols), idx.data_ptr(), pos.data_ptr()))
     return r.positions.tolist(), base, per_row
+
+
+def _linears(blocks) -> list:
+    """The linear layers' descriptors of block descriptors, in order (references into them)."""
+    return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]

@@ -1,7 +1,7 @@
 // AMX int8 tiles (Intel Advanced Matrix Extensions) for layers with int8 activations: a tile product
 // C (16 x 16 int32) += A (16 x 64 bytes) . B (16 x 64 bytes) is 16,384 multiply-adds in one instruction.
-//   A: 16 weight rows' codes (int8 weights: read in place; int4: their nibbles unpacked to bytes once per
-//      strip of 16 weight rows, into a per-thread buffer; no copy of the model is kept);
+//   A: 16 weight rows' codes (int4: their nibbles unpacked to bytes once per strip of 16 weight rows, into a
+//      per-thread buffer; no copy of the model is kept; int8 weights are read in place: amx_rows_q8, below);
 //   B: 16 input rows' int8 activations, laid out once per call as the tiles want them (four consecutive
 //      columns of one row per 32-bit column of the tile);
 //   C: the exact int32 sums of one activation block (matmul.cpp's canonical reduction), stored, then scaled
@@ -126,15 +126,13 @@ struct Prep {   // what the call's strips share, laid out by the calling thread
     bool split;
     std::vector<int8_t> B;      // (MB, NT, 16, 64) activation tiles
     std::vector<float> dT;      // (MB, NA, 16) block scales
-    std::vector<int32_t> qsT;   // (MB, NA, 16) block code sums (int8 weights)
     std::vector<float> XT;      // (MB, NG, 16) zero-point sums
     std::vector<int> ga;        // (NA) weight group of each block
 };
 
-template <int BITS>
 void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) {
     const int K = P.K, NG = P.NG, NA = P.NA, nr = L->n - n0 < 16 ? L->n - n0 : 16;
-    const int64_t row_bytes = (int64_t)K * BITS / 8;
+    const int64_t row_bytes = (int64_t)K / 2;
     const uint8_t* codes = (const uint8_t*)L->w + (int64_t)n0 * row_bytes;
     thread_local std::vector<uint8_t> wbuf;
     thread_local std::vector<float> sfbuf;
@@ -174,10 +172,6 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
                 continue;
             }
             const uint8_t* row = codes + (int64_t)w * row_bytes;
-            if (BITS == 8) {
-                for (int t = t0; t < t1; ++t) _mm512_storeu_si512(out + 1024 * t, _mm512_loadu_si512(row + 64 * t));
-                continue;
-            }
             int t = t0;
             for (; t + 2 <= t1; t += 2) {
                 const __m512i raw = _mm512_loadu_si512(row + 32 * t);
@@ -210,20 +204,17 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
         const int32_t* Cc = cbuf.data() + (size_t)(c & 1) * P.MB * cblocks * 256;
         for (int b = 0; b < P.MB; ++b) {
             const float* dT = P.dT.data() + (size_t)b * NA * 16;
-            const int32_t* qsT = BITS == 8 ? P.qsT.data() + (size_t)b * NA * 16 : nullptr;
             float* tb = totbuf.data() + (size_t)b * 256;
             __m512 tot[16];
 #pragma GCC unroll 16
             for (int w = 0; w < 16; ++w) tot[w] = _mm512_loadu_ps(tb + 16 * w);
             for (int a = a0; a < a1; ++a) {
                 const __m512 dv = _mm512_loadu_ps(dT + (size_t)a * 16);
-                const __m512i q128 = BITS == 8 ? _mm512_slli_epi32(_mm512_loadu_si512(qsT + (size_t)a * 16), 7) : _mm512_setzero_si512();
                 const int g = P.ga[a];
                 const int32_t* Ca = Cc + ((size_t)b * cblocks + (a - a0)) * 256;
 #pragma GCC unroll 16
                 for (int w = 0; w < 16; ++w) {
-                    __m512i s = _mm512_loadu_si512(Ca + 16 * w);
-                    if (BITS == 8) s = _mm512_sub_epi32(s, q128);   // sum (c - 128) q = sum c q - 128 sum q
+                    const __m512i s = _mm512_loadu_si512(Ca + 16 * w);
                     tot[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(sf[(size_t)w * NG + g])), tot[w]);
                 }
             }
@@ -274,13 +265,12 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
         for (int w = 0; w < nr; ++w) {
             const float* sj = sf + (size_t)w * NG;
             const uint8_t* zj = zp + (int64_t)w * NG;
-            const __m512 zoff = _mm512_set1_ps(BITS == 4 ? 0.f : 128.f);
             alignas(64) float sz[16];
             __m512 cv[8];
             for (int l = 0; l < 8; ++l) cv[l] = _mm512_setzero_ps();
             int g = 0;
             for (; g + 16 <= NG; g += 16) {   // s_g z'_g for 16 groups, then one product a group
-                const __m512 z = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zj + g)))), zoff);
+                const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zj + g))));
                 _mm512_store_ps(sz, _mm512_mul_ps(_mm512_loadu_ps(sj + g), z));
 #pragma GCC unroll 16
                 for (int l = 0; l < 16; ++l)
@@ -288,12 +278,12 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             }
             for (; g + 8 <= NG; g += 8)
                 for (int l = 0; l < 8; ++l)
-                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * ((float)zj[g + l] - (BITS == 4 ? 0.f : 128.f))),
+                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * (float)zj[g + l]),
                                             _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l]);
             __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cv[0], cv[4]), _mm512_add_ps(cv[2], cv[6])),
                                         _mm512_add_ps(_mm512_add_ps(cv[1], cv[5]), _mm512_add_ps(cv[3], cv[7])));
             for (; g < NG; ++g)
-                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * ((float)zj[g] - (BITS == 4 ? 0.f : 128.f))),
+                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * (float)zj[g]),
                                        _mm512_loadu_ps(XT + (size_t)g * 16), corr);
             _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(_mm512_loadu_ps(tb + 16 * w), corr), 4);
         }
@@ -470,15 +460,14 @@ void amx_rows_q8(const tl_linear* L, int AB, const int8_t* xq, const float* xd, 
     });
 }
 
-void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
-              int m, float* y, int ldy) {
+void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* X, int m, float* y,
+              int ldy) {
     thread_local Prep P;   // the calling thread's; the workers read it during the call
-    const int K = L->k, G = L->group, bits = L->kind == TL_Q8 ? 8 : 4;
+    const int K = L->k, G = L->group;
     P.K = K, P.NT = K / 64, P.AB = AB, P.NA = K / AB, P.NG = K / G, P.MB = (m + 15) / 16, P.split = AB == 32;
     const int NT = P.NT, NA = P.NA, NG = P.NG, MB = P.MB;
     fill_b(xq, m, K, P.split, P.B);
     P.dT.assign((size_t)MB * NA * 16, 0.f);
-    P.qsT.assign(bits == 8 ? (size_t)MB * NA * 16 : 0, 0);
     P.XT.assign((size_t)MB * NG * 16, 0.f);
     P.ga.resize(NA);
     for (int a = 0, g = 0, gend = G; a < NA; ++a) {   // (by counting: blocks lie within groups)
@@ -487,10 +476,7 @@ void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, con
     }
     for (int r = 0; r < m; ++r) {
         const int b = r / 16, br = r % 16;
-        for (int a = 0; a < NA; ++a) {
-            P.dT[((size_t)b * NA + a) * 16 + br] = xd[(int64_t)r * NA + a];
-            if (bits == 8) P.qsT[((size_t)b * NA + a) * 16 + br] = (int32_t)xs[(int64_t)r * NA + a];
-        }
+        for (int a = 0; a < NA; ++a) P.dT[((size_t)b * NA + a) * 16 + br] = xd[(int64_t)r * NA + a];
         for (int g = 0; g < NG; ++g) P.XT[((size_t)b * NG + g) * 16 + br] = X[(int64_t)r * NG + g];
     }
     const Prep& PP = P;   // (a thread_local is not captured: each worker would see its own)
@@ -499,15 +485,12 @@ void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, con
         // configured every unit (~44 ns): another library on this thread (oneDNN's AMX kernels under
         // PyTorch) may have loaded its own configuration since; released after, for the same reason
         load_config(PP.split);
-        for (int n0 = c * UNIT; n0 < L->n && n0 < (c + 1) * UNIT; n0 += 16) {
-            if (bits == 8) strip<8>(L, PP, n0, y, ldy, m);
-            else strip<4>(L, PP, n0, y, ldy, m);
-        }
+        for (int n0 = c * UNIT; n0 < L->n && n0 < (c + 1) * UNIT; n0 += 16) strip(L, PP, n0, y, ldy, m);
         _tile_release();
     });
 }
 #else
-void amx_rows(const tl_linear*, int, const int8_t*, const float*, const float*, const float*, int, float*, int) {
+void amx_rows(const tl_linear*, int, const int8_t*, const float*, const float*, int, float*, int) {
     abort();   // amx_ready() is false in this build
 }
 void amx_rows_q8(const tl_linear*, int, const int8_t*, const float*, const float*, const float*, int, float*, int) {

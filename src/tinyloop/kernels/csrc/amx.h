@@ -19,12 +19,12 @@ constexpr int AMX_MIN_ROWS_SPLIT = 16;
 // int8 weights (per channel: the int8 head) take amx_rows_q8 from 3 rows (the shipped head, one thread: 0.53
 // ms against the vector tiles' 0.47 at 2 rows, 0.59 against 0.64 at 4; amx.cpp)
 constexpr int AMX_MIN_ROWS_Q8 = 3;
-// y (m, n) for an int4 layer with int8 activations (int8 weights: amx_rows_q8): xq (m, K) codes in matmul.cpp's order, per activation block
-// of AB columns its scale xd and code sum xs (m, K / AB), X (m, K / group) the zero points' sums.
+// y (m, n) for an int4 layer with int8 activations (int8 weights: amx_rows_q8): xq (m, K) codes in matmul.cpp's
+// order, xd (m, K / AB) the scale of each activation block of AB columns, X (m, K / group) the zero points' sums.
 // Runs on the pool.
-void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
-              int m, float* y, int ldy);
-// the same for int8 weights whose activation blocks are whole 64s (the int8 head), from one row up: the weight
-// rows read in place as tiles, an epilogue per input row (amx.cpp)
+void amx_rows(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* X, int m, float* y,
+              int ldy);
+// the same for int8 weights whose activation blocks are whole 64s (the int8 head), from AMX_MIN_ROWS_Q8 rows: the
+// weight rows read in place as tiles, an epilogue per input row (amx.cpp); xs (m, K / AB) each block's code sum
 void amx_rows_q8(const tl_linear* L, int AB, const int8_t* xq, const float* xd, const float* xs, const float* X,
                  int m, float* y, int ldy);

@@ -727,7 +727,7 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     if (L->kind == TL_Q8) {
         if (AB % 64 == 0 && m >= AMX_MIN_ROWS_Q8 && amx_ready()) return amx_rows_q8(L, AB, xq, xd, xs, X, m, y, ldy);
     } else if (m >= (AB == 32 ? AMX_MIN_ROWS_SPLIT : AMX_MIN_ROWS) && K % 64 == 0 && amx_ready()) {
-        return amx_rows(L, AB, xq, xd, xs, X, m, y, ldy);
+        return amx_rows(L, AB, xq, xd, X, m, y, ldy);
     }
     thread_local QQPlan plan;   // the calling thread's; the workers read it during the call
     qq_plan(L, AB == 32, plan);
