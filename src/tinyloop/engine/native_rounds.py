@@ -46,12 +46,8 @@ class NativeRound:
             stop=stop_ids(sp) if self.rounds > 1 else ())
 
     def head_rows(self) -> int:
-        """A chain round's verification rows per head call, for this request's acceptance and what the head
-        costs by rows on this host (measured once per model)."""
-        if self.spec.pipeline or self.k == 0:
-            return 2
-        n = self.k + 1
-        return head_chunk(self.spec.model.executor.head_costs(n), self.spec.policy.acceptance, n)
+        """A chain round's verification rows per head call (`chunk`; the pipeline scores one position at a time)."""
+        return 2 if self.spec.pipeline or self.k == 0 else chunk(self.spec, self.k + 1)
 
 
 class NativeSteps(NativeRound):
@@ -63,6 +59,12 @@ class NativeSteps(NativeRound):
         sp = self.spec
         self.result, _ = sp.model.executor.generate(kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
                                                    self.k, noise(sp), stop_ids(sp))
+
+
+def chunk(sp, n: int) -> int:
+    """Verification rows per head call among n, for the request's acceptance and what the head costs by rows on
+    this host (measured once per model): draft_policy.head_chunk."""
+    return head_chunk(sp.model.executor.head_costs(n), sp.policy.acceptance, n)
 
 
 def stop_ids(sp) -> list[int]:
@@ -95,5 +97,4 @@ class NativeTreeRound(NativeRound):
 
     def head_rows(self) -> int:
         """Rows of a verified chain per head call (up to depth + 1), as a chain round chooses them."""
-        n = self.k + 1
-        return head_chunk(self.spec.model.executor.head_costs(n), self.spec.policy.acceptance, n)
+        return chunk(self.spec, self.k + 1)
