@@ -331,6 +331,23 @@ class Matcher:
         self.consumed += 1
         self._prefetch()
 
+    def forced(self, limit: int, stop=()) -> list[int]:
+        """The tokens the grammar forces next, at most `limit`, up to the first in `stop` or EOS (those stay the
+        head's to pick): llguidance's fast-forward tokens, the canonical tokens of the text the grammar's lexer
+        forces, each the only token its position's bitmask allows (the pick a step would make there, whatever
+        its draw; tests/engine/test_constraint.py compares the two paths). Not taken: `accept` each."""
+        if limit <= 0:
+            return []
+        self._wait()
+        if self.error is not None:
+            return []
+        out: list[int] = []
+        for t in self.ll.compute_ff_tokens():
+            if len(out) >= limit or t == self.eos or t in stop:
+                break
+            out.append(t)
+        return out
+
     def rollback(self, n: int) -> None:
         """Undo the last `n` accepted tokens (speculation's rejected drafts)."""
         if n <= 0:

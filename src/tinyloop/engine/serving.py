@@ -322,7 +322,9 @@ class BatchEngine:
         else runs or waits (a request arriving meanwhile waits for the call, ~MULTI_STEPS tokens), for a greedy
         or sampled output without penalties, bias, thinking budget, logprobs or n > 1, on the native executor.
         Under a grammar each pick is over the grammar's bitmask, and a callback hands the token to the grammar,
-        which computes the next position's mask before the call goes on (`Matcher.lazily`).
+        which computes the next position's mask before the call goes on (`Matcher.lazily`); the tokens the
+        grammar forces after a pick (`Matcher.forced`) are taken at once, their rows run together in the next
+        pass, without a head row or a mask each (jump-forward; the same outputs, tests/engine/test_constraint.py).
         The tokens are fed one by one as the steps would have fed them: stop ids, stop strings, max_tokens and
         an abort end the output at the same token (the steps after it computed keys past the sequence's
         length, which nothing reads). Returns whether it ran the step."""
@@ -350,14 +352,17 @@ class BatchEngine:
         noise = None if params.greedy else (s.seed, s.n_out, *s.draw_params()[1:])
         failed: list[BaseException] = []
 
-        def follow(tok: int) -> int:   # the grammar inside the call (tl_gen): take tok, fill the next mask
-            try:
-                s.accept(tok)
+        def follow(tok: int, room: int) -> list[int] | None:   # the grammar inside the call (tl_gen): take tok,
+            try:                                                  # and what the grammar forces after it, fill
+                s.accept(tok)                                     # the next pick's mask
+                forced = grammar.forced(room, o.stream.stop_ids)
+                for f in forced:
+                    s.accept(f)
                 grammar.bitmask()   # (lazily: computed here, on this thread)
-                return 0
+                return forced
             except BaseException as exc:  # noqa: BLE001 - raised below, after the call
                 failed.append(exc)
-                return 1
+                return None
 
         try:
             if self.runner.before_forward is not None:

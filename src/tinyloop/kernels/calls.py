@@ -193,9 +193,10 @@ class RequestCalls:
         `loops`, or its exit rule's), the head's argmax or draw the next token, and so on, ending after a token
         in `stop`. `noise` (seed, n0, 1 / T, top_k, top_p): the draw of output index n0 + s at step s (None:
         greedy). `grammar` (the address of a bitmask holding the first position's mask, callback): each pick is
-        over the tokens the bitmask allows; callback(token) after each pick returns once the grammar has taken
-        the token and the bitmask holds the next position's (`tl_gen`), 0 to go on.
-        Returns the tokens and the core loops each step ran."""
+        over the tokens the bitmask allows; callback(token, room) after each pick returns once the grammar has
+        taken the token and the bitmask holds the next position's (`tl_gen`): the tokens the grammar forces
+        after it (at most `room`, taken by the grammar too; outputs of the call, their rows run in one pass), or
+        None to end the call. Returns the tokens and the core loops each step ran."""
         with _CALL:
             keep: list = []
             t = _int64(table)
@@ -219,7 +220,17 @@ class RequestCalls:
             stops = torch.tensor(sorted(stop) or [0], dtype=torch.int32)
             G.stop, G.n_stop = stops.data_ptr(), len(stop)
             if grammar is not None:
-                G.mask, G.grammar = grammar[0], L.GRAMMAR_CB(grammar[1])   # (G holds the callback for the call)
+                follow, forced = grammar[1], torch.zeros(steps, dtype=torch.int32)
+                keep.append(forced)
+
+                def taken(tok: int, room: int) -> int:
+                    got = follow(tok, room)
+                    if got is None or len(got) > room:
+                        return -1
+                    forced[:len(got)] = torch.tensor(got, dtype=torch.int32)
+                    return len(got)
+
+                G.mask, G.grammar, G.forced = grammar[0], L.GRAMMAR_CB(taken), forced.data_ptr()   # (G holds it)
             toks, used = torch.zeros(steps, dtype=torch.int32), torch.zeros(steps, dtype=torch.int32)
             G.tokens, G.loops = toks.data_ptr(), used.data_ptr()
             kvd = self._kv_desc(kv)

@@ -73,7 +73,7 @@ class TlSampling(ctypes.Structure):
                 ("mask", _p)]
 
 
-GRAMMAR_CB = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)   # tl_gen.grammar: 0 to go on
+GRAMMAR_CB = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)   # tl_gen.grammar: forced tokens, -1 to end
 
 
 class TlRound(ctypes.Structure):
@@ -101,7 +101,7 @@ class TlGen(ctypes.Structure):
     _fields_ = [("steps", _i), ("head", ctypes.POINTER(TlLinear)), ("head_norm", _p), ("head_eps", ctypes.c_float),
                 ("vocab", _i), ("inv_temp", ctypes.c_float), ("n0", _i), ("seed", ctypes.c_uint64), ("top_k", _i),
                 ("top_p", ctypes.c_float), ("stop", _p), ("n_stop", _i), ("mask", _p), ("grammar", GRAMMAR_CB),
-                ("tokens", _p), ("loops", _p), ("n_out", _i)]
+                ("forced", _p), ("tokens", _p), ("loops", _p), ("n_out", _i)]
 
 
 _lock = threading.Lock()

@@ -419,44 +419,66 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
 // the coda), then the head's argmax or draw under the key of output index n0 + s (tl_head) gives t_{s+1};
 // after a token in `stop` the call ends. The steps are the engine's own decode steps, back to back: what
 // goes is each step's Python (scheduling, the rows, the two calls: ~0.3 ms a token on the shipped model).
+// Under a grammar, the callback may hand back tokens the grammar forces after the pick (G->forced: each the
+// only token its position's mask allows, so the pick a step would make there, whatever the draw's key): they
+// are outputs at once, and their rows run in the next pass with the row of the pick before them, one pass
+// over the weights and one head row (the last) for them all; each row's bits are those it has alone
+// (step.cpp's rows do not depend on the rows beside them), so the outputs are the steps'. Forced tokens
+// are only taken while a pick follows them in the call, so every output's row has run when the call ends.
 extern "C" int64_t tl_generate_scratch_floats(const tl_model* m, const tl_gen* G, int32_t max_ctx) {
-    const int64_t k = G->head->k;
-    return m->dim + G->head->n + 2 * k + k / 8 + 64 + tl_scratch_floats(m, 1, max_ctx);
+    const int64_t k = G->head->k, rows = G->forced ? std::max<int32_t>(G->steps, 1) : 1;
+    return rows * m->dim + G->head->n + 2 * k + k / 8 + 64 + tl_scratch_floats(m, (int32_t)rows, max_ctx);
 }
 
 extern "C" int tl_generate(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_gen* G, float* scratch,
                            int64_t scratch_len) {
     G->n_out = 0;
     if (G->steps < 1) return 10;
-    const int64_t k = G->head->k;
-    const int64_t extra = m->dim + G->head->n + 2 * k + k / 8 + 64;
+    const int64_t k = G->head->k, dim = m->dim;
+    const int64_t most = G->forced ? G->steps : 1;   // rows a pass may hold
+    const int64_t extra = most * dim + G->head->n + 2 * k + k / 8 + 64;
     if (tl_generate_scratch_floats(m, G, base->pos + G->steps) > scratch_len) return 1;
     float* hid = scratch;
-    float* logits = hid + m->dim;
+    float* logits = hid + most * dim;
     float* hsc = logits + G->head->n;
     float* dec = scratch + extra;
-    int32_t token = base->token;
-    for (int s = 0; s < G->steps; ++s) {
-        tl_row row = *base;   // (a fresh row each step: its exit rule's survival starts again, as the engine's)
-        row.token = token;
-        row.pos = base->pos + s;
-        int rc = tl_decode(m, kv, &row, 1, hid, dec, scratch_len - extra);
+    std::vector<int32_t> seq(G->steps + 1);   // the base token, then the outputs: row j feeds seq[j]
+    std::vector<tl_row> rows(most);
+    seq[0] = base->token;
+    int n = 0, fed = 0;   // outputs made, rows run
+    while (n < G->steps) {
+        const int M = n + 1 - fed;   // the rows of seq[fed..n]: the last pick's, then the tokens forced after it
+        for (int i = 0; i < M; ++i) {
+            rows[i] = *base;   // (a fresh row each step: its exit rule's survival starts again, as the engine's)
+            rows[i].token = seq[fed + i];
+            rows[i].pos = base->pos + fed + i;
+        }
+        int rc = tl_decode(m, kv, rows.data(), M, hid, dec, scratch_len - extra);
         if (rc) return rc;
+        for (int i = 0; i < M; ++i) G->loops[fed + i] = rows[i].loops_run;   // row j made output j
+        fed += M;
         tl_sampling d{};
-        d.key = G->inv_temp > 0.0f ? tl_noise_key(G->seed, (int64_t)G->n0 + s) : 0u;
+        d.key = G->inv_temp > 0.0f ? tl_noise_key(G->seed, (int64_t)G->n0 + n) : 0u;
         d.inv_temp = G->inv_temp;
         d.top_k = G->top_k;
         d.top_p = G->top_p;
         d.mask = G->mask;   // (this position's: the caller's, then grammar()'s fill)
-        rc = tl_head(G->head, hid, 1, G->head_norm, G->head_eps, G->vocab, logits, &token, hsc,
-                     G->inv_temp > 0.0f || d.mask ? &d : nullptr, m->logit_softcap);
+        int32_t token;
+        rc = tl_head(G->head, hid + (int64_t)(M - 1) * dim, 1, G->head_norm, G->head_eps, G->vocab, logits, &token,
+                     hsc, G->inv_temp > 0.0f || d.mask ? &d : nullptr, m->logit_softcap);
         if (rc) return 20 + rc;
-        if (G->grammar && G->grammar(token)) return 31;   // the grammar takes it, fills the next position's mask
-        G->tokens[s] = token;
-        G->loops[s] = row.loops_run;
-        G->n_out = s + 1;
+        G->tokens[n] = seq[n + 1] = token;
+        G->n_out = ++n;
         bool stop = false;
         for (int i = 0; i < G->n_stop && !stop; ++i) stop = G->stop[i] == token;
+        if (G->grammar) {   // the grammar takes it, fills the next position's mask (and says what it forces)
+            const int room = stop || !G->forced ? 0 : std::max(0, G->steps - n - 1);
+            const int f = G->grammar(token, room);
+            if (f < 0 || f > room) return 31;
+            for (int i = 0; i < f; ++i) G->tokens[n + i] = seq[n + 1 + i] = G->forced[i];
+            n += f;
+            G->n_out = n;
+        }
         if (stop) break;
     }
     return 0;

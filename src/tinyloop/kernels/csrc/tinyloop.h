@@ -222,14 +222,16 @@ int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_
 // loops or exit rule) decoded, the head's argmax (inv_temp 0) or draw (the key of output index n0 + s) the
 // next token, and so on; ends after a token in `stop`. `base` rows from tokens only (no random initial state).
 // Under a grammar (engine/serving.py's constrained lone steps) each pick is over the tokens the bitmask `mask`
-// allows (it holds the first position's when the call starts), and grammar(token) after each pick returns once
-// the grammar has taken the token and `mask` holds the next position's; a non-zero return ends the call.
+// allows (it holds the first position's when the call starts), and grammar(token, room) after each pick returns
+// once the grammar has taken the token and `mask` holds the next position's: the number of tokens it forces
+// next (at most room; written to `forced`, taken by the grammar too, outputs of the call), or -1 to end it.
 typedef struct {
     int32_t steps;
     const tl_linear* head; const float* head_norm; float head_eps; int32_t vocab;
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     const int32_t* stop; int32_t n_stop;
-    const uint32_t* mask; int32_t (*grammar)(int32_t token);
+    const uint32_t* mask; int32_t (*grammar)(int32_t token, int32_t room);
+    const int32_t* forced;                 // (steps) the callback's forced tokens; null: none are asked for
     int32_t* tokens; int32_t* loops;       // out (steps): each step's token and the core loops it ran
     int32_t n_out;                         // out: the steps run
 } tl_gen;
