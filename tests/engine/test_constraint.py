@@ -169,3 +169,39 @@ def test_the_sampler_skips_the_mask_only_where_it_changes_nothing(engine):
         if m.accepting and s.accepting:
             break
     assert 0 < subset < step + 1 and applied   # few and most tokens allowed both came up; greedy masked
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_forced_tokens_in_the_shared_step_give_the_per_step_outputs(engine, tiny_model_path, monkeypatch, native):
+    """Jump-forward in the shared step: the tokens a schema forces after a pick (its keys, quotes, braces) are
+    outputs at once and their rows go in with the next decode chunk (several rows, the logits of the last);
+    every output, greedy and sampled, batched together, equals the one made a token a step (forcing off),
+    on the PyTorch path (this float64 engine) and the native one. Decode chunks of several rows must occur."""
+    from tinyloop.engine.constraint import Matcher
+    from tinyloop.engine.scheduler import Scheduler
+
+    eng = Engine.load(tiny_model_path) if native else engine
+    if native and eng.model.executor is None:
+        pytest.skip("no native executor on this host")
+    reqs = [(eng.encode_prompt(p), SamplingParams(max_tokens=40, temperature=0.9 if i % 2 else 0, seed=i,
+                                                  constraint=Constraint.json_schema(SCHEMAS[i % 2])))
+            for i, p in enumerate(["The king said", "A list:", "Here is the record:", "Once upon a time"])]
+    chunks = []
+    orig_schedule = Scheduler.schedule
+
+    def schedule(self):
+        out = orig_schedule(self)
+        chunks.extend((c.n, c.start >= len(c.seq.prompt)) for c in out.chunks)
+        return out
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+
+    def outputs():
+        res = run_to_completion(BatchEngine(eng, max_num_seqs=8), reqs)
+        return [([t for e in evs for t in e.token_ids], evs[-1].finish_reason) for evs in res]
+    got = outputs()
+    assert any(n > 1 and decoding for n, decoding in chunks)
+    monkeypatch.setattr(Matcher, "forced", lambda self, *a: [])
+    chunks.clear()
+    want = outputs()
+    assert not any(n > 1 and decoding for n, decoding in chunks)
+    assert got == want

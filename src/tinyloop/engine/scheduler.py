@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 from .prefix_cache import PrefixCache, block_name
 
+FORCED_TAIL = 16   # tokens a grammar may force after a pick that go in with the next decode chunk (`forced_tail`)
+
 
 class SchedulerError(RuntimeError):
     pass
@@ -146,8 +148,17 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """True while tokens other than the last sampled one still lack KV (prompt, or recompute)."""
-        return self.n_cached < len(self.tokens) - (1 if self.n_generated else 0)
+        """True while tokens other than the last sampled one still lack KV (prompt, or recompute), short of a
+        forced tail."""
+        return self.n_cached < len(self.tokens) - (1 if self.n_generated else 0) and not self.forced_tail
+
+    @property
+    def forced_tail(self) -> bool:
+        """Output tokens past the last computed one, at most FORCED_TAIL, after a computed prompt: the tokens a
+        grammar forced after a pick (engine/serving.py `_take_forced`). They go in with the last token as its
+        decode chunk, one row each, the logits of the last."""
+        return self.n_generated > 0 and len(self.prompt) <= self.n_cached and \
+            0 < len(self.tokens) - 1 - self.n_cached <= FORCED_TAIL
 
 
 @dataclass
@@ -244,13 +255,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != RUNNING or seq.external or seq.prefilling:
                 continue
-            if budget < 1:
-                break
             pos = len(seq.tokens) - 1              # the last sampled token goes in at its position
+            start = seq.n_cached if seq.forced_tail else pos   # (after the tokens a grammar forced)
+            if budget < pos + 1 - start:
+                break
             if not self._ensure_blocks(seq, pos + 1, out):
                 continue                           # seq itself was preempted
-            out.chunks.append(ScheduledChunk(seq, pos, 1, True))
-            budget -= 1
+            out.chunks.append(ScheduledChunk(seq, start, pos + 1 - start, True))
+            budget -= pos + 1 - start
         # 2. chunked prefill of running sequences, oldest first
         for seq in list(self.running):
             if budget < 1:

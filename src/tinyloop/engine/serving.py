@@ -37,7 +37,7 @@ from .batch import BatchRunner, cache_dtype
 from .embedding import EmbeddingPlan, EmbeddingStream
 from .plan import RequestPlan
 from .sampling import Sampler, one_thread
-from .scheduler import ScheduledChunk, Scheduler, SchedulerError, Sequence
+from .scheduler import FORCED_TAIL, ScheduledChunk, Scheduler, SchedulerError, Sequence
 from .native_rounds import NativeRound
 from .speculative import Speculator, speculative_layout
 from .text import StreamEvent
@@ -419,12 +419,43 @@ class BatchEngine:
                 lp = None
                 if req.plan.params.logprobs is not None:
                     lp = o.sampler.logprobs(row, tok, req.plan.params.logprobs)
-                o.sampler.accept(tok)
-                self.sched.append_token(seq, tok)
-                self._token(req, o, tok, self.runner.last_loops.get(chunk.seq.seq_id), lp)
+                loops = self.runner.last_loops.get(chunk.seq.seq_id)
+                grammar = self._jump_grammar(req, o, seq, len(group))
+                with grammar.lazily() if grammar is not None else contextlib.nullcontext():
+                    o.sampler.accept(tok)
+                    self.sched.append_token(seq, tok)
+                    self._token(req, o, tok, loops, lp)
+                    if grammar is not None:
+                        self._take_forced(req, o, seq, grammar, loops)
             except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
                 log.exception("request %d failed", req.req_id)
                 self.fail(req, exc)
+
+    def _jump_grammar(self, req: Request, o: _Output, seq: Sequence, group: int):
+        """The grammar whose forced tokens this output takes at once after a pick in the shared step
+        (`_take_forced`), or None: a constraint the head picks under (no penalties or bias), one choice, no
+        logprobs or thinking block, a fixed depth (the forced rows' loops are then the pick's)."""
+        grammar = o.sampler.head_matcher
+        if grammar is None or group != 1 or len(req.outputs) != 1 or seq.exit_rule is not None \
+                or req.plan.params.logprobs is not None or o.thought is not None:
+            return None
+        return grammar
+
+    def _take_forced(self, req: Request, o: _Output, seq: Sequence, grammar, loops) -> None:
+        """Jump-forward in the shared step: the tokens the grammar forces after the pick just taken (`Matcher.
+        forced`: each the only token its position allows, so the pick a step would make there) are outputs at
+        once; their rows go in with the next decode chunk (`Sequence.forced_tail`), without a head row or a
+        mask of their own, as in the lone steps' call. Stop ids and EOS stay the head's to pick; a stop string
+        or max_tokens ends the output at the same token as the steps would."""
+        if o.done:
+            return
+        room = min(FORCED_TAIL, req.plan.params.max_tokens - o.stream.n)
+        for f in grammar.forced(room, o.stream.stop_ids):
+            o.sampler.accept(f)
+            self.sched.append_token(seq, f)
+            self._token(req, o, f, loops)
+            if o.done:
+                return
 
     def _scoring(self, chunks) -> dict[int, int]:
         """{seq_id: alternatives} of this step's chunks whose prompt positions are scored (prompt_logprobs):
