@@ -236,18 +236,19 @@ def test_native_prefill_every_kv_format(kv_format, kv_dtype):
                                                 ("int4", torch.float32), ("int4-h", torch.float32)])
 def test_a_prefill_chunk_attends_as_rows_one_at_a_time(kv_format, kv_dtype):
     """Attention is computed per row in one order whatever rows share the call (attention.cpp; a float pool's
-    prefill rows in pairs that read each key once, heads whole 32s: `tl_attend_pair`), so a prefill chunk's
-    positions have bitwise the logits they have with the first position in a step of its own, or the last
-    (windows and grouped heads included: SEQS, nanbeige-like; pairs over several blocks of eight keys, the odd
-    row out of a chunk, and a last key block only the pair's second row fills: 40 and 23 positions). Nothing here
-    is a tolerance."""
+    prefill rows in groups of up to four that read each key once, heads whole 32s: `tl_attend_rows`), so a prefill
+    chunk's positions have bitwise the logits they have with the first one, two or three positions in a step of
+    their own (every row then sits at another place in its group, in groups of 2, 3 and 4), or the last
+    (windows and grouped heads included: SEQS, nanbeige-like; groups over several blocks of eight keys, the rows
+    left over at a chunk's end, and a last key block only a group's later rows fill: 40 and 23 positions).
+    Nothing here is a tolerance."""
     configs = {"tiny": CONFIGS["tiny"], "nanbeige-like": CONFIGS["nanbeige-like"],
                "heads of 32": CONFIGS["tiny"].replace(n_heads=2, n_kv_heads=1, head_dim=32)}
     for name, cfg in configs.items():
         ref, nat = make_pair(cfg, "fp32")
         for seq in SEQS + [(40, 2, 0), (23, 3, 0)]:
             whole = prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq])[1]
-            for split in (1, seq[0] - 1):
+            for split in sorted({1, 2, 3, seq[0] - 1} & set(range(1, seq[0]))):
                 assert torch.equal(whole, prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq], split=split)[1]), \
                     (name, seq, split)
 

@@ -200,78 +200,99 @@ void softmax(float* s, int n) {
     for (t = 0; t < n; ++t) s[t] *= inv;
 }
 #if TL_SIMD
-// scores() of two rows a and b over their common keys [0, n) (n whole 8s), each key read once for both: the
-// same eight sums per block (each key's accumulator over d in order), the same vsum8, so the same bits
-template <typename T, vf (*LOAD)(const T*)>
-void scores2(const T* keys, const int64_t* ent, int n, const float* qa, const float* qb, int D, float scale, float* sa,
-             float* sb) {
+// scores() of R rows over their common keys [0, n) (n whole 8s), each key read once for all of them: the same
+// eight sums per block (each key's accumulator over d in order), the same vsum8, so the same bits as each alone
+template <typename T, vf (*LOAD)(const T*), int R>
+void scores_rows(const T* keys, const int64_t* ent, int n, const float* const* q, int D, float scale,
+                 float* const* s) {
+    constexpr int KB = R <= 2 ? 4 : 2;   // keys a pass: R * KB accumulators, R queries and a key in registers
     for (int t = 0; t < n; t += 8) {
-        vf A[8], B[8];
-        for (int h = 0; h < 8; h += 4) {   // four keys at a time: 8 accumulators, 2 queries, a key in registers
-            vf a[4], b[4];
-            for (int j = 0; j < 4; ++j) a[j] = b[j] = vzero();
+        vf S[R][8];
+        for (int h = 0; h < 8; h += KB) {
+            vf a[R][KB];
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < KB; ++j) a[r][j] = vzero();
             for (int d = 0; d < D; d += TL_W) {
-                const vf qav = vload(qa + d), qbv = vload(qb + d);
-                for (int j = 0; j < 4; ++j) {
+                vf qv[R];
+                for (int r = 0; r < R; ++r) qv[r] = vload(q[r] + d);
+                for (int j = 0; j < KB; ++j) {
                     const vf k = LOAD(keys + ent[t + h + j] * D + d);
-                    a[j] = vfma(k, qav, a[j]);
-                    b[j] = vfma(k, qbv, b[j]);
+                    for (int r = 0; r < R; ++r) a[r][j] = vfma(k, qv[r], a[r][j]);
                 }
             }
-            for (int j = 0; j < 4; ++j) A[h + j] = a[j], B[h + j] = b[j];
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < KB; ++j) S[r][h + j] = a[r][j];
         }
-        vstore(sa + t, vmul(vsum8(A), vset1(scale)));
-        vstore(sb + t, vmul(vsum8(B), vset1(scale)));
+        for (int r = 0; r < R; ++r) vstore(s[r] + t, vmul(vsum8(S[r]), vset1(scale)));
     }
 }
 
-// weighted_sum() of two rows whose keys are [0, La) and [0, La] (b one position on), each value read once for both:
-// every output an fma chain over t in order from zero, as weighted_sum's, 32 outputs at a time (D whole 32s)
-template <typename T, vf (*LOAD)(const T*)>
-void weighted_sum2(const T* vals, const int64_t* ent, int La, const float* pa, const float* pb, int D, float* oa,
-                   float* ob) {
-    for (int d0 = 0; d0 < D; d0 += 4 * TL_W) {
-        vf a[4], b[4];
-        for (int i = 0; i < 4; ++i) a[i] = b[i] = vzero();
+// weighted_sum() of R rows whose keys are [0, La + r) (row r one position after row r - 1), each value read once
+// for all of them: every output an fma chain over t in order from zero, as weighted_sum's (D whole 32s)
+template <typename T, vf (*LOAD)(const T*), int R>
+void weighted_sum_rows(const T* vals, const int64_t* ent, int La, const float* const* p, int D, float* const* o) {
+    constexpr int CW = R <= 2 ? 4 : 2;   // output vectors a row at a time
+    for (int d0 = 0; d0 < D; d0 += CW * TL_W) {
+        vf a[R][CW];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < CW; ++i) a[r][i] = vzero();
         for (int t = 0; t < La; ++t) {
-            const vf pav = vset1(pa[t]), pbv = vset1(pb[t]);
+            vf pv[R];
+            for (int r = 0; r < R; ++r) pv[r] = vset1(p[r][t]);
             const T* v = vals + ent[t] * D + d0;
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < CW; ++i) {
                 const vf x = LOAD(v + i * TL_W);
-                a[i] = vfma(pav, x, a[i]);
-                b[i] = vfma(pbv, x, b[i]);
+                for (int r = 0; r < R; ++r) a[r][i] = vfma(pv[r], x, a[r][i]);
             }
         }
-        const vf pbv = vset1(pb[La]);
-        const T* v = vals + ent[La] * D + d0;
-        for (int i = 0; i < 4; ++i) {
-            vstore(oa + d0 + i * TL_W, a[i]);
-            vstore(ob + d0 + i * TL_W, vfma(pbv, LOAD(v + i * TL_W), b[i]));
+        for (int r = 1; r < R; ++r)   // each later row's own last keys, La .. La + r - 1
+            for (int t = La; t < La + r; ++t) {
+                const vf pv = vset1(p[r][t]);
+                const T* v = vals + ent[t] * D + d0;
+                for (int i = 0; i < CW; ++i) a[r][i] = vfma(pv, LOAD(v + i * TL_W), a[r][i]);
+            }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < CW; ++i) vstore(o[r] + d0 + i * TL_W, a[r][i]);
+    }
+}
+
+// R rows' attention for one kv head: q[r] (rep, D), s[r] (rep, La + r) scores, o[r] (rep, D)
+template <typename T, vf (*LOAD)(const T*), int R>
+void attend_rows(const T* keys, const T* vals, const int64_t* ent, int La, int rep, int D, const float* const* q,
+                 float* const* s, float* const* o) {
+    const float scale = 1.0f / sqrtf((float)D);
+    const int T8 = La / 8 * 8;
+    for (int i = 0; i < rep; ++i) {
+        const float* qi[R];
+        float* si[R];
+        float* oi[R];
+        for (int r = 0; r < R; ++r) {
+            qi[r] = q[r] + (int64_t)i * D;
+            si[r] = s[r] + (int64_t)i * (La + r);
+            oi[r] = o[r] + (int64_t)i * D;
         }
+        scores_rows<T, LOAD, R>(keys, ent, T8, qi, D, scale, si);
+        for (int r = 0; r < R; ++r) scores<T, LOAD>(keys, ent, La + r, qi[r], D, scale, si[r], T8);   // the rest
+        for (int r = 0; r < R; ++r) softmax(si[r], La + r);
+        weighted_sum_rows<T, LOAD, R>(vals, ent, La, si, D, oi);
     }
 }
 
 template <typename T, vf (*LOAD)(const T*)>
-void attend_pair(const T* keys, const T* vals, const int64_t* ent, int La, int rep, int D, const float* qa,
-                 const float* qb, float* sa, float* sb, float* oa, float* ob) {
-    const float scale = 1.0f / sqrtf((float)D);
-    const int Lb = La + 1, T8 = La / 8 * 8;
-    for (int i = 0; i < rep; ++i) {
-        scores2<T, LOAD>(keys, ent, T8, qa + i * D, qb + i * D, D, scale, sa + (int64_t)i * La, sb + (int64_t)i * Lb);
-        scores<T, LOAD>(keys, ent, La, qa + i * D, D, scale, sa + (int64_t)i * La, T8);   // the rest of each row
-        scores<T, LOAD>(keys, ent, Lb, qb + i * D, D, scale, sb + (int64_t)i * Lb, T8);
-        softmax(sa + (int64_t)i * La, La);
-        softmax(sb + (int64_t)i * Lb, Lb);
-        weighted_sum2<T, LOAD>(vals, ent, La, sa + (int64_t)i * La, sb + (int64_t)i * Lb, D, oa + i * D, ob + i * D);
-    }
+void attend_rows_n(int R, const T* keys, const T* vals, const int64_t* ent, int La, int rep, int D,
+                   const float* const* q, float* const* s, float* const* o) {
+    if (R == 4) attend_rows<T, LOAD, 4>(keys, vals, ent, La, rep, D, q, s, o);
+    else if (R == 3) attend_rows<T, LOAD, 3>(keys, vals, ent, La, rep, D, q, s, o);
+    else attend_rows<T, LOAD, 2>(keys, vals, ent, La, rep, D, q, s, o);
 }
 #endif
 }  // namespace
 
-// Two rows of one sequence at consecutive positions (a prefill chunk's), no tree keys, no window, a float pool,
-// D whole 32s (tl_attend_pairable says when): tl_attend_row's results for both, bit for bit, each key and value read
-// once for the two (attention over a long prompt is bound by reading them). scratch: tl_attend_scratch(2 * H / Hkv,
-// keys seen by b, D) floats.
+// Two to TL_ATTEND_ROWS rows of one sequence at consecutive positions (a prefill chunk's, a verification's), no
+// tree keys, no window, a float pool, D whole 32s (tl_attend_pairable says when, pair by pair): tl_attend_row's
+// results for each, bit for bit, each key and value read once for all of them (attention over a long prompt is
+// bound by reading them). q: row r's queries at q + r * q_ld; out likewise. scratch: tl_attend_scratch(
+// TL_ATTEND_ROWS * H / Hkv, keys seen by the last row, D) floats.
 bool tl_attend_pairable(const tl_kv* kv, const tl_row* a, const tl_row* b, int D) {
 #if TL_SIMD
     return (kv->format == TL_KV_F32 || kv->format == TL_KV_F16 || kv->format == TL_KV_BF16) && D % 32 == 0
@@ -283,23 +304,31 @@ bool tl_attend_pairable(const tl_kv* kv, const tl_row* a, const tl_row* b, int D
 #endif
 }
 
-void tl_attend_pair(const tl_kv* kv, const tl_row* a, const tl_row* b, int slot, int H, int Hkv, int D,
-                    const float* qa, const float* qb, float* oa, float* ob, int g, float* scratch) {
+void tl_attend_rows(const tl_kv* kv, const tl_row* rows, int R, int slot, int H, int Hkv, int D, const float* q,
+                    int64_t q_ld, float* out, int64_t o_ld, int g, float* scratch) {
 #if TL_SIMD
-    const int rep = H / Hkv, La = a->pos + 1, Lb = La + 1;
-    float* sa = scratch;                                    // (rep, La) and (rep, Lb) scores
-    float* sb = sa + (int64_t)rep * La;
-    int64_t* ent = (int64_t*)(scratch + (((int64_t)rep * (La + Lb) + 1) & ~(int64_t)1));   // (Lb), 8-byte aligned
-    entries(kv, b, slot, Hkv, g, 0, b->pos, ent);
-    qa += (int64_t)g * rep * D, qb += (int64_t)g * rep * D, oa += (int64_t)g * rep * D, ob += (int64_t)g * rep * D;
+    const int rep = H / Hkv, La = rows[0].pos + 1;
+    const float* qs[TL_ATTEND_ROWS];
+    float* ss[TL_ATTEND_ROWS];
+    float* os[TL_ATTEND_ROWS];
+    int64_t at = 0;
+    for (int r = 0; r < R; ++r) {   // (rep, La + r) scores each
+        qs[r] = q + r * q_ld + (int64_t)g * rep * D;
+        os[r] = out + r * o_ld + (int64_t)g * rep * D;
+        ss[r] = scratch + at;
+        at += (int64_t)rep * (La + r);
+    }
+    int64_t* ent = (int64_t*)(scratch + ((at + 1) & ~(int64_t)1));   // (La + R - 1), 8-byte aligned
+    entries(kv, &rows[R - 1], slot, Hkv, g, 0, rows[R - 1].pos, ent);
     if (kv->format == TL_KV_F32)
-        attend_pair<float, vload>((const float*)kv->k, (const float*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+        attend_rows_n<float, vload>(R, (const float*)kv->k, (const float*)kv->v, ent, La, rep, D, qs, ss, os);
     else if (kv->format == TL_KV_F16)
-        attend_pair<uint16_t, vload_f16>((const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+        attend_rows_n<uint16_t, vload_f16>(R, (const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qs, ss, os);
     else
-        attend_pair<uint16_t, vload_bf16>((const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qa, qb, sa, sb, oa, ob);
+        attend_rows_n<uint16_t, vload_bf16>(R, (const uint16_t*)kv->k, (const uint16_t*)kv->v, ent, La, rep, D, qs, ss, os);
 #else
-    (void)kv; (void)a; (void)b; (void)slot; (void)H; (void)Hkv; (void)D; (void)qa; (void)qb; (void)oa; (void)ob; (void)g; (void)scratch;
+    (void)kv; (void)rows; (void)R; (void)slot; (void)H; (void)Hkv; (void)D; (void)q; (void)q_ld; (void)out; (void)o_ld;
+    (void)g; (void)scratch;
 #endif
 }
 

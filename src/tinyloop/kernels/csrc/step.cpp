@@ -20,8 +20,8 @@ void tl_attend_row(const tl_kv* kv, const tl_row* row, int slot, int H, int Hkv,
                    float* out, int g, float* scratch);
 int64_t tl_attend_scratch(int rep, int max_ctx, int D);
 bool tl_attend_pairable(const tl_kv* kv, const tl_row* a, const tl_row* b, int D);
-void tl_attend_pair(const tl_kv* kv, const tl_row* a, const tl_row* b, int slot, int H, int Hkv, int D,
-                    const float* qa, const float* qb, float* oa, float* ob, int g, float* scratch);
+void tl_attend_rows(const tl_kv* kv, const tl_row* rows, int R, int slot, int H, int Hkv, int D, const float* q,
+                    int64_t q_ld, float* out, int64_t o_ld, int g, float* scratch);
 
 namespace tl_step {
 // F.rms_norm over rows of n: y = x / sqrt(mean(x^2) + eps) * w
@@ -52,7 +52,7 @@ Buffers carve(const tl_model* m, int M, int max_ctx, float* s, int64_t* total) {
     b.qkv = take(M * (H + 2 * Hkv) * D); b.att = take(M * H * D); b.y = take(M * dim);
     b.gu = take(M * 2 * F); b.act = take(M * F);
     b.lin = take(M * K + M * (K / 8));
-    b.attn_per_thread = (tl_attend_scratch(2 * rep, max_ctx, D) + 15) / 16 * 16;   // (2: tl_attend_pair's two rows)
+    b.attn_per_thread = (tl_attend_scratch(TL_ATTEND_ROWS * rep, max_ctx, D) + 15) / 16 * 16;   // (tl_attend_rows')
     b.attn = take(b.attn_per_thread * 64);   // up to 64 threads
     b.tmp = take(D);
     b.e2 = W > dim ? take(M * W) : nullptr;
@@ -119,24 +119,26 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             tl_kv_write(kv, 1, e, D, B.tmp);
         }
     }
-    // a prefill chunk's rows in pairs where tl_attend_pairable holds (each key read once for two rows, the same
-    // bits as each alone), the others one at a time
-    thread_local std::vector<int> units_tl;   // first row of each unit; a pair's second row is the next one
+    // a prefill chunk's (or a verification's) rows in groups of up to TL_ATTEND_ROWS where tl_attend_pairable holds
+    // between neighbours (each key read once for the group, the same bits as each row alone), the others alone
+    thread_local std::vector<int> units_tl;   // first row of each unit; a group's other rows follow it
     std::vector<int>& units = units_tl;       // (the calling thread's: the workers read it)
     units.clear();
     for (int r = 0; r < M;) {
         units.push_back(r);
-        const bool pair = r + 1 < M && (slots ? slots[r] == slots[r + 1] : true)
-                          && tl_attend_pairable(kv, &rows[r], &rows[r + 1], D);
-        r += pair ? 2 : 1;
+        int n = 1;
+        while (n < TL_ATTEND_ROWS && r + n < M && (slots ? slots[r + n - 1] == slots[r + n] : true)
+               && tl_attend_pairable(kv, &rows[r + n - 1], &rows[r + n], D))
+            ++n;
+        r += n;
     }
     tl_parallel_for((int)units.size() * Hkv, [&](int task, int t) {   // a (unit, kv head) each
         const int u = task / Hkv, g = task % Hkv, r = units[u];
         const int n = (u + 1 < (int)units.size() ? units[u + 1] : M) - r;
         float* sc = B.attn + B.attn_per_thread * t;
-        if (n == 2)
-            tl_attend_pair(kv, &rows[r], &rows[r + 1], slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV,
-                           B.qkv + (int64_t)(r + 1) * QKV, B.att + (int64_t)r * H * D, B.att + (int64_t)(r + 1) * H * D, g, sc);
+        if (n > 1)
+            tl_attend_rows(kv, &rows[r], n, slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, QKV,
+                           B.att + (int64_t)r * H * D, (int64_t)H * D, g, sc);
         else
             tl_attend_row(kv, &rows[r], slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV,
                           B.att + (int64_t)r * H * D, g, sc);
