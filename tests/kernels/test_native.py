@@ -554,3 +554,39 @@ def test_parcae_like_model_is_served_natively_with_the_same_tokens(monkeypatch, 
     nat.state_seed, nat.executor = 3, ex
     want = reference_ids(ref, prompt, params)
     assert core_ids(served, prompt, params) == want == core_ids(nat, prompt, params)
+
+
+_BUILD_LOGPROBS = """
+import sys, torch
+from tinyloop.engine import Engine, SamplingParams
+from tinyloop.engine.serving import BatchEngine, run_to_completion
+eng = Engine.load(dtype=getattr(torch, sys.argv[1]))   # (the fp16 pool holds this dtype)
+assert eng.model.executor is not None
+ids = list(range(1000, 1045))   # a 45-token prompt: its chunk's rows in groups of four, then decode steps
+params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
+ev = run_to_completion(BatchEngine(eng, max_num_seqs=2), [(ids, params)])[0]
+print(repr([lp for e in ev for lp in (e.logprobs or [])]))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_host_build_and_the_avx2_build_give_the_same_bits(dtype):
+    """The host's build (AVX-512: attention's scores two keys a 512-bit vector, its weighted sums and softmax
+    sixteen lanes at a time; VNNI and AMX integer products) and the AVX2 build form every result in the same
+    order, so the shipped model's prefill and decode give bitwise the same log-probabilities in both (the
+    linear kernels alone: test_native_linear.py). A process loads one build: each runs in its own."""
+    import subprocess
+    import sys
+
+    from tinyloop.kernels import lib
+
+    native = lib.load().tl_isa().decode()
+    if "avx2" not in native or not any(w in native for w in ("avx512", "vnni", "amx")):
+        pytest.skip("the host's build is the AVX2 one (or scalar): nothing to compare")
+    out = {}
+    for isa in ("native", "avx2"):
+        run = subprocess.run([sys.executable, "-c", _BUILD_LOGPROBS, dtype], capture_output=True, text=True,
+                             env={**__import__("os").environ, "TINYLOOP_NATIVE_ISA": isa}, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out[isa] = run.stdout.strip().splitlines()[-1]
+    assert out["native"] == out["avx2"]

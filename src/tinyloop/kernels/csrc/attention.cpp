@@ -140,11 +140,70 @@ int visible_keys(const tl_kv* kv, const tl_row* row, int slot, int Hkv, int g, i
     return L;
 }
 
+#if TL_SIMD && defined(__AVX512F__) && defined(__AVX512DQ__)
+// 512-bit vectors where the build has them, for the same arithmetic: two keys' eight lanes side by side in one
+// vector (each lane the chain over d that the 8-lane code forms), sixteen outputs of an fma chain over t, or
+// sixteen e^x at once; every result bitwise the 8-lane code's (so the AVX2 and AVX-512 builds agree)
+#define TL_WIDE 1
+template <typename T, vf (*LOAD)(const T*)> inline __m512 wload(const T* p);   // sixteen values as floats
+template <> inline __m512 wload<float, vload>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 wload<uint16_t, vload_f16>(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+template <> inline __m512 wload<uint16_t, vload_bf16>(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+template <typename T, vf (*LOAD)(const T*)>
+inline __m512 wload2(const T* a, const T* b) {   // eight values of a, then eight of b
+    return _mm512_insertf32x8(_mm512_castps256_ps512(LOAD(a)), LOAD(b), 1);
+}
+inline __m512 wq(const float* q) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(q)); }   // q's eight, twice
+inline void wsplit(const __m512* a, int n, vf* out) {   // n two-key vectors -> 2n eight-lane ones
+    for (int i = 0; i < n; ++i) {
+        out[2 * i] = _mm512_castps512_ps256(a[i]);
+        out[2 * i + 1] = _mm512_extractf32x8_ps(a[i], 1);
+    }
+}
+// vexp on sixteen lanes: the same operations lane by lane (vec.h)
+inline __m512 wexp(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#else
+#define TL_WIDE 0
+#endif
+
 // s[t] = scale * q . key(ent[t]) for float keys read as stored (T: float or 16-bit, LOAD: TL_W as floats)
 template <typename T, vf (*LOAD)(const T*)>
 void scores(const T* keys, const int64_t* ent, int L, const float* q, int D, float scale, float* s, int t0 = 0) {
     int t = t0;   // (a multiple of 8: the blocks below start where they would from 0)
-#if TL_SIMD
+#if TL_WIDE
+    for (; t + 8 <= L; t += 8) {   // eight keys at a time, two a vector: eight independent sums, finished together
+        __m512 acc[4];
+        for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += TL_W) {
+            const __m512 qv = wq(q + d);
+            for (int j = 0; j < 4; ++j)
+                acc[j] = _mm512_fmadd_ps(wload2<T, LOAD>(keys + ent[t + 2 * j] * D + d, keys + ent[t + 2 * j + 1] * D + d),
+                                         qv, acc[j]);
+        }
+        vf a8[8];
+        wsplit(acc, 4, a8);
+        vstore(s + t, vmul(vsum8(a8), vset1(scale)));
+    }
+#elif TL_SIMD
     for (; t + 8 <= L; t += 8) {   // eight keys at a time: eight independent sums, finished together
         vf acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = vzero();
@@ -163,6 +222,18 @@ template <typename T, vf (*LOAD)(const T*)>
 void weighted_sum(const T* vals, const int64_t* ent, int L, const float* p, int D, float* out) {
     constexpr int CH = 8 * TL_W;
     int d0 = 0;
+#if TL_WIDE
+    for (; d0 + CH <= D; d0 += CH) {   // (each output the same chain: 16 lanes a vector instead of 8)
+        __m512 acc[4];
+        for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+        for (int t = 0; t < L; ++t) {
+            const __m512 pv = _mm512_set1_ps(p[t]);
+            const T* v = vals + ent[t] * D + d0;
+            for (int i = 0; i < 4; ++i) acc[i] = _mm512_fmadd_ps(pv, wload<T, LOAD>(v + 16 * i), acc[i]);
+        }
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + d0 + 16 * i, acc[i]);
+    }
+#endif
     for (; d0 + CH <= D; d0 += CH) {
         vf acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = vzero();
@@ -185,10 +256,29 @@ void weighted_sum(const T* vals, const int64_t* ent, int L, const float* p, int 
 // softmax of s (n) in place
 void softmax(float* s, int n) {
     float mx = s[0];
-    for (int t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+    int t = 1;
+#if TL_WIDE   // (the maximum is exact in any order; NaNs are passed over as the scalar compare does)
+    if (n >= 17) {
+        __m512 m = _mm512_set1_ps(mx);
+        for (; t + 16 <= n; t += 16) m = _mm512_max_ps(_mm512_loadu_ps(s + t), m);
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, m);
+        for (int i = 0; i < 16; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
+    }
+#endif
+    for (; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
     const vf vmx = vset1(mx);
     vf vs = vzero();
-    int t = 0;
+    t = 0;
+#if TL_WIDE   // sixteen exps a vector, summed eight lanes at a time in the 8-lane code's order
+    const __m512 wmx = _mm512_set1_ps(mx);
+    for (; t + 16 <= n; t += 16) {
+        const __m512 e = wexp(_mm512_sub_ps(_mm512_loadu_ps(s + t), wmx));
+        _mm512_storeu_ps(s + t, e);
+        vs = vadd(vs, _mm512_castps512_ps256(e));
+        vs = vadd(vs, _mm512_extractf32x8_ps(e, 1));
+    }
+#endif
     for (; t + TL_W <= n; t += TL_W) {
         const vf e = vexp(vsub(vload(s + t), vmx));
         vstore(s + t, e);
@@ -205,6 +295,26 @@ void softmax(float* s, int n) {
 template <typename T, vf (*LOAD)(const T*), int R>
 void scores_rows(const T* keys, const int64_t* ent, int n, const float* const* q, int D, float scale,
                  float* const* s) {
+#if TL_WIDE
+    for (int t = 0; t < n; t += 8) {   // all eight keys in one pass, two a vector: 4 R accumulators
+        __m512 a[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += TL_W) {
+            __m512 qv[R];
+            for (int r = 0; r < R; ++r) qv[r] = wq(q[r] + d);
+            for (int j = 0; j < 4; ++j) {
+                const __m512 k = wload2<T, LOAD>(keys + ent[t + 2 * j] * D + d, keys + ent[t + 2 * j + 1] * D + d);
+                for (int r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(k, qv[r], a[r][j]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            vf a8[8];
+            wsplit(a[r], 4, a8);
+            vstore(s[r] + t, vmul(vsum8(a8), vset1(scale)));
+        }
+    }
+#else
     constexpr int KB = R <= 2 ? 4 : 2;   // keys a pass: R * KB accumulators, R queries and a key in registers
     for (int t = 0; t < n; t += 8) {
         vf S[R][8];
@@ -225,12 +335,39 @@ void scores_rows(const T* keys, const int64_t* ent, int n, const float* const* q
         }
         for (int r = 0; r < R; ++r) vstore(s[r] + t, vmul(vsum8(S[r]), vset1(scale)));
     }
+#endif
 }
 
 // weighted_sum() of R rows whose keys are [0, La + r) (row r one position after row r - 1), each value read once
 // for all of them: every output an fma chain over t in order from zero, as weighted_sum's (D whole 32s)
 template <typename T, vf (*LOAD)(const T*), int R>
 void weighted_sum_rows(const T* vals, const int64_t* ent, int La, const float* const* p, int D, float* const* o) {
+#if TL_WIDE
+    for (int d0 = 0; d0 < D; d0 += 32) {   // two 16-lane vectors a row
+        __m512 a[R][2];
+        for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int t = 0; t < La; ++t) {
+            const T* v = vals + ent[t] * D + d0;
+            const __m512 x0 = wload<T, LOAD>(v), x1 = wload<T, LOAD>(v + 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 pv = _mm512_set1_ps(p[r][t]);
+                a[r][0] = _mm512_fmadd_ps(pv, x0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(pv, x1, a[r][1]);
+            }
+        }
+        for (int r = 1; r < R; ++r)   // each later row's own last keys, La .. La + r - 1
+            for (int t = La; t < La + r; ++t) {
+                const __m512 pv = _mm512_set1_ps(p[r][t]);
+                const T* v = vals + ent[t] * D + d0;
+                a[r][0] = _mm512_fmadd_ps(pv, wload<T, LOAD>(v), a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(pv, wload<T, LOAD>(v + 16), a[r][1]);
+            }
+        for (int r = 0; r < R; ++r) {
+            _mm512_storeu_ps(o[r] + d0, a[r][0]);
+            _mm512_storeu_ps(o[r] + d0 + 16, a[r][1]);
+        }
+    }
+#else
     constexpr int CW = R <= 2 ? 4 : 2;   // output vectors a row at a time
     for (int d0 = 0; d0 < D; d0 += CW * TL_W) {
         vf a[R][CW];
@@ -254,6 +391,7 @@ void weighted_sum_rows(const T* vals, const int64_t* ent, int La, const float* c
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < CW; ++i) vstore(o[r] + d0 + i * TL_W, a[r][i]);
     }
+#endif
 }
 
 // R rows' attention for one kv head: q[r] (rep, D), s[r] (rep, La + r) scores, o[r] (rep, D)
