@@ -236,9 +236,9 @@ def test_native_prefill_every_kv_format(kv_format, kv_dtype):
                                                 ("int4", torch.float32), ("int4-h", torch.float32)])
 def test_a_prefill_chunk_attends_as_rows_one_at_a_time(kv_format, kv_dtype):
     """Attention is computed per row in one order whatever rows share the call (attention.cpp; a float pool's
-    prefill rows in groups of up to four that read each key once, heads whole 32s: `tl_attend_rows`), so a prefill
-    chunk's positions have bitwise the logits they have with the first one, two or three positions in a step of
-    their own (every row then sits at another place in its group, in groups of 2, 3 and 4), or the last
+    prefill rows in groups of up to eight that read each key once, heads whole 32s: `tl_attend_rows`), so a
+    prefill chunk's positions have bitwise the logits they have with the first one to seven positions in a step of
+    their own (every row then sits at each place in its group, in groups of 2 to 8), or the last
     (windows and grouped heads included: SEQS, nanbeige-like; groups over several blocks of eight keys, the rows
     left over at a chunk's end, and a last key block only a group's later rows fill: 40 and 23 positions).
     Nothing here is a tolerance."""
@@ -248,7 +248,7 @@ def test_a_prefill_chunk_attends_as_rows_one_at_a_time(kv_format, kv_dtype):
         ref, nat = make_pair(cfg, "fp32")
         for seq in SEQS + [(40, 2, 0), (23, 3, 0)]:
             whole = prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq])[1]
-            for split in sorted({1, 2, 3, seq[0] - 1} & set(range(1, seq[0]))):
+            for split in sorted({*range(1, 8), seq[0] - 1} & set(range(1, seq[0]))):
                 assert torch.equal(whole, prefill_pair(ref, nat, kv_format, kv_dtype, seqs=[seq], split=split)[1]), \
                     (name, seq, split)
 
@@ -562,7 +562,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 eng = Engine.load(dtype=getattr(torch, sys.argv[1]))   # (the fp16 pool holds this dtype)
 assert eng.model.executor is not None
-ids = list(range(1000, 1045))   # a 45-token prompt: its chunk's rows in groups of four, then decode steps
+ids = list(range(1000, 1045))   # a 45-token prompt: its chunk's rows in groups, then decode steps
 params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 ev = run_to_completion(BatchEngine(eng, max_num_seqs=2), [(ids, params)])[0]
 print(repr([lp for e in ev for lp in (e.logprobs or [])]))
@@ -573,7 +573,8 @@ print(repr([lp for e in ev for lp in (e.logprobs or [])]))
 def test_the_host_build_and_the_avx2_build_give_the_same_bits(dtype):
     """The host's build (AVX-512: attention's scores two keys a 512-bit vector, its weighted sums and softmax
     sixteen lanes at a time; VNNI and AMX integer products) and the AVX2 build form every result in the same
-    order, so the shipped model's prefill and decode give bitwise the same log-probabilities in both (the
+    order, so the shipped model's prefill (rows in groups of eight) and decode give bitwise the same
+    log-probabilities in both (the
     linear kernels alone: test_native_linear.py). A process loads one build: each runs in its own."""
     import subprocess
     import sys

@@ -296,26 +296,33 @@ template <typename T, vf (*LOAD)(const T*), int R>
 void scores_rows(const T* keys, const int64_t* ent, int n, const float* const* q, int D, float scale,
                  float* const* s) {
 #if TL_WIDE
-    for (int t = 0; t < n; t += 8) {   // all eight keys in one pass, two a vector: 4 R accumulators
-        __m512 a[R][4];
-        for (int r = 0; r < R; ++r)
-            for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += TL_W) {
-            __m512 qv[R];
-            for (int r = 0; r < R; ++r) qv[r] = wq(q[r] + d);
-            for (int j = 0; j < 4; ++j) {
-                const __m512 k = wload2<T, LOAD>(keys + ent[t + 2 * j] * D + d, keys + ent[t + 2 * j + 1] * D + d);
-                for (int r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(k, qv[r], a[r][j]);
+    constexpr int P = R <= 4 ? 4 : 2;   // key pairs a pass (two keys a vector): R * P accumulators, R queries
+    for (int t = 0; t < n; t += 8) {
+        __m512 S[R][4];
+        for (int h = 0; h < 4; h += P) {
+            __m512 a[R][P];
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < P; ++j) a[r][j] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += TL_W) {
+                __m512 qv[R];
+                for (int r = 0; r < R; ++r) qv[r] = wq(q[r] + d);
+                for (int j = 0; j < P; ++j) {
+                    const int k0 = t + 2 * (h + j);
+                    const __m512 k = wload2<T, LOAD>(keys + ent[k0] * D + d, keys + ent[k0 + 1] * D + d);
+                    for (int r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(k, qv[r], a[r][j]);
+                }
             }
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < P; ++j) S[r][h + j] = a[r][j];
         }
         for (int r = 0; r < R; ++r) {
             vf a8[8];
-            wsplit(a[r], 4, a8);
+            wsplit(S[r], 4, a8);
             vstore(s[r] + t, vmul(vsum8(a8), vset1(scale)));
         }
     }
 #else
-    constexpr int KB = R <= 2 ? 4 : 2;   // keys a pass: R * KB accumulators, R queries and a key in registers
+    constexpr int KB = R <= 2 ? 4 : R <= 4 ? 2 : 1;   // keys a pass: R * KB accumulators, R queries, a key
     for (int t = 0; t < n; t += 8) {
         vf S[R][8];
         for (int h = 0; h < 8; h += KB) {
@@ -368,7 +375,7 @@ void weighted_sum_rows(const T* vals, const int64_t* ent, int La, const float* c
         }
     }
 #else
-    constexpr int CW = R <= 2 ? 4 : 2;   // output vectors a row at a time
+    constexpr int CW = R <= 2 ? 4 : R <= 4 ? 2 : 1;   // output vectors a row at a time
     for (int d0 = 0; d0 < D; d0 += CW * TL_W) {
         vf a[R][CW];
         for (int r = 0; r < R; ++r)
@@ -419,9 +426,15 @@ void attend_rows(const T* keys, const T* vals, const int64_t* ent, int La, int r
 template <typename T, vf (*LOAD)(const T*)>
 void attend_rows_n(int R, const T* keys, const T* vals, const int64_t* ent, int La, int rep, int D,
                    const float* const* q, float* const* s, float* const* o) {
-    if (R == 4) attend_rows<T, LOAD, 4>(keys, vals, ent, La, rep, D, q, s, o);
-    else if (R == 3) attend_rows<T, LOAD, 3>(keys, vals, ent, La, rep, D, q, s, o);
-    else attend_rows<T, LOAD, 2>(keys, vals, ent, La, rep, D, q, s, o);
+    switch (R) {
+        case 8: attend_rows<T, LOAD, 8>(keys, vals, ent, La, rep, D, q, s, o); break;
+        case 7: attend_rows<T, LOAD, 7>(keys, vals, ent, La, rep, D, q, s, o); break;
+        case 6: attend_rows<T, LOAD, 6>(keys, vals, ent, La, rep, D, q, s, o); break;
+        case 5: attend_rows<T, LOAD, 5>(keys, vals, ent, La, rep, D, q, s, o); break;
+        case 4: attend_rows<T, LOAD, 4>(keys, vals, ent, La, rep, D, q, s, o); break;
+        case 3: attend_rows<T, LOAD, 3>(keys, vals, ent, La, rep, D, q, s, o); break;
+        default: attend_rows<T, LOAD, 2>(keys, vals, ent, La, rep, D, q, s, o); break;
+    }
 }
 #endif
 }  // namespace

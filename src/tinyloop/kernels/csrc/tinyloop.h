@@ -10,7 +10,7 @@ enum { TL_F32 = 0, TL_F16 = 1, TL_BF16 = 2, TL_Q8 = 3, TL_Q4 = 4, TL_Q2 = 5 };
 // KV pool formats (model/paged.py PagedKV, quant/kv.py KVTensor).
 enum { TL_KV_F32 = 0, TL_KV_F16 = 1, TL_KV_BF16 = 2, TL_KV_I8 = 3, TL_KV_I4 = 4, TL_KV_I4H = 5 };
 // consecutive rows of one sequence whose attention reads each key once (attention.cpp tl_attend_rows)
-#define TL_ATTEND_ROWS 4
+#define TL_ATTEND_ROWS 8
 
 typedef struct {
     int32_t kind;            // TL_F32 .. TL_Q2
