@@ -560,7 +560,7 @@ _BUILD_LOGPROBS = """
 import sys, torch
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
-eng = Engine.load(dtype=getattr(torch, sys.argv[1]))   # (the fp16 pool holds this dtype)
+eng = Engine.load(sys.argv[2] or None, dtype=getattr(torch, sys.argv[1]))   # (the fp16 pool holds this dtype)
 assert eng.model.executor is not None
 ids = list(range(1000, 1045))   # a 45-token prompt: its chunk's rows in groups, then decode steps
 params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
@@ -569,16 +569,20 @@ print(repr([lp for e in ev for lp in (e.logprobs or [])]))
 """
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_the_host_build_and_the_avx2_build_give_the_same_bits(dtype):
+@pytest.mark.parametrize("model,dtype", [("", "float16"), ("", "bfloat16"), ("", "float32"),
+                                         ("tinyloop-16m.tinyloop", "float16")])
+def test_the_host_build_and_the_avx2_build_give_the_same_bits(model, dtype):
     """The host's build (AVX-512: attention's scores two keys a 512-bit vector, its weighted sums and softmax
-    sixteen lanes at a time; VNNI and AMX integer products) and the AVX2 build form every result in the same
-    order, so the shipped model's prefill (rows in groups of eight) and decode give bitwise the same
-    log-probabilities in both (the
+    sixteen lanes at a time; 16-bit weights' tiles two weight rows a 512-bit vector; VNNI and AMX integer
+    products) and the AVX2 build form every result in the same order, so the shipped models' prefill (rows in
+    groups of eight) and decode give bitwise the same log-probabilities in both (the int4 file, and the fp16
+    one; the
     linear kernels alone: test_native_linear.py). A process loads one build: each runs in its own."""
     import subprocess
     import sys
+    from pathlib import Path
 
+    import tinyloop
     from tinyloop.kernels import lib
 
     native = lib.load().tl_isa().decode()
@@ -586,7 +590,8 @@ def test_the_host_build_and_the_avx2_build_give_the_same_bits(dtype):
         pytest.skip("the host's build is the AVX2 one (or scalar): nothing to compare")
     out = {}
     for isa in ("native", "avx2"):
-        run = subprocess.run([sys.executable, "-c", _BUILD_LOGPROBS, dtype], capture_output=True, text=True,
+        path = str(Path(tinyloop.__file__).parent / "assets" / "models" / model) if model else ""
+        run = subprocess.run([sys.executable, "-c", _BUILD_LOGPROBS, dtype, path], capture_output=True, text=True,
                              env={**__import__("os").environ, "TINYLOOP_NATIVE_ISA": isa}, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         out[isa] = run.stdout.strip().splitlines()[-1]

@@ -93,6 +93,44 @@ void float_gemv(const tl_linear* L, const float* x, float* y, int n0, int n1) {
 }
 #endif
 
+#if TL_SIMD && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define TL_WIDE_TILE 1
+// float_tile on 512-bit vectors: two weight rows' eight lanes side by side in one vector, against the input
+// row's eight lanes twice, so each lane holds the accumulator float_tile forms for that output (over k in
+// order, finished by vsum): the same bits as every other tile shape and the AVX2 build, half the multiply-adds'
+// instructions. MR input rows, 2 NP weight rows at a time.
+template <int KIND, int MR, int NP>
+void float_tile_wide(const tl_linear* L, const float* x, float* y, int ldy, int n0, int n1) {
+    const int K = L->k;
+    int n = n0;
+    for (; n + 2 * NP <= n1; n += 2 * NP) {
+        __m512 acc[MR][NP];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += TL_W) {
+            if (k % 32 == 0)
+                for (int j = 0; j < 2 * NP; ++j) tl_prefetch(L->w, KIND, (int64_t)(n + PF * 2 * NP + j) * K + k);
+            __m512 w[NP];
+            for (int j = 0; j < NP; ++j)
+                w[j] = _mm512_insertf32x8(_mm512_castps256_ps512(load_w(KIND, L->w, (int64_t)(n + 2 * j) * K + k)),
+                                          load_w(KIND, L->w, (int64_t)(n + 2 * j + 1) * K + k), 1);
+            for (int r = 0; r < MR; ++r) {
+                const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (int64_t)r * K + k));
+                for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xv, acc[r][j]);
+            }
+        }
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NP; ++j) {
+                y[(int64_t)r * ldy + n + 2 * j] = vsum(_mm512_castps512_ps256(acc[r][j]));
+                y[(int64_t)r * ldy + n + 2 * j + 1] = vsum(_mm512_extractf32x8_ps(acc[r][j], 1));
+            }
+    }
+    if (n < n1) float_tile<KIND, MR, 1>(L, x, y, ldy, n, n1);
+}
+#else
+#define TL_WIDE_TILE 0
+#endif
+
 template <int KIND>
 void float_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, int n0, int n1) {
     const int K = L->k;
@@ -100,6 +138,9 @@ void float_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, in
     if (m == 1) return float_gemv<KIND>(L, x, y, n0, n1);
 #endif
     int mt = 0;
+#if TL_WIDE_TILE
+    for (; mt + 8 <= m; mt += 8) float_tile_wide<KIND, 8, 2>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n0, n1);
+#endif
     for (; mt + 4 <= m; mt += 4) float_tile<KIND, 4, 2>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n0, n1);
     const float* xt = x + (int64_t)mt * K;
     float* yt = y + (int64_t)mt * ldy;
