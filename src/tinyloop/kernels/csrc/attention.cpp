@@ -95,7 +95,16 @@ void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x) {
     void* base = which ? kv->v : kv->k;
     switch (kv->format) {
         case TL_KV_F32: memcpy((float*)base + e * D, x, sizeof(float) * D); return;
-        case TL_KV_F16: for (int i = 0; i < D; ++i) ((uint16_t*)base)[e * D + i] = f32_to_f16(x[i]); return;
+        case TL_KV_F16: {
+            uint16_t* o = (uint16_t*)base + e * D;
+            int i = 0;
+#if TL_SIMD   // (F16C's conversion rounds to nearest even, as f32_to_f16)
+            for (; i + 8 <= D; i += 8)
+                _mm_storeu_si128((__m128i*)(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+            for (; i < D; ++i) o[i] = f32_to_f16(x[i]);
+            return;
+        }
         case TL_KV_BF16: for (int i = 0; i < D; ++i) ((uint16_t*)base)[e * D + i] = f32_to_bf16(x[i]); return;
         default: break;
     }
