@@ -449,7 +449,7 @@ class BatchEngine:
         or max_tokens ends the output at the same token as the steps would."""
         if o.done:
             return
-        room = min(FORCED_TAIL, req.plan.params.max_tokens - o.stream.n)
+        room = min(FORCED_TAIL, req.plan.params.max_tokens - o.stream.n, self.sched.max_batched_tokens - 1)
         for f in grammar.forced(room, o.stream.stop_ids):
             o.sampler.accept(f)
             self.sched.append_token(seq, f)
