@@ -1,4 +1,4 @@
-"""A sequence decoding alone makes several tokens per native call (engine/serving.py `_lone_plain_steps`,
+"""A sequence decoding alone makes several tokens per native call (engine/fast_steps.py `_lone_plain_steps`,
 `tl_generate`): the output is exactly the one-step-per-call output for every kind of plain request it takes
 (greedy at any depth, `loops: "auto"`, sampled with top-k / top-p), and every way an output ends (max_tokens
 between two calls' worth, EOS, a stop string) ends it at the same token with the same finish reason. Requests
@@ -21,7 +21,7 @@ import os
 import pytest
 
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine import serving
+from tinyloop.engine import fast_steps
 from tinyloop.engine.constraint import Constraint
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 
@@ -44,7 +44,7 @@ def engine(shipped_model_path):
 def _run(engine, prompt, params, monkeypatch, steps: int):
     """(tokens, final event, the native generate calls' step counts) of the request alone on a core, with
     MULTI_STEPS = steps (1: one step per call)."""
-    monkeypatch.setattr(serving, "MULTI_STEPS", steps)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", steps)
     ex = engine.model.executor
     calls = []
     orig = type(ex).generate
@@ -103,7 +103,7 @@ def test_requests_it_must_not_take_run_step_by_step(engine, monkeypatch):
     a = SamplingParams(max_tokens=16, temperature=0, loops=8, ignore_eos=True)
     b = SamplingParams(max_tokens=6, temperature=0, loops=3, ignore_eos=True)
     alone = [_run(engine, prompt, p, monkeypatch, 8)[0] for p in (a, b)]
-    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", 8)
     ex = engine.model.executor
     calls = []
     orig = type(ex).generate
@@ -194,7 +194,7 @@ def test_a_grammar_failing_inside_the_call_fails_that_request_alone(engine, monk
     monkeypatch.setattr(Matcher, "accept", accept)
     prompt = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=30, temperature=0, loops=4, constraint=Constraint.json_schema(SCHEMA))
-    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", 8)
     events = run_to_completion(BatchEngine(engine, max_num_seqs=1), [(prompt, params)])[0]
     assert isinstance(events[-1], RuntimeError) and "simulated grammar failure" in str(events[-1])
     assert sum(len(e.token_ids) for e in events[:-1]) < 5   # (nothing of the failed call's tokens went out)
@@ -214,7 +214,7 @@ def test_a_constrained_request_joined_mid_way_keeps_its_tokens(engine, monkeypat
     b = SamplingParams(max_tokens=6, temperature=0, loops=3, ignore_eos=True)
     want = _run(engine, prompt, a, monkeypatch, 1)[0]
     alone_b = _run(engine, prompt, b, monkeypatch, 1)[0]
-    monkeypatch.setattr(serving, "MULTI_STEPS", 8)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", 8)
     core = BatchEngine(engine, max_num_seqs=4)
     got: dict[str, list] = {"a": [], "b": []}
     core.add(engine.plan(prompt, a), lambda ev: ev is not None and got["a"].append(ev))

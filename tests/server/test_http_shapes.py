@@ -273,9 +273,9 @@ def test_kv_env_mapping(env, mode):
 
 
 def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
-    from tinyloop.engine import serving
+    from tinyloop.engine import fast_steps
 
-    monkeypatch.setattr(serving, "MULTI_STEPS", 1)   # every token a step of its own (the lone steps: below)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", 1)   # every token a step of its own (the lone steps: below)
     runner = tiny_server.app.state.tl.worker.batch.runner
     real = runner.execute
     calls = {"n": 0}
@@ -299,7 +299,7 @@ def test_engine_failure_is_500_or_stream_error_event(tiny_server, monkeypatch):
     assert set(err) == {"error"} and "simulated kernel failure" in err["error"]["message"]
     monkeypatch.undo()
     assert post(tiny_server, "/generate", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
-    # a lone request's tokens in one native call (engine/serving.py _lone_plain_steps): a failure there too
+    # a lone request's tokens in one native call (engine/fast_steps.py _lone_plain_steps): a failure there too
     ex = tiny_server.app.state.tl.worker.engine.model.executor
     if ex is not None:
         def failing_steps(*a, **kw):
@@ -355,9 +355,9 @@ def test_events_go_out_as_the_next_steps_gil_free_op_starts(tiny_server, monkeyp
     """The engine thread hands a step's events to the event loop as the next step's first long GIL-free op
     starts: the forward when the native executor runs it, else the LM head; every event still arrives, in
     order, and the last ones when the engine goes idle."""
-    from tinyloop.engine import serving
+    from tinyloop.engine import fast_steps
 
-    monkeypatch.setattr(serving, "MULTI_STEPS", 1)   # a step a token (a lone request's calls of several: the same hook)
+    monkeypatch.setattr(fast_steps, "MULTI_STEPS", 1)   # a step a token (a lone request's calls of several: the same hook)
     worker = tiny_server.app.state.tl.worker
     runner = worker.batch.runner
     native = worker.engine.model.executor is not None

@@ -254,7 +254,7 @@ class Matcher:
     @contextmanager
     def lazily(self):
         """Within: a position's mask is computed when something reads it, on the reading thread (the native
-        lone steps, engine/serving.py: the fill right after the token is taken, inside the call; a worker
+        lone steps, engine/fast_steps.py: the fill right after the token is taken, inside the call; a worker
         thread would take a core from the executor's threads mid-step and stall them at their next barrier,
         measured slower: docs/structured.md "Cost per token"); after: in the worker as soon as the position
         begins again."""

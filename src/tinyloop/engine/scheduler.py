@@ -155,7 +155,7 @@ class Sequence:
     @property
     def forced_tail(self) -> bool:
         """Output tokens past the last computed one, at most FORCED_TAIL, after a computed prompt: the tokens a
-        grammar forced after a pick (engine/serving.py `_take_forced`). They go in with the last token as its
+        grammar forced after a pick (engine/fast_steps.py `_take_forced`). They go in with the last token as its
         decode chunk, one row each, the logits of the last."""
         return self.n_generated > 0 and len(self.prompt) <= self.n_cached and \
             0 < len(self.tokens) - 1 - self.n_cached <= FORCED_TAIL

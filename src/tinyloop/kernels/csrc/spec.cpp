@@ -414,7 +414,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     return 0;
 }
 
-// ---- plain tokens in one call (engine/serving.py: a lone plain request) --------------------------------
+// ---- plain tokens in one call (engine/fast_steps.py: a lone plain request) --------------------------------
 // Step s runs the row of token t_s at position base->pos + s (tl_decode: prelude, its loops or its own exit,
 // the coda), then the head's argmax or draw under the key of output index n0 + s (tl_head) gives t_{s+1};
 // after a token in `stop` the call ends. The steps are the engine's own decode steps, back to back: what

@@ -223,7 +223,7 @@ int64_t tl_tree_scratch_floats(const tl_model* m, const tl_tree* T, int32_t max_
 // `steps` plain tokens of one sequence in one call (spec.cpp): the row `base` (token, its position, its
 // loops or exit rule) decoded, the head's argmax (inv_temp 0) or draw (the key of output index n0 + s) the
 // next token, and so on; ends after a token in `stop`. `base` rows from tokens only (no random initial state).
-// Under a grammar (engine/serving.py's constrained lone steps) each pick is over the tokens the bitmask `mask`
+// Under a grammar (engine/fast_steps.py's constrained lone steps) each pick is over the tokens the bitmask `mask`
 // allows (it holds the first position's when the call starts), and grammar(token, room) after each pick returns
 // once the grammar has taken the token and `mask` holds the next position's: the number of tokens it forces
 // next (at most room; written to `forced`, taken by the grammar too, outputs of the call), or -1 to end it.
