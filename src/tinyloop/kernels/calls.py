@@ -42,6 +42,11 @@ class RequestCalls:
             self._head_costs = out
         return self._head_costs[:rows]
 
+    def _head_fields(self, S) -> None:
+        """A round's verifier (tl_round / tl_tree): the model's head, the norm before it, the vocabulary."""
+        S.head = ctypes.pointer(self.head)
+        S.head_norm, S.head_eps, S.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+
     def spec_round(self, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
                    draft_readout, draft_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
                    draft_norm: nn.Module | None, backlog: torch.Tensor | None, want_state: bool = True,
@@ -89,20 +94,12 @@ class RequestCalls:
             if noise is not None:
                 R.seed, R.n0, R.inv_temp, R.top_k, R.top_p = noise
             if k > 0:
-                if draft_weight is not None:   # (None: the model's own head, whole vocabulary)
-                    R.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
-                if draft_ids is not None:
-                    ids = draft_ids.to(torch.int64).contiguous()
-                    keep.append(ids)
-                    R.draft_ids = ids.data_ptr()
-                if draft_norm is not None:
-                    R.draft_norm, R.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
+                _draft_fields(R, draft_weight, draft_ids, draft_norm, keep)
             if backlog is not None:
                 b = backlog.reshape(-1).float().contiguous()
                 keep.append(b)
                 R.backlog_h = b.data_ptr()
-            R.head = ctypes.pointer(self.head)
-            R.head_norm, R.head_eps, R.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            self._head_fields(R)
             toks = torch.zeros(k + 1, dtype=torch.int32)
             ver = torch.zeros(k + 1, dtype=torch.int32)
             last_h = torch.empty(self.model.cfg.dim, dtype=torch.float32)
@@ -159,16 +156,8 @@ class RequestCalls:
             T = L.TlTree()
             T.depth, T.K, T.d, T.V, T.draft_readout, T.last_readout = depth, K, d, V, ro, ro_last
             T.head_rows = head_rows
-            if draft_weight is not None:
-                T.draft_head = ctypes.pointer(_draft_desc(draft_weight, keep))
-            if draft_ids is not None:
-                ids = draft_ids.to(torch.int64).contiguous()
-                keep.append(ids)
-                T.draft_ids = ids.data_ptr()
-            if draft_norm is not None:
-                T.draft_norm, T.draft_eps = _vec(draft_norm.weight, keep), float(draft_norm.eps)
-            T.head = ctypes.pointer(self.head)
-            T.head_norm, T.head_eps, T.vocab = self.head_norm, self.head_eps, self.model.cfg.vocab_size
+            _draft_fields(T, draft_weight, draft_ids, draft_norm, keep)
+            self._head_fields(T)
             if noise is not None:
                 T.seed, T.n0, T.inv_temp, T.top_k, T.top_p = noise
             toks, parents = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
@@ -242,6 +231,19 @@ class RequestCalls:
             n = G.n_out
             self.model.core_loop_tokens += int(used[:n].sum())
             return toks[:n].tolist(), used[:n].tolist()
+
+
+def _draft_fields(S, weight, ids, norm, keep: list) -> None:
+    """A round's draft head (tl_round / tl_tree): its rows (None: the model's own head, whole vocabulary), the
+    token of each column (None: column j is token j), the norm before it (None: none)."""
+    if weight is not None:
+        S.draft_head = ctypes.pointer(_draft_desc(weight, keep))
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        keep.append(ids)
+        S.draft_ids = ids.data_ptr()
+    if norm is not None:
+        S.draft_norm, S.draft_eps = _vec(norm.weight, keep), float(norm.eps)
 
 
 def _draft_desc(w, keep: list) -> L.TlLinear:

@@ -5,6 +5,12 @@
 #include <string.h>
 #include <math.h>
 
+// e^x's constants (Cephes' expf): the 8-lane vexp and the 16-lane wexp share them, so their lanes are bitwise equal
+namespace tl_exp {
+constexpr float LIM = 88.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
+                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
+}  // namespace tl_exp
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TL_SIMD 1
@@ -67,17 +73,17 @@ static inline vf vsum8(const vf* a) {
 }
 // e^x, relative error ~2e-7 (Cephes' expf polynomial); x is clamped to +-88 (e^88 is still finite)
 static inline vf vexp(vf x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
-    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-tl_exp::LIM)), _mm256_set1_ps(tl_exp::LIM));
+    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(tl_exp::LOG2E)),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(tl_exp::LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(tl_exp::LN2_LO), r);
+    vf p = _mm256_set1_ps(tl_exp::P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(tl_exp::P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(tl_exp::P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(tl_exp::P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(tl_exp::P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(tl_exp::P5));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -86,17 +92,17 @@ static inline vf vexp(vf x) {
 // vexp on sixteen lanes (AVX-512 builds: attention.cpp's softmax): the same operations lane by lane, so each
 // lane is bitwise vexp's
 static inline __m512 wexp(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-tl_exp::LIM)), _mm512_set1_ps(tl_exp::LIM));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(tl_exp::LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(tl_exp::LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(tl_exp::LN2_LO), r);
+    __m512 p = _mm512_set1_ps(tl_exp::P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(tl_exp::P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(tl_exp::P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(tl_exp::P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(tl_exp::P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(tl_exp::P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
