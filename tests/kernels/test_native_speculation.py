@@ -113,13 +113,17 @@ def test_speculation_native_equals_pytorch(mode, kw, name, with_exit):
 
 @pytest.mark.parametrize("ahead", [1, 2, 4])
 @pytest.mark.parametrize("with_exit", [False, True])
-def test_long_pipeline_rounds_are_exact(monkeypatch, ahead, with_exit):
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_long_pipeline_rounds_are_exact(monkeypatch, ahead, with_exit, batch):
     """A pipeline round runs on while its drafts are accepted, up to PIPELINE_RUN drafts in all, with at most
-    `draft_ahead` in flight at once (a draft waits to enter its loop 0 while that many are unverified); the
-    verification's head row and the draft's share one head call where the draft reads the model's own head.
-    Output equal to plain greedy decoding's, at every bound, with and without a draft exit."""
-    from tinyloop.engine import SamplingParams
+    `draft_ahead` in the passes at once (a draft waits to enter its loop 0 while that many are); positions
+    through the coda wait for their head row until `batch` are due (or nothing else runs), then are checked
+    in order; a draft's pick due then shares their head call where the draft reads the model's own head.
+    Output equal to plain greedy decoding's, at every bound and batch, with and without a draft exit."""
+    from tinyloop.engine import SamplingParams, native_rounds
     from tinyloop.engine.draft_policy import DraftPolicy
+
+    monkeypatch.setattr(native_rounds.NativeRound, "head_rows", lambda self: batch)
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:

@@ -11,6 +11,7 @@ ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many
 PLAIN_STEPS = 8         # plain rounds (k = 0) a request running alone makes per native call (NativeSteps)
 PIPELINE_RUN = 16       # drafts a pipeline round may make in all while they are accepted (draft_ahead bounds
                         # those in flight at once): a round's fill and drain passes, paid once a round
+PIPELINE_HEAD = 8       # a pipeline round's verification rows per head call at most (NativeRound.head_rows)
 CHAIN_ROUNDS = 4        # chain rounds a request running alone makes per native call at the policy's k: the
                         # Python between rounds (emission, the policy, the call's set-up) paid once a call
 
@@ -46,8 +47,11 @@ class NativeRound:
             stop=stop_ids(sp) if self.rounds > 1 else ())
 
     def head_rows(self) -> int:
-        """A chain round's verification rows per head call (`chunk`; the pipeline scores one position at a time)."""
-        return 2 if self.spec.pipeline or self.k == 0 else chunk(self.spec, self.k + 1)
+        """Verification rows per head call (`chunk`): a chain round's among its k + 1 positions, lazily; a pipeline's
+        among up to PIPELINE_HEAD positions that wait for it (parked after the coda until that many are due)."""
+        if self.k == 0:
+            return 2
+        return chunk(self.spec, min(self.k + 1, PIPELINE_HEAD) if self.spec.pipeline else self.k + 1)
 
 
 class NativeSteps(NativeRound):

@@ -264,10 +264,14 @@ void read_out(const tl_model* m, const tl_kv* kv, const tl_row* row, int ro, con
 }
 }  // namespace
 
+// the verification rows a pipeline's head call scores at once (R->head_rows, within the call's positions)
+static int pipeline_batch(const tl_round* R) { return std::max(1, std::min({R->head_rows, R->k + 1, 16})); }
+
 extern "C" int64_t tl_pipeline_scratch_floats(const tl_model* m, const tl_round* R, int32_t max_ctx) {
-    const int64_t n = R->k + 1, dim = m->dim;
-    return 2 * n * dim + n * ve_extra(m) + 4 * dim + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
-           + 2 * (2 * dim + dim / 8) + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
+    const int64_t n = R->k + 1, dim = m->dim, rows = pipeline_batch(R) + 1;
+    return 2 * n * dim + n * ve_extra(m) + 4 * dim + rows * dim
+           + rows * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0)
+           + rows * (2 * dim + dim / 8) + 64 + tl_scratch_floats(m, R->k + 2, max_ctx);
 }
 
 extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row* base, tl_round* R,
@@ -280,15 +284,16 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     if (tl_pipeline_scratch_floats(m, R, base->pos + k + 1) > scratch_len) return 1;
     const tl_linear* DH = R->draft_head ? R->draft_head : R->head;
     const int draft_cols = R->draft_head ? DH->n : R->vocab;
+    const int Bv = pipeline_batch(R);
+    const int64_t LN = std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
     float* es = scratch;                 // (n, W) loop inputs (prelude outputs, value embeddings)
     float* hs = es + n * W;              // (n, dim) states
-    float* tmp = hs + n * dim;           // (4 dim) read-outs, normed rows
-    float* logits = tmp + 4 * dim;       // (2, head columns): the verification's row, then the draft's
-    float* hsc = logits + 2 * std::max<int64_t>(R->head->n, R->draft_head ? R->draft_head->n : 0);
+    float* tmp = hs + n * dim;           // (4 dim) read-outs
+    float* hin = tmp + 4 * dim;          // (Bv + 1, dim) the head's rows: parked verifications, then a draft
+    float* logits = hin + (Bv + 1) * dim;   // (Bv + 1, LN) their logits
+    float* hsc = logits + (Bv + 1) * LN;    // the head's scratch: the linear's m * k + m * k / 8 floats
     int64_t total;
-    // hsc: the head's scratch, for two rows (a shared head call: the linear's m * k + m * k / 8 floats; one
-    // row's tl_head: its normed copy and the linear's)
-    Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + 2 * (2 * dim + dim / 8) + 64, &total);
+    Buffers B = carve(m, k + 2, base->pos + k + 1, hsc + (Bv + 1) * (2 * dim + dim / 8) + 64, &total);
     const double t0 = now_ms();
     std::vector<tl_row> rows(n);
     std::vector<int> loop(n, 0), slots(n);
@@ -314,6 +319,10 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         else memset(hs + j * dim, 0, sizeof(float) * dim);
         loop[j] = 0;
     };
+    auto normed = [&](const float* x, const float* w, float eps, float* out) {
+        if (w) rmsnorm(x, w, out, 1, (int)dim, eps);
+        else memcpy(out, x, sizeof(float) * dim);
+    };
     if (R->backlog_h) {   // position pos-1's draft-exit entry, due since the last (chain) round
         tl_row r = row_at(0);
         r.pos = base->pos - 1;
@@ -321,9 +330,13 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     }
     R->tokens[0] = base->token;
     enter(0);
-    int oldest = 0, newest = 0, emitted = 0, row_loops = 0, picked = 0;   // picked: the newest drafted token's position
+    // oldest: the oldest position still in the passes; parked: positions oldest - parked .. oldest - 1, through
+    // loop V-1 and the coda, their head rows waiting in hin to be scored together (one read of the head for up
+    // to Bv of them: on a model whose head outweighs a loop, the head is most of a pipeline token's cost)
+    int oldest = 0, newest = 0, parked = 0, emitted = 0, row_loops = 0, picked = 0;   // picked: the newest drafted token's position
     const tl_block* core = m->blocks + m->n_prelude;
     const int core_slot0 = m->n_prelude + m->n_coda;
+    const int64_t HN = R->head->n;
     for (;;) {
         const int M = newest - oldest + 1;
         tl_row* pr = &rows[oldest];
@@ -352,59 +365,63 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         else memcpy(hs + oldest * dim, B.x, sizeof(float) * M * dim);
         for (int j = oldest; j <= newest; ++j) ++loop[j];
         row_loops += M;
-        // after the pass: the oldest, through loop V-1, is verified (the coda, the head, the greedy token); the
-        // newest, through loop d-1, is drafted from (the draft read-out, the draft head's pick); where both come
-        // in one pass and the draft reads the model's own head, the two rows share one read of it (a row's
-        // logits do not depend on the rows beside it: matmul.cpp)
-        const bool verify_now = loop[oldest] == V;
-        const bool draft_now = loop[newest] == d && (newest < k || R->draft_readout > 0);   // (the last
-        const bool pick_now = loop[newest] == d && newest < k;                              // draft's exit
-        const bool shared = verify_now && pick_now && !R->draft_head;                       // entry too)
-        bool stop = false;
-        const int64_t HN = R->head->n;
-        if (verify_now) {
+        // after the pass: the oldest, through loop V-1, is read out by the coda (its coda keys written before the
+        // next position's coda reads them) and parked; the newest, through loop d-1, is read out by the draft
+        // (its exit entry) and its draft picked
+        if (loop[oldest] == V) {
             read_out(m, kv, &rows[oldest], 0, hs + oldest * dim, tmp, B, es + oldest * W);
-            int32_t y;
-            const tl_sampling s = round_draw(R, oldest);
-            if (shared) {   // the draft's read-out, then both rows' norms and one head call
-                read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp + dim, B, es + newest * W);
-                float* two = tmp + 2 * dim;
-                if (R->head_norm) rmsnorm(tmp, R->head_norm, two, 1, (int)dim, R->head_eps);
-                else memcpy(two, tmp, sizeof(float) * dim);
-                if (R->draft_norm) rmsnorm(tmp + dim, R->draft_norm, two + dim, 1, (int)dim, R->draft_eps);
-                else memcpy(two + dim, tmp + dim, sizeof(float) * dim);
-                tl_linear_rows(R->head, two, 2, logits, HN, hsc);
-                if (m->logit_softcap > 0.0f) tl_step::softcap(logits, 1, HN, HN, m->logit_softcap);
-                y = tl_draw(logits, R->vocab, nullptr, &s);
-                R->tokens[newest + 1] = draft_pick(R, logits + HN, draft_cols, newest);
-            } else {
-                const int rc = tl_head(R->head, tmp, 1, R->head_norm, R->head_eps, R->vocab, logits, &y, hsc, &s,
-                                       m->logit_softcap);
-                if (rc) return 20 + rc;
-            }
-            R->verify[emitted++] = y;
-            if (oldest < newest && R->tokens[oldest + 1] == y) ++oldest;   // the draft after it holds
-            else stop = true;                                            // a correction, or the last draft's bonus
+            normed(tmp, R->head_norm, R->head_eps, hin + parked * dim);
+            ++parked;
+            ++oldest;
         }
-        if (stop) break;
-        if (draft_now && !shared) {
-            read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B, es + newest * W);
-            if (pick_now) {
-                const float* x = tmp;
-                if (R->draft_norm) {
-                    rmsnorm(tmp, R->draft_norm, tmp + dim, 1, (int)dim, R->draft_eps);
-                    x = tmp + dim;
-                }
-                tl_linear_rows(DH, x, 1, logits, DH->n, hsc);
-                R->tokens[newest + 1] = draft_pick(R, logits, draft_cols, newest);
-            }
-        }
-        if (pick_now) picked = newest + 1;
         // the next position enters at loop 0 once its draft is picked, while fewer than `ahead` drafts are in
-        // flight (its loop-l reads of the position before it find those keys written: that one is ahead)
-        if (picked > newest && (R->ahead <= 0 || picked - oldest <= R->ahead)) {
-            newest = picked;
-            enter(newest);
+        // the passes (its loop-l reads of the position before it find those keys written: that one is ahead);
+        // a draft held back by `ahead` enters as soon as a position leaves the passes
+        auto admit = [&] {
+            if (picked > newest && (R->ahead <= 0 || picked - oldest <= R->ahead)) {
+                newest = picked;
+                enter(newest);
+            }
+        };
+        admit();
+        const bool at_d = oldest <= newest && loop[newest] == d;
+        const bool draft_now = at_d && (newest < k || R->draft_readout > 0);   // (the last draft's exit entry too)
+        const bool pick_now = at_d && newest < k;
+        if (draft_now) read_out(m, kv, &rows[newest], R->draft_readout, hs + newest * dim, tmp, B, es + newest * W);
+        // the parked rows are scored once Bv wait, or when nothing else can run (no position in the passes: the
+        // cap's last draft is among them)
+        const bool flush = parked > 0 && (parked >= Bv || oldest > newest);
+        // where the draft reads the model's own head, a pick due with them shares the call (a row's logits do
+        // not depend on the rows beside it: matmul.cpp)
+        const bool shared = flush && pick_now && !R->draft_head;
+        if (flush) {
+            int rows_n = parked;
+            if (shared) normed(tmp, R->draft_norm, R->draft_eps, hin + rows_n++ * dim);
+            tl_linear_rows(R->head, hin, rows_n, logits, HN, hsc);
+            if (m->logit_softcap > 0.0f) tl_step::softcap(logits, parked, HN, HN, m->logit_softcap);   // (not a draft's)
+            bool stop = false;
+            for (int i = 0; i < parked && !stop; ++i) {   // in order, up to the first draft that disagrees
+                const int p = oldest - parked + i;
+                const tl_sampling s = round_draw(R, p);
+                const int32_t y = tl_draw(logits + (int64_t)i * HN, R->vocab, nullptr, &s);
+                R->verify[emitted++] = y;
+                // the draft after it holds only if it was entered (else y is a correction or the last draft's bonus)
+                stop = !(p < newest && R->tokens[p + 1] == y);
+            }
+            parked = 0;
+            if (stop) break;
+            if (shared) R->tokens[newest + 1] = draft_pick(R, logits + (int64_t)(rows_n - 1) * HN, draft_cols, newest);
+        }
+        if (pick_now && !shared) {
+            float* x = hin + (int64_t)Bv * dim;      // (the last row: parked ones stay where they are)
+            float* lg = logits + (int64_t)Bv * LN;
+            normed(tmp, R->draft_norm, R->draft_eps, x);
+            tl_linear_rows(DH, x, 1, lg, DH->n, hsc);
+            R->tokens[newest + 1] = draft_pick(R, lg, draft_cols, newest);
+        }
+        if (pick_now) {
+            picked = newest + 1;
+            admit();
         }
     }
     R->n_emitted = emitted;
