@@ -401,8 +401,10 @@ def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
     src = eng.model.head_linear.native_weights()
     view = dh.native_rows().native_weights()
     assert torch.equal(view["qweight"], src["qweight"][dh.ids[: dh.n]])
-    tok = int(torch.nonzero(~dh.member)[0])
-    dh.add([tok])
+    tok = next(t for t in range(eng.model.cfg.vocab_size) if t not in set(dh.ids[: dh.n].tolist()))
+    n = dh.n
+    dh.add([tok, tok])   # (once)
+    assert dh.n == n + 1
     assert dh.native_rows().native_weights()["qweight"][-1].equal(src["qweight"][tok])
     ids = eng.tokenizer.encode("ROMEO. But soft, what light through yonder window breaks? It is the east, and")
     plain = run_ids(eng, ids, SamplingParams(max_tokens=32, temperature=0, loops=8))

@@ -37,11 +37,11 @@ class DraftHead:
         if size is None or size <= 0 or size >= vocab:
             self._weight, self.n = weight, vocab
             return
-        ranked, member, block = _ranked_rows(model, weight, size)
+        ranked, self._ranked, block = _ranked_rows(model, weight, size)
         cap = min(vocab, size + extra_rows)
         self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
         self.ids[:size] = ranked
-        self.member = member.clone()
+        self._added: set[int] = set()   # (Python sets: a tensor lookup a token cost more than the rest of `add`)
         self._source, self._block = weight, block
         self.n = size
         # where the model's head is int8 (the shipped int4 file) and the native executor runs, the draft reads
@@ -77,8 +77,8 @@ class DraftHead:
         if self.ids is None:
             return
         for t in tokens:
-            if not self.member[t] and self.n < self.ids.shape[0]:
-                self.member[t] = True
+            if t not in self._ranked and t not in self._added and self.n < self.ids.shape[0]:
+                self._added.add(t)
                 self.ids[self.n] = t
                 if self._weight is not None:
                     self._weight[self.n] = self._source[t]
@@ -173,16 +173,14 @@ _QUANT_RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.We
 
 
 def _ranked_rows(model: LoopedTransformer, weight: torch.Tensor, size: int):
-    """The `size` most frequent tokens' ids, their membership mask (vocab,) and their head rows, gathered once
-    per model, head and size (a request copies them: building them each time cost 10-60 ms a request, the
-    ranking's tensor and the 4,096-row gather); read only."""
+    """The `size` most frequent tokens' ids, their set and their head rows, gathered once per model, head and
+    size (a request copies them: building them each time cost 10-60 ms a request, the ranking's tensor and
+    the 4,096-row gather); read only."""
     per_model = _RANKED.setdefault(model, {})
     hit = per_model.get(size)
     if hit is None or hit[0] is not weight:   # (`_draft_head_weight` makes a new tensor when the head changes)
         ranked = frequency_ranking(model.cfg.vocab_size)[:size].to(weight.device)
-        member = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
-        member[ranked.cpu()] = True
-        hit = per_model[size] = (weight, ranked, member, weight[ranked].contiguous())
+        hit = per_model[size] = (weight, ranked, frozenset(ranked.tolist()), weight[ranked].contiguous())
     return hit[1:]
 
 
