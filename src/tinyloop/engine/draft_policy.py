@@ -24,12 +24,6 @@ class RoundCosts:
         self._drafts: deque[float] = deque(maxlen=self.WINDOW)
         self._verifies: dict[int, deque[float]] = {}
         self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
-        # the exploration clock of the requests whose chain rounds this table times (DraftPolicy.choose):
-        # drafting rounds until the next one that tries another choice, the spacing (EXPLORE, doubling up to
-        # EXPLORE_MAX while tries confirm the best), the option the last try took, and the tries so far
-        self.explore_in = self.explore_every = DraftPolicy.EXPLORE
-        self.explored: tuple[bool, int] | None = None
-        self.explorations = 0
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
@@ -119,20 +113,15 @@ class DraftPolicy:
     call) only where it is faster than that (by a margin as large as the acceptance times MARGIN - 1);
     while it is chosen,
     a round with one draft is tried now and then (after 8, 16, .., 64 rounds) so that a request whose
-    drafts start to agree gets speculation back; while drafting pays, a round now and then takes another
+    drafts start to agree gets speculation back; while drafting pays, every 8th round takes another
     (shape, 1..draft_ahead) in turn, among those whose rate is within EXPLORE_WITHIN of the best or whose cost
-    has fewer than 3 samples (every 8th try among all), so that a cost measured once under load (or not yet:
-    costs are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. The
-    tries keep one clock across the model's requests (`RoundCosts.explore_in`): every EXPLORE-th drafting
-    round, the spacing doubling up to EXPLORE_MAX while each try leaves the best as it was (a try every 8th
-    round of every 64-token request cost the shipped model ~2% of its speed), back to EXPLORE when one finds
-    a better choice or a near one lacks samples. Until a
+    has fewer than 3 samples (every 64th round among all), so that a cost measured once under load (or not
+    yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
     several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
 
     DECAY = 0.9
     EXPLORE = 8
-    EXPLORE_MAX = 64
     EXPLORE_WITHIN = 0.8
     PRIOR = 4
     MARGIN = 1.1
@@ -159,7 +148,6 @@ class DraftPolicy:
         self.cont = [self.acc, self.prop]
         self.idle, self.probe_every = 0, 8
         self.chosen: list[int] = []
-        self._exploring = False   # (the round just chosen tries another choice: it runs alone)
         self.k_sum = self.plain_rounds = 0   # (the sum of chosen and its zeros, kept as they come)
 
     @property
@@ -227,28 +215,18 @@ class DraftPolicy:
                 best = (False, 0)
             self.pipeline, k = best
             self.rounds += 1
-            clock = self.tables[False]
-            near = [o for o, r in rates.items() if o != best and
-                    (r >= self.EXPLORE_WITHIN * best_rate or
-                     (o[1] <= self.k_max and self.tables[o[0]].samples(o[1]) < 3))]
-            if clock.explored is not None:   # the last try's cost is in: did it find a better choice?
-                unsure = any(o[1] <= self.k_max and self.tables[o[0]].samples(o[1]) < 3 for o in near)
-                clock.explore_every = self.EXPLORE if best == clock.explored or unsure else \
-                    min(self.EXPLORE_MAX, 2 * clock.explore_every)
-                clock.explored = None
-            self._exploring = False
-            if k > 0:
-                clock.explore_in -= 1
-            if k > 0 and clock.explore_in <= 0:   # now and then another choice, so that no stale or missing
-                # cost keeps one out: one that may be as fast (its rate within EXPLORE_WITHIN of the best, or
-                # its cost measured fewer than 3 times), every 8th try any (a pipeline run past draft_ahead is
-                # tried for its few samples only where its extrapolated rate is near)
-                clock.explore_in = clock.explore_every
-                clock.explorations += 1
-                pool = near if near and clock.explorations % 8 else [o for o in rates if o != best]
+            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then another choice, so that no stale
+                # or missing cost keeps one out: every EXPLORE-th round one that may be as fast (its rate
+                # within EXPLORE_WITHIN of the best, or its cost measured fewer than 3 times), every
+                # EXPLORE * 8-th any; the rounds spent on choices at half the best rate cost ~6% before
+                # (a pipeline run past draft_ahead is tried for its few samples only where its extrapolated
+                # rate is near)
+                near = [o for o, r in rates.items() if o != best and
+                        (r >= self.EXPLORE_WITHIN * best_rate or
+                         (o[1] <= self.k_max and self.tables[o[0]].samples(o[1]) < 3))]
+                pool = near if near and self.rounds % (8 * self.EXPLORE) else [o for o in rates if o != best]
                 if pool:
-                    self.pipeline, k = clock.explored = pool[clock.explorations % len(pool)]
-                    self._exploring = True
+                    self.pipeline, k = pool[(self.rounds // self.EXPLORE) % len(pool)]
             elif k == 0 and cap > 0:
                 self.idle += 1
                 if self.idle >= self.probe_every:
@@ -282,10 +260,8 @@ class DraftPolicy:
         """After `choose` gave k >= 1: how many rounds at k to run back to back in one call (at most `most`, at
         least 1), up to the next round that explores another choice, counted as chosen now."""
         n = max(1, most)
-        if self.adaptive:   # (up to the next try of another choice; a try runs alone)
-            clock = self.tables[False]
-            n = 1 if self._exploring else max(1, min(n, clock.explore_in))
-            clock.explore_in -= n - 1
+        if self.adaptive:
+            n = min(n, self.EXPLORE - self.rounds % self.EXPLORE) if self.rounds % self.EXPLORE else 1
         for _ in range(n - 1):
             self._chose(k)
         self.rounds += n - 1
