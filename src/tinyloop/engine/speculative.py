@@ -144,8 +144,7 @@ class Speculator(TreeRounds):
         self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
         self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
-        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds, chain call's native ms) of the
-        # round(s) not yet timed
+        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
@@ -360,10 +359,10 @@ class Speculator(TreeRounds):
                 for y in out:
                     self.sampler.accept(y)
                 self.length, self.exit_backlog = self.length + len(out), None
-                self._last = (0, 0, 0.0, now, len(out), None)
+                self._last = (0, 0, 0.0, now, len(out))
                 return out
             out = yield from self._plain_row(batched=False)
-            self._last = (0, 0, 0.0, now, 1, None)   # (its whole cycle is plain's cost for the policy)
+            self._last = (0, 0, 0.0, now, 1)   # (its whole cycle is plain's cost for the policy)
             return out
         call = NativeRound(self, k)
         alone = self.running is None or self.running() == 1
@@ -390,8 +389,7 @@ class Speculator(TreeRounds):
         self.length += len(out)
         # timed when the next round starts: a round's Python, scheduling and emission count with it (a few
         # tenths of a ms, as much as a loop on the shipped model, and paid once per call, not per token)
-        self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs),
-                      None if self.pipeline else res["draft_ms"] + res["verify_ms"])
+        self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs))
         st = self.stats
         st["rounds"] += len(outs) - 1   # (round() counts one)
         st["draft_s"] += res["draft_ms"] / 1000
@@ -405,18 +403,11 @@ class Speculator(TreeRounds):
 
     def _time_last_chain(self) -> float:
         """The policy learns the last chain round's cost, its whole cycle up to now (the engine's step
-        included), if it is not yet timed. Returns now. A chain call's rounds are timed as rounds in a call of
-        CHAIN_ROUNDS: their native time, and the call's Python and scheduling over CHAIN_ROUNDS, whatever
-        rounds this call held (a try of another length runs alone: timed with its whole call's overhead, it
-        looked 0.5-1 ms dearer than the length in use, whose calls hold four, and was never taken)."""
+        included), if it is not yet timed. Returns now."""
         now = time.perf_counter()
         if self._last is not None:
-            k0, accepted0, draft_ms0, t0, rounds, native_ms = self._last   # (rounds: rounds run as one call)
-            cycle = (now - t0) * 1000
-            if native_ms is not None:
-                rest = (native_ms - draft_ms0) / rounds + max(0.0, cycle - native_ms) / CHAIN_ROUNDS
-            else:
-                rest = max(0.0, cycle - draft_ms0) / rounds
+            k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: rounds run as one call)
+            rest = max(0.0, (now - t0) * 1000 - draft_ms0) / rounds
             for acc in (accepted0 if isinstance(accepted0, list) else [accepted0]):   # (each round's)
                 self.policy.update(k0, acc, draft_ms0 / rounds, rest)
             self._last = None
