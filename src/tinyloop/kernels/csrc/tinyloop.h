@@ -175,7 +175,8 @@ typedef struct {
     // output index, n0 + its offset in the round (the token after the pending one is index n0)
     float inv_temp; int32_t n0; uint64_t seed; int32_t top_k; float top_p;
     int32_t ahead;   // the pipeline: at most this many drafts in flight, not yet verified (0: no bound)
-    int32_t head_rows;   // the chain: verification rows per head call (<= 0: 2), up to the first disagreement
+    int32_t head_rows;   // verification rows per head call: the chain's (<= 0: 2), up to the first disagreement;
+                         // the pipeline's parked positions (<= 0: 1; at most 16)
     // several chain rounds in one call (rounds > 1 with out and out_n; tl_spec_round only): after each, the
     // committed position advances by its output, the next round drafts from its last token (a draft exit's
     // backlog from the last draft's state where all k were accepted; sampled draws at the next output
