@@ -401,7 +401,8 @@ def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
     src = eng.model.head_linear.native_weights()
     view = dh.native_rows().native_weights()
     assert torch.equal(view["qweight"], src["qweight"][dh.ids[: dh.n]])
-    tok = next(t for t in range(eng.model.cfg.vocab_size) if t not in set(dh.ids[: dh.n].tolist()))
+    rows = set(dh.ids[: dh.n].tolist())
+    tok = next(t for t in range(eng.model.cfg.vocab_size) if t not in rows)
     n = dh.n
     dh.add([tok, tok])   # (once)
     assert dh.n == n + 1

@@ -337,6 +337,14 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
     const tl_block* core = m->blocks + m->n_prelude;
     const int core_slot0 = m->n_prelude + m->n_coda;
     const int64_t HN = R->head->n;
+    // the next position enters at loop 0 once its draft is picked, while fewer than `ahead` drafts are in the
+    // passes (its loop-l reads of the position before it find those keys written: that one is ahead)
+    auto admit = [&] {
+        if (picked > newest && (R->ahead <= 0 || picked - oldest <= R->ahead)) {
+            newest = picked;
+            enter(newest);
+        }
+    };
     for (;;) {
         const int M = newest - oldest + 1;
         tl_row* pr = &rows[oldest];
@@ -374,16 +382,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
             ++parked;
             ++oldest;
         }
-        // the next position enters at loop 0 once its draft is picked, while fewer than `ahead` drafts are in
-        // the passes (its loop-l reads of the position before it find those keys written: that one is ahead);
-        // a draft held back by `ahead` enters as soon as a position leaves the passes
-        auto admit = [&] {
-            if (picked > newest && (R->ahead <= 0 || picked - oldest <= R->ahead)) {
-                newest = picked;
-                enter(newest);
-            }
-        };
-        admit();
+        admit();   // (a draft held back by `ahead` enters as soon as a position leaves the passes)
         const bool at_d = oldest <= newest && loop[newest] == d;
         const bool draft_now = at_d && (newest < k || R->draft_readout > 0);   // (the last draft's exit entry too)
         const bool pick_now = at_d && newest < k;
