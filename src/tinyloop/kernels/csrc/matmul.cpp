@@ -127,6 +127,85 @@ void float_tile_wide(const tl_linear* L, const float* x, float* y, int ldy, int 
     }
     if (n < n1) float_tile<KIND, MR, 1>(L, x, y, ldy, n, n1);
 }
+
+// 16-bit weights against many input rows (a prefill chunk): a work unit's weight rows converted to fp32 once,
+// eight rows at a time laid out as float_tile_wide reads them (per 8-column step, four vectors of two rows'
+// eight lanes each), then MR input rows x 8 weight rows a tile: 4 MR multiply-adds per step against 4 loads
+// and MR broadcasts, no conversion or lane insert in the loop (float_tile_wide's on-the-fly ones held it to
+// about one multiply-add a cycle). Each output is the same accumulator over k in order, finished by vsum8
+// (lane j = vsum of accumulator j): the same bits as every tile shape, the one-row product and the AVX2 build.
+constexpr int WIDE_PANEL_ROWS = 24;   // fewest input rows that take it (below, converting the unit is not repaid)
+
+template <int KIND>
+void wide_panel(const tl_linear* L, int n, int nr8, float* wp) {   // rows [n, n + 8 nr8) into wp
+    const int K = L->k, S = K / TL_W;
+    for (int o = 0; o < nr8; ++o)
+        for (int j = 0; j < 4; ++j)
+            for (int h = 0; h < 2; ++h) {
+                const int64_t row = (int64_t)(n + 8 * o + 2 * j + h) * K;
+                float* dst = wp + (int64_t)o * S * 64 + 16 * j + 8 * h;
+                for (int s = 0; s < S; ++s) vstore(dst + (int64_t)s * 64, load_w(KIND, L->w, row + (int64_t)s * TL_W));
+            }
+}
+
+template <int MR>
+void wide_panel_tile(const float* wp, int K, const float* x, float* y, int ldy) {   // 8 outputs x MR rows
+    __m512 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += TL_W, wp += 64) {
+        const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+        const __m512 w2 = _mm512_loadu_ps(wp + 32), w3 = _mm512_loadu_ps(wp + 48);
+        for (int r = 0; r < MR; ++r) {
+            const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (int64_t)r * K + k));
+            acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+        vf h[8];
+        for (int j = 0; j < 4; ++j) {
+            h[2 * j] = _mm512_castps512_ps256(acc[r][j]);
+            h[2 * j + 1] = _mm512_extractf32x8_ps(acc[r][j], 1);
+        }
+        vstore(y + (int64_t)r * ldy, vsum8(h));
+    }
+}
+
+template <int KIND>
+void float_rows_wide(const tl_linear* L, const float* x, int m, float* y, int ldy, int n0, int n1) {
+    const int K = L->k, nr8 = (n1 - n0) / 8, n8 = n0 + 8 * nr8;
+    thread_local std::vector<float> buf;   // per pool thread, kept between calls
+    if (nr8) {
+        if (buf.size() < (size_t)nr8 * 8 * K + 16) buf.resize((size_t)nr8 * 8 * K + 16);
+        float* wp = buf.data() + (16 - ((uintptr_t)buf.data() / 4) % 16) % 16;   // (64-byte aligned: one line a load)
+        wide_panel<KIND>(L, n0, nr8, wp);
+        int mt = 0;
+        for (; mt + 6 <= m; mt += 6)
+            for (int o = 0; o < nr8; ++o)
+                wide_panel_tile<6>(wp + (int64_t)o * 8 * K, K, x + (int64_t)mt * K, y + (int64_t)mt * ldy + n0 + 8 * o, ldy);
+        for (int o = 0; o < nr8; ++o) {
+            const float* w = wp + (int64_t)o * 8 * K;
+            const float* xt = x + (int64_t)mt * K;
+            float* yt = y + (int64_t)mt * ldy + n0 + 8 * o;
+            switch (m - mt) {
+                case 5: wide_panel_tile<5>(w, K, xt, yt, ldy); break;
+                case 4: wide_panel_tile<4>(w, K, xt, yt, ldy); break;
+                case 3: wide_panel_tile<3>(w, K, xt, yt, ldy); break;
+                case 2: wide_panel_tile<2>(w, K, xt, yt, ldy); break;
+                case 1: wide_panel_tile<1>(w, K, xt, yt, ldy); break;
+                default: break;
+            }
+        }
+    }
+    if (n8 < n1) {   // the unit's last rows (fewer than eight)
+        int mt = 0;
+        for (; mt + 4 <= m; mt += 4) float_tile<KIND, 4, 1>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n8, n1);
+        for (; mt < m; ++mt) float_tile<KIND, 1, 1>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n8, n1);
+    }
+}
 #else
 #define TL_WIDE_TILE 0
 #endif
@@ -139,6 +218,7 @@ void float_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, in
 #endif
     int mt = 0;
 #if TL_WIDE_TILE
+    if (KIND != TL_F32 && m >= WIDE_PANEL_ROWS) return float_rows_wide<KIND>(L, x, m, y, ldy, n0, n1);
     for (; mt + 8 <= m; mt += 8) float_tile_wide<KIND, 8, 2>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n0, n1);
 #endif
     for (; mt + 4 <= m; mt += 4) float_tile<KIND, 4, 2>(L, x + (int64_t)mt * K, y + (int64_t)mt * ldy, ldy, n0, n1);
