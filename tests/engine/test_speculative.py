@@ -349,6 +349,34 @@ def test_draft_policy_follows_acceptance_and_costs():
     assert [fixed.choose(4) for _ in range(5)] + [fixed.choose(2)] == [4, 4, 4, 4, 4, 2]
 
 
+def test_draft_policy_explores_less_once_settled_and_ends_in_one_round():
+    """Once the best draft length and every one near it are timed over a whole window, the policy explores
+    SETTLED times less often (every 32nd round instead of every 8th); and at a request's last tokens (cap =
+    remaining - 1 below the ceiling), with drafts mostly accepted, it drafts cap so that one round can end the
+    request, even where a shorter round has the better rate (it would leave a call more to make)."""
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
+
+    costs = RoundCosts()
+    pol = DraftPolicy(4, costs=costs)
+    verify = {0: 3.0, 1: 3.0, 2: 3.4, 3: 3.6, 4: 3.8}
+    for _ in range(200):
+        k = pol.choose(4)
+        pol.update(k, k, 0.2 * k, verify[k])
+    assert costs.samples(4) >= RoundCosts.WINDOW and costs.samples(3) >= RoundCosts.WINDOW   # (the best, and near)
+    assert pol.explore_every == DraftPolicy.EXPLORE * DraftPolicy.SETTLED
+    assert pol.chosen[-96:].count(4) >= 92          # (four explorations at most in 96 rounds; twelve at every 8th)
+    pol.rounds = 1
+    assert pol.chain_run(4, 8) == 8                 # a call runs up to the next exploring round
+    # the tail: a two-draft round has the worse rate here (its verification is dear), yet it ends the request
+    verify[2] = 20.0
+    for _ in range(RoundCosts.WINDOW):
+        costs.update(2, 0.4, verify[2])
+    assert costs.verify(2) == 20.0 and pol.choose(2) == 2
+    pol.acc, pol.prop = 0.0, 20.0                    # (drafts failing: no such preference)
+    pol.first, pol.cont = [0.0, 20.0], [0.0, 20.0]
+    assert pol.choose(2) in (0, 1)
+
+
 def test_round_costs_ignore_a_preempted_round():
     """A round the OS preempted (a few ms more, now and then, on a busy host) does not move a cost: each is
     the median of its recent samples, so one slow sample among steady ones leaves it where it was, and a

@@ -126,6 +126,7 @@ class DraftPolicy:
     PRIOR = 4
     MARGIN = 1.1
     LONG_RUN = 0.8
+    SETTLED = 4
 
     def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None,
                  pipeline_costs: RoundCosts | None = None, prefer_pipeline: bool = False):
@@ -147,6 +148,7 @@ class DraftPolicy:
         self.first = [self.acc, self.prop]
         self.cont = [self.acc, self.prop]
         self.idle, self.probe_every = 0, 8
+        self.explore_every = self.EXPLORE
         self.chosen: list[int] = []
         self.k_sum = self.plain_rounds = 0   # (the sum of chosen and its zeros, kept as they come)
 
@@ -213,9 +215,20 @@ class DraftPolicy:
             # a near tie that one unlucky round produced; where they keep failing, on any lead
             if 1.0 / self.tables[False].verify(0) > best_rate * (1.0 + (self.MARGIN - 1.0) * a):
                 best = (False, 0)
+            if 0 < best[1] < cap < self.k_max and a >= self.LONG_RUN:
+                # the request's last tokens (cap = remaining - 1): a round of cap drafts can end it in this
+                # call; a shorter one, whatever its rate, leaves a call more to make (k = 1 then a plain round
+                # cost 1 ms more than k = 2 at the end of a 64-token request, ~2% of it)
+                best = (best[0], cap)
             self.pipeline, k = best
             self.rounds += 1
-            if k > 0 and self.rounds % self.EXPLORE == 0:   # now and then another choice, so that no stale
+            # once the best and every choice near it are timed over a whole window (the model's table: other
+            # requests' rounds count), they are explored SETTLED times less often: an exploring round costs its
+            # rate's shortfall and a call of its own (the chain call before it ends early)
+            settled = all(self.tables[o[0]].samples(o[1]) >= RoundCosts.WINDOW for o, r in rates.items()
+                          if o == best or (r >= self.EXPLORE_WITHIN * best_rate and o[1] <= self.k_max))
+            self.explore_every = self.EXPLORE * (self.SETTLED if settled else 1)
+            if k > 0 and self.rounds % self.explore_every == 0:   # now and then another choice, so that no stale
                 # or missing cost keeps one out: every EXPLORE-th round one that may be as fast (its rate
                 # within EXPLORE_WITHIN of the best, or its cost measured fewer than 3 times), every
                 # EXPLORE * 8-th any; the rounds spent on choices at half the best rate cost ~6% before
@@ -261,7 +274,8 @@ class DraftPolicy:
         least 1), up to the next round that explores another choice, counted as chosen now."""
         n = max(1, most)
         if self.adaptive:
-            n = min(n, self.EXPLORE - self.rounds % self.EXPLORE) if self.rounds % self.EXPLORE else 1
+            e = self.explore_every
+            n = min(n, e - self.rounds % e) if self.rounds % e else 1
         for _ in range(n - 1):
             self._chose(k)
         self.rounds += n - 1
