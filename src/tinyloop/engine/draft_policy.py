@@ -116,7 +116,9 @@ class DraftPolicy:
     drafts start to agree gets speculation back; while drafting pays, every 8th round takes another
     (shape, 1..draft_ahead) in turn, among those whose rate is within EXPLORE_WITHIN of the best or whose cost
     has fewer than 3 samples (every 64th round among all), so that a cost measured once under load (or not
-    yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good. Until a
+    yet: costs are not monotonic in k, the kernels' row tiles are 4 x 2) does not keep a choice out for good;
+    once the best and the choices near it are timed over a whole window, every 32nd round (SETTLED). At a
+    request's last tokens, with drafts mostly accepted, a round drafts all that remains (one call ends it). Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
     several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
 
