@@ -270,8 +270,9 @@ class BatchEngine(FastSteps):
         self.steps += 1
         self.preemptions += len(out.preempted)
         self.peak_running = max(self.peak_running, len(self.sched.running))
-        for seq in out.admitted_external:
-            self._start_speculative(seq)
+        with one_thread():   # (a speculator's set-up and its Python between passes: small tensors, no wake-ups)
+            for seq in out.admitted_external:
+                self._start_speculative(seq)
         for seq in [c.seq for c in out.chunks] + out.admitted_external:
             entry = self._outputs.get(seq.seq_id)
             if entry is not None and entry[0].admitted is None:
@@ -310,9 +311,10 @@ class BatchEngine(FastSteps):
         with one_thread():   # one row at a time: no OpenMP wake-ups (sampling.one_thread)
             for chunk in out.chunks:
                 self._complete(chunk, logits, argmax)
-        for req, o in spec:
-            if not o.done:
-                self._advance_speculative(req, o)
+        with one_thread():
+            for req, o in spec:
+                if not o.done:
+                    self._advance_speculative(req, o)
 
     # -- internals --------------------------------------------------------------------------
     def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int]) -> None:

@@ -185,10 +185,14 @@ class Speculator(TreeRounds):
     def passes(self) -> Generator[Rows | list[int], None, None]:
         """The whole request: prefill, the first token, then rounds until max_tokens (stops are the
         caller's: it closes the generator)."""
-        logits = yield from self.prefill()
-        tok = self.sampler.sample(logits)
+        h = yield from self.prefill()
         self.logprobs = []
-        self._logprob(logits, tok)
+        if self.sampler.plain_greedy and self.params.logprobs is None:
+            tok = self.model.greedy_tokens(h)[0]   # (the head's own argmax, as plain decoding's first token)
+        else:
+            logits = self.model.logits(h[None])[0, 0]
+            tok = self.sampler.sample(logits)
+            self._logprob(logits, tok)
         self.sampler.accept(tok)
         self.pending = tok
         self.head.add([tok])
@@ -202,7 +206,7 @@ class Speculator(TreeRounds):
 
     def prefill(self) -> Generator[Rows, None, torch.Tensor]:
         """The prompt through all V loops (and, with a draft exit, the exit's entries from the prompt's
-        loop-d states); returns the last position's logits (vocab,)."""
+        loop-d states); returns the last position's final hidden state (1, dim)."""
         prompt = list(self.plan.prompt_ids)
         last = None
         for s in range(self.cached, len(prompt), PREFILL_CHUNK):
@@ -216,7 +220,7 @@ class Speculator(TreeRounds):
                 last = self._verify(*a.out_state, s)
                 yield last
         self.length = len(prompt)
-        return self.model.logits(last.hidden[-1:][None])[0, 0]
+        return last.hidden[-1:]
 
     def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
         """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
