@@ -377,6 +377,34 @@ def test_draft_policy_explores_less_once_settled_and_ends_in_one_round():
     assert pol.choose(2) in (0, 1)
 
 
+def test_tree_or_chain_learns_across_requests_and_settles():
+    """A tree request's round shape: the rates are the model's (`ShapeRates`), so a later request starts from
+    what earlier ones measured (no untimed round of each shape again); a shape far slower than the other is
+    tried every 32nd round instead of every 8th (rounds counted over the model's requests), one within FAR of
+    the other every 8th."""
+    from tinyloop.engine.draft_policy import ShapeRates, TreeOrChain
+
+    def drive(rates, tree_ms, rounds):
+        t = TreeOrChain(rates)
+        shapes = []
+        for _ in range(rounds):
+            tree = t.choose()
+            shapes.append(tree)
+            t.update(tree, 5 if tree else 4, tree_ms if tree else 2.0)
+        return shapes
+
+    slow = ShapeRates()
+    first = drive(slow, 5.0, 16)                     # a tree round yields 1.0 token a ms, a chain round 2.0
+    assert first[:2] == [True, False]                # each shape timed once
+    later = drive(slow, 5.0, 48)
+    assert later.count(True) == 2                    # the model's rounds 32 and 64 only
+    assert sum(sum(drive(slow, 5.0, 8)) for _ in range(4)) == 1   # four short requests: the model's 96th round
+    close = ShapeRates()
+    drive(close, 2.4, 16)                            # 2.08 tokens a ms: the tree is the faster shape
+    again = drive(close, 2.4, 64)
+    assert again[0] is True and again.count(False) == 8   # every 8th of the model's rounds the chain
+
+
 def test_round_costs_ignore_a_preempted_round():
     """A round the OS preempted (a few ms more, now and then, on a busy host) does not move a cost: each is
     the median of its recent samples, so one slow sample among steady ones leaves it where it was, and a

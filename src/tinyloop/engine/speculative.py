@@ -65,7 +65,7 @@ from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
-from .draft_policy import DraftPolicy, TreeOrChain, round_costs, tested
+from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
@@ -138,7 +138,8 @@ class Speculator(TreeRounds):
             self.tree = False
         self.native_tree = native and self.tree and self.K > 1   # a tree round in one call (tl_tree_round)
         # an adaptive tree request takes a tree round or a chain round, whichever measures faster
-        self.shapes = TreeOrChain() if self.native_tree and adaptive else None
+        self.shapes = TreeOrChain(shape_rates(model, self.d, self.V, self.K, not params.greedy)) \
+            if self.native_tree and adaptive else None
         # (a fixed greedy tree request runs every round as a tree, its last plain round stepwise; a sampled
         # one takes native chain rounds where it does not draft)
         self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
