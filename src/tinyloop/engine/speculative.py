@@ -67,7 +67,7 @@ from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
 from .params import SamplingParams
-from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty
+from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, head_tokens
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
@@ -188,8 +188,9 @@ class Speculator(TreeRounds):
         caller's: it closes the generator)."""
         h = yield from self.prefill()
         self.logprobs = []
-        if self.sampler.plain_greedy and self.params.logprobs is None:
-            tok = self.model.greedy_tokens(h)[0]   # (the head's own argmax, as plain decoding's first token)
+        pick = self.sampler.head_pick() if self.params.logprobs is None else False
+        if pick is not False:   # the head picks it itself (argmax, draw, grammar mask), as plain decoding's rows
+            tok = head_tokens(self.model, h, [pick])[0]
         else:
             logits = self.model.logits(h[None])[0, 0]
             tok = self.sampler.sample(logits)
