@@ -7,7 +7,8 @@ disconnect (a non-streaming client gives up early) or a malformed request. Every
 completely:
 
 - greedy and seeded outputs against references made one request at a time before the soak starts (the
-  model is float64, where batching cannot change a greedy choice: docs/server.md, Determinism); for
+  model is float64, where batching cannot change a greedy choice: docs/server.md, Determinism; with `--model`,
+  a real file such as the shipped int4 one, where the native executor's batch invariance must hold); for
   n > 1 every choice of a greedy request equals the reference, and seeded choice i equals seed + i's;
 - usage: prompt_tokens equals the reference's; completion_tokens the tokens made; total their sum;
 - SSE framing: `data:` lines and blank lines only (and `: keepalive`), one final event per choice, the
@@ -20,6 +21,7 @@ per-second series), quoted in docs/reliability.md.
     .venv/bin/python benchmarks/soak.py               # 30 minutes
     .venv/bin/python benchmarks/soak.py --quick       # 2 minutes
     .venv/bin/python benchmarks/soak.py --minutes 10 --clients 32
+    .venv/bin/python benchmarks/soak.py --quick --model shipped --threads 2 --out benchmarks/results/soak-shipped.json
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ def make_model(path: Path) -> Path:
     return write_model(path, model, tokenizer=Tokenizer.gpt2(), provenance={"tool": "benchmarks/soak.py"})
 
 
-def start_server(model: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, log_path: Path, threads: int = 1) -> tuple[subprocess.Popen, str]:
     """JSON access logs into `log_path` (counted at the end)."""
-    return local_server.start_server(model, env={"OMP_NUM_THREADS": "1", "TINYLOOP_LOG_FORMAT": "json"},
+    return local_server.start_server(model, env={"OMP_NUM_THREADS": str(threads), "TINYLOOP_LOG_FORMAT": "json"},
                                      log_level="info", log=log_path, timeout_s=120)
 
 
@@ -334,6 +336,7 @@ class Tally:
     lost: int = 0
     corrupted: int = 0
     tokens: int = 0
+    checked: int = 0      # completed answers whose text was compared with a lone request's (greedy or seeded)
     by_route: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -377,6 +380,7 @@ async def run_one(client: httpx.AsyncClient, url: str, spec: Spec, refs: dict[tu
         made = check_native(spec, resp, refs) if spec.route in NATIVE_ROUTES.values() else check_openai(spec, resp, refs)
         tally.completed += 1
         tally.tokens += made
+        tally.checked += spec.ref_key is not None and refs.get(spec.ref_key) is not None
     except Corrupt as exc:
         tally.problem("corrupted", spec, str(exc))
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -434,6 +438,7 @@ async def soak(url: str, pid: int, *, seconds: float, clients: int, seed: int) -
     return {
         "seconds": round(elapsed, 1), "clients": clients, "seed": seed, "reference_requests": len(refs),
         "reference_seconds": round(ref_s, 1), "sent": tally.sent, "completed": tally.completed,
+        "checked_against_reference": tally.checked,
         "cancelled": tally.cancelled, "disconnected": tally.disconnected,
         "refused_as_expected": tally.refused_as_expected, "lost": tally.lost, "corrupted": tally.corrupted,
         "completion_tokens": tally.tokens, "requests_per_s": round(tally.sent / elapsed, 2),
@@ -458,11 +463,20 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
+    ap.add_argument("--model", help="a .tinyloop file (or 'shipped', the packaged default) instead of the random "
+                                    "float64 model: its greedy and seeded answers must come back bitwise the "
+                                    "same in any batch (the native executor's batch invariance, issue 36)")
+    ap.add_argument("--threads", type=int, default=1, help="the server's threads (OMP_NUM_THREADS)")
     args = ap.parse_args()
     minutes = 2.0 if args.quick else args.minutes
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
-        proc, url = start_server(make_model(Path(tmp) / "soak.tinyloop"), log)
+        if args.model is None:
+            model = make_model(Path(tmp) / "soak.tinyloop")
+        else:
+            from tinyloop.modelfile import resolve_model_path
+            model = resolve_model_path(None if args.model == "shipped" else args.model)
+        proc, url = start_server(model, log, args.threads)
         try:
             res = asyncio.run(soak(url, proc.pid, seconds=minutes * 60, clients=args.clients, seed=args.seed))
         finally:
@@ -475,6 +489,7 @@ def main() -> int:
     res["server_tracebacks"] = server_log.count("Traceback")
     res["access_log_lines"] = server_log.count('"logger": "tinyloop.access"')
     res["command"] = "benchmarks/soak.py " + " ".join(sys.argv[1:])
+    res["model"] = "random tiny, float64" if args.model is None else str(model)
     res["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     ok = (res["lost"] == 0 and res["corrupted"] == 0 and res["kv_pages"]["after"] == 0
           and res["health_after"] == "ok" and res["server_tracebacks"] == 0)
