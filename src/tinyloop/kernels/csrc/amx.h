@@ -16,10 +16,9 @@ constexpr int AMX_MIN_ROWS = 8;
 // columns, twice the work: over the shipped model's core layers AMX was 0.82x the vector tiles' speed at
 // 8 rows, 1.10x at 16, 1.23x at 32 (two threads, benchmarks/amx.py)
 constexpr int AMX_MIN_ROWS_SPLIT = 16;
-// int8 weights (per channel: the int8 head) take amx_rows_q8 from 4 rows (the shipped head, AMX time / vector
-// tiles' time, best of 7 alternated in one process: 3 rows 1.13x one thread, 1.14x two; 4 rows 0.96x / 0.95x,
-// 5 0.82x / 0.84x, 8 0.64x / 0.63x; amx.cpp)
-constexpr int AMX_MIN_ROWS_Q8 = 4;
+// int8 weights (per channel: the int8 head) take amx_rows_q8 from 3 rows (the shipped head, one thread: 0.53
+// ms against the vector tiles' 0.47 at 2 rows, 0.59 against 0.64 at 4; amx.cpp)
+constexpr int AMX_MIN_ROWS_Q8 = 3;
 // y (m, n) for an int4 layer with int8 activations (int8 weights: amx_rows_q8): xq (m, K) codes in matmul.cpp's
 // order, xd (m, K / AB) the scale of each activation block of AB columns, X (m, K / group) the zero points' sums.
 // Runs on the pool.
