@@ -597,4 +597,9 @@ def test_the_host_build_and_the_avx2_build_give_the_same_bits(model, dtype):
                              timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         out[isa] = run.stdout.strip().splitlines()[-1]
-    assert out["native"] == out["avx2"]
+    if out["native"] != out["avx2"]:   # (say where: one failure under a loaded xdist run, session 27, not reproduced)
+        import ast
+        a, b = ast.literal_eval(out["native"]), ast.literal_eval(out["avx2"])
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pytest.fail(f"token {first} of {len(a)} / {len(b)}: native {a[first] if first < len(a) else None} "
+                    f"!= avx2 {b[first] if first < len(b) else None}")
