@@ -377,6 +377,33 @@ def test_draft_policy_explores_less_once_settled_and_ends_in_one_round():
     assert pol.choose(2) in (0, 1)
 
 
+def test_draft_policy_charges_every_length_the_same_call_and_learns_its_yield():
+    """Two biases that settled the shipped model's default at k = 2 by chance (docs/speculative.md): a length
+    the policy tries in a call of its own must not be charged that call's whole Python against the held
+    length's share (the call's own cost is measured apart, `RoundCosts.call`, and shared alike by the rounds
+    a call holds), and where rounds of a length yield more than the request's acceptance predicts (drafts
+    agree in runs), the model-wide yield ratio of that length (`calibration`) makes it win."""
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
+
+    costs = RoundCosts()
+    costs.call(2.0)                                  # a call's own cost, far above a round's native time
+    pol = DraftPolicy(4, costs=costs)
+    pol.held = 4
+    verify = {0: 1.5, 1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9}
+    for k in (0, 1, 2, 3, 4):                        # every length timed once (native times only)
+        pol.update(k, min(k, 1), 0.1 * k, verify[k])
+    pol.first, pol.cont = [10.0, 20.0], [5.0, 20.0]  # a request that looks mediocre: 1 + 0.5 (1 + 0.26 + ..)
+    rate = {k: pol.expected(k) * costs.calibration(k) / (0.1 * k + verify[k] + 2.0 / 4) for k in (1, 2, 3, 4)}
+    assert pol.choose(4) == max(rate, key=rate.get) == 1
+    assert costs.calibration(4) == 1.0               # (no yield measured yet)
+    for _ in range(40):                              # rounds of 4 that yield all 5 tokens where 1.67 were predicted
+        costs.observe_yield(4, 4, pol.expected(4))
+    assert 2.0 < costs.calibration(4) < 5 / pol.expected(4)   # (drawn toward 1 by CALIBRATE rounds)
+    assert pol.choose(4) == 4
+    pol.held = 1                                     # (not alone: a call per round, the same for every length)
+    assert pol.choose(4) == 4
+
+
 def test_tree_or_chain_learns_across_requests_and_settles():
     """A tree request's round shape: the rates are the model's (`ShapeRates`), so a later request starts from
     what earlier ones measured (no untimed round of each shape again); a shape far slower than the other is

@@ -17,18 +17,44 @@ class RoundCosts:
     (`round_costs`): a property of the machine and the model, not of the request."""
 
     WINDOW = 9   # the recent samples a cost is the median of
+    CALIBRATE = 8   # rounds' worth of evidence that a length's yield is as predicted (`calibration`)
 
     def __init__(self):
         self.draft_ms: float | None = None
         self.verify_ms: dict[int, float] = {}
+        self.call_ms = 0.0   # a drafting call's own cost: its cycle less its native draft and verification
         self._drafts: deque[float] = deque(maxlen=self.WINDOW)
         self._verifies: dict[int, deque[float]] = {}
+        self._calls: deque[float] = deque(maxlen=self.WINDOW)
         self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
+        self._yields: dict[int, list[float]] = {}   # k -> decayed [tokens yielded, tokens predicted, rounds]
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             self.accepted = 0.95 * self.accepted + accepted
             self.proposed = 0.95 * self.proposed + tested(k, accepted)
+
+    def observe_yield(self, k: int, accepted: int, predicted: float) -> None:
+        """A round of k drafts yielded accepted + 1 tokens where `predicted` were expected."""
+        y = self._yields.setdefault(k, [0.0, 0.0, 0.0])
+        y[0], y[1], y[2] = 0.95 * y[0] + accepted + 1, 0.95 * y[1] + predicted, 0.95 * y[2] + 1
+
+    def calibration(self, k: int) -> float:
+        """What rounds of k drafts have yielded against what the requests' acceptances predicted for them
+        (decayed over the model's requests; 1 until measured, drawn toward 1 by CALIBRATE rounds' worth). A
+        request's acceptance is a few decayed drafts and a two-state chain: on the shipped model it predicted
+        4.0 tokens for k = 4 rounds that yielded 4.4 and nearly right for k = 2, so long drafts lost to short
+        ones they beat; the ratio corrects such a bias by length, the acceptance still follows the request."""
+        y = self._yields.get(k)
+        if not y or y[1] <= 0:
+            return 1.0
+        prior = self.CALIBRATE * y[1] / y[2]   # (CALIBRATE rounds of the mean prediction, yielding as predicted)
+        return (y[0] + prior) / (y[1] + prior)
+
+    def call(self, ms: float) -> None:
+        """A drafting call's own cost (Python, scheduling, emission): paid once by a call of several rounds."""
+        self._calls.append(ms)
+        self.call_ms = statistics.median(self._calls)
 
     def prior(self) -> float | None:
         """The acceptance of this model's recent drafts, across requests (None before any)."""
@@ -107,8 +133,12 @@ class DraftPolicy:
     draft is accepted with probability p1 and a draft after an accepted one with probability p (`expected`:
     the decayed acceptances of this request's drafting rounds, with Jeffreys' prior, both starting from the
     model's recent acceptance across requests, worth PRIOR drafts; p1 = p is the geometric 1 + a + ... + a^k
-    of sessions 13-22), and costs
-    k x (one draft's time) + the verification of k + 1 positions (a pipeline round: its whole time, by k).
+    of sessions 13-22) times what rounds of k have yielded against such predictions across the model's
+    requests (`RoundCosts.calibration`), and costs k x (one draft's time) + the verification of k + 1
+    positions (native times; a pipeline round: its whole time, by k) + a call's own cost (its Python,
+    scheduling and emission, measured apart) over the rounds a call holds (`held`: CHAIN_ROUNDS while the
+    request runs alone), the same for every k: charged to the round that paid it, a length tried in a call
+    of its own lost to the length in use, and which length led first decided where a request settled.
     The policy takes the (shape, k) with the most tokens per millisecond, and k = 0 (plain decoding in one
     call) only where it is faster than that (by a margin as large as the acceptance times MARGIN - 1);
     while it is chosen,
@@ -122,10 +152,10 @@ class DraftPolicy:
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
     several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
 
-    DECAY = 0.9
+    DECAY = 0.95
     EXPLORE = 8
     EXPLORE_WITHIN = 0.8
-    PRIOR = 4
+    PRIOR = 16
     MARGIN = 1.1
     LONG_RUN = 0.8
     SETTLED = 4
@@ -153,6 +183,8 @@ class DraftPolicy:
         self.explore_every = self.EXPLORE
         self.chosen: list[int] = []
         self.k_sum = self.plain_rounds = 0   # (the sum of chosen and its zeros, kept as they come)
+        self.held = 1   # the chain rounds a call holds (the speculator sets it: CHAIN_ROUNDS while alone)
+        self._predicted: float | None = None   # the tokens the last choice's rounds were expected to yield
 
     @property
     def costs(self) -> RoundCosts:
@@ -208,8 +240,11 @@ class DraftPolicy:
                 ks = list(range(1, cap + 1))
                 if (pipe or self.pipeline_only) and pipeline_cap > cap and a >= self.LONG_RUN:
                     ks.append(pipeline_cap)
+                # (a call's own cost, by the rounds a call of this shape holds: the same for every k, so that
+                # a length tried in a call of its own is not charged a whole call against a held one's share)
+                call = c.call_ms / (1 if pipe else self.held)
                 for k in ks:
-                    rate = rates[pipe, k] = self.expected(k) / (k * c.draft_ms + c.verify(k))
+                    rate = rates[pipe, k] = self.expected(k) * c.calibration(k) / (k * c.draft_ms + c.verify(k) + call)
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (pipe, k), rate
             # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
@@ -251,6 +286,7 @@ class DraftPolicy:
                 self.idle, self.probe_every = 0, 8
         if k == 0:
             self.pipeline = False
+        self._predicted = self.expected(k) if k else None
         self._chose(k)
         return k
 
@@ -297,6 +333,8 @@ class DraftPolicy:
             self.cont = [self.DECAY * self.cont[0] + max(0, accepted - 1),
                          self.DECAY * self.cont[1] + tested(k, accepted) - 1]
         self.tables[False].observe(k, accepted)
+        if k > 0 and self._predicted is not None:
+            self.costs.observe_yield(k, accepted, self._predicted)
         self.costs.update(k, draft_ms, verify_ms)
 
 

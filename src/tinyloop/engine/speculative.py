@@ -145,7 +145,7 @@ class Speculator(TreeRounds):
         self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
         self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
-        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds) of the round(s) not yet timed
+        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds[, verify ms]) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
@@ -351,6 +351,8 @@ class Speculator(TreeRounds):
         now = self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
             return (yield from self._plain_row(batched=True))
+        # (the rounds a call holds while this request runs alone: a call's own cost is shared among them)
+        self.policy.held = CHAIN_ROUNDS if self.running is None or self.running() == 1 else 1
         k = self.policy.choose(cap, pipeline_cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
@@ -395,7 +397,7 @@ class Speculator(TreeRounds):
         self.length += len(out)
         # timed when the next round starts: a round's Python, scheduling and emission count with it (a few
         # tenths of a ms, as much as a loop on the shipped model, and paid once per call, not per token)
-        self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs))
+        self._last = (k, [len(o) - 1 for o in outs], res["draft_ms"], now, len(outs), res["verify_ms"])
         st = self.stats
         st["rounds"] += len(outs) - 1   # (round() counts one)
         st["draft_s"] += res["draft_ms"] / 1000
@@ -408,14 +410,23 @@ class Speculator(TreeRounds):
         return out
 
     def _time_last_chain(self) -> float:
-        """The policy learns the last chain round's cost, its whole cycle up to now (the engine's step
-        included), if it is not yet timed. Returns now."""
+        """The policy learns the last call's cost, its whole cycle up to now (the engine's step included), if
+        it is not yet timed: a plain call's per round; a drafting call's native draft and verification times
+        per round, and apart from them the call's own cost (its Python, scheduling and emission), which a call
+        of several rounds pays once (`RoundCosts.update`). Returns now."""
         now = time.perf_counter()
         if self._last is not None:
-            k0, accepted0, draft_ms0, t0, rounds = self._last   # (rounds: rounds run as one call)
-            rest = max(0.0, (now - t0) * 1000 - draft_ms0) / rounds
-            for acc in (accepted0 if isinstance(accepted0, list) else [accepted0]):   # (each round's)
-                self.policy.update(k0, acc, draft_ms0 / rounds, rest)
+            k0, accepted0, draft_ms0, t0, rounds = self._last[:5]   # (rounds: rounds run as one call)
+            cycle = (now - t0) * 1000
+            accepted0 = accepted0 if isinstance(accepted0, list) else [accepted0]   # (each round's)
+            if k0 > 0:
+                verify0 = self._last[5]
+                self.policy.costs.call(max(0.0, cycle - draft_ms0 - verify0))
+                for acc in accepted0:
+                    self.policy.update(k0, acc, draft_ms0 / rounds, verify0 / rounds)
+            else:
+                for acc in accepted0:
+                    self.policy.update(k0, acc, 0.0, max(0.0, cycle - draft_ms0) / rounds)
             self._last = None
         return now
 
