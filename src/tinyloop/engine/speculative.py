@@ -424,9 +424,11 @@ class Speculator(TreeRounds):
                 self.policy.costs.call(max(0.0, cycle - draft_ms0 - verify0))
                 for acc in accepted0:
                     self.policy.update(k0, acc, draft_ms0 / rounds, verify0 / rounds)
-            else:
+            else:   # (a plain call's own cost is shared by the steps a call holds: PLAIN_STEPS while alone)
+                call = self.policy.costs.call_ms
+                held = PLAIN_STEPS if self.policy.held > 1 else 1
                 for acc in accepted0:
-                    self.policy.update(k0, acc, 0.0, max(0.0, cycle - draft_ms0) / rounds)
+                    self.policy.update(k0, acc, 0.0, max(0.0, cycle - call) / rounds + call / held)
             self._last = None
         return now
 
