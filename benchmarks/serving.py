@@ -1,7 +1,8 @@
 """Serving under load: tokens/s and latency of `tinyloop serve` with 1, 4, 16, 32 concurrent streaming clients.
 
 A load generator on loopback. It starts a `tinyloop serve` subprocess on a free port (or uses `--url`),
-sends one short warm-up request (not counted), then runs one level per concurrency C in `--clients`:
+sends one short warm-up request (not counted; `--warmup N`: N full requests of each `--mix` kind), then runs one
+level per concurrency C in `--clients`:
 C clients start together, each with its own connection (one `httpx.AsyncClient` limited to one
 connection), and each sends `--requests-per-client` requests back to back to `POST /v1/completions`
 with `stream: true`, `stream_options: {"include_usage": true}`, `temperature: 0`, `max_tokens`, its
@@ -32,7 +33,7 @@ own CPU time is part of what is measured. Percentiles interpolate linearly betwe
     .venv/bin/python benchmarks/serving.py --json benchmarks/results/serving.json
     # options: [--model M.tinyloop] [--threads 2] [--clients 1,4,16,32] [--requests-per-client 3]
     #          [--max-tokens 64] [--level-timeout-s 300] [--url http://127.0.0.1:8000] [--quick]
-    #          [--quiet] [--no-plot]
+    #          [--warmup N] [--quiet] [--no-plot]
     .venv/bin/python benchmarks/serving.py --json benchmarks/results/serving.json --plot-only   # replot only
 
 With --json the plot (tokens/s, TTFT and ITL by clients) goes next to it as a PNG (benchmarks/plotting.py).
@@ -273,6 +274,9 @@ def main() -> int:
                     help="smoke test: levels 1,4, 2 requests per client, 16 tokens (explicit flags still win)")
     ap.add_argument("--mix", default="", help="comma-separated client kinds, client i taking kind i mod n: "
                     f"{', '.join(MIXES)} (default: none, the server's defaults)")
+    ap.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="before the levels, N full requests of each --mix kind, not counted (default: one short "
+                         "request): what a server that has run a while does")
     ap.add_argument("--json", metavar="PATH", help="write every figure (and each request's record) here")
     ap.add_argument("--no-plot", action="store_true", help="no PNG next to the --json file")
     ap.add_argument("--plot-only", action="store_true", help="only replot the existing --json file; run nothing")
@@ -297,6 +301,8 @@ def main() -> int:
         ap.error(f"--clients: not a comma-separated list of integers: {clients_s!r}")
     if not levels or min(levels) < 1 or rpc < 1 or max_tokens < 1 or args.level_timeout_s <= 0:
         ap.error("levels, --requests-per-client, --max-tokens and --level-timeout-s must be positive")
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
     if args.url and (args.model or args.threads is not None):
         ap.error("--model and --threads apply to a server this script starts; not with --url")
     mix = tuple(k for k in args.mix.split(",") if k)
@@ -319,7 +325,14 @@ def main() -> int:
     results = []
     try:
         info = server_info(url)
-        warm = asyncio.run(run_level(url, 1, 1, min(4, max_tokens), max(args.level_timeout_s, 120)))  # not counted
+        # not counted: one short request, or with --warmup N, N full requests of each of the mix's kinds (a
+        # process's first requests pay one-time costs: the head's cost table, the draft policy's first rounds)
+        if args.warmup:
+            kinds = max(1, len(mix))
+            warm = asyncio.run(run_level(url, kinds, args.warmup, max_tokens, max(args.level_timeout_s, 120),
+                                         mix=mix))
+        else:
+            warm = asyncio.run(run_level(url, 1, 1, min(4, max_tokens), max(args.level_timeout_s, 120)))
         if warm["requests_failed"]:
             print(f"# warm-up request failed: {next(iter(warm['failures']))}", file=sys.stderr, flush=True)
         with progress(total=sum(levels) * rpc, desc="requests", unit="req", quiet=args.quiet) as bar:
@@ -376,6 +389,7 @@ def main() -> int:
             "server_threads": None if args.url else threads, "cpu_count": os.cpu_count(),
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in load_end],
             "levels": levels, "requests_per_client": rpc, "max_tokens": max_tokens, "mix": list(mix),
+            "warmup_requests_per_kind": args.warmup,
             "level_timeout_s": args.level_timeout_s, "temperature": 0.0, "route": "/v1/completions",
             "prompts": PROMPTS, "server_info": info,
         }
