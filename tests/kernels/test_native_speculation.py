@@ -447,3 +447,25 @@ def test_chain_rounds_back_to_back_in_one_call(with_exit):
     want, _ = _ids(nat, prompt, SamplingParams(loops=4, **sampled), True)
     got, _ = _ids(nat, prompt, SamplingParams(**sampled, **spec), True, draft_vocab=None, adaptive=False)
     assert got == want
+
+
+def test_warm_up_pays_the_one_time_costs_and_leaves_nothing():
+    """`BatchEngine.warm_up` (the server runs it at load) runs a plain and speculative requests through the core:
+    afterwards the native head's cost table and the draft policy's round costs exist, while the core holds no
+    request, no prefix-cache block and its step counters at zero; a request then decodes as on a fresh core."""
+    from tinyloop.engine import Engine, SamplingParams
+    from tinyloop.engine.draft_policy import _ROUND_COSTS
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+
+    eng = Engine.load()
+    if getattr(eng.model, "executor", None) is None:
+        pytest.skip("the shipped model runs without the native executor here")
+    ids = eng.tokenizer.encode("The king said to his people that")
+    params = SamplingParams(max_tokens=24, temperature=0, mode="speculative")
+    fresh = run_to_completion(BatchEngine(eng, max_num_seqs=4), [(ids, params)])[0]
+    core = BatchEngine(eng, max_num_seqs=4, prefix_caching=True)
+    core.warm_up()
+    assert not core.requests and core.steps == 0 and core.peak_running == 0 and len(core.sched.prefix) == 0
+    assert eng.model.executor._head_costs and any(c.draft_ms is not None for c in _ROUND_COSTS[eng.model].values())
+    got = run_to_completion(core, [(ids, params)])[0]
+    assert [t for e in got for t in e.token_ids] == [t for e in fresh for t in e.token_ids]
