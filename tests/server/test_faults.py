@@ -132,3 +132,25 @@ def test_engine_thread_failure_is_503_on_health_and_ends_requests(tiny_model_pat
         again = _post(srv, "/v1/completions", {"model": "tinyloop", "prompt": "hi", "max_tokens": 2})
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
         assert metric(srv.url, "tinyloop_engine_loaded") == 0
+
+
+def test_a_failed_warm_up_leaves_a_serving_engine(tiny_model_path, monkeypatch):
+    """The engine's warm-up at load (`BatchEngine.warm_up`) failing part-way is logged and the server serves from a
+    fresh core: /health ok, and a request's tokens are those of a server whose warm-up ran."""
+    body = {"prompt": "Warm or cold", "max_tokens": 12, "loops": 2}
+    with ServerThread(Settings(model_path=tiny_model_path)) as srv:
+        ref = _post(srv, "/generate", body).json()["tokens"]
+    real = BatchEngine.step
+
+    def warm_up(self):   # a step into the first warm-up request, then a failure
+        from tinyloop.engine import SamplingParams
+        self.add(self.engine.plan([1, 2, 3], SamplingParams(max_tokens=4)), lambda ev: None)
+        real(self)
+        raise RuntimeError("injected warm-up fault")
+
+    monkeypatch.setattr(BatchEngine, "warm_up", warm_up)
+    with ServerThread(Settings(model_path=tiny_model_path)) as srv:
+        assert httpx.get(srv.url + "/health", timeout=30).json()["status"] == "ok"
+        core = srv.app.state.tl.worker.batch
+        assert not core.requests and core.steps == 0   # (the failed warm-up's request is not in the core)
+        assert _post(srv, "/generate", body).json()["tokens"] == ref

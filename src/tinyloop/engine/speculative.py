@@ -413,7 +413,7 @@ class Speculator(TreeRounds):
         """The policy learns the last call's cost, its whole cycle up to now (the engine's step included), if
         it is not yet timed: a plain call's per round; a drafting call's native draft and verification times
         per round, and apart from them the call's own cost (its Python, scheduling and emission), which a call
-        of several rounds pays once (`RoundCosts.update`). Returns now."""
+        of several rounds pays once (`RoundCosts.call`). Returns now."""
         now = time.perf_counter()
         if self._last is not None:
             k0, accepted0, draft_ms0, t0, rounds = self._last[:5]   # (rounds: rounds run as one call)

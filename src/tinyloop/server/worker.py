@@ -212,13 +212,16 @@ class EngineWorker:
             self.engine, warnings = self.loader(self.settings)
             self.warnings += warnings
             s = self.settings
-            self.batch = BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
-                                     kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20,
-                                     prefix_caching=s.prefix_caching)
+            def core() -> BatchEngine:
+                return BatchEngine(self.engine, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
+                                   kv_pool_bytes=None if s.kv_pool_mb is None else s.kv_pool_mb << 20,
+                                   prefix_caching=s.prefix_caching)
+            self.batch = core()
             try:   # (one-time costs before the first user's request; a failure here is a request's to report)
                 self.batch.warm_up()
             except Exception as exc:  # noqa: BLE001
                 log.warning("the engine's warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
+                self.batch = core()   # (nothing of the failed warm-up left in the core)
             runner = self.batch.runner
             if self.engine.model.executor is not None:   # the step's forward is one native call without the GIL
                 runner.before_forward = self._flush_early
