@@ -452,7 +452,8 @@ def test_chain_rounds_back_to_back_in_one_call(with_exit):
 def test_warm_up_pays_the_one_time_costs_and_leaves_nothing():
     """`BatchEngine.warm_up` (the server runs it at load) runs a plain and speculative requests through the core:
     afterwards the native head's cost table and the draft policy's round costs exist, while the core holds no
-    request, no prefix-cache block and its step counters at zero; a request then decodes as on a fresh core."""
+    request, no prefix-cache block and its step counters at zero; a request then decodes as on a fresh core. A
+    model streamed from memory is not warmed up."""
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine.draft_policy import _ROUND_COSTS
     from tinyloop.engine.serving import BatchEngine, run_to_completion
@@ -469,3 +470,11 @@ def test_warm_up_pays_the_one_time_costs_and_leaves_nothing():
     assert eng.model.executor._head_costs and any(c.draft_ms is not None for c in _ROUND_COSTS[eng.model].values())
     got = run_to_completion(core, [(ids, params)])[0]
     assert [t for e in got for t in e.token_ids] == [t for e in fresh for t in e.token_ids]
+    from tinyloop.engine import serving   # a model streamed from memory: no warm-up (its tokens would take seconds)
+    ex = eng.model.executor
+    was, ex.streamed = ex.streamed, True
+    try:
+        serving.run_to_completion, real = (lambda *a, **k: pytest.fail("warmed up a streamed model")), run_to_completion
+        BatchEngine(eng, max_num_seqs=4).warm_up()
+    finally:
+        ex.streamed, serving.run_to_completion = was, real

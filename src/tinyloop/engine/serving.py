@@ -267,10 +267,12 @@ class BatchEngine(FastSteps):
         runs it at load): what a process pays once for the native executor (the head's cost by rows, the draft
         vocabulary's rows, the draft policy's first round costs and lengths: ~30 ms on the shipped model, which
         had made a process's first speculative request 0.8x plain) is then not a user's. Nothing of it stays: the
-        prefix cache is off for it and the step counters are left as they were."""
+        prefix cache is off for it and the step counters are left as they were. Only for a model that stays in
+        cache (not `streamed`): a larger one's first request takes seconds, and its 144 warm-up tokens would too."""
         from .params import SamplingParams
 
-        if self.engine.model.executor is None or self.requests:
+        ex = self.engine.model.executor
+        if ex is None or ex.streamed or self.requests:
             return
         ids = [1, 2, 3, 4]
         n = max(1, min(WARM_UP_TOKENS, self.engine.max_seq_len - len(ids) - 1))
