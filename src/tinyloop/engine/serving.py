@@ -35,6 +35,7 @@ from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .batch import BatchRunner, cache_dtype
 from .embedding import EmbeddingPlan, EmbeddingStream
+from .params import SamplingParams
 from .plan import RequestPlan
 from .sampling import Sampler, one_thread
 from .fast_steps import FastSteps
@@ -269,8 +270,6 @@ class BatchEngine(FastSteps):
         had made a process's first speculative request 0.8x plain) is then not a user's. Nothing of it stays: the
         prefix cache is off for it and the step counters are left as they were. Only for a model that stays in
         cache (not `streamed`): a larger one's first request takes seconds, and its 144 warm-up tokens would too."""
-        from .params import SamplingParams
-
         ex = self.engine.model.executor
         if ex is None or ex.streamed or self.requests:
             return

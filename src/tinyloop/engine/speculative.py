@@ -145,7 +145,7 @@ class Speculator(TreeRounds):
         self.native = native and (not self.tree or self.K == 1 or self.shapes is not None or not params.greedy)
         self._shape_last: tuple | None = None   # (tree?, tokens, start) of the last round of a tree request
         self.running = running
-        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds[, verify ms]) of the round(s) not yet timed
+        self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds, verify ms) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
         self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
@@ -367,10 +367,10 @@ class Speculator(TreeRounds):
                 for y in out:
                     self.sampler.accept(y)
                 self.length, self.exit_backlog = self.length + len(out), None
-                self._last = (0, 0, 0.0, now, len(out))
+                self._last = (0, 0, 0.0, now, len(out), 0.0)
                 return out
             out = yield from self._plain_row(batched=False)
-            self._last = (0, 0, 0.0, now, 1)   # (its whole cycle is plain's cost for the policy)
+            self._last = (0, 0, 0.0, now, 1, 0.0)   # (its whole cycle is plain's cost for the policy)
             return out
         call = NativeRound(self, k)
         alone = self.running is None or self.running() == 1
@@ -416,11 +416,10 @@ class Speculator(TreeRounds):
         of several rounds pays once (`RoundCosts.call`). Returns now."""
         now = time.perf_counter()
         if self._last is not None:
-            k0, accepted0, draft_ms0, t0, rounds = self._last[:5]   # (rounds: rounds run as one call)
+            k0, accepted0, draft_ms0, t0, rounds, verify0 = self._last   # (rounds: rounds run as one call)
             cycle = (now - t0) * 1000
             accepted0 = accepted0 if isinstance(accepted0, list) else [accepted0]   # (each round's)
             if k0 > 0:
-                verify0 = self._last[5]
                 self.policy.costs.call(max(0.0, cycle - draft_ms0 - verify0))
                 for acc in accepted0:
                     self.policy.update(k0, acc, draft_ms0 / rounds, verify0 / rounds)
