@@ -36,12 +36,12 @@ def build_files(workdir: Path, shape: str, int4: bool) -> list[Path]:
 
     from tinyloop.model import build_model
     from tinyloop.modelfile import write_model
-    from tinyloop.tools.convert import huginn_config, ouro_config
+    from tinyloop.model.families import huginn, ouro
 
     family, hf = SHAPES[shape]
     bf16 = workdir / f"{shape}-bf16.tinyloop"
     if not bf16.exists():
-        cfg = (ouro_config if family == "ouro" else huginn_config)(hf, workdir, [0])
+        cfg = (ouro.config if family == "ouro" else huginn.huginn_config)(hf, workdir, [0])
         model = build_model(cfg, seed=0, dtype=torch.bfloat16)
         write_model(bf16, model, tokenizer=small_tokenizer(), provenance={"tool": "benchmarks/load_memory.py"})
         del model

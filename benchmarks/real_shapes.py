@@ -32,8 +32,7 @@ from decode import measure_bandwidth  # noqa: E402
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.model import build_model  # noqa: E402
 from tinyloop.modelfile import write_model  # noqa: E402
-from tinyloop.tools.convert import huginn_config, ouro_config  # noqa: E402
-from tinyloop.tools.families import nanbeige_config, parcae_config  # noqa: E402
+from tinyloop.model.families import huginn, nanbeige, ouro, parcae  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402
 from tinyloop.tokenizer import HFTokenizer  # noqa: E402
@@ -71,7 +70,7 @@ SHAPES = {
                                    recurrent_embedding_dimension=1536,
                                    recurrent_intermediation_embedding_dimension=6144)),
 }
-CONFIG_OF = {"ouro": ouro_config, "huginn": huginn_config, "nanbeige": nanbeige_config, "parcae": parcae_config}
+CONFIG_OF = {"ouro": ouro.config, "huginn": huginn.huginn_config, "nanbeige": nanbeige.config, "parcae": parcae.config}
 HEAD_BITS = {"nanbeige-3b": 8}   # (its 510 M-parameter head at 16 bits would read more than both loops' int4 layers)
 
 

@@ -23,7 +23,8 @@ from tinyloop.chat import Chat
 from tinyloop.cli import main as cli_main
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.modelfile import read_header
-from tinyloop.tools.convert import NANBEIGE_OFF, NANBEIGE_UNSET, ConvertError, convert
+from tinyloop.model.families.nanbeige import NANBEIGE_OFF, NANBEIGE_UNSET
+from tinyloop.tools.convert import ConvertError, convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 FAMILIES = ["ouro-tiny", "huginn-tiny", "nanbeige-tiny"]

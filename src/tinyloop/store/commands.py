@@ -64,8 +64,9 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("pull", help="download a Hugging Face model (Ouro, Huginn) and convert it into the store",
-                       description="Downloads ORG/NAME[@REVISION] with huggingface_hub (its cache, resumable; "
+    p = sub.add_parser("pull", help="download a Hugging Face model of a looped family and convert it into the store",
+                       description="Families: {families}. "
+                       "Downloads ORG/NAME[@REVISION] with huggingface_hub (its cache, resumable; "
                        "HF_TOKEN for gated repositories), converts it to a .tinyloop file in $TINYLOOP_HOME "
                        "(default ~/.cache/tinyloop) and records the repository and commit in its header. "
                        "config.json is read first: an unsupported architecture is refused before any weight "

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ModelFileError
+from ..model.families import FAMILIES, family_of
 from .refs import HubRef, store_path
 
 # What a conversion reads (tools/convert.py); nothing else of a repository is downloaded.
@@ -126,7 +127,7 @@ def download(ref: HubRef, *, progress: bool = True) -> tuple[Path, str]:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    from ..tools.convert import ConvertError, family_of, model_config
+    from ..tools.convert import ConvertError, model_config
 
     (enable_progress_bars if progress else disable_progress_bars)()
     offline = bool(os.environ.get("HF_HUB_OFFLINE"))
@@ -145,7 +146,8 @@ def download(ref: HubRef, *, progress: bool = True) -> tuple[Path, str]:
         model_config(hf, Path(f"{ref.repo_id}@{commit or ref.revision or 'main'}"), [0])
     except (ValueError, ConvertError) as exc:  # JSONDecodeError is a ValueError
         raise PullError(ref, f"{exc}; nothing else was downloaded") from None
-    patterns = PATTERNS + (["pytorch_model.bin"] if family_of(hf) == "parcae" else [])   # (its pickle: only there)
+    family = FAMILIES.get(family_of(hf))
+    patterns = PATTERNS + list(family.weights if family is not None else ())   # (a pickle: only its family's)
     snapshot = Path(_with_retries(ref, "the weights and tokenizer", lambda: snapshot_download(
         ref.repo_id, revision=commit or ref.revision, allow_patterns=patterns)))
     if commit is None:  # offline: the cache's snapshot folder is named by its commit
@@ -196,20 +198,19 @@ def _separate_tokenizer(ref: HubRef, snapshot: Path, prov: dict, progress: bool)
     repository's tokenizer files, downloaded (the default branch; its commit goes into `prov`); else None."""
     from huggingface_hub import HfApi, snapshot_download
 
-    from ..tools.convert import PARCAE_TOKENIZER, family_of
-
     hf = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
-    if family_of(hf) != "parcae" or (snapshot / "tokenizer.json").exists():
+    family = FAMILIES.get(family_of(hf))
+    if family is None or family.tokenizer_repo is None or (snapshot / "tokenizer.json").exists():
         return None
-    tok = HubRef(PARCAE_TOKENIZER)
+    tok = HubRef(family.tokenizer_repo)
     commit = None
     if not os.environ.get("HF_HUB_OFFLINE"):
         commit = _with_retries(tok, "the tokenizer repository's information",
                                lambda: HfApi().model_info(tok.repo_id)).sha
-    folder = Path(_with_retries(tok, "Parcae's tokenizer", lambda: snapshot_download(
+    folder = Path(_with_retries(tok, f"{family.name}'s tokenizer", lambda: snapshot_download(
         tok.repo_id, revision=commit, allow_patterns=TOKENIZER_PATTERNS)))
     if not (folder / "tokenizer.json").exists():
-        raise PullError(ref, f"{PARCAE_TOKENIZER} has no tokenizer.json; download a tokenizer and convert with "
+        raise PullError(ref, f"{family.tokenizer_repo} has no tokenizer.json; download a tokenizer and convert with "
                              "tinyloop convert --tokenizer DIR")
     prov["tokenizer"] = {"repo_id": tok.repo_id, "commit": commit or folder.name}
     return folder

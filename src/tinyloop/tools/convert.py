@@ -1,6 +1,7 @@
 """`tinyloop convert SRC_DIR OUT.tinyloop`: a local Hugging Face snapshot of a looped family -> a `.tinyloop` file.
 
-The families and what each one's config and tensors become: `tools/families.py`.
+The families and what each one's config and tensors become: `model/families/` (a module each, and the
+registry this converter asks).
 
 Tensors stream shard by shard (`safetensors.safe_open`), each one cast to the target dtype as it is read,
 so the model is held once. Huginn's fused projections are split into TinyLoop's names and its
@@ -12,7 +13,6 @@ snapshot's EOS ids are embedded. Nothing is downloaded.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,9 +25,7 @@ from ..modelfile_writer import ModelFileWriter
 from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
-from .families import (CONFIGS, FAMILIES, NAMED, NANBEIGE_OFF, NANBEIGE_UNSET, TENSORS, ConvertError,  # noqa: F401
-                       Emit, family_of, huginn_config, nanbeige_config, ouro_config, parcae_config, parcae_tensor,
-                       parcae_value_embeds)
+from ..model.families import ConvertError, Emit, family_of, lookup  # noqa: F401  (ConvertError: the converter's error)
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -191,14 +189,9 @@ def model_config(hf: dict[str, Any], src: Path, eos: list[int], names: set[str] 
     """A checkpoint's config.json -> ModelConfig, or ConvertError saying why the architecture is not
     supported. Needs no weights: `tinyloop pull` runs it on config.json before downloading any. `names`, the
     checkpoint's tensor names where known, tell apart the variants one config class covers (huginn_raven)."""
-    family = family_of(hf)
-    if family not in FAMILIES:
-        raise ConvertError(f"{src / 'config.json'}: model_type {family!r} is not a looped family this converter "
-                           f"reads ({', '.join(FAMILIES)}; Parcae's configs are recognised by _class_name)")
+    family = lookup(hf, src)
     try:
-        if family in NAMED:
-            return CONFIGS[family](hf, src, eos, names)
-        return CONFIGS[family](hf, src, eos)
+        return family.config(hf, src, eos, names)
     except ConvertError:
         raise   # (already names the file)
     except KeyError as exc:
@@ -207,14 +200,23 @@ def model_config(hf: dict[str, Any], src: Path, eos: list[int], names: set[str] 
         raise ConvertError(f"{src / 'config.json'}: {exc}") from None
 
 
-PARCAE_TOKENIZER = "SandyResearch/parcae-tokenizer"
-
-
-def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progress: bool = True,
-            provenance: dict[str, Any] | None = None, tokenizer: str | Path | None = None) -> Path:
+def convert(src: str | Path, out: str | Path, *, dtype: str | None = "bfloat16", progress: bool = True,
+            provenance: dict[str, Any] | None = None, tokenizer: str | Path | None = None,
+            quant: str | None = None) -> Path:
     """Convert the snapshot `src` into the model file `out` (atomically); `provenance` is added to the
     header's (`tinyloop pull` records the repository and commit there). `tokenizer`: a directory holding the
-    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own)."""
+    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own). A GGUF file (or
+    `pkg:NAME`, the one an installed package ships) is read by `tools/gguf.py` (dtype None: float16 there;
+    `quant="int4"`: then RTN int4, its logit difference reported)."""
+    from .gguf import convert_gguf, is_gguf_source
+
+    if is_gguf_source(src):
+        if tokenizer is not None:
+            raise ConvertError(f"{src}: --tokenizer is for snapshots; a GGUF file carries its own tokenizer")
+        return convert_gguf(src, out, dtype=dtype, progress=progress, provenance=provenance, quant=quant)
+    if quant is not None:
+        raise ConvertError(f"{src}: --int4 is for GGUF files; quantize a converted snapshot with tinyloop quantize")
+    dtype = dtype or "bfloat16"
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise ConvertError(f"{src}: not a directory (give a local Hugging Face snapshot)")
@@ -222,27 +224,26 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
         raise ConvertError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     hf = _read_json(src / "config.json")
     gen = _read_json(src / "generation_config.json", required=False)
-    family = family_of(hf)
+    family = lookup(hf, src)
     model_config(hf, src, [0])  # the architecture is refused before the tokenizer and the weights are read
     tok_dir = Path(tokenizer) if tokenizer is not None else src
     if tokenizer is not None and not tok_dir.is_dir():
         raise ConvertError(f"{tok_dir}: not a directory (give the tokenizer's: tokenizer.json and its config)")
-    if family == "parcae":
-        tokenizer = load_tokenizer(tok_dir, hf, gen, default_eos="<|eos|>", missing=(
-            f"Parcae's tokenizer is a repository of its own, {PARCAE_TOKENIZER}: download it and pass its "
-            "directory with --tokenizer"))
-    else:
-        tokenizer = load_tokenizer(tok_dir, hf, gen)
-    pickled = pickle_file(src) if family == "parcae" else None
+    missing = "the tokenizer is embedded in the model file"
+    if family.tokenizer_repo is not None:
+        missing = (f"{family.name}'s tokenizer is a repository of its own, {family.tokenizer_repo}: download it and "
+                   "pass its directory with --tokenizer")
+    tokenizer = load_tokenizer(tok_dir, hf, gen, default_eos=family.default_eos, missing=missing)
+    pickled = pickle_file(src) if family.weights else None
     files = [] if pickled is not None else shard_files(src)
-    names = tensor_names(files) if family in NAMED else None   # (the shards' headers only)
+    names = tensor_names(files) if family.needs_names else None   # (the shards' headers only)
     cfg = model_config(hf, src, sorted(set(tokenizer.eos_ids), key=tokenizer.eos_ids.index), names)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConvertError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                            f"{cfg.vocab_size}")
     torch_dtype = DTYPES[dtype]
     expected = expected_tensors(cfg, {"dtype": dtype}, SEPARATE_VERSION)  # what the checkpoint's names map to
-    header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family,
+    header = make_header(cfg, torch_dtype, tokenizer, {"converted_from": str(src.resolve()), "family": family.name,
                                                        "source_dtype": hf.get("torch_dtype"),
                                                        "converter_version": __version__, **(provenance or {})})
     # Streamed: the file's layout is known from the config, so each tensor is cast and written at its place
@@ -259,13 +260,10 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", progre
                 raise ConvertError(f"{src}: {name} has shape {list(t.shape)}, the config needs {list(shape)}")
             writer.add(name, t)
 
-        convert_one = TENSORS[family]
-        if family == "parcae":   # the value-embedding tables and gates the checkpoint holds, used or not
-            tables, gates, _ = parcae_value_embeds(hf)
-            convert_one = functools.partial(parcae_tensor, tables=tuple(tables), gates=tuple(gates))
+        convert_one = family.tensors(cfg, hf)
         for name, t in (iter_pickled(pickled, progress) if pickled is not None else iter_tensors(files, progress)):
             if not convert_one(cfg, name, t, lambda n, x, src_name=name: _emit_named(emit, src_name, n, x)):
-                raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family}")
+                raise ConvertError(f"{src}: unexpected tensor {name!r} with shape {list(t.shape)} for {family.name}")
         missing = sorted(set(expected) - writer.written)
         if missing:
             raise ConvertError(f"{src}: the checkpoint has no tensor for {missing[0]!r}"

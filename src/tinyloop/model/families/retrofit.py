@@ -1,76 +1,38 @@
-"""`huginn_raven` checkpoints: Huginn-0125 itself (`families.huginn_config`) and the retrofitted-recurrence
-conversions of Llama and OLMo-2 (McLeish et al. 2025, LoopedLMs/retrofitting-recurrence,
-`convert_pretrained_model/raven_modeling_minimal_{llama,olmo}.py`), which share its `model_type`, its
-config class and its tensor names.
+"""The retrofitted-recurrence conversions of Llama and OLMo-2 (McLeish et al. 2025,
+LoopedLMs/retrofitting-recurrence, `convert_pretrained_model/raven_modeling_minimal_{llama,olmo}.py`): the
+`huginn_raven` checkpoints that are not Huginn-0125 (`huginn.py` tells them apart and registers the family).
 
 A retrofit is Huginn's shape (prelude, a recurrent block entered through the concat adapter, coda, the
 recurrence's count `mean_recurrence`) built from a pretrained model's layers: GQA, an untied head, Llama's
 half-split RoPE with the base model's `rope_theta` (and Llama-3's `llama3` frequency scaling where
-`rope_scaling` has it), no embedding scale (`init_values.embed_scale` 1), the final
-norm only before the head. Its blocks are the base model's:
+`rope_scaling` has it), no embedding scale (`init_values.embed_scale` 1), the final norm only before the
+head. Its blocks are the base model's:
 
     llama  x = x + attn(norm_1(x)); x = x + mlp(norm_2(x))                       (pre-norm)
     olmo   x = x + norm_1(attn(x)); x = x + norm_2(mlp(x))                       (post-norm), and q / k
            RMS-normed with weights over all their heads together, before RoPE  (q_norm, k_norm); its
            `initial_state_mode` may also start the recurrence from the prelude output ("embed-init") or
            run the first recurrence on it without the adapter ("skip-adapter"): `loop_start`
-
-Which one a checkpoint is: the config tells Huginn-0125 from a retrofit (only the retrofits' converters write
-`rope_theta`: Huginn's RoPE base is `rope_base`); the tensors tell the two retrofits apart (every OLMo block
-has `attn.q_norm.weight`, no Llama block has; Huginn-0125's blocks have four norms). Where only config.json
-is at hand (`tinyloop pull` before downloading), `auto_map` naming the OLMo modelling file picks OLMo.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from .families import ConvertError, Emit, _check_inv_freq, _need, huginn_config, huginn_tensor
+from ...config import ModelConfig
+from . import ConvertError, Emit, need
+from .common import check_inv_freq, rope_llama3
 
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
 # different model. The authors' converters write every one of them off.
 RETROFIT_OFF = {"bias": "biased adapter", "qk_bias": "q/k biases", "test_time_noise": "test-time noise"}
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # initial_state_mode of the OLMo code -> ModelConfig.loop_start (the Llama code reads none: a random state)
 OLMO_STATE_MODES = {"random": "state", "embed-init": "embed", "skip-adapter": "skip"}
-
-
-def raven_variant(hf: dict[str, Any], names: Iterable[str] | None) -> str:
-    """ "huginn" (Huginn-0125), "llama" or "olmo" (the retrofits): see the module docstring."""
-    names = None if names is None else set(names)
-    four_norms = names is not None and any(n.endswith(".norm_4.weight") for n in names)
-    if "rope_theta" not in hf:
-        if names is not None and not four_norms and any(n.endswith(".norm_1.weight") for n in names):
-            raise ConvertError("config.json has no rope_theta but the blocks have two norms (a retrofitted "
-                               "Llama / OLMo checkpoint): its RoPE base is not known; add the base model's "
-                               "rope_theta")
-        return "huginn"
-    if four_norms:
-        raise ConvertError("config.json has rope_theta (a retrofitted checkpoint) but the blocks have Huginn's "
-                           "four norms: the config and the weights do not belong together")
-    if names is not None:
-        return "olmo" if any(n.endswith(".attn.q_norm.weight") for n in names) else "llama"
-    auto = " ".join(str(v) for v in (hf.get("auto_map") or {}).values())
-    return "olmo" if "olmo" in auto.lower() else "llama"
-
-
-def raven_config(hf: dict[str, Any], src: Path, eos: list[int], names: Iterable[str] | None = None
-                 ) -> ModelConfig:
-    """config.json (and, when converting, the checkpoint's tensor names) -> ModelConfig."""
-    try:
-        variant = raven_variant(hf, names)
-    except ConvertError as exc:
-        raise ConvertError(f"{src / 'config.json'}: {exc}") from None
-    if variant == "huginn":
-        return huginn_config(hf, src, eos)
-    return retrofit_config(hf, src, eos, variant)
-
 
 def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str) -> ModelConfig:
     bad = [f"{k} = {hf[k]!r} ({what})" for k, what in RETROFIT_OFF.items() if hf.get(k)]
@@ -86,14 +48,14 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
     mode = hf.get("initial_state_mode", "random")
     if variant == "olmo" and mode not in OLMO_STATE_MODES:
         bad.append(f"initial_state_mode = {mode!r} (the OLMo code knows {', '.join(OLMO_STATE_MODES)})")
-    _need(not bad, src, f"{'; '.join(bad)}: not supported for a retrofitted {variant} checkpoint (TinyLoop runs "
+    need(not bad, src, f"{'; '.join(bad)}: not supported for a retrofitted {variant} checkpoint (TinyLoop runs "
                         "the authors' converters' settings: an unbiased adapter, no q/k bias, no test-time noise, "
                         "plain or Llama-3 RoPE)")
     init = hf.get("init_values") or {}   # the reference's RavenConfig computes these where config.json has none
     embed_scale = float(init.get("embed_scale", math.sqrt(d)))
     std = float(init.get("std", math.sqrt(2 / (5 * d))))
     steps = int(hf.get("mean_recurrence", 32))
-    _need(steps >= 1, src, f"mean_recurrence {steps} must be >= 1")
+    need(steps >= 1, src, f"mean_recurrence {steps} must be >= 1")
     return ModelConfig(dim=d, n_heads=H, n_kv_heads=Hkv, head_dim=head_dim, ffn_dim=hf["intermediate_size"],
                        n_prelude=hf["n_layers_in_prelude"], n_core=hf["n_layers_in_recurrent_block"],
                        n_coda=hf["n_layers_in_coda"], vocab_size=hf.get("padded_vocab_size") or hf["vocab_size"],
@@ -106,28 +68,6 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
                        embed_scale=embed_scale, state_init_std=std,
                        loop_start=OLMO_STATE_MODES[mode] if variant == "olmo" else "state",
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
-
-
-def rope_llama3(scaling: Any, bad: list[str]) -> tuple[float, ...]:
-    """transformers' `rope_scaling` as the Llama / OLMo-2 rotary embedding reads it: none or rope_type
-    "default" (plain RoPE), or "llama3" (Llama-3.2's, which convert_llama.py writes) -> ModelConfig.rope_llama3;
-    anything else is appended to `bad`."""
-    if not scaling:
-        return ()
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind == "default":
-        return ()
-    if kind == "llama3" and all(isinstance(scaling.get(k), (int, float)) for k in LLAMA3_KEYS):
-        return tuple(float(scaling[k]) for k in LLAMA3_KEYS)
-    bad.append(f"rope_scaling = {scaling!r} (RoPE scaling other than rope_type llama3 with "
-               f"{', '.join(LLAMA3_KEYS)})")
-    return ()
-
-
-def raven_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
-    if cfg.norm_placement == "sandwich-residual":
-        return huginn_tensor(cfg, name, t, emit)
-    return retrofit_tensor(cfg, name, t, emit)
 
 
 # Block tensors that only change their names; norm_1 / norm_2 are the pre-norms (Llama) or the post-norms (OLMo)
@@ -152,7 +92,7 @@ def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
         if not cfg.tie_embeddings:
             emit("lm_head.weight", t)
     elif name.endswith("rotary_emb.inv_freq"):
-        _check_inv_freq(cfg, name, t)   # not persisted by the reference; a patched save may hold it
+        check_inv_freq(cfg, name, t)   # not persisted by the reference; a patched save may hold it
     elif name.startswith("transformer.") and len(parts) >= 5 and parts[1] in ("prelude", "core_block", "coda") \
             and parts[2].isdigit():
         group = {"prelude": "prelude", "core_block": "core", "coda": "coda"}[parts[1]]

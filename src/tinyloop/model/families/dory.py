@@ -1,0 +1,345 @@
+"""NVIDIA Nemotron-Labs Dory1.0 (`model_type` "dory", DoryForCausalLM, `dory_format_version` 1): a normalized
+transformer (nGPT) with an input block (TinyLoop's prelude), a recurrent block run `n_recurrent_loops` times
+(the core) and an output block (the coda). Each layer is ONE sublayer, by `hybrid_layer_pattern`: `S`
+sliding-window attention, `*` full attention, `-` MLP. Everything lives on the unit sphere:
+
+    justnorm(x)   = x * rsqrt(sum(x^2) + 1e-6)                      (in fp32, over the last axis)
+    layer(h)      = justnorm(a + |alpha * ngpt_alpha_init / std| * (justnorm(f(h)) - a)),  a = justnorm(h)
+    attention f   q, k, v, g = projections of h (no biases; q and g are heads x head_dim wide, wider than the
+                  hidden size in the release); NeoX RoPE (profile 1: rope_theta, partial_rotary_factor;
+                  profile 2: rope_theta_2, partial_rotary_factor_2, per layer by rope_profile_layers);
+                  q = (sqk * sqrt(head_dim) / std)^2 * justnorm(q) per head, k = justnorm(k) per head; GQA at
+                  scale 1/sqrt(head_dim) (S layers: a query at t sees keys t-W+1 .. t); the output times
+                  sigmoid(g * (s_gate * sqrt(g0) / std)^2) (g0 = attention_output_gate_logit_scale_init, or
+                  sqrt(hidden)); justnorm over all heads; o_proj
+    MLP f         justnorm(silu(gate * suv_gate * sqrt(hidden)) * (up * suv_up * sqrt(hidden))); down_proj
+    loops         x0 = the input block's output; state = x0; each loop h = justnorm(state + x0), the recurrent
+                  layers, state = justnorm(h); then the output block; no final norm
+    logits        lm_head(x) * logit_scale / std (logit_scale: one per token)
+
+`recurrent_kv_cache_mode`: "per_loop" keeps one cache per loop of each recurrent attention layer; "last_loop"
+one per layer that every loop overwrites with the current call's keys (loop r sees this call's tokens at loop
+r and earlier calls' tokens at the last loop they ran: `ModelConfig.kv_mode`, `cache.SlotLayout`).
+
+This module owns the mapping of config.json onto `ModelConfig` (refusing, by name, everything that is not
+Dory v1), of the checkpoint's tensor names onto TinyLoop's, and the math above (`NGPTBlock`, used by
+`model.looped.LoopedTransformer` for a config with a `layer_pattern`).
+
+Partial rotary: the checkpoint rotates pairs (i, i + R/2) of the first R = head_dim * factor dims and leaves
+the rest; TinyLoop's RoPE turns pairs (j, j + D/2). The converter permutes each head's q and k rows (and sqk)
+so the checkpoint's pair (i, i + R/2) lands on (i, i + D/2) and the unrotated dims fill the other pairs, which
+`ModelConfig.rotary_dim` turns at frequency 0: the same permutation of q and k leaves every score unchanged,
+and the per-head justnorm and the elementwise sqk commute with it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...config import ModelConfig
+from ..layers import MLP, Attention, apply_rope_full
+from . import ConvertError, Emit, Family, need
+
+EPS = 1e-6   # justnorm's: inside the square root, added to the sum of squares (not the mean)
+
+
+def justnorm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in fp32 (or wider), in that dtype."""
+    f = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return f * torch.rsqrt(f.square().sum(dim=-1, keepdim=True) + EPS)
+
+
+# -- the math --------------------------------------------------------------------------------------------
+class NGPTAttention(Attention):
+    """An `S` or `*` layer's attention (an `Attention`, so fusing q/k/v, fp16 and quantized weights treat it
+    as any other): q, k, v and the output gate g projected, RoPE of the layer's profile, nGPT q/k norms and
+    scales, attention over the step context (the layer's window), the gate, justnorm, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, window: int, profile: int):
+        nn.Module.__init__(self)
+        H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D
+        self.wq = nn.Linear(d, H * D, bias=False)
+        self.wk = nn.Linear(d, Hkv * D, bias=False)
+        self.wv = nn.Linear(d, Hkv * D, bias=False)
+        self.wg = nn.Linear(d, H * D, bias=False)       # the output gate's projection
+        self.wo = nn.Linear(H * D, d, bias=False)
+        self.wqkv: nn.Module | None = None
+        self.qk_bias = self.q_norm = self.k_norm = self.ve_gate = None   # (Attention's options: none here)
+        self.qk_norm, self.ve_channels = False, 0
+        self.sqk = nn.Parameter(torch.ones(H * D))
+        self.s_gate = nn.Parameter(torch.ones(H * D))
+        self.window, self.profile = window, profile
+        self.sqk_factor = math.sqrt(D) / cfg.ngpt_std
+        g0 = cfg.gate_logit_init or math.sqrt(d)
+        self.gate_factor = math.sqrt(g0) / cfg.ngpt_std
+
+    def forward(self, x: torch.Tensor, ctx, slot: int | None, ve: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.wqkv is not None:
+            qkv = self.wqkv(x)
+        else:
+            qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        cos_full, sin_signed = ctx.rope_full(self.profile)
+        qk = justnorm(apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed))   # every head on its sphere
+        sqk = (self.sqk.to(qk.dtype) * self.sqk_factor).square().view(H, D)
+        q = (qk[:, :, :H] * sqk).to(x.dtype)
+        k = qk[:, :, H:].to(x.dtype)
+        out = ctx.attend(slot, q, k, qkv[:, :, H + Hkv:], self.window)              # (B, T, H, D), >= fp32
+        g = self.wg(x).to(out.dtype)
+        sg = (self.s_gate.to(out.dtype) * self.gate_factor).square()
+        out = justnorm(out.reshape(B, T, H * D) * torch.sigmoid(g * sg))            # over all heads
+        return self.wo(out.to(x.dtype))
+
+
+class NGPTMLP(MLP):
+    """A `-` layer: swiglu with the suv scales, justnorm before the down projection (an `MLP`: w_gate and
+    w_up fuse into w_gate_up as any swiglu's)."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.kind = "swiglu"
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w_gate_up: nn.Module | None = None
+        self.suv_gate = nn.Parameter(torch.ones(cfg.ffn_dim))
+        self.suv_up = nn.Parameter(torch.ones(cfg.ffn_dim))
+        self.suv_factor = math.sqrt(cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate_up is not None:
+            g, u = self.w_gate_up(x).chunk(2, dim=-1)
+        else:
+            g, u = self.w_gate(x), self.w_up(x)
+        f = torch.promote_types(x.dtype, torch.float32)
+        g = g.to(f) * (self.suv_gate.to(f) * self.suv_factor)
+        u = u.to(f) * (self.suv_up.to(f) * self.suv_factor)
+        return self.w_down(justnorm(F.silu(g) * u).to(x.dtype))
+
+
+class NGPTBlock(nn.Module):
+    """One Dory layer: one sublayer (`attn` or `mlp`, the other None) and the nGPT residual step toward its
+    normalized output, at the per-unit rate |alpha * ngpt_alpha_init / std|."""
+
+    def __init__(self, cfg: ModelConfig, block: int):
+        super().__init__()
+        kind = cfg.layer_pattern[block]
+        self.kind = kind
+        if kind == "-":
+            self.attn, self.mlp = None, NGPTMLP(cfg)
+        else:
+            self.attn = NGPTAttention(cfg, cfg.sliding_window if kind == "S" else 0, cfg.block_profile(block))
+            self.mlp = None
+        self.alpha = nn.Parameter(torch.ones(cfg.dim))
+        self.alpha_factor = cfg.ngpt_alpha_init / cfg.ngpt_std
+
+    def forward(self, x: torch.Tensor, ctx, slot: int | None, ve: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.mlp(x) if self.mlp is not None else self.attn(x, ctx, slot)
+        a, b = justnorm(x), justnorm(out)
+        rate = (self.alpha.to(a.dtype) * self.alpha_factor).abs()
+        return justnorm(a + rate * (b - a)).to(x.dtype)
+
+
+def init_ngpt(model: nn.Module, cfg: ModelConfig) -> None:
+    """Random weights for a model built from scratch (tests, benchmarks): projections N(0, std), every scale
+    vector near std (so each learned scale / std is near 1, as after nGPT's init), the logit scale too."""
+    std = cfg.ngpt_std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+            else:
+                p.uniform_(0.7 * std, 1.3 * std)
+
+
+# -- config.json ---------------------------------------------------------------------------------------
+# What Dory v1 is (DoryConfig.validate_architecture): any other value changes the forward, refused by name
+REQUIRED = {"ngpt": True, "fngpt": True, "ngpt_enable_final_norm": False, "attention_output_gate": True,
+            "attention_bias": False, "mlp_bias": False, "mlp_hidden_act": "silu", "tie_word_embeddings": False,
+            "initial_state": "input_copy", "input_transform": "residual", "output_transform": "replace",
+            "mixer_type": None}
+KV_MODES = {"per_loop": "per_loop", "last_loop": "last_loop"}
+
+
+def _rotary_dim(D: int, factor: Any, key: str, bad: list[str]) -> int:
+    try:
+        f = float(factor)
+    except (TypeError, ValueError):
+        bad.append(f"{key} = {factor!r} (a fraction of head_dim)")
+        return 0
+    r = int(D * f)
+    if not (0 < f <= 1) or r <= 0 or r % 2:
+        bad.append(f"{key} = {factor!r} (the rotary dims head_dim x factor = {r} must be even and in 1..{D})")
+        return 0
+    return 0 if r == D else r
+
+
+def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelConfig:
+    """config.json -> ModelConfig, with DoryConfig's defaults for what it leaves out; ConvertError naming every
+    field that is not Dory v1."""
+    bad: list[str] = []
+    version = hf.get("dory_format_version", 1)
+    if version != 1:
+        bad.append(f"dory_format_version = {version!r} (TinyLoop reads format version 1)")
+    arch = hf.get("architectures") or ["DoryForCausalLM"]
+    if "DoryForCausalLM" not in arch:
+        bad.append(f"architectures = {arch!r} (DoryForCausalLM)")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+        algo = quant.get("quant_algo") if isinstance(quant, dict) else None
+        bad.append(f"quantization_config {method!r}{f' ({algo})' if algo else ''}: a pre-quantized checkpoint (the "
+                   "NVFP4 release) is not converted; convert the BF16 one and quantize it with TinyLoop (pull NAME:int4)")
+    for key, want in REQUIRED.items():
+        if hf.get(key, want) != want:
+            bad.append(f"{key} = {hf[key]!r} (Dory v1: {want!r})")
+    if hf.get("rope_scaling"):
+        bad.append(f"rope_scaling = {hf['rope_scaling']!r} (Dory v1 has none)")
+    d, H = hf["hidden_size"], hf["num_attention_heads"]
+    Hkv = hf.get("num_key_value_heads") or H
+    D = hf.get("attention_head_dim") or hf.get("head_dim") or d // H
+    if hf.get("head_dim") not in (None, D):
+        bad.append(f"head_dim = {hf['head_dim']!r} (attention_head_dim is {D}; they must agree)")
+    for swa, full, value in (("swa_num_attention_heads", "num_attention_heads", H),
+                             ("swa_num_key_value_heads", "num_key_value_heads", Hkv),
+                             ("swa_head_dim", "attention_head_dim", D)):
+        if hf.get(swa) not in (None, value):
+            bad.append(f"{swa} = {hf[swa]!r} (sliding-window heads shaped unlike the full ones: {full} {value})")
+    if H % Hkv:
+        bad.append(f"num_attention_heads = {H} (not a multiple of num_key_value_heads {Hkv})")
+    n = hf["num_hidden_layers"]
+    P, K = hf.get("n_input_layers", 0), hf.get("n_output_layers", 0)
+    C = hf.get("n_recurrent_layers")
+    C = n - P - K if C is None else C
+    if min(P, C, K) < 0 or P + C + K != n:
+        bad.append(f"n_input_layers {P} + n_recurrent_layers {C} + n_output_layers {K} != num_hidden_layers {n}")
+    if C < 1:
+        bad.append(f"n_recurrent_layers = {C} (a looped model needs a recurrent block)")
+    pattern = hf.get("hybrid_layer_pattern")
+    pattern = "S-S-S-*-" * (n // 8) if pattern is None else pattern
+    if not isinstance(pattern, str) or len(pattern) != n or set(pattern) - set("S*-"):
+        bad.append(f"hybrid_layer_pattern = {pattern!r} (one of S, *, - per layer: {n})")
+        pattern = ""
+    loops = hf.get("n_recurrent_loops", 1)
+    if not isinstance(loops, int) or isinstance(loops, bool) or loops < 1:
+        bad.append(f"n_recurrent_loops = {loops!r} (a positive integer)")
+        loops = 1
+    mode = hf.get("recurrent_kv_cache_mode", "per_loop")
+    if mode not in KV_MODES:
+        bad.append(f"recurrent_kv_cache_mode = {mode!r} (per_loop or last_loop)")
+    profiles = hf.get("rope_profile_layers")
+    profiles = [1] * n if profiles is None else profiles
+    no_rope = hf.get("no_rope_layers")
+    no_rope = [0] * n if no_rope is None else no_rope
+    if not isinstance(profiles, list) or len(profiles) != n or any(p not in (0, 1, 2) for p in profiles):
+        bad.append(f"rope_profile_layers = {profiles!r} (1 or 2 per layer)")
+        profiles = [1] * n
+    elif 0 in profiles:
+        bad.append(f"rope_profile_layers = {profiles!r}: profile 0 (NoPE layers) is not Dory v1")
+    if not isinstance(no_rope, list) or len(no_rope) != n or any(no_rope):
+        bad.append(f"no_rope_layers = {no_rope!r} (NoPE layers are not Dory v1: all 0)")
+    window = hf.get("swa_window_size", 1024)
+    if "S" in pattern and (not isinstance(window, int) or window <= 0):
+        bad.append(f"swa_window_size = {window!r} (S layers need a positive window)")
+    std = hf.get("init_method_std", 0.02)
+    if not isinstance(std, (int, float)) or not std > 0:
+        bad.append(f"init_method_std = {std!r} (must be positive)")
+    theta = float(hf.get("rope_theta", 10000))
+    theta2 = hf.get("rope_theta_2")
+    theta2 = theta if theta2 is None else float(theta2)
+    f1 = hf.get("partial_rotary_factor", 1.0)
+    f2 = hf.get("partial_rotary_factor_2")
+    f2 = f1 if f2 is None else f2
+    r1 = _rotary_dim(D, f1, "partial_rotary_factor", bad)
+    r2 = _rotary_dim(D, f2, "partial_rotary_factor_2", bad)
+    g0 = hf.get("attention_output_gate_logit_scale_init")
+    g0 = math.sqrt(d) if g0 is None else g0
+    if not isinstance(g0, (int, float)) or not g0 > 0:
+        bad.append(f"attention_output_gate_logit_scale_init = {g0!r} (must be positive)")
+    need(not bad, src, "; ".join(bad) + ": not supported (TinyLoop runs NVIDIA Dory format version 1)")
+    attn_profiles = [p for p, c in zip(profiles, pattern) if c != "-"]
+    two = 2 in attn_profiles and (theta2, r2) != (theta, r1)   # a second profile that differs from the first
+    return ModelConfig(dim=d, n_heads=H, n_kv_heads=Hkv, head_dim=D, ffn_dim=hf["intermediate_size"], n_prelude=P,
+                       n_core=C, n_coda=K, vocab_size=hf["vocab_size"], default_loops=loops,
+                       max_loops=max(64, 4 * loops), max_seq_len=hf.get("max_position_embeddings", 8192),
+                       rope_theta=theta, rotary_dim=r1, rope_theta_2=theta2 if two else 0.0,
+                       rotary_dim_2=r2 if two else 0, rope_profile=tuple(profiles) if two else (),
+                       mlp="swiglu", tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False,
+                       head_norm=False, layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
+                       ngpt_std=float(std), ngpt_alpha_init=float(hf.get("ngpt_alpha_init", 0.05)),
+                       gate_logit_init=float(g0), kv_mode=KV_MODES[mode],
+                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+
+
+# -- tensors -------------------------------------------------------------------------------------------
+def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor | None:
+    """perm[j] = the checkpoint's dim that TinyLoop's head dim j takes (None: the identity, full rotary). The
+    checkpoint's pairs (i, i + R/2), i < R/2, land on (i, i + D/2); its unrotated dims R.. fill pairs R/2 ..
+    D/2 - 1 (the first half of them at j < D/2, the second half at j >= D/2 + R/2)."""
+    D, R = head_dim, rotary_dim
+    if R in (0, D):
+        return None
+    rest = (D - R) // 2
+    return torch.cat([torch.arange(0, R // 2), torch.arange(R, R + rest),
+                      torch.arange(R // 2, R), torch.arange(R + rest, D)])
+
+
+def block_of(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+    """A checkpoint layer index -> (TinyLoop's block prefix, the block's number in prelude-core-coda order)."""
+    P, C = cfg.n_prelude, cfg.n_core
+    if layer < P:
+        return f"prelude.{layer}", layer
+    if layer < P + C:
+        return f"core.{layer - P}", layer
+    if layer < P + C + cfg.n_coda:
+        return f"coda.{layer - P - C}", layer
+    raise ConvertError(f"layer {layer} is past the config's {P + C + cfg.n_coda} layers")
+
+
+_ATTN = {"mixer.v_proj.weight": "attn.wv.weight", "mixer.g_proj.weight": "attn.wg.weight",
+         "mixer.o_proj.weight": "attn.wo.weight", "mixer.s_gate": "attn.s_gate", "attn_alpha": "alpha"}
+_MLP = {"mixer.gate_proj.weight": "mlp.w_gate.weight", "mixer.up_proj.weight": "mlp.w_up.weight",
+        "mixer.down_proj.weight": "mlp.w_down.weight", "mixer.suv_gate": "mlp.suv_gate",
+        "mixer.suv_up": "mlp.suv_up", "mlp_alpha": "alpha"}
+_PERMUTED = {"mixer.q_proj.weight": "attn.wq.weight", "mixer.k_proj.weight": "attn.wk.weight",
+             "mixer.sqk": "attn.sqk"}
+TOP = {"backbone.embeddings.weight": "embed.weight", "lm_head.weight": "lm_head.weight",
+       "lm_head.logit_scale": "logit_scale"}
+
+
+def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
+    """One checkpoint tensor -> TinyLoop's name(s); False for a name that is not Dory's. q, k and sqk rows are
+    permuted within each head where the layer's rotary is partial (`rotary_permutation`)."""
+    if name in TOP:
+        emit(TOP[name], t)
+        return True
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["backbone", "layers"] or not parts[2].isdigit():
+        return False
+    base, b = block_of(cfg, int(parts[2]))
+    rest, kind = ".".join(parts[3:]), cfg.layer_pattern[b]
+    table = _MLP if kind == "-" else {**_ATTN, **_PERMUTED}
+    if rest not in table:
+        return False
+    if rest in _PERMUTED:
+        D = cfg.head_dim
+        perm = rotary_permutation(D, cfg.rotary_dim_2 if cfg.block_profile(b) == 2 else cfg.rotary_dim)
+        if perm is not None:
+            if t.shape[0] % D:
+                raise ConvertError(f"{name} has shape {list(t.shape)}: rows are not whole heads of {D}")
+            t = t.reshape(t.shape[0] // D, D, *t.shape[1:])[:, perm].reshape(t.shape)
+    emit(f"{base}.{table[rest]}", t)
+    return True
+
+
+FAMILY = Family(name="dory", summary="NVIDIA Nemotron-Labs Dory1.0 (DoryForCausalLM)", config=config,
+                tensors=lambda cfg, hf: tensor)
