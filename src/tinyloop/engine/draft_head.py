@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from .draft_vocab import frequency_ranking, has_ranking
+from .native import native
 
 DRAFT_VOCAB = 2048      # draft head rows (most frequent tokens); None or >= vocab -> the full head. 2,048 rows
                         # and the request's own tokens (CONTEXT_ROWS) yielded 3.99 tokens a d=2 k=4 round on 32
@@ -92,7 +93,7 @@ class DraftHead:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
         xn = self.norm(x)
-        executor = getattr(self.model, "executor", None)
+        executor = native(self.model)
         if executor is not None:
             return executor.project(xn, self.native_rows())
         return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
@@ -125,7 +126,7 @@ class _QuantRows:
     @classmethod
     def of(cls, model: LoopedTransformer, ids: torch.Tensor, size: int) -> "_QuantRows | None":
         head = getattr(model, "head_linear", None)
-        if getattr(model, "executor", None) is None or head is None or not hasattr(head, "native_weights"):
+        if native(model) is None or head is None or not hasattr(head, "native_weights"):
             return None
         src = head.native_weights()
         if not isinstance(src, dict) or src["bits"] != 8:
@@ -165,8 +166,12 @@ def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
     if cached is None or cached[0] != key:
         weight = w.detach()
         if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
-                and getattr(model, "executor", None) is None:   # (the native executor reads 16 bits as stored)
+                and native(model) is None:   # (the native executor reads 16 bits as stored)
             weight = weight.float()
+        scale = getattr(model, "logit_scale", None)
+        if scale is not None:   # nGPT (Dory): each token's logit scale folded into its row, for drafting
+            s = scale.detach().to(torch.promote_types(weight.dtype, torch.float32)) / model.cfg.ngpt_std
+            weight = (weight.to(s.dtype) * s[:, None]).to(weight.dtype)
         cached = _DRAFT_WEIGHTS[model] = (key, weight)
     return cached[1]
 
@@ -227,6 +232,7 @@ class ExactArgmax:
 
         w = model.head_weight
         plain_head = getattr(model, "head_linear", None) is None  # the fast path may replace logits()
+        plain_head = plain_head and getattr(model, "logit_scale", None) is None   # (nGPT's per-token scales)
         return (plain_head and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
                 and fbgemm_fp16_available())
 

@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..model.paged import Rows
+from .native import native
 from .scheduler import FORCED_TAIL, ScheduledChunk, Sequence
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class FastSteps:
         The tokens are fed one by one as the steps would have fed them: stop ids, stop strings, max_tokens and
         an abort end the output at the same token (the steps after it computed keys past the sequence's
         length, which nothing reads). Returns whether it ran the step."""
-        ex = self.model.executor
+        ex = native(self.model)
         if ex is None or spec or len(out.chunks) != 1 or out.copies or out.admitted_external \
                 or len(self.sched.running) != 1 or self.sched.waiting or self.model.random_start:
             return False

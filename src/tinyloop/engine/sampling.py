@@ -25,11 +25,11 @@ library's version sums the nucleus's mass in another order, so wherever it is lo
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 
+from .native import native
 from .params import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
@@ -238,8 +238,9 @@ def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
     the PyTorch path draws with `draw_row` over the (masked) logits."""
     if noise is None or all(z is None for z in noise):
         return model.greedy_tokens(x)
-    if model.executor is not None:
-        return model.executor.argmax(x, noise)
+    ex = native(model)
+    if ex is not None:
+        return ex.argmax(x, noise)
     lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
     out = []
     for i, z in enumerate(noise):
@@ -258,23 +259,6 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[
         return [(v, []) for v in picked]
     vals, ids = torch.topk(lp, top, dim=-1)                                 # (T, top)
     return [(v, list(zip(i, a))) for v, i, a in zip(picked, ids.tolist(), vals.tolist())]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run the step's per-row sampling on one torch thread. Its ops over one vocabulary row (50,257 entries
-    for GPT-2) are just above torch's parallel grain, so each would wake a second OpenMP thread; next to
-    the native executor's spinning workers (and on a shared machine) that wake-up cost milliseconds a
-    token in `masked_fill` and `.double()` (profiled: docs/structured.md, "Cost per token")."""
-    prev = torch.get_num_threads()
-    if prev == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def request_seed(seed: int | None) -> int:

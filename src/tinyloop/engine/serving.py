@@ -37,9 +37,10 @@ from .batch import BatchRunner, cache_dtype
 from .embedding import EmbeddingPlan, EmbeddingStream
 from .params import SamplingParams
 from .plan import RequestPlan
-from .sampling import Sampler, one_thread
+from .sampling import Sampler
 from .fast_steps import FastSteps
 from .scheduler import ScheduledChunk, Scheduler, SchedulerError, Sequence
+from .native import native, one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .speculative import Speculator, speculative_layout
 from .text import StreamEvent
@@ -270,7 +271,7 @@ class BatchEngine(FastSteps):
         had made a process's first speculative request 0.8x plain) is then not a user's. Nothing of it stays: the
         prefix cache is off for it and the step counters are left as they were. Only for a model that stays in
         cache (not `streamed`): a larger one's first request takes seconds, and its 144 warm-up tokens would too."""
-        ex = self.engine.model.executor
+        ex = native(self.engine.model)
         if ex is None or ex.streamed or self.requests:
             return
         ids = [1, 2, 3, 4]
@@ -335,7 +336,7 @@ class BatchEngine(FastSteps):
                     log.exception("embedding request %d failed", entry[0].req_id)
                     self.fail(entry[0], exc)
         argmax = self.runner.last_argmax
-        with one_thread():   # one row at a time: no OpenMP wake-ups (sampling.one_thread)
+        with one_thread():   # one row at a time: no OpenMP wake-ups (native.one_thread)
             for chunk in out.chunks:
                 self._complete(chunk, logits, argmax)
         with self._spec_python():
@@ -345,11 +346,8 @@ class BatchEngine(FastSteps):
 
     # -- internals --------------------------------------------------------------------------
     def _spec_python(self):
-        """Where the native executor runs the passes, a speculator's set-up and its Python between them touch
-        small tensors only: one torch thread, no OpenMP wake-ups beside the native pool's spinning workers (the
-        draft head's per-request rows took 0.13 ms at the median, up to 7 ms with a wake-up). On the PyTorch path
-        its generator also runs draft and verifier heads: the thread count stays."""
-        return one_thread() if self.model.executor is not None else contextlib.nullcontext()
+        """A speculator's set-up and its Python between native passes (`native.python_between_calls`)."""
+        return python_between_calls(self.model)
 
     def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int]) -> None:
         """A chunk's forward pass is done: each of its sequences (a prompt's last chunk: all n choices)

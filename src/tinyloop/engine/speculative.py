@@ -68,6 +68,7 @@ from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
 from .params import SamplingParams
 from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, head_tokens
+from .native import native as native_of
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
@@ -124,7 +125,7 @@ class Speculator(TreeRounds):
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
-        ex = getattr(model, "executor", None)
+        ex = native_of(model)
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
             self.argmax = model.greedy_tokens if ex is not None else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None

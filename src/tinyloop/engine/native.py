@@ -1,0 +1,47 @@
+"""The engine's one door to the native executor (`kernels/`, attached to the model by
+`model.fast.prepare_for_decode`): every engine module that runs native code, and the server, reach it
+through `native(model)` here, never through the model's attribute. None means the PyTorch path serves
+(no compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses).
+
+What passes through the door (`kernels.executor.NativeExecutor`): whole serving steps' one-token rows
+(the model's own `run`, inside `model/`), the LM head's fused argmax and draws (`sampling.head_tokens`,
+`Speculator`), whole speculation rounds and lone decode calls (`native_rounds`, `fast_steps`), the draft
+head's projection (`draft_head`), and the head's cost table (`draft_policy` via `native_rounds`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+def native(model: Any):
+    """The model's native executor, or None where PyTorch runs it."""
+    return getattr(model, "executor", None)
+
+
+def python_between_calls(model: Any):
+    """Where the native executor runs the passes, the engine's Python between them touches small tensors
+    only: one torch thread, no OpenMP wake-ups beside the native pool's spinning workers (a draft head's
+    per-request rows took 0.13 ms at the median, up to 7 ms with a wake-up). On the PyTorch path the same
+    Python also runs the heads: the thread count stays."""
+    return one_thread() if native(model) is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the step's per-row sampling on one torch thread. Its ops over one vocabulary row (50,257 entries
+    for GPT-2) are just above torch's parallel grain, so each would wake a second OpenMP thread; next to
+    the native executor's spinning workers (and on a shared machine) that wake-up cost milliseconds a
+    token in `masked_fill` and `.double()` (profiled: docs/structured.md, "Cost per token")."""
+    prev = torch.get_num_threads()
+    if prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
