@@ -142,9 +142,10 @@ class SamplingParams:
         if self.verify_loops is not None:  # checked whenever given, as the other knobs are (server/schemas.py)
             need(isinstance(self.verify_loops, int) and 1 <= self.verify_loops <= max_loops, "verify_loops",
                  f"must be in 1..{max_loops}, got {self.verify_loops}")
+        fixed = " (this model's depth is fixed: it runs its layers once)" if max_loops == 1 else ""
         if not self.adaptive and self.loops is not None:
             need(isinstance(self.loops, int) and not isinstance(self.loops, bool) and 1 <= self.loops <= max_loops,
-                 "loops", f'must be an integer in 1..{max_loops} or "auto", got {self.loops!r}')
+                 "loops", f'must be an integer in 1..{max_loops} or "auto", got {self.loops!r}{fixed}')
         need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in 0.0..2.0, got {self.temperature}")
         need(0 <= self.top_k <= 1000, "top_k", f"must be in 0..1000, got {self.top_k}")
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -190,6 +191,8 @@ class SamplingParams:
         need(k == "all" or self.mode == "generate", "kv_loops",
              f'"all" is the only budget the speculative modes take, got {k!r} with mode {self.mode!r}')
         if self.mode != "generate":
+            need(max_loops > 1, "mode", f"{self.mode!r} drafts with fewer loops than it verifies at; this model's "
+                 f"depth is fixed at 1 (it runs its layers once): use mode generate")
             verify = self.effective_loops(default_loops)
             d = self.effective_draft_loops(default_loops)
             need(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 32, "draft_loops",

@@ -200,12 +200,13 @@ def model_config(hf: dict[str, Any], src: Path, eos: list[int], names: set[str] 
         raise ConvertError(f"{src / 'config.json'}: {exc}") from None
 
 
-def convert(src: str | Path, out: str | Path, *, dtype: str | None = "bfloat16", progress: bool = True,
+def convert(src: str | Path, out: str | Path, *, dtype: str | None = None, progress: bool = True,
             provenance: dict[str, Any] | None = None, tokenizer: str | Path | None = None,
             quant: str | None = None) -> Path:
     """Convert the snapshot `src` into the model file `out` (atomically); `provenance` is added to the
     header's (`tinyloop pull` records the repository and commit there). `tokenizer`: a directory holding the
-    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own). A GGUF file (or
+    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own). dtype None: bfloat16
+    for a snapshot. A GGUF file (or
     `pkg:NAME`, the one an installed package ships) is read by `tools/gguf.py` (dtype None: float16 there;
     `quant="int4"`: then RTN int4, its logit difference reported)."""
     from .gguf import convert_gguf, is_gguf_source

