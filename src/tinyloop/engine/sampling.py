@@ -95,10 +95,19 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def penalized(p: SamplingParams) -> bool:
+    """Penalties or a logit bias: the row is changed before the token is picked (no raw-argmax shortcut, no
+    native round: they read the raw head)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+        or bool(p.logit_bias)
+
+
 def processed_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
-                     counts: torch.Tensor) -> torch.Tensor:
-    """Logit bias and penalties only (what greedy takes the argmax of). logits: (V,)."""
-    x = apply_logit_bias(logits.double(), params.logit_bias)
+                     counts: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """Logit bias and penalties only (what greedy takes the argmax of), in float64: the one chain every row
+    goes through, a plain row's and a draft's alike. logits: (V,), or a draft head's (n,) over the token ids
+    `cols`, with `seen` indexing and `counts` aligned to those entries."""
+    x = apply_logit_bias(logits.double(), params.logit_bias, cols)
     x = apply_repetition_penalty(x, seen, params.repetition_penalty)
     return apply_presence_frequency(x, counts, params.presence_penalty, params.frequency_penalty)
 
@@ -323,10 +332,8 @@ class Sampler:
 
     @property
     def penalized(self) -> bool:
-        """Penalties or a logit bias: the row is changed before the token is picked (no raw-argmax shortcut)."""
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
-            or bool(p.logit_bias)
+        """Penalties or a logit bias (`penalized`)."""
+        return penalized(self.params)
 
     @property
     def active_matcher(self):

@@ -67,18 +67,13 @@ from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
 from .params import SamplingParams
-from .sampling import Sampler, apply_logit_bias, apply_presence_frequency, apply_repetition_penalty, head_tokens
+from .sampling import Sampler, head_tokens, penalized, processed_logits
 from .native import native as native_of
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
 DRAFT_STOP = 0.0        # chain: stop drafting when the draft's top probability falls below this
 PREFILL_CHUNK = 256     # prompt positions per prefill pass
-def _has_penalties(p: SamplingParams) -> bool:
-    """Penalties or a logit bias: no exact-argmax shortcut or native round (they read the raw head)."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
-
-
 class Speculator(TreeRounds):
     """One speculative sequence of the engine core: its rounds as a generator of model passes.
 
@@ -121,7 +116,7 @@ class Speculator(TreeRounds):
         self.exit_backlog: torch.Tensor | None = None  # loop-d state of position L-1 if its exit entry is missing
         self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
         self.head.add(list(plan.prompt_ids))
-        self.penalties = _has_penalties(params)
+        self.penalties = penalized(params)
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
@@ -261,15 +256,11 @@ class Speculator(TreeRounds):
     # -- draft choices ----------------------------------------------------------------------
     def _penalised(self, lg: torch.Tensor) -> torch.Tensor:
         """(n,) draft logits with the request's logit bias and penalties as of the round's start (float64)."""
-        x = lg.double()
         if not self.penalties:
-            return x
+            return lg.double()
         ids = self.head.ids[: self.head.n] if self.head.ids is not None else slice(None)
-        seen = self.sampler.seen[ids].nonzero().flatten()
-        p = self.params
-        x = apply_logit_bias(x, p.logit_bias, self._draft_cols())
-        x = apply_repetition_penalty(x, seen, p.repetition_penalty)
-        return apply_presence_frequency(x, self.sampler.counts[ids], p.presence_penalty, p.frequency_penalty)
+        return processed_logits(lg, self.params, self.sampler.seen[ids].nonzero().flatten(), self.sampler.counts[ids],
+                                self._draft_cols())
 
     def _draft_cols(self) -> torch.Tensor | None:
         """The token id of each draft-head column (None: the full vocabulary)."""
