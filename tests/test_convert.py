@@ -248,7 +248,8 @@ OFF = [(k, True) for k in NANBEIGE_OFF] + [(k, [0] if k == "insert_ngram_layer_i
 
 @pytest.mark.parametrize("key,value", OFF + [("hidden_act", "gelu"),
                                              ("rope_scaling", {"type": "linear", "factor": 2.0}),
-                                             ("quantization_config", {"quant_method": "fp8"})])
+                                             ("quantization_config", {"quant_method": "fp8"}),
+                                             ("loop_loss_weights", [1.0])])
 def test_nanbeige_options_the_released_checkpoint_leaves_off_are_refused_by_name(tmp_path, key, value):
     src = tmp_path / "snap"
     src.mkdir()

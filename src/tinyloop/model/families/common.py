@@ -21,6 +21,25 @@ LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+# The top-level tensors of the `huginn_raven` checkpoints (Huginn-0125's and the retrofits')
+RAVEN_TOP = {"transformer.wte.weight": "embed.weight", "transformer.ln_f.weight": "norm.weight",
+             "transformer.adapter.weight": "adapter.weight"}
+
+
+def llama_shape(hf: dict[str, Any], eos: list[int], steps: int, **kw: Any) -> ModelConfig:
+    """A transformers Llama-style config.json (Ouro's, Nanbeige's: hidden_size, num_hidden_layers, ...) whose
+    layers form the whole core, run `steps` loops by default -> ModelConfig; `kw`: the family's own fields."""
+    d, H = hf["hidden_size"], hf["num_attention_heads"]
+    return ModelConfig(**{"dim": d, "n_heads": H, "n_kv_heads": hf.get("num_key_value_heads") or H,
+                          "head_dim": hf.get("head_dim") or d // H, "ffn_dim": hf["intermediate_size"],
+                          "n_prelude": 0, "n_core": hf["num_hidden_layers"], "n_coda": 0,
+                          "vocab_size": hf["vocab_size"], "default_loops": steps, "max_loops": max(64, 4 * steps),
+                          "max_seq_len": hf.get("max_position_embeddings", 4096),
+                          "norm_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": float(hf.get("rope_theta", 10000.0)),
+                          "mlp": "swiglu", "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+                          "injection": "none", "eos_token_id": eos[0], "eos_token_ids": tuple(eos[1:]), **kw})
+
+
 def half_split(cfg: ModelConfig) -> torch.Tensor:
     """Head-dim permutation: new index j < D/2 takes interleaved 2j, j >= D/2 takes 2(j - D/2) + 1."""
     D = cfg.head_dim

@@ -22,7 +22,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, Family, need
-from .common import half_split
+from .common import RAVEN_TOP, half_split
 from .retrofit import retrofit_config, retrofit_tensor
 
 
@@ -50,12 +50,8 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
     H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
     perm = half_split(cfg)
     parts = name.split(".")
-    if name == "transformer.wte.weight":
-        emit("embed.weight", t)
-    elif name == "transformer.ln_f.weight":
-        emit("norm.weight", t)
-    elif name == "transformer.adapter.weight":
-        emit("adapter.weight", t)
+    if name in RAVEN_TOP:
+        emit(RAVEN_TOP[name], t)
     elif name in ("freqs_cis", "transformer.freqs_cis", "lm_head.weight"):
         pass  # RoPE table (recomputed) / the tied head
     elif name.startswith("transformer.") and parts[1] in ("prelude", "core_block", "coda") and len(parts) >= 5:

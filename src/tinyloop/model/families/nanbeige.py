@@ -12,7 +12,7 @@ import torch
 
 from ...config import ModelConfig
 from . import Emit, Family, need
-from .common import LLAMA_LAYER, check_inv_freq, llama_top
+from .common import LLAMA_LAYER, check_inv_freq, llama_shape, llama_top
 
 # Options of Nanbeige's code that no released checkpoint turns on; each changes the forward (or the cache),
 # so a config that sets one is refused by name rather than converted into a different model.
@@ -38,19 +38,18 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
     need(not scaling or (scaling.get("rope_type", scaling.get("type")) in (None, "default")
                           and float(scaling.get("factor", 1.0)) == 1.0),
           src, f"rope_scaling {scaling!r} is not supported")
-    d, H = hf["hidden_size"], hf["num_attention_heads"]
     weights = hf.get("loop_loss_weights") or []
-    steps = len(weights) + 1 if weights else int(hf.get("num_loops", 1))  # the reference's own rule
+    # The reference reads a non-empty `loop_loss_weights` as `len + 1` loops and ports differ on it (some take
+    # `num_loops`, some the weights): the released checkpoints leave it empty, so a non-empty one is refused by
+    # name rather than run at a depth the checkpoint may not have been trained for.
+    need(not weights, src, f"loop_loss_weights = {weights!r}: not supported (the loop count would be "
+                           f"{len(weights) + 1 if isinstance(weights, list) else '?'} by the reference's rule and "
+                           f"{hf.get('num_loops', 1)} by num_loops; the released checkpoints leave it empty: set "
+                           "num_loops and empty loop_loss_weights)")
+    steps = int(hf.get("num_loops", 1))
     need(steps >= 1, src, f"num_loops {steps} must be >= 1")
     skip = bool(hf.get("skip_loop_final_norm", False))
-    return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
-                       head_dim=hf.get("head_dim") or d // H, ffn_dim=hf["intermediate_size"], n_prelude=0,
-                       n_core=hf["num_hidden_layers"], n_coda=0, vocab_size=hf["vocab_size"], default_loops=steps,
-                       max_loops=max(64, 4 * steps), max_seq_len=hf.get("max_position_embeddings", 4096),
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(hf.get("rope_theta", 10000.0)),
-                       mlp="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)), injection="none",
-                       norm_placement="pre", loop_norm=not skip, head_norm=skip,
-                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+    return llama_shape(hf, eos, steps, norm_placement="pre", loop_norm=not skip, head_norm=skip)
 
 
 def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:

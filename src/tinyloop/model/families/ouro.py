@@ -12,7 +12,7 @@ import torch
 
 from ...config import ModelConfig
 from . import Emit, Family, need
-from .common import LLAMA_LAYER, llama_top
+from .common import LLAMA_LAYER, llama_shape, llama_top
 
 LAYER = {**LLAMA_LAYER, "input_layernorm_2.weight": "attn_out_norm.weight",   # the sandwich norms
          "post_attention_layernorm_2.weight": "mlp_out_norm.weight"}
@@ -26,14 +26,8 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
     need(not hf.get("use_sliding_window"), src, "use_sliding_window is not supported")
     need(not hf.get("attention_bias", False), src, "attention_bias is not supported for Ouro")
     steps = int(hf.get("total_ut_steps", 4))
-    return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
-                       ffn_dim=hf["intermediate_size"], n_prelude=0, n_core=hf["num_hidden_layers"], n_coda=0,
-                       vocab_size=hf["vocab_size"], default_loops=steps, max_loops=max(64, 4 * steps),
-                       max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(hf.get("rope_theta", 10000.0)), mlp="swiglu",
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), injection="none", loop_norm=True,
-                       head_norm=False, norm_placement="sandwich", exit_gate=True,
-                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+    return llama_shape(hf, eos, steps, head_dim=None, loop_norm=True, head_norm=False, norm_placement="sandwich",
+                       exit_gate=True)
 
 
 def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, need
-from .common import check_inv_freq, rope_llama3
+from .common import RAVEN_TOP, check_inv_freq, rope_llama3
 
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
@@ -82,12 +82,8 @@ def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
     so q and k rows keep their order; Wqkv and the MLP's fc are split at their rows (q, k, v; gate, up)."""
     H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
     parts = name.split(".")
-    if name == "transformer.wte.weight":
-        emit("embed.weight", t)
-    elif name == "transformer.ln_f.weight":
-        emit("norm.weight", t)
-    elif name == "transformer.adapter.weight":
-        emit("adapter.weight", t)
+    if name in RAVEN_TOP:
+        emit(RAVEN_TOP[name], t)
     elif name == "lm_head.weight":
         if not cfg.tie_embeddings:
             emit("lm_head.weight", t)
