@@ -23,6 +23,14 @@ LOOP_STARTS = ("state", "embed", "skip")
 #   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
 #   post               x = x + n2(f(x))                  (OLMo-2: only the branch output is normed)
 NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual", "post")
+# nGPT single-sublayer blocks (NVIDIA Dory, `model.ngpt`): one character per block, prelude, core, coda:
+#   S  sliding-window attention (`sliding_window`)    *  full attention    -  MLP
+LAYER_KINDS = "S*-"
+# Where a recurrent (core) layer's keys live across loops (Dory's `recurrent_kv_cache_mode`):
+#   per_loop   one cache per loop: loop r attends to every token's loop-r keys
+#   last_loop  one cache per core layer that every loop overwrites with the current call's keys: loop r sees
+#              this call's tokens at loop r and earlier calls' tokens at the last loop they ran
+KV_MODES = ("per_loop", "last_loop")
 
 
 class ConfigError(ValueError):
@@ -88,6 +96,23 @@ class ModelConfig:
     # the gate per kv head, ve an Embedding(vocab, n_kv_heads * head_dim) of the block's own
     value_embeds: tuple[int, ...] = ()
     ve_gate_channels: int = 32
+    # RoPE beyond one base (Dory): `rotary_dim` (0: head_dim) rotates the pairs (j, j + D/2) for j <
+    # rotary_dim / 2 at theta^(-2j / rotary_dim) and leaves the others as they are (a checkpoint's partial
+    # rotary, its q/k rows permuted to that order at conversion: `model.families.dory`); a second profile
+    # (`rope_theta_2`, `rotary_dim_2`) and one profile, 1 or 2, per block in `rope_profile` (() : all 1)
+    rotary_dim: int = 0
+    rope_theta_2: float = 0.0
+    rotary_dim_2: int = 0
+    rope_profile: tuple[int, ...] = ()
+    # nGPT blocks (NVIDIA Dory; `model.ngpt`): non-empty, one LAYER_KINDS character per block; each block is
+    # one sublayer on the unit sphere, loops enter as justnorm(state + e), end with justnorm, no final norm,
+    # the head's logits scaled per token by the `logit_scale` vector / ngpt_std
+    layer_pattern: str = ""
+    sliding_window: int = 0             # the keys an S block's query sees: its own and the W - 1 before it
+    ngpt_std: float = 0.0               # init_method_std: divides every learned scale (sqk, s_gate, alpha, logits)
+    ngpt_alpha_init: float = 0.05       # the residual step |alpha * ngpt_alpha_init / ngpt_std|
+    gate_logit_init: float = 0.0        # g0 of the attention output gate (0: sqrt(dim))
+    kv_mode: str = "per_loop"           # KV_MODES
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +124,7 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "value_embeds", tuple(sorted({int(i) for i in self.value_embeds})))
         object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
+        object.__setattr__(self, "rope_profile", tuple(int(v) for v in self.rope_profile))
         r3 = self.rope_llama3
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         checks = [
@@ -122,13 +148,44 @@ class ModelConfig:
              "rope_llama3 must be (factor > 0, low_freq_factor, high_freq_factor > low_freq_factor > 0, "
              "original_max_position_embeddings > 0)"),
             (self.state_init_std >= 0, "state_init_std must be >= 0"),
-            (self.head_norm or self.loop_norm, "head_norm may be off only when loop_norm ends every loop"),
+            (self.head_norm or self.loop_norm or bool(self.layer_pattern),
+             "head_norm may be off only when loop_norm (or nGPT's justnorm) ends every loop"),
             (all(0 <= i < self.vocab_size for i in self.eos_token_ids), "eos_token_ids must be inside the vocabulary"),
             (self.logit_softcap >= 0, "logit_softcap must be >= 0"),
             (all(0 <= i < n_blocks for i in self.value_embeds), f"value_embeds must name blocks 0..{n_blocks - 1}"),
             (not self.value_embeds or 0 < self.ve_gate_channels <= self.dim,
              "ve_gate_channels must be in 1..dim"),
         ]
+        D = self.head_dim
+        checks += [
+            (all(0 <= r <= D and r % 2 == 0 for r in (self.rotary_dim, self.rotary_dim_2)),
+             f"rotary_dim and rotary_dim_2 must be even and in 0..head_dim ({D})"),
+            (self.rope_theta_2 >= 0, "rope_theta_2 must be >= 0"),
+            (not self.rope_profile or len(self.rope_profile) == n_blocks, f"rope_profile needs one entry per block ({n_blocks})"),
+            (all(p in (1, 2) for p in self.rope_profile), "rope_profile entries must be 1 or 2"),
+            (2 not in self.rope_profile or self.rope_theta_2 > 0, "rope_profile 2 needs rope_theta_2 > 0"),
+            (self.kv_mode in KV_MODES, f"kv_mode must be one of {KV_MODES}"),
+            (self.sliding_window >= 0, "sliding_window must be >= 0"),
+        ]
+        if self.layer_pattern:
+            p = self.layer_pattern
+            checks += [
+                (len(p) == n_blocks and not set(p) - set(LAYER_KINDS),
+                 f"layer_pattern needs one of {LAYER_KINDS!r} per block ({n_blocks}), got {p!r}"),
+                ("S" not in p or self.sliding_window > 0, "layer_pattern has S blocks: sliding_window must be > 0"),
+                (self.ngpt_std > 0, "an nGPT layer_pattern needs ngpt_std > 0"),
+                (self.gate_logit_init >= 0, "gate_logit_init must be >= 0"),
+                (self.mlp == "swiglu" and self.injection == "add" and self.loop_start == "embed",
+                 "nGPT blocks run a swiglu MLP, the add injection and loop_start embed"),
+                (not (self.loop_norm or self.head_norm or self.post_loop_norm or self.prelude_norm or self.state_proj
+                      or self.exit_gate or self.qk_bias or self.qk_norm or self.qk_norm_full or self.value_embeds
+                      or self.tie_embeddings or self.logit_softcap or self.embed_scale != 1.0),
+                 "nGPT blocks have no RMSNorms, exit gate, q/k bias or norm, value embeddings, soft-cap, embedding "
+                 "scale or tied head"),
+            ]
+        else:
+            checks.append((self.kv_mode == "per_loop" and not self.sliding_window,
+                           "kv_mode and sliding_window belong to nGPT layer patterns"))
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -145,7 +202,7 @@ class ModelConfig:
         for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
             if d[name] == default:
                 del d[name]  # (fields added for Parcae: other families' headers stay as they were)
-        for name in ("value_embeds", "rope_llama3"):
+        for name in ("value_embeds", "rope_llama3", "rope_profile"):
             if name in d:
                 d[name] = list(getattr(self, name))
         return d
@@ -156,7 +213,7 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
-        for name in ("value_embeds", "rope_llama3"):
+        for name in ("value_embeds", "rope_llama3", "rope_profile"):
             if name in d:
                 d = {**d, name: tuple(d[name])}
         missing = sorted(f.name for f in dataclasses.fields(cls)
@@ -171,9 +228,24 @@ class ModelConfig:
             kw["head_dim"] = None  # the default head width follows a new dim / n_heads
         return dataclasses.replace(self, **kw)
 
+    @property
+    def ngpt(self) -> bool:
+        """nGPT single-sublayer blocks (Dory): `layer_pattern` says each block's kind."""
+        return bool(self.layer_pattern)
+
+    def block_profile(self, block: int) -> int:
+        """The RoPE profile (1 or 2) of block `block` (numbered prelude, core, coda)."""
+        return self.rope_profile[block] if self.rope_profile else 1
+
     def param_count(self) -> int:
         """Exact number of parameters the model built from this config holds."""
         d, hd = self.dim, self.head_dim
+        if self.ngpt:
+            q, kv = self.n_heads * hd, self.n_kv_heads * hd
+            attn = 3 * d * q + 2 * d * kv + 2 * q + d          # wq, wg, wo; wk, wv; sqk, s_gate; alpha
+            mlp = 3 * d * self.ffn_dim + 2 * self.ffn_dim + d  # w_gate, w_up, w_down; suv_gate, suv_up; alpha
+            blocks = sum(mlp if c == "-" else attn for c in self.layer_pattern)
+            return blocks + 2 * self.vocab_size * d + self.vocab_size   # embedding, head, logit_scale
         attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
         norms = 2 if self.norm_placement in ("pre", "post") else 4
@@ -203,7 +275,9 @@ class ModelConfig:
 # Fields that headers leave out at their default value (so files written before them read the same)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
                           "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
-                          "loop_start": "state"}
+                          "loop_start": "state", "rotary_dim": 0, "rope_theta_2": 0.0, "rotary_dim_2": 0,
+                          "rope_profile": (), "layer_pattern": "", "sliding_window": 0, "ngpt_std": 0.0,
+                          "ngpt_alpha_init": 0.05, "gate_logit_init": 0.0, "kv_mode": "per_loop"}
 
 
 PRESETS: dict[str, ModelConfig] = {

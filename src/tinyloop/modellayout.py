@@ -28,13 +28,17 @@ SUFFIXES = ("weight", "qweight", "scales", "zeros")
 def fused_modules(cfg: Any) -> dict[str, list[tuple[str, int]]]:
     """Fused module name -> [(part module name, its output rows)] in row order, for a `ModelConfig`."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    pattern = getattr(cfg, "layer_pattern", "")   # nGPT (Dory) blocks: an attention or an MLP each
     out: dict[str, list[tuple[str, int]]] = {}
+    b = 0
     for stack, n in (("prelude", cfg.n_prelude), ("core", cfg.n_core), ("coda", cfg.n_coda)):
         for i in range(n):
             p = f"{stack}.{i}"
-            out[f"{p}.attn.wqkv"] = [(f"{p}.attn.wq", q), (f"{p}.attn.wk", kv), (f"{p}.attn.wv", kv)]
-            if cfg.mlp == "swiglu":
+            if not pattern or pattern[b] != "-":
+                out[f"{p}.attn.wqkv"] = [(f"{p}.attn.wq", q), (f"{p}.attn.wk", kv), (f"{p}.attn.wv", kv)]
+            if cfg.mlp == "swiglu" and (not pattern or pattern[b] == "-"):
                 out[f"{p}.mlp.w_gate_up"] = [(f"{p}.mlp.w_gate", cfg.ffn_dim), (f"{p}.mlp.w_up", cfg.ffn_dim)]
+            b += 1
     return out
 
 

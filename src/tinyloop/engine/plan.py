@@ -80,6 +80,15 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
             f"context length {max_seq_len}; shorten the prompt or lower max_tokens",
             param="max_tokens", code="context_length_exceeded")
     speculative = params.mode != "generate"
+    ring = params.kv_ring(cfg.default_loops)
+    if cfg.kv_mode == "last_loop":   # (Dory's recurrent_kv_cache_mode): one core slot per layer, whatever asked
+        if speculative:
+            raise ValidationError(
+                f"mode: {params.mode!r} needs a model that keeps each loop's keys; this one keeps one cache per "
+                "recurrent layer that every loop overwrites (kv_mode last_loop), so a verification pass would "
+                "see its drafted tokens at each loop instead of at their last, unlike plain decoding: use mode "
+                '"generate"', param="mode")
+        ring = 1 if params.effective_loops(cfg.default_loops) > 1 else None
     k_branches = params.k_branches if params.mode == "tree_speculative" else 1
     draft_ahead = params.draft_ahead if speculative else 0
     max_positions = need + (k_branches * draft_ahead + 1 if speculative else 0)
@@ -87,4 +96,4 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
         prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
         draft_loops=params.effective_draft_loops(cfg.default_loops) if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
         window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops),
-        kv_loops=params.kv_ring(cfg.default_loops))
+        kv_loops=ring)

@@ -50,6 +50,13 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"loop 0 starting as {cfg.loop_start!r}")
     if cfg.value_embeds and cfg.head_dim > 1024:
         out.append("value embeddings on heads wider than 1024")
+    pattern = getattr(cfg, "layer_pattern", "")
+    if pattern:   # NVIDIA Dory (model/families/dory.py)
+        out.append(f"nGPT single-sublayer blocks (layer_pattern {pattern!r}, Dory)")
+    if getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0) or getattr(cfg, "rope_profile", ()):
+        out.append("partial rotary or a second RoPE profile")
+    if getattr(cfg, "kv_mode", "per_loop") != "per_loop":
+        out.append(f"kv_mode {cfg.kv_mode!r}")
     return out
 
 

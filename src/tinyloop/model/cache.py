@@ -49,7 +49,11 @@ class SlotLayout:
 
     `kv_loops = k` (the loop-shared KV budget) keeps k core slots per layer instead of one per loop: loop r
     uses slot r mod k, so a position's slot holds its keys from the latest loop of that residue it ran
-    (k = 1: its last loop). Attention at loop r then sees earlier steps' tokens at that loop, not at r."""
+    (k = 1: its last loop). Attention at loop r then sees earlier steps' tokens at that loop, not at r.
+
+    A model whose `kv_mode` is "last_loop" (Dory's) is always laid out with k = 1, in this ring's own slot
+    order everywhere (`columns` is None: the step's layout and each sequence's are the same), and an nGPT
+    model's MLP blocks (`layer_pattern` "-") have no slot: `prelude`, `coda` and `core` return None for them."""
 
     def __init__(self, cfg: ModelConfig, loops: int, extra: int = 0, kv_loops: int | None = None):
         if not 1 <= loops <= cfg.max_loops:
@@ -59,32 +63,48 @@ class SlotLayout:
         if kv_loops is not None and kv_loops < 1:
             raise CacheError(f"kv_loops must be >= 1, got {kv_loops}")
         self.cfg, self.loops, self.extra = cfg, loops, extra
+        self.model_ring = cfg.kv_mode == "last_loop"   # the model's own rule, not a request's budget
+        if self.model_ring:
+            kv_loops = 1
         self.ring = loops if kv_loops is None else min(kv_loops, loops)   # core slots per layer
-        self.n_slots = cfg.n_prelude + cfg.n_coda + self.ring * cfg.n_core + extra
+        P, C = cfg.n_prelude, cfg.n_core
+        kinds = cfg.layer_pattern or "*" * (P + C + cfg.n_coda)
+        # each stack's layers that keep keys -> their index among the stack's such layers
+        self._pre = {i: n for n, i in enumerate(i for i in range(P) if kinds[i] != "-")}
+        self._core = {j: n for n, j in enumerate(j for j in range(C) if kinds[P + j] != "-")}
+        self._coda = {i: n for n, i in enumerate(i for i in range(cfg.n_coda) if kinds[P + C + i] != "-")}
+        self._base = len(self._pre) + len(self._coda)
+        self.n_slots = self._base + self.ring * len(self._core) + extra
 
-    def prelude(self, layer_idx: int) -> int:
-        return layer_idx
+    def prelude(self, layer_idx: int) -> int | None:
+        return self._pre.get(layer_idx)
 
-    def coda(self, layer_idx: int) -> int:
-        return self.cfg.n_prelude + layer_idx
+    def coda(self, layer_idx: int) -> int | None:
+        n = self._coda.get(layer_idx)
+        return None if n is None else len(self._pre) + n
 
-    def core(self, loop_idx: int, layer_idx: int) -> int:
+    def core(self, loop_idx: int, layer_idx: int) -> int | None:
         if loop_idx >= self.loops:
             raise CacheError(f"cache was built for {self.loops} loops; loop {loop_idx} has no slot")
-        return self.cfg.n_prelude + self.cfg.n_coda + (loop_idx % self.ring) * self.cfg.n_core + layer_idx
+        n = self._core.get(layer_idx)
+        return None if n is None else self._base + (loop_idx % self.ring) * len(self._core) + n
+
+    def core_kv_layers(self) -> list[int]:
+        """The core layers that keep keys (all of them but an nGPT model's MLP blocks)."""
+        return list(self._core)
 
     def extra_slot(self, i: int) -> int:
         if not 0 <= i < self.extra:
             raise CacheError(f"cache has {self.extra} extra slots; slot {i} does not exist")
-        return self.cfg.n_prelude + self.cfg.n_coda + self.ring * self.cfg.n_core + i
+        return self._base + self.ring * len(self._core) + i
 
     def columns(self) -> list[int] | None:
         """For a shared layout: this layout's slot for each slot of the one-slot-per-loop layout of the same
-        depth (prelude, coda, then core loop by loop); None when there is nothing to map."""
-        if self.ring == self.loops:
+        depth (prelude, coda, then core loop by loop); None when there is nothing to map (a last_loop
+        model's layouts are all the ring's)."""
+        if self.ring == self.loops or self.model_ring:
             return None
-        c = self.cfg
-        return [*range(c.n_prelude + c.n_coda)] + [self.core(r, j) for r in range(self.loops) for j in range(c.n_core)]
+        return [*range(self._base)] + [self.core(r, j) for r in range(self.loops) for j in self._core]
 
 
 class KVCache:

@@ -22,11 +22,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = ()) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = (), rotary_dim: int = 0) -> torch.Tensor:
     """The D/2 rotary frequencies theta^(-2i/D), float64. With `llama3` = (factor, low, high, old_len), Llama-3's
     rescaling: a frequency whose wavelength 2 pi / f exceeds old_len / low is divided by `factor`, one whose
     wavelength is below old_len / high is kept, and those between are blended linearly in old_len / wavelength
-    (weight s = (old_len / wavelength - low) / (high - low) on the kept one, 1 - s on the divided one)."""
+    (weight s = (old_len / wavelength - low) / (high - low) on the kept one, 1 - s on the divided one).
+
+    Partial rotary (`rotary_dim` R, 0 < R < D): the first R/2 pairs turn at theta^(-2i/R), the other pairs at
+    frequency 0 (cos 1, sin 0: left exactly as they are)."""
+    if rotary_dim and rotary_dim != head_dim:
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+        return torch.cat([inv, torch.zeros(head_dim // 2 - rotary_dim // 2, dtype=torch.float64, device="cpu")])
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if not llama3:
         return inv
@@ -36,13 +42,24 @@ def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = ()
 
 
 class Rotary:
-    """cos/sin tables for rotary position embeddings, grown on demand, one per dtype/device."""
+    """cos/sin tables for rotary position embeddings, grown on demand, one per dtype/device. `alt`: the
+    model's second RoPE profile (`ModelConfig.rope_profile` 2: Dory's sliding-window layers), or None."""
 
-    def __init__(self, head_dim: int, theta: float, llama3: tuple[float, ...] = ()):
+    def __init__(self, head_dim: int, theta: float, llama3: tuple[float, ...] = (), rotary_dim: int = 0,
+                 alt: "Rotary | None" = None):
         self.head_dim = head_dim
         self.theta = theta
-        self.inv_freq = rope_frequencies(head_dim, theta, llama3)   # (D/2,) float64
+        self.inv_freq = rope_frequencies(head_dim, theta, llama3, rotary_dim)   # (D/2,) float64
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.alt = alt
+
+    def profile(self, profile: int) -> "Rotary":
+        """This table (profile 1) or the second profile's."""
+        if profile == 1:
+            return self
+        if self.alt is None:
+            raise ValueError(f"RoPE profile {profile}: the model has one profile")
+        return self.alt
 
     def table(self, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (dtype, str(device))
@@ -121,16 +138,25 @@ class AttentionContext(Protocol):
     `KVCache`, or no cache) and `paged.PagedView` (the serving pool) implement it.
 
     slots:       the `cache.SlotLayout` that names each layer's cache slot (None: no cache)
-    rope_full(): the step's rows' rotary tables, each (T, 1, D), for `apply_rope_full`
-    attend(slot, q, k, v): store the rows' new keys/values (k, v: (B, T, Hkv, D)) in `slot`, then return
-                 attention of q (B, T, H, D) over every key each row may see: (B, T, H, D)
+    rope_full(profile=1): the step's rows' rotary tables, each (T, 1, D), for `apply_rope_full` (profile 2:
+                 the model's second RoPE profile, `Rotary.alt`)
+    attend(slot, q, k, v, window=0): store the rows' new keys/values (k, v: (B, T, Hkv, D)) in `slot`, then
+                 return attention of q (B, T, H, D) over every key each row may see: (B, T, H, D); a layer's
+                 `window` W > 0 (Dory's sliding-window layers) further limits each query at position t to keys
+                 at t-W+1 .. t (with a row's own window too, the narrower one holds: `combine_windows`)
     """
 
     slots: Any
 
-    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rope_full(self, profile: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int = 0) -> torch.Tensor: ...
+
+
+def combine_windows(a: int, b: int) -> int:
+    """The window of two limits (0: none): the narrower of those set."""
+    return min(a, b) if a and b else a or b
 
 
 class Attention(nn.Module):
@@ -302,38 +328,49 @@ class StepContext:
             tree_key_positions = positions
         self.tree_key_positions = tree_key_positions
         self.window = cache.window if cache is not None else 0
-        self._mask_cache: dict[int, torch.Tensor | None] = {}
-        self._simple = tree_mask is None and self.window == 0
+        self._mask_cache: dict[tuple[int, int], torch.Tensor | None] = {}
         self.T = positions.shape[0]
-        self._rope_full: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rotary = rotary
+        self._rope_full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cat(cos, cos), cat(-sin, sin)), each (T, 1, D): the tables `apply_rope_full` takes, made once per step."""
-        if self._rope_full is None:
-            self._rope_full = rope_tables(self.cos, self.sin)
-        return self._rope_full
+    def rope_full(self, profile: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)), each (T, 1, D): the tables `apply_rope_full` takes, made once per step
+        (profile 2: the model's second RoPE profile)."""
+        tables = self._rope_full.get(profile)
+        if tables is None:
+            cos, sin = (self.cos, self.sin) if profile == 1 else \
+                self._rotary.profile(profile).cos_sin(self.positions, self.cos.dtype)
+            tables = self._rope_full[profile] = rope_tables(cos, sin)
+        return tables
 
-    def mask_for(self, key_pos: torch.Tensor) -> torch.Tensor | None:
-        L = key_pos.shape[0]
-        if L not in self._mask_cache:
-            if self._simple and self.T == 1:
+    def mask_for(self, key_pos: torch.Tensor, window: int = 0) -> torch.Tensor | None:
+        """The (T, L) mask of the step's queries over keys at `key_pos`; `window`: the layer's (0: none)."""
+        w = combine_windows(self.window, window)
+        key = (key_pos.shape[0], w)
+        if key not in self._mask_cache:
+            if self.tree_mask is None and w == 0 and self.T == 1:
                 mask = None  # one query sees every cached key
             else:
-                mask = build_mask(self.positions, key_pos, self.window, self.tree_mask, self.tree_key_positions)
-            self._mask_cache[L] = mask
-        return self._mask_cache[L]
+                mask = build_mask(self.positions, key_pos, w, self.tree_mask, self.tree_key_positions)
+            self._mask_cache[key] = mask
+        return self._mask_cache[key]
 
-    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int = 0) -> torch.Tensor:
         """q: (B, T, H, D), k, v: (B, T, Hkv, D) -> (B, T, H, D): store k, v in the cache slot (if any),
-        then attend over what the cache holds for these positions."""
+        then attend over what the cache holds for these positions (a layer's `window`: the W most recent)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
         causal = False
         if self.cache is None or slot is None:
             K, V, mask = k, v, self.tree_mask
             causal = mask is None and self.T > 1
+            if window:   # the step's own keys, limited to the layer's window
+                causal = False
+                mask = build_mask(self.positions, self.positions, window, None) if mask is None else \
+                    mask & attention_mask(self.positions, self.tree_key_positions, window)
         else:
             K, V, key_pos = self.cache.update(slot, self.start, k, v)
-            mask = self.mask_for(key_pos)
+            mask = self.mask_for(key_pos, window)
         adt = torch.promote_types(q.dtype, torch.float32)  # attention math in at least fp32
         if q.dtype != adt or K.dtype != adt:  # (a no-op .to still costs a dispatch per call)
             q, K, V = q.to(adt), K.to(adt), V.to(adt)

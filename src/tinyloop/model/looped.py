@@ -29,9 +29,19 @@ class LoopedTransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         ve = set(cfg.value_embeds)   # blocks numbered prelude, core, coda
         P, C = cfg.n_prelude, cfg.n_core
-        self.prelude = nn.ModuleList(Block(cfg, i in ve) for i in range(P))
-        self.core = nn.ModuleList(Block(cfg, P + j in ve) for j in range(C))
-        self.coda = nn.ModuleList(Block(cfg, P + C + i in ve) for i in range(cfg.n_coda))
+        self.justnorm = None
+        if cfg.ngpt:   # NVIDIA Dory's one-sublayer nGPT blocks (`model.families.dory`)
+            from .families.dory import NGPTBlock, justnorm
+            self.justnorm = justnorm
+
+            def make(b: int) -> nn.Module:
+                return NGPTBlock(cfg, b)
+        else:
+            def make(b: int) -> nn.Module:
+                return Block(cfg, b in ve)
+        self.prelude = nn.ModuleList(make(i) for i in range(P))
+        self.core = nn.ModuleList(make(P + j) for j in range(C))
+        self.coda = nn.ModuleList(make(P + C + i) for i in range(cfg.n_coda))
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim)
                                            for i in cfg.value_embeds}) if ve else None
         # The core's and coda's value embeddings ride in the loop input e after its first dim columns (looked
@@ -48,7 +58,10 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+        # nGPT (Dory): the logits are scaled per token by logit_scale / ngpt_std
+        self.logit_scale = nn.Parameter(torch.ones(cfg.vocab_size)) if cfg.ngpt else None
+        alt = Rotary(cfg.head_dim, cfg.rope_theta_2, (), cfg.rotary_dim_2) if 2 in cfg.rope_profile else None
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3, cfg.rotary_dim, alt)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
         # Set by model.fast.prepare_for_decode: the dtype activations run in (None: the embedding's) and a
         # module computing the LM head (None: F.linear with head_weight).
@@ -68,7 +81,11 @@ class LoopedTransformer(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         n_layers = self.cfg.n_prelude + self.cfg.n_coda + self.cfg.n_core * self.cfg.default_loops
-        init_weights(self, n_layers)
+        if self.cfg.ngpt:
+            from .families.dory import init_ngpt
+            init_ngpt(self, self.cfg)
+        else:
+            init_weights(self, n_layers)
         if seed is not None:
             torch.random.set_rng_state(gen_state)
         return self
@@ -110,7 +127,8 @@ class LoopedTransformer(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         for i, blk in enumerate(self.prelude):
-            ve = self.value_embeds[str(i)](tokens) if blk.attn.ve_gate is not None else None
+            ve = self.value_embeds[str(i)](tokens) if self.value_embeds is not None and blk.attn.ve_gate is not None \
+                else None
             x = blk(x, ctx, ctx.slots.prelude(i) if ctx.slots is not None else None, ve)
         if self.prelude_norm is not None:
             x = self.prelude_norm(x)
@@ -163,6 +181,8 @@ class LoopedTransformer(nn.Module):
         full, e = e, e[..., :self.cfg.dim] if self.ve_cols else e
         if loop_idx == 0 and self.cfg.loop_start == "skip":
             x = e   # the first loop runs on the prelude output itself, without the injection
+        elif self.justnorm is not None:
+            x = self.justnorm(h + e).to(h.dtype)   # nGPT (Dory): the sum back on the sphere
         elif self.cfg.injection == "add":
             x = h + e
         elif self.cfg.injection == "concat-adapter":
@@ -176,6 +196,8 @@ class LoopedTransformer(nn.Module):
             ve = self._ve(full, P + j) if self.ve_cols else None
             x = blk(x, ctx, ctx.slots.core(loop_idx, j) if ctx.slots is not None else None, ve)
         self.core_loop_tokens += h.shape[0] * h.shape[1]
+        if self.justnorm is not None:
+            return self.justnorm(x).to(x.dtype)
         return x if self.core_norm is None else self.core_norm(x)
 
     def run_coda(self, h: torch.Tensor, ctx, e: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +234,10 @@ class LoopedTransformer(nn.Module):
         else:
             w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
             out = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+        if self.logit_scale is not None:   # nGPT (Dory): per-token scales (a padded head's extra rows: as they are)
+            s = self.logit_scale.to(torch.promote_types(out.dtype, torch.float32)) / self.cfg.ngpt_std
+            V = s.shape[0]
+            out = out.to(s.dtype) * s if out.shape[-1] == V else torch.cat([out[..., :V] * s, out[..., V:]], dim=-1)
         c = self.cfg.logit_softcap
         return out if c == 0 else c * torch.tanh(out / c)
 

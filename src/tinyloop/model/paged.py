@@ -23,7 +23,7 @@ import torch
 from ..config import ModelConfig
 from ..quant.kv import KVTensor, bytes_per_vector
 from .cache import SlotLayout, check_kv_format
-from .layers import build_mask, grouped_sdpa, rope_tables
+from .layers import build_mask, combine_windows, grouped_sdpa, rope_tables
 
 
 class PagedKV:
@@ -156,8 +156,20 @@ class _DecodeGroup:
         key_idx = torch.arange(n_blocks * page_size, device=device)
         allowed = key_idx[None, :] <= start[:, None]                      # storage index == position here
         win = torch.tensor([r.window for r in rows], device=device)
-        allowed &= (win[:, None] == 0) | (key_idx[None, :] > pos[:, None] - win[:, None])
+        self._parts = (key_idx, pos, allowed, [r.window for r in rows])
+        allowed = allowed & ((win[:, None] == 0) | (key_idx[None, :] > pos[:, None] - win[:, None]))
         self.mask = allowed[:, None, None, :]                             # (B, 1, 1, L)
+        self._masks: dict[int, torch.Tensor] = {0: self.mask}
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The group's mask with a layer's `window` besides each row's own (0: the rows' own only)."""
+        m = self._masks.get(window)
+        if m is None:
+            key_idx, pos, allowed, wins = self._parts
+            win = torch.tensor([combine_windows(w, window) for w in wins], device=pos.device)
+            allowed = allowed & ((win[:, None] == 0) | (key_idx[None, :] > pos[:, None] - win[:, None]))
+            m = self._masks[window] = allowed[:, None, None, :]
+        return m
 
 
 class PagedView:
@@ -178,12 +190,14 @@ class PagedView:
         first, last = members[0].row0, members[-1].row0 + members[-1].n
         self.span = (first, last) if last - first == r0 else None      # contiguous rows: slice, not gather
         self.rows = None if self.span else torch.cat(idx).to(dev)
+        self._step = step
         self._rope = step.rope_rows(self)
+        self._rope_alt: tuple[torch.Tensor, torch.Tensor] | None = None
         dec = [i for i, m in enumerate(members) if m.decode_like]
         self.dec = _DecodeGroup([members[i] for i in dec], [self.local[i] for i in dec], ps, dev) \
             if len(dec) > 1 else None
         self.dec_members = set(dec) if self.dec is not None else set()
-        self._masks: dict[int, torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, int], torch.Tensor | None] = {}
         # per other member, made once for every layer of the step: where its rows' keys go (a page per
         # slot; python ints for one row, the cheapest index) and the pages its queries read, slot-major
         self._io = {}
@@ -221,18 +235,23 @@ class PagedView:
         x[:, self.rows] = part
         return x
 
-    def rope_full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rope
+    def rope_full(self, profile: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if profile == 1:
+            return self._rope
+        if self._rope_alt is None:
+            self._rope_alt = self._step.rope_rows(self, profile)
+        return self._rope_alt
 
-    def _mask(self, i: int, m: Rows, device: torch.device) -> torch.Tensor | None:
-        if i not in self._masks:
-            if m.n == 1 and m.window == 0 and m.tree_mask is None:
+    def _mask(self, i: int, m: Rows, device: torch.device, window: int = 0) -> torch.Tensor | None:
+        w = combine_windows(m.window, window)
+        if (i, w) not in self._masks:
+            if m.n == 1 and w == 0 and m.tree_mask is None:
                 mask = None
             else:   # (the rows' positions are host tensors; the mask goes where the queries are)
                 key_pos = torch.arange(m.end, device=m.positions.device)
-                mask = build_mask(m.positions, key_pos, m.window, m.tree_mask, m.tree_key_positions).to(device)
-            self._masks[i] = mask
-        return self._masks[i]
+                mask = build_mask(m.positions, key_pos, w, m.tree_mask, m.tree_key_positions).to(device)
+            self._masks[(i, w)] = mask
+        return self._masks[(i, w)]
 
     def _store(self, i: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Member i's new keys/values (n, Hkv, D) into its pages of `slot`."""
@@ -252,8 +271,10 @@ class PagedView:
         shape = (1, nb * ps, *K.shape[2:])
         return K.view(shape)[:, :end].transpose(1, 2), V.view(shape)[:, :end].transpose(1, 2)
 
-    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D)."""
+    def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int = 0) -> torch.Tensor:
+        """q: (1, n, H, D), k, v: (1, n, Hkv, D) for this view's rows -> (1, n, H, D); `window`: the layer's
+        (each query sees the W most recent keys; with a row's own window, the narrower)."""
         adt = torch.promote_types(q.dtype, torch.float32)
         if len(self.members) == 1:  # a batch of one, or a speculative pass alone: no row bookkeeping
             (pages, offs), _, _ = self._io[0]
@@ -265,7 +286,7 @@ class PagedView:
                 self._store(0, slot, k[0], v[0])
             q = q.transpose(1, 2)
             return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt),
-                                self._mask(0, self.members[0], q.device)).transpose(1, 2)
+                                self._mask(0, self.members[0], q.device, window)).transpose(1, 2)
         q, k, v = q[0], k[0], v[0]
         n, H, D = q.shape
         out = torch.empty(n, H, D, dtype=adt, device=q.device)
@@ -286,11 +307,12 @@ class PagedView:
             K = self.kv.k.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)   # (G, Hkv, L, D)
             V = self.kv.v.read(table, adt).reshape(G, nb * ps, -1, D).transpose(1, 2)
             qs = q[grp.rows].to(adt)[:, :, None]                                # (G, H, 1, D)
-            out[grp.rows] = grouped_sdpa(qs, K, V, grp.mask)[:, :, 0]
+            out[grp.rows] = grouped_sdpa(qs, K, V, grp.mask_for(window))[:, :, 0]
         for i in self._io:
             m, a = self.members[i], self.local[i]
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
-            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt), self._mask(i, m, qs.device))[0].transpose(0, 1)
+            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt),
+                                          self._mask(i, m, qs.device, window))[0].transpose(0, 1)
         return out[None]
 
 
@@ -308,6 +330,7 @@ class PagedStep:
         self.n = r0
         self._rotary, self._dtype = rotary, dtype
         self._rope_all: tuple[torch.Tensor, torch.Tensor] | None = None   # made when a view first needs it
+        self._rope_alt: tuple[torch.Tensor, torch.Tensor] | None = None   # the second RoPE profile's (Dory)
         self._views: dict[tuple[int, ...], PagedView] = {}
 
     @property
@@ -318,11 +341,20 @@ class PagedStep:
             self._rope_all = rope_tables(*self._rotary.cos_sin(positions, self._dtype))
         return self._rope_all
 
-    def rope_rows(self, view: PagedView) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_of(self, profile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if profile == 1:
+            return self._rope
+        if self._rope_alt is None:
+            positions = torch.cat([r.positions for r in self.rows]).to(self.device)
+            self._rope_alt = rope_tables(*self._rotary.profile(profile).cos_sin(positions, self._dtype))
+        return self._rope_alt
+
+    def rope_rows(self, view: PagedView, profile: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self._rope_of(profile)
         if view.span is not None:
             a, b = view.span
-            return self._rope if (a, b) == (0, self.n) else (self._rope[0][a:b], self._rope[1][a:b])
-        return self._rope[0][view.rows], self._rope[1][view.rows]
+            return rope if (a, b) == (0, self.n) else (rope[0][a:b], rope[1][a:b])
+        return rope[0][view.rows], rope[1][view.rows]
 
     def fill_skipped(self, r: Rows, used: int, upto: int) -> None:
         """A one-row token that ran `used` core loops of `upto`: its keys/values of loops used..upto-1 (every
@@ -330,9 +362,10 @@ class PagedStep:
         read)."""
         if used >= upto:
             return
-        cfg, ps = self.kv.cfg, self.kv.page_size
-        src = [self.slots.core(used - 1, j) for _ in range(used, upto) for j in range(cfg.n_core)]
-        dst = [self.slots.core(loop, j) for loop in range(used, upto) for j in range(cfg.n_core)]
+        ps = self.kv.page_size
+        kv = self.slots.core_kv_layers()   # (an nGPT MLP block keeps no keys)
+        src = [self.slots.core(used - 1, j) for _ in range(used, upto) for j in kv]
+        dst = [self.slots.core(loop, j) for loop in range(used, upto) for j in kv]
         pages = r.table[r.start // ps]                                          # (slots,)
         at = (pages[torch.tensor(dst)], r.start % ps)
         frm = (pages[torch.tensor(src)], r.start % ps)
