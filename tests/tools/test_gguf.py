@@ -48,10 +48,9 @@ def gguf_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def random_weights(seed: int, tie: bool) -> dict[str, np.ndarray]:
+def random_weights(seed: int, tie: bool, vocab: int) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array in PyTorch's (rows, columns) order; q/k rows as llama.cpp stores them."""
     g = np.random.default_rng(seed)
-    vocab = len(gguf_vocab()[0])
     w = {"token_embd.weight": g.normal(0, 1.0, (vocab, DIM)),
          "output_norm.weight": 1 + 0.1 * g.normal(size=DIM)}
     if not tie:
@@ -109,10 +108,12 @@ def dequantize_by_hand(raw: np.ndarray, qtype, shape: tuple[int, int]) -> np.nda
 
 def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.F32, tie: bool = True,
                seed: int = 0, arch: str = "llama", kv: dict | None = None, pre: str = "gpt-2",
-               add_bos: bool = False, drop: tuple[str, ...] = (), template: bool = True) -> dict[str, np.ndarray]:
-    """A tiny Llama GGUF; returns what llama.cpp computes with: each tensor dequantized (float64)."""
-    w = random_weights(seed, tie)
-    tokens, token_types, merges = gguf_vocab()
+               add_bos: bool = False, drop: tuple[str, ...] = (), template: bool = True,
+               spm: dict | None = None) -> dict[str, np.ndarray]:
+    """A tiny Llama GGUF; returns what llama.cpp computes with: each tensor dequantized (float64). `spm`: a
+    SentencePiece vocabulary (tokens, scores, types) instead of the byte-level BPE one."""
+    tokens, token_types, merges = (spm["tokens"], spm["types"], None) if spm else gguf_vocab()
+    w = random_weights(seed, tie, len(tokens))
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
@@ -126,13 +127,19 @@ def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.
     writer.add_vocab_size(len(tokens))
     for key, value in (kv or {}).items():
         writer.add_key_value(key, value[0], value[1])
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)     # <|im_end|>: ChatML's end of turn
+    if spm:
+        writer.add_token_scores(spm["scores"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+    else:
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)     # <|im_end|>: ChatML's end of turn
     writer.add_add_bos_token(add_bos)
     if template:
         writer.add_chat_template(source_tokenizer()[1])
@@ -359,6 +366,31 @@ def test_add_bos_token_prepends_bos_to_plain_text_only(tmp_path):
     out = convert(tmp_path / "m.gguf", tmp_path / "m.tinyloop", progress=False)
     tok = load_model(out).tokenizer
     assert tok.encode("Hello")[0] == 0 and tok.encode("Hello")[1:] == tok.encode("Hello", add_special_tokens=False)
+
+
+def test_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
+    """A `llama` (SentencePiece BPE, byte fallback) vocabulary, trained here and written into the GGUF as
+    llama.cpp's converter writes one (pieces, scores, types), encodes as sentencepiece itself does."""
+    spm_lib = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed (pip install sentencepiece)")
+    corpus = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (tmp_path / "corpus.txt").write_text(corpus)
+    spm_lib.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
+                                       vocab_size=600, model_type="bpe", byte_fallback=True,
+                                       normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                       split_digits=True, minloglevel=2)
+    sp = spm_lib.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i)
+             else 1 for i in range(n)]   # as llama.cpp's convert_hf_to_gguf.py writes them
+    vocab = {"tokens": [sp.id_to_piece(i) for i in range(n)], "scores": [sp.get_score(i) for i in range(n)],
+             "types": types}
+    write_gguf(tmp_path / "m.gguf", spm=vocab, template=False, add_bos=True)
+    tok = load_model(convert(tmp_path / "m.gguf", tmp_path / "m.tinyloop", progress=False)).tokenizer
+    texts = [t for t in TEXTS if "<|" not in t and t] + [corpus[:400], corpus[2000:2600], "ünïcödé ✓ 你好 🙂 zzqx"]
+    for text in texts:
+        assert tok.encode(text) == [sp.bos_id()] + sp.encode(text), text
+        assert tok.decode(tok.encode(text, add_special_tokens=False)).lstrip(" ") == text.lstrip(" ")
+    assert tok.eos_ids == [2] and tok.bos_token == "<s>"
 
 
 # -- a fixed depth -----------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ Read with the `gguf` package (llama.cpp's own Python reader): the metadata, each
   TinyLoop's own RTN int4 (`tinyloop quantize`'s streamed path) on that file and reports the logit difference
   between the two files.
 - The tokenizer is rebuilt from `tokenizer.ggml.*` (a `gpt2` byte-level BPE vocabulary: tokens, merges, token
-  types, BOS/EOS/EOT ids, `add_bos_token`; `tokenizer.ggml.pre` picks the pre-tokenizer, as llama.cpp does) as a
-  Hugging Face `tokenizer.json`, which the model file embeds (`HFTokenizer`), with `tokenizer.chat_template`.
+  types, BOS/EOS/EOT ids, `add_bos_token`; `tokenizer.ggml.pre` picks the pre-tokenizer, as llama.cpp does; or a
+  `llama` SentencePiece BPE one: pieces, scores, byte-fallback tokens, `add_space_prefix`) as a Hugging Face
+  `tokenizer.json`, which the model file embeds (`HFTokenizer`), with `tokenizer.chat_template`.
 - Architectures (`general.architecture`): `llama` (the family's mapping: `model/families/llama.py`) becomes
   a one-loop model: n_prelude 0, every layer in the core, n_coda 0, `default_loops` = `max_loops` = 1, no
   injection, no loop norm, pre-norm blocks, the final norm before the head. llama.cpp stores q and k with
@@ -214,11 +215,12 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     model = g.get("tokenizer.ggml.model")
     if model is None:
         raise ConvertError(f"{g.path}: no tokenizer in the metadata (tokenizer.ggml.model)")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ConvertError(f"{g.path}: tokenizer.ggml.model {model!r} is not read (only 'gpt2', byte-level BPE: "
-                           "SmolLM, Llama-3, Qwen, ... tokenizers)")
+                           "SmolLM, Llama-3, Qwen, ...; and 'llama', SentencePiece BPE with byte fallback: "
+                           "Llama-2, TinyLlama, Mistral)")
     pre = g.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE:
+    if model == "gpt2" and pre not in _PRE:
         raise ConvertError(f"{g.path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer this importer knows "
                            f"({', '.join(PRE_TOKENIZERS)})")
     tokens = g.get("tokenizer.ggml.tokens")
@@ -234,8 +236,10 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     if len(vocab) != len(tokens):
         dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
         raise ConvertError(f"{g.path}: token {dup!r} appears twice in tokenizer.ggml.tokens")
+    if model == "llama":
+        merges = _spm_merges(g, tokens, types, vocab)
     for m in merges:
-        parts = m.split(" ")
+        parts = m.split(" ") if isinstance(m, str) else m
         if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab:
             raise ConvertError(f"{g.path}: merge {m!r} does not join two tokens of the vocabulary")
 
@@ -248,7 +252,7 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
         return int(v)
 
     ids = {k: special_id(f"{k}_token_id") for k in ("bos", "eos", "eot", "eom", "padding", "unknown")}
-    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", model == "llama"))   # (llama.cpp's defaults)
     add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False))
     if add_bos and ids["bos"] is None:
         raise ConvertError(f"{g.path}: tokenizer.ggml.add_bos_token is set but there is no bos_token_id")
@@ -257,9 +261,9 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     # control tokens (llama.cpp never splits them; its parser takes them whole where the text has them) and
     # user-defined ones (stored as their text) are the tokenizer's added tokens, matched before the BPE
     added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": types[i] == USER_DEFINED, "special": types[i] == CONTROL}
+              "normalized": False, "special": types[i] == CONTROL}
              for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
-    pre_tokenizers, ignore_merges = _PRE[pre]
+    pre_tokenizers, ignore_merges = _PRE.get(pre, _PRE["gpt2"])
     if add_bos or add_eos:
         single = ([{"SpecialToken": {"id": tokens[ids["bos"]], "type_id": 0}}] if add_bos else []) \
             + [{"Sequence": {"id": "A", "type_id": 0}}] \
@@ -270,6 +274,10 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
         post = {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}
     else:
         post = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    if model == "llama":
+        spec = _spm_spec(g, tokens, ids, vocab, merges, added, post)
+        return json.dumps(spec, ensure_ascii=False), {**ids, "add_bos": add_bos, "add_eos": add_eos,
+                                                      "tokens": tokens, "pre": pre}
     spec = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": pre_tokenizers[0] if len(pre_tokenizers) == 1 else
@@ -282,6 +290,50 @@ def tokenizer_json(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     }
     return json.dumps(spec, ensure_ascii=False), {**ids, "add_bos": add_bos, "add_eos": add_eos,
                                                   "tokens": tokens, "pre": pre}
+
+
+def _spm_merges(g: GGUFFile, tokens: list[str], types: list[int], vocab: dict[str, int]) -> list:
+    """SentencePiece BPE (`tokenizer.ggml.model` llama) keeps scores, not merges: a piece made of two pieces is
+    merged before any piece of a lower score (llama.cpp's tokenizer merges the best-scored bigram first). The
+    merges Hugging Face's SentencePiece converter derives: every split of a normal piece into two pieces of the
+    vocabulary, ranked by the piece's score (highest first), ties in vocabulary order."""
+    scores = g.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ConvertError(f"{g.path}: a SentencePiece vocabulary (tokenizer.ggml.model 'llama') needs "
+                           "tokenizer.ggml.scores, one per token")
+    merges = []
+    for i, piece in enumerate(tokens):
+        if types[i] != NORMAL or len(piece) < 2:
+            continue
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(float(scores[i]), lr) for lr in local]
+    merges.sort(key=lambda m: -m[0])   # (stable: ties keep vocabulary order)
+    return [list(lr) for _, lr in merges]
+
+
+def _spm_spec(g: GGUFFile, tokens: list[str], ids: dict[str, Any], vocab: dict[str, int], merges: list,
+              added: list[dict[str, Any]], post: dict[str, Any]) -> dict[str, Any]:
+    """A SentencePiece BPE vocabulary as Hugging Face's Llama tokenizer has it: spaces as U+2581, a leading one
+    before each run of text (`tokenizer.ggml.add_space_prefix`; llama.cpp adds it after every special token
+    too, as the normalizer's per-segment Prepend does), byte fallback through the <0xNN> tokens."""
+    space = "\u2581"
+    norm = [{"type": "Replace", "pattern": {"String": " "}, "content": space}]
+    if g.get("tokenizer.ggml.add_space_prefix", True):
+        norm.insert(0, {"type": "Prepend", "prepend": space})
+    unk = tokens[ids["unknown"]] if ids.get("unknown") is not None else None
+    if post.get("type") == "ByteLevel":
+        post = None
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": None, "post_processor": post,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": space}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
 
 
 def gguf_tokenizer(g: GGUFFile) -> HFTokenizer:
