@@ -66,7 +66,6 @@ from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
-from .params import SamplingParams
 from .sampling import Sampler, head_tokens, penalized, processed_logits
 from .native import native as native_of
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps

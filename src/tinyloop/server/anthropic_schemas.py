@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import KV_LOOPS_DOC, LOOPS_DOC, MIN_TIMEOUT_S, ExitCriterion, Int, KVLoops, LoopKnobs, Loops, rng
+from .schemas import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 CacheControl = dict[str, Any] | None   # {"type": "ephemeral", "ttl": ...}: accepted; the prefix cache is automatic
@@ -195,14 +195,7 @@ class MessagesRequest(LoopKnobs, CountTokensRequest):
     top_k: Int | None = rng(lo=0, hi=1000)
     metadata: Metadata | None = Field(None, description="accepted; no effect")
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="accepted; no effect")
-    # TinyLoop's knobs, as the chat route takes them
-    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)
-    exit_criterion: ExitCriterion | None = None
-    exit_threshold: float | None = rng(gt=0, hi=10)
-    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)
+    # sampling fields the chat route takes too (TinyLoop's depth and speculative knobs: LoopKnobs)
     seed: Int | None = None
     presence_penalty: float | None = rng(lo=-2, hi=2)
     frequency_penalty: float | None = rng(lo=-2, hi=2)

@@ -30,7 +30,7 @@ from .access import note
 from .errors import OpenAIFieldErrors, register_shape
 from .generation import gather
 from .openai import state_of
-from .schemas import Int, check_timeout, model_loops
+from .schemas import Int, check_timeout, requested_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"
@@ -66,14 +66,7 @@ class EmbeddingRequest(BaseModel):
     timeout_s: float | None = Field(None, description="TinyLoop: fail if not started within this many seconds")
 
     def requested_loops(self) -> Any:
-        """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
-        suffix = model_loops(self.model)
-        if suffix is None:
-            return self.loops
-        if self.loops is not None and self.loops != suffix:
-            raise ValidationError(f"loops: the body asks for {self.loops!r}, the model name {self.model!r} for "
-                                  f"{suffix!r}; give one", param="loops")
-        return suffix
+        return requested_loops(self.loops, self.model)
 
     def encoding(self) -> str:
         fmt = "float" if self.encoding_format is None else self.encoding_format

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .schemas import KV_LOOPS_DOC, LOOPS_DOC, MIN_TIMEOUT_S, ExitCriterion, Int, KVLoops, LoopKnobs, Loops, rng
+from .schemas import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 OPEN = ConfigDict(strict=True, extra="allow")
@@ -239,13 +239,6 @@ class ResponsesRequest(LoopKnobs, Closed):
     seed: Int | None = None
     presence_penalty: float | None = rng(lo=-2, hi=2)
     frequency_penalty: float | None = rng(lo=-2, hi=2)
-    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)
-    exit_criterion: ExitCriterion | None = None
-    exit_threshold: float | None = rng(gt=0, hi=10)
-    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)
 
     def knobs(self) -> dict[str, Any]:
         """TinyLoop's fields (and the chat route's sampling extras) that were given, by their chat-route names."""

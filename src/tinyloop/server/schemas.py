@@ -245,6 +245,17 @@ def check_timeout(value: float | None) -> None:
                               f"one engine step), got {value}", param="timeout_s")
 
 
+def requested_loops(loops: Any, model: str) -> Any:
+    """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
+    suffix = model_loops(model)
+    if suffix is None:
+        return loops
+    if loops is not None and loops != suffix:
+        raise ValidationError(f"loops: the body asks for {loops!r}, the model name {model!r} for "
+                              f"{suffix!r}; give one", param="loops")
+    return suffix
+
+
 def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
                 k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
     """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
@@ -259,9 +270,18 @@ def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: 
 
 
 class LoopKnobs(BaseModel):
-    """TinyLoop's own knobs, taken on /v1 and /api/v0 alike (as vLLM takes its sampling extras on /v1):
-    the generation mode, the speculative knobs, the cache window and the repetition penalty."""
+    """TinyLoop's own knobs, declared once and taken by every generating route (/v1 chat and completions,
+    /api/v0, Messages, Responses; as vLLM takes its sampling extras on /v1): the depth (`loops`, adaptive
+    depth's exit criteria, `kv_loops`), the request's time limit, the generation mode, the speculative knobs,
+    the cache window and the repetition penalty."""
 
+    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # extension: 1..max_loops or "auto"
+    exit_criterion: ExitCriterion | None = None                 # loops "auto" (adaptive depth, docs/adaptive.md)
+    exit_threshold: float | None = rng(gt=0, hi=10)
+    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
+    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
+    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
+    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
     mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
     draft_loops: Int | None = rng(lo=1, hi=32)
     verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
@@ -304,13 +324,6 @@ class OpenAIRequest(LoopKnobs):
     seed: Int | None = Field(None, description="any integer; outside [-2**63, 2**64) taken modulo 2**64")
     presence_penalty: float | None = rng(lo=-2, hi=2)
     frequency_penalty: float | None = rng(lo=-2, hi=2)
-    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # extension: 1..max_loops or "auto"
-    exit_criterion: ExitCriterion | None = None                 # loops "auto" (adaptive depth, docs/adaptive.md)
-    exit_threshold: float | None = rng(gt=0, hi=10)
-    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
-    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = logit_bias_field()
     # OpenAI's bookkeeping fields: accepted, no effect here (docs/server.md)
@@ -375,14 +388,7 @@ class OpenAIRequest(LoopKnobs):
         return self.response_format.constraint() if self.response_format is not None else None
 
     def requested_loops(self) -> int | str | None:
-        """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
-        suffix = model_loops(self.model)
-        if suffix is None:
-            return self.loops
-        if self.loops is not None and self.loops != suffix:
-            raise ValidationError(f"loops: the body asks for {self.loops!r}, the model name {self.model!r} for "
-                                  f"{suffix!r}; give one", param="loops")
-        return suffix
+        return requested_loops(self.loops, self.model)
 
     def logprobs_param(self) -> int | None:
         """Alternatives per token to report (SamplingParams.logprobs), or None."""

@@ -25,7 +25,7 @@ from ..modelfile_writer import ModelFileWriter
 from ..modellayout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
-from ..model.families import ConvertError, Emit, family_of, lookup  # noqa: F401  (ConvertError: the converter's error)
+from ..model.families import ConvertError, Emit, lookup  # noqa: F401  (ConvertError: the converter's error)
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
