@@ -109,7 +109,7 @@ def dequantize_by_hand(raw: np.ndarray, qtype, shape: tuple[int, int]) -> np.nda
 def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.F32, tie: bool = True,
                seed: int = 0, arch: str = "llama", kv: dict | None = None, pre: str = "gpt-2",
                add_bos: bool = False, drop: tuple[str, ...] = (), template: bool = True,
-               spm: dict | None = None) -> dict[str, np.ndarray]:
+               spm: dict | None = None, extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """A tiny Llama GGUF; returns what llama.cpp computes with: each tensor dequantized (float64). `spm`: a
     SentencePiece vocabulary (tokens, scores, types) instead of the byte-level BPE one."""
     tokens, token_types, merges = (spm["tokens"], spm["types"], None) if spm else gguf_vocab()
@@ -121,7 +121,8 @@ def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(THETA)
+    if "llama.rope.freq_base" not in (kv or {}):
+        writer.add_rope_freq_base(THETA)
     writer.add_layer_norm_rms_eps(EPS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(len(tokens))
@@ -144,6 +145,8 @@ def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.
     if template:
         writer.add_chat_template(source_tokenizer()[1])
     seen = {}
+    for name, arr in (extra or {}).items():
+        writer.add_tensor(name, arr)
     for i, (name, arr) in enumerate(w.items()):
         if name in drop:
             continue
@@ -175,10 +178,12 @@ def rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * w
 
 
-def rope_adjacent(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's LLAMA_ROPE_TYPE_NORM on (T, heads, D): pairs (2i, 2i + 1) rotated by pos * theta^(-2i/D)."""
+def rope_adjacent(x: np.ndarray, factors: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's LLAMA_ROPE_TYPE_NORM on (T, heads, D): pairs (2i, 2i + 1) rotated by pos * theta^(-2i/D)
+    (divided by rope_freqs[i], where the file has them)."""
     T, _, D = x.shape
-    ang = np.arange(T)[:, None] * THETA ** (-np.arange(0, D, 2) / D)[None]
+    freq = THETA ** (-np.arange(0, D, 2) / D) / (1.0 if factors is None else factors)
+    ang = np.arange(T)[:, None] * freq[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
@@ -186,15 +191,15 @@ def rope_adjacent(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def numpy_llama(w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+def numpy_llama(w: dict[str, np.ndarray], ids: list[int], factors: np.ndarray | None = None) -> np.ndarray:
     T = len(ids)
     x = w["token_embd.weight"][ids]
     mask = np.triu(np.full((T, T), -np.inf), 1)
     for i in range(LAYERS):
         p = f"blk.{i}."
         h = rms(x, w[p + "attn_norm.weight"])
-        q = rope_adjacent((h @ w[p + "attn_q.weight"].T).reshape(T, HEADS, HEAD_DIM))
-        k = rope_adjacent((h @ w[p + "attn_k.weight"].T).reshape(T, KV_HEADS, HEAD_DIM))
+        q = rope_adjacent((h @ w[p + "attn_q.weight"].T).reshape(T, HEADS, HEAD_DIM), factors)
+        k = rope_adjacent((h @ w[p + "attn_k.weight"].T).reshape(T, KV_HEADS, HEAD_DIM), factors)
         v = (h @ w[p + "attn_v.weight"].T).reshape(T, KV_HEADS, HEAD_DIM)
         rep = HEADS // KV_HEADS
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -251,6 +256,44 @@ def test_logits_match_llama_cpps_graph_in_numpy(tmp_path, case):
     err = np.abs(got - want).max()
     assert err < 1e-4, (case, err, np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def llama3_factors(factor: float, low: float = 1.0, high: float = 4.0, old: float = 8192.0) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for Llama-3.1's rope_scaling."""
+    out = []
+    for f in THETA ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM):
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """Llama-3's RoPE scaling, stored as rope_freqs.weight, is read back into rope_llama3; the logits follow
+    llama.cpp's (each frequency divided by its stored factor). A table it cannot reproduce is refused."""
+    global THETA
+    theta, THETA = THETA, 500000.0   # (a base whose wavelengths straddle the scaling's band at this head width)
+    try:
+        kv = {"llama.rope.freq_base": (THETA, S.FLOAT32)}
+        factors = llama3_factors(8.0, old=64.0)
+        kv["llama.rope.scaling.original_context_length"] = (64, S.UINT32)
+        w = write_gguf(tmp_path / "m.gguf", kv=kv, extra={"rope_freqs.weight": factors})
+        out = convert(tmp_path / "m.gguf", tmp_path / "m.tinyloop", dtype="float32", progress=False)
+        assert load_model(out).config.rope_llama3 == (8.0, 1.0, 4.0, 64.0)
+        assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()  # all 3 bands
+        assert np.abs(tinyloop_logits(out) - numpy_llama(w, IDS, factors.astype(np.float64))).max() < 1e-4
+        bad = factors.copy()
+        bad[1] *= 1.5
+        write_gguf(tmp_path / "bad.gguf", kv=kv, extra={"rope_freqs.weight": bad})
+        with pytest.raises(ConvertError, match="rope_freqs.weight is not Llama-3's RoPE scaling"):
+            convert(tmp_path / "bad.gguf", tmp_path / "bad.tinyloop", progress=False)
+    finally:
+        THETA = theta
 
 
 def test_float16_output_keeps_f16_weights_exactly(tmp_path):
