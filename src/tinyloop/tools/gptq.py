@@ -96,7 +96,8 @@ def units(model: nn.Module) -> list[list[str]]:
                 out.append([name])
         for i, _ in enumerate(blocks):
             p = f"{stack_name}.{i}"
-            for group in ([f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"], [f"{p}.attn.wo"],
+            # (attn.wg: an nGPT (Dory) block's output-gate projection, reading the same input as q, k and v)
+            for group in ([f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv", f"{p}.attn.wg"], [f"{p}.attn.wo"],
                           [f"{p}.mlp.w_gate", f"{p}.mlp.w_up"], [f"{p}.mlp.w_down"]):
                 group = [n for n in group if n in present]
                 if group:
