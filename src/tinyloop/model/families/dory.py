@@ -341,5 +341,113 @@ def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
     return True
 
 
+# -- llama.cpp's GGUF (`general.architecture` "dory"; read by tools/gguf.py) ------------------------------
+GGUF_TOP = {"token_embd.weight": "embed.weight", "output.weight": "lm_head.weight",
+            "dory_logit_scale.weight": "logit_scale"}
+GGUF_ATTN = {"attn_q.weight": "attn.wq.weight", "attn_k.weight": "attn.wk.weight", "attn_v.weight": "attn.wv.weight",
+             "attn_gate.weight": "attn.wg.weight", "attn_output.weight": "attn.wo.weight",
+             "dory_sqk.weight": "attn.sqk", "dory_s_gate.weight": "attn.s_gate", "dory_alpha.weight": "alpha"}
+GGUF_MLP = {"ffn_gate.weight": "mlp.w_gate.weight", "ffn_up.weight": "mlp.w_up.weight",
+            "ffn_down.weight": "mlp.w_down.weight", "dory_suv_gate.weight": "mlp.suv_gate",
+            "dory_suv_up.weight": "mlp.suv_up", "dory_alpha.weight": "alpha"}
+
+
+def _gguf_int(g: Any, key: str, default: Any = None) -> int:
+    v = g.arch_key(key, default)
+    if isinstance(v, list):   # (per-layer arrays: one value throughout, or refused)
+        if len(set(v)) != 1:
+            raise ConvertError(f"{g.path}: {g.arch}.{key} differs between layers ({sorted(set(v))})")
+        v = v[0]
+    if v is None:
+        raise ConvertError(f"{g.path}: no {g.arch}.{key} in the metadata")
+    return int(v)
+
+
+def gguf_config(g: Any, eos: list[int]) -> ModelConfig:
+    """A `dory` GGUF's metadata (llama.cpp's keys: `dory.input_layer_count`, `recurrent_layer_count`,
+    `output_layer_count`, `recurrent_loop_count`, `layer_pattern`, `rope.profile`, `rope.freq_base(_2)`,
+    `init_std`, `alpha_init`, `gate_init`, `recurrent_kv_cache_mode`, `attention.sliding_window`) -> ModelConfig;
+    ConvertError naming each key that is not Dory v1."""
+    bad: list[str] = []
+    d, H = _gguf_int(g, "embedding_length"), _gguf_int(g, "attention.head_count")
+    Hkv = _gguf_int(g, "attention.head_count_kv", H)
+    D = _gguf_int(g, "attention.key_length", d // H)
+    if _gguf_int(g, "attention.value_length", D) != D:
+        bad.append(f"{g.arch}.attention.value_length {g.arch_key('attention.value_length')} != key_length {D}")
+    rot = _gguf_int(g, "rope.dimension_count", D)
+    if not 0 < rot <= D or rot % 2:
+        bad.append(f"{g.arch}.rope.dimension_count = {rot} (even, in 1..{D})")
+    P, C, K = (_gguf_int(g, f"{k}_layer_count") for k in ("input", "recurrent", "output"))
+    n = _gguf_int(g, "block_count")
+    if P + C + K != n or C < 1:
+        bad.append(f"{g.arch}.input/recurrent/output_layer_count {P} + {C} + {K} != block_count {n}")
+    loops = _gguf_int(g, "recurrent_loop_count", 1)
+    pattern = g.arch_key("layer_pattern")
+    if not isinstance(pattern, str) or len(pattern) != n or set(pattern) - set("S*-"):
+        bad.append(f"{g.arch}.layer_pattern = {pattern!r} (one of S, *, - per layer: {n})")
+        pattern = ""
+    profiles = g.arch_key("rope.profile") or [1] * n
+    if len(profiles) != n or any(p not in (1, 2) for p in profiles):
+        bad.append(f"{g.arch}.rope.profile = {profiles!r} (1 or 2 per layer; 0, NoPE, is not Dory v1)")
+        profiles = [1] * n
+    mode = g.arch_key("recurrent_kv_cache_mode", "per_loop")
+    if mode not in KV_MODES:
+        bad.append(f"{g.arch}.recurrent_kv_cache_mode = {mode!r} (per_loop or last_loop)")
+    window = g.arch_key("attention.sliding_window")
+    if "S" in pattern and not (isinstance(window, int) and window > 0):
+        bad.append(f"{g.arch}.attention.sliding_window = {window!r} (S layers need a positive window)")
+    scales = {k: g.arch_key(k) for k in ("init_std", "alpha_init", "gate_init")}
+    for k, v in scales.items():
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            bad.append(f"{g.arch}.{k} = {v!r} (must be positive)")
+    names = set(g.tensors)
+    biased = sorted(x for x in names if x.endswith(".bias"))
+    if biased:
+        bad.append(f"tensor {biased[0]!r} (biased projections are not Dory v1)")
+    if "output.weight" not in names:
+        bad.append("no output.weight (a tied head is not Dory v1)")
+    if bad:
+        raise ConvertError(f"{g.path}: {'; '.join(bad)}: not supported (TinyLoop runs NVIDIA Dory format version 1)")
+    theta = float(g.arch_key("rope.freq_base", 10000.0))
+    theta2 = float(g.arch_key("rope.freq_base_2", theta))
+    r = 0 if rot == D else rot
+    two = any(p == 2 for p, c in zip(profiles, pattern) if c != "-") and theta2 != theta
+    tokens = g.get("tokenizer.ggml.tokens") or []
+    vocab = g.shape("token_embd.weight")[0]
+    return ModelConfig(dim=d, n_heads=H, n_kv_heads=Hkv, head_dim=D, ffn_dim=_gguf_int(g, "feed_forward_length"),
+                       n_prelude=P, n_core=C, n_coda=K, vocab_size=max(vocab, len(tokens)), default_loops=loops,
+                       max_loops=max(64, 4 * loops), max_seq_len=_gguf_int(g, "context_length", 8192),
+                       rope_theta=theta, rotary_dim=r, rope_theta_2=theta2 if two else 0.0,
+                       rotary_dim_2=r if two else 0, rope_profile=tuple(profiles) if two else (), mlp="swiglu",
+                       tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False, head_norm=False,
+                       layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
+                       ngpt_std=float(scales["init_std"]), ngpt_alpha_init=float(scales["alpha_init"]),
+                       gate_logit_init=float(scales["gate_init"]), kv_mode=KV_MODES[mode],
+                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+
+
+def gguf_tensor(cfg: ModelConfig, g: Any, name: str, t: torch.Tensor, emit: Emit) -> bool:
+    """One GGUF tensor -> TinyLoop's name; False for a name that is not Dory's. llama.cpp's Dory converter keeps
+    Hugging Face's q/k row order (NeoX RoPE: no interleaving permutation), so only partial rotary permutes."""
+    if name in GGUF_TOP:
+        emit(GGUF_TOP[name], t)
+        return True
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+        return False
+    base, b = block_of(cfg, int(parts[1]))
+    rest = ".".join(parts[2:])
+    table = GGUF_MLP if cfg.layer_pattern[b] == "-" else GGUF_ATTN
+    if rest not in table:
+        return False
+    if rest in ("attn_q.weight", "attn_k.weight", "dory_sqk.weight"):
+        perm = rotary_permutation(cfg.head_dim, cfg.rotary_dim_2 if cfg.block_profile(b) == 2 else cfg.rotary_dim)
+        if perm is not None:
+            D = cfg.head_dim
+            t = t.reshape(t.shape[0] // D, D, *t.shape[1:])[:, perm].reshape(t.shape)
+    emit(f"{base}.{table[rest]}", t)
+    return True
+
+
 FAMILY = Family(name="dory", summary="NVIDIA Nemotron-Labs Dory1.0 (DoryForCausalLM)", config=config,
-                tensors=lambda cfg, hf: tensor)
+                tensors=lambda cfg, hf: tensor, extra={"gguf_config": gguf_config, "gguf_tensor": gguf_tensor})
