@@ -334,6 +334,25 @@ def test_batched_requests_at_mixed_depths_with_a_shared_prefix(dory, engines, we
             assert got == reference_greedy(weights, hf, ids, params.loops, 5)[0], (mode, params.loops)
 
 
+def test_small_pages_read_only_the_window_and_chunked_prefill(dory, engines, weights):
+    """Pages of 4 positions: a sliding-window layer reads only the pages its window reaches (the rest of the
+    context is neither read nor scored), alone (one sequence) and with a prompt prefilled in chunks of 4
+    (per_loop: chunking changes nothing; last_loop: a chunk is a call, checked against the reference's own
+    chunked run)."""
+    mode, hf, path = dory
+    params = SamplingParams(max_tokens=8, loops=3, temperature=0, ignore_eos=True)
+    alone = BatchEngine(engines, max_num_seqs=1, page_size=4)
+    got = [t for e in run_to_completion(alone, [(PROMPT, params)])[0] for t in e.token_ids]
+    assert got == reference_greedy(weights, hf, PROMPT, 3, 8)[0]
+    chunked = BatchEngine(engines, max_num_seqs=1, page_size=4, max_batched_tokens=4, prefix_caching=False)
+    got = [t for e in run_to_completion(chunked, [(PROMPT, params)])[0] for t in e.token_ids]
+    toks = list(PROMPT)
+    for _ in range(8):
+        calls = [4, 4, 2] + [1] * (len(toks) - len(PROMPT))
+        toks.append(int(reference(weights, hf, toks, 3, calls)[-1].argmax()))
+    assert got == toks[len(PROMPT):], mode
+
+
 def test_speculative_decoding_equals_plain_greedy(dory, engines, weights):
     """Self-speculation (drafts at 1 loop, verified at 3) and tree speculation give plain greedy's tokens
     (per_loop); a last_loop model refuses them by name: a verification pass would see its drafted tokens at

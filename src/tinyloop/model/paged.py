@@ -242,13 +242,25 @@ class PagedView:
             self._rope_alt = self._step.rope_rows(self, profile)
         return self._rope_alt
 
+    def _first_block(self, i: int, m: Rows, window: int) -> int:
+        """The first page block member i's queries can see with a layer's `window` (0 without one): a
+        sliding-window layer reads and scores only the blocks its window reaches, not the whole context."""
+        w = combine_windows(m.window, window)
+        if not window or m.tree_mask is not None:
+            return 0
+        key = ("first", i, w)
+        if key not in self._masks:
+            self._masks[key] = max(0, int(m.positions.min()) - w + 1) // self.kv.page_size
+        return self._masks[key]
+
     def _mask(self, i: int, m: Rows, device: torch.device, window: int = 0) -> torch.Tensor | None:
         w = combine_windows(m.window, window)
         if (i, w) not in self._masks:
+            lo = self._first_block(i, m, window) * self.kv.page_size
             if m.n == 1 and w == 0 and m.tree_mask is None:
                 mask = None
             else:   # (the rows' positions are host tensors; the mask goes where the queries are)
-                key_pos = torch.arange(m.end, device=m.positions.device)
+                key_pos = torch.arange(lo, m.end, device=m.positions.device)
                 mask = build_mask(m.positions, key_pos, w, m.tree_mask, m.tree_key_positions).to(device)
             self._masks[(i, w)] = mask
         return self._masks[(i, w)]
@@ -262,14 +274,19 @@ class PagedView:
         self.kv.k.write(at, k)
         self.kv.v.write(at, v)
 
-    def _keys(self, i: int, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key/value member i's queries may see in `slot`: (1, Hkv, L, D) each, in `dtype`."""
+    def _keys(self, i: int, slot: int, dtype: torch.dtype, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key/value member i's queries may see in `slot`, from page block `first` on (a sliding
+        window's: `_first_block`): (1, Hkv, L, D) each, in `dtype`."""
         _, pages, nb = self._io[i]
         end, ps = self.members[i].end, self.kv.page_size
-        K = self.kv.k.read(pages[slot], dtype)
-        V = self.kv.v.read(pages[slot], dtype)
-        shape = (1, nb * ps, *K.shape[2:])
-        return K.view(shape)[:, :end].transpose(1, 2), V.view(shape)[:, :end].transpose(1, 2)
+        read = pages[slot]
+        if first:
+            read = slice(read.start + first, read.stop) if isinstance(read, slice) else read[first:]
+        K = self.kv.k.read(read, dtype)
+        V = self.kv.v.read(read, dtype)
+        shape = (1, (nb - first) * ps, *K.shape[2:])
+        n = end - first * ps
+        return K.view(shape)[:, :n].transpose(1, 2), V.view(shape)[:, :n].transpose(1, 2)
 
     def attend(self, slot: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int = 0) -> torch.Tensor:
@@ -285,8 +302,9 @@ class PagedView:
             else:
                 self._store(0, slot, k[0], v[0])
             q = q.transpose(1, 2)
-            return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt),
-                                self._mask(0, self.members[0], q.device, window)).transpose(1, 2)
+            m = self.members[0]
+            return grouped_sdpa(q if q.dtype == adt else q.to(adt), *self._keys(0, slot, adt, self._first_block(0, m, window)),
+                                self._mask(0, m, q.device, window)).transpose(1, 2)
         q, k, v = q[0], k[0], v[0]
         n, H, D = q.shape
         out = torch.empty(n, H, D, dtype=adt, device=q.device)
@@ -311,7 +329,7 @@ class PagedView:
         for i in self._io:
             m, a = self.members[i], self.local[i]
             qs = q[a:a + m.n].to(adt).transpose(0, 1)[None]                     # (1, H, T, D)
-            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt),
+            out[a:a + m.n] = grouped_sdpa(qs, *self._keys(i, slot, adt, self._first_block(i, m, window)),
                                           self._mask(i, m, qs.device, window))[0].transpose(0, 1)
         return out[None]
 
