@@ -378,6 +378,8 @@ def test_the_native_executor_refuses_dory_by_name(dory, engines):
     missing = unsupported_features(engines.config)
     assert any("nGPT" in m and "Dory" in m for m in missing)
     assert executor_name(engines.model) == "torch"   # the PyTorch path serves it
+    info = engines.model_info()
+    assert info["executor"] == "torch" and info["kv_loops"].startswith("last") == (mode == "last_loop")
 
 
 def test_tokenizer_and_chat_template_come_from_the_checkpoint(dory, engines):

@@ -143,7 +143,9 @@ class Engine:
         return {**model_info(self.header), "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
                 "kv_cache_mode": self.kv_format,
                 "executor": executor_name(self.model),  # who runs decode rows: "native (...)" or "torch"
-                "kv_loops": "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",
+                "kv_loops": "last (the model's: one cache per recurrent layer that every loop overwrites, "
+                            "kv_mode last_loop)" if self.config.kv_mode == "last_loop" else
+                            "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",
                 "draft_exit": {"file": exit_path.name, "draft_loops": sorted(exits)} if exits and exit_path else None}
 
     # -- validation -------------------------------------------------------------------------
