@@ -1,8 +1,12 @@
 # Two commands on a fresh machine: `make serve` (server on the shipped model) and `make test`.
-# Each installs what it needs into the project venv first (torch pinned to the local CPU wheel).
+# Each installs what it needs into the project venv first (torch pinned to the local CPU wheel): `make serve`
+# only what serving needs (torch and TinyLoop's runtime dependencies, ~1.0 GB: README.md), `make test` also the
+# test extra (`.[test]`: the SDKs, Ray, lm-eval, Playwright, ...). Each step has its own stamp, so `make serve`
+# after `make test` installs nothing, and a changed pyproject.toml reinstalls both.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install native agents serve test corpus int4-model draft-exit gate clean
 
@@ -10,10 +14,15 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+# Everything a developer runs: the runtime and the test extra.
+install: $(TEST_STAMP)
 
 # The native decode executor, compiled for this CPU and cached (~/.cache/tinyloop/kernels; a few seconds the
 # first time, nothing after). Without a C++ compiler it says so and the PyTorch path serves.
@@ -27,7 +36,7 @@ serve: native
 # `claude -p` over Messages), pinned, from npm into the venv (~20 s, ~650 MB, once). Without npm or the
 # registry it says so and the agent tests skip.
 AGENTS := $(VENV)/agents/node_modules/.bin
-$(AGENTS)/codex: | $(STAMP)
+$(AGENTS)/codex: | $(TEST_STAMP)
 	@command -v npm >/dev/null 2>&1 && npm install -s --prefix $(VENV)/agents --no-audit --no-fund --fetch-retries 1 \
 	    @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 >/dev/null 2>&1 \
 	    || echo "make: WARNING: could not install Codex CLI and Claude Code from npm; their tests will skip" >&2
@@ -36,7 +45,7 @@ agents: $(AGENTS)/codex
 
 # The suite is split over two worker processes (pytest-xdist), a test file per worker at a time.
 TEST_WORKERS ?= 2
-test: native agents
+test: $(TEST_STAMP) native agents
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of

@@ -393,3 +393,32 @@ def test_ctrl_c_aborts_the_request_on_the_core(nanbeige):
     r.settings.max_tokens = 4
     r.answer("Hi")
     assert len(r.history) == 2 and not err.getvalue()
+
+
+def test_an_answer_of_only_whitespace_says_so_and_is_not_kept(tiny_model_path):
+    """`echo "hi there" | tinyloop chat --temperature 0` on the shipped model printed an empty line: its greedy
+    output is spaces to the end of the context. Such an output is stopped after BLANK_LIMIT tokens (or ends at
+    max_tokens), the session says what happened, and the blank turn is not fed back to the next one."""
+    from tinyloop.chat_cli import BLANK_LIMIT
+    from tinyloop.engine import Engine
+
+    engine = Engine.load(tiny_model_path)
+    space = engine.tokenizer.encode(" ")
+    assert len(space) == 1
+    out, err = io.StringIO(), io.StringIO()
+    r = ChatREPL(engine, ChatSettings(temperature=0, max_tokens=200), out=out, err=err, interactive=False, tty=False)
+    plain = r.params
+    r.params = lambda n: plain(n).replace(logit_bias={space[0]: 100.0})   # the model says nothing but spaces
+    r.answer("hi there")
+    text = out.getvalue()
+    assert f"(no answer: the model wrote only whitespace ({BLANK_LIMIT} tokens, stopped)" in text, text
+    assert r.history == [] and not err.getvalue()
+    core = engine.core()
+    assert not core.has_work and core.num_running == 0          # the stopped request was aborted on the core
+    r.settings.max_tokens = 5                                   # shorter than the limit: it ends by itself
+    out.truncate(0), out.seek(0)
+    r.answer("hi there")
+    assert "(no answer: the model wrote only whitespace (5 tokens);" in out.getvalue() and r.history == []
+    r.params = plain                                            # a real answer is kept as before
+    r.answer("hi there")
+    assert len(r.history) == 2 and r.history[-1]["content"]

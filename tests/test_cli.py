@@ -152,3 +152,27 @@ def test_info_table_shows_family_tokenizer_template_and_provenance():
     for key in ("family", "tokenizer", "chat_template", "provenance.tool", "draft_exit"):
         assert key in table, key
     assert "gpt2-bpe" in table and "tinyloop train" in table
+
+
+def test_info_names_the_real_weight_format():
+    """The int4 file's float tensors are float16, but its weights are int4: `info` says what they are."""
+    info = json.loads(run("info", "tinyloop-16m-int4", "--json").stdout)
+    assert info["weights"] == "int4 gptq group 32, int8 head, float16 embedding and norms", info["weights"]
+    assert info["float_dtype"] == "float16" and "weights_dtype" not in info
+    table = run("info", "tinyloop-16m-int4").stdout
+    assert any(line.split(None, 1) == ["weights", "int4 gptq group 32, int8 head, float16 embedding and norms"]
+               for line in table.splitlines()), table
+    assert json.loads(run("info", "tinyloop-16m", "--json").stdout)["weights"] == "float16"
+
+
+def test_generate_ends_its_line(tmp_path):
+    path = tmp_path / "r.tinyloop"
+    assert run("init", str(path), "--preset", "tiny", "--seed", "4").returncode == 0
+    for extra in ([], ["--stream"]):
+        g = run("generate", "The king said", "--model", str(path), "--max-tokens", "5", "--seed", "1", *extra)
+        assert g.returncode == 0 and g.stdout.endswith("\n") and g.stdout.strip(), (extra, g.stdout, g.stderr)
+
+
+def test_serve_help_names_what_model_takes():
+    out = " ".join(run("serve", "--help").stdout.split())
+    assert "a packaged model's name" in out and "hf:ORG/NAME" in out and "exit status 1" in out

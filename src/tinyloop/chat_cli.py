@@ -30,6 +30,7 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"     # SGR 2 (faint) and SGR 0
 ERASE = "\r\x1b[K"                   # back to the line's start, the line cleared (EL)
 PROMPT, MORE = ">>> ", "... "
 MAX_ANSWER_TOKENS = 2048              # without --max-tokens: the rest of the context, at most this many
+BLANK_LIMIT = 32                      # an output of only whitespace this long is stopped (it never became an answer)
 PLAIN_STOP = "\nUser:"                # models without a template: "Role: content" lines (docs/server.md)
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
@@ -371,16 +372,22 @@ class ChatREPL:
         view = Renderer(self.write, tty=self.tty, show_thinking=self.settings.show_thinking)
         final = None
         stopped = False
+        tokens = 0
+        blank = False        # only whitespace so far, and BLANK_LIMIT tokens of it: given up
         with _interrupt_flag() as stop:
             stream = self.engine.stream(ids, params)
             try:
                 for ev in stream:
                     for d in split.feed(ev.text):
                         view.feed(d)
+                    tokens += len(ev.token_ids)
                     if ev.finish_reason is not None:
                         final = ev
                     if stop.is_set():
                         stopped = True
+                        break
+                    if tokens >= BLANK_LIMIT and final is None and not view.answer and not view.thinking:
+                        blank = True   # (a small model at temperature 0 can repeat a space to the end of its context)
                         break
                 if not stopped:
                     for d in split.finish():
@@ -390,6 +397,10 @@ class ChatREPL:
             finally:
                 stream.close()         # an unfinished request is aborted on the core (Engine._stream)
                 view.finish()
+        if blank or (final is not None and not stopped and not view.answer.strip() and not view.thinking.strip()):
+            self.note(f"(no answer: the model wrote only whitespace ({tokens} tokens{', stopped' if blank else ''}); "
+                      "the turn is not kept. Try another /temperature or /loops, or a chat model: docs/models.md)")
+            return
         if stopped or final is None:
             self.note("(stopped)")
             return

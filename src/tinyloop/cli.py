@@ -81,10 +81,16 @@ def _generate(args: argparse.Namespace) -> int:
         engine = Engine.load(path, kv_format=args.kv)
         if args.stream:
             stats = {}
-            for ev in engine.stream(args.prompt, params):
-                print(ev.text, end="", flush=True)
-                stats = ev.stats or stats
-            print()
+            printed = False
+            try:
+                for ev in engine.stream(args.prompt, params):
+                    print(ev.text, end="", flush=True)
+                    printed = printed or bool(ev.text)
+                    stats = ev.stats or stats
+                printed = True
+            finally:   # the text ends its line, also when an error or Ctrl-C cut it (the shell's prompt starts anew)
+                if printed:
+                    print(flush=True)
         else:
             result = engine.generate(args.prompt, params)
             print(result.text)
@@ -325,7 +331,8 @@ def _train_gate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.app import serve
+    from .errors import ModelFileError
+    from .modelheader import header_config, resolve_model_path
     from .server.settings import Settings
 
     if getattr(args, "reasoning_parser", None):   # as the environment variable (replicas read it too)
@@ -333,17 +340,18 @@ def _serve(args: argparse.Namespace) -> int:
     if getattr(args, "strict_model_names", False):   # as the environment variable (replicas read it too)
         os.environ["TINYLOOP_STRICT_MODEL_NAMES"] = "1"
     settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
-    if str(settings.model_path or os.environ.get("TINYLOOP_MODEL_PATH", "")).startswith("hf:"):
-        from .errors import ModelFileError
-        from .modelheader import resolve_model_path
-        try:
-            resolve_model_path(settings.model_path)  # a pulled model: pulled now if missing, before serving
-        except ModelFileError as exc:
-            return _fail(str(exc))
+    if str(settings.model_path or "").startswith("hf:"):
+        from . import store  # noqa: F401 - hf: names resolve through the store (a missing model is pulled now)
+    try:   # a missing, truncated or malformed file stops here, in one line, before torch, the port or Ray
+        header_config(resolve_model_path(settings.model_path))
+    except ModelFileError as exc:
+        print(f"tinyloop: error: cannot load the model: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     scaled = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None, None, None, None)
     if not scaled:  # single process: Ray is never imported
-        serve(settings, host=args.host, port=args.port, log_level=args.log_level)
-        return 0
+        from .server.app import serve
+
+        return serve(settings, host=args.host, port=args.port, log_level=args.log_level)
     if not args.ray_address:
         from .scaleout import local_cluster_env
         local_cluster_env()  # before Ray is imported
@@ -376,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt")
-    g.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    g.add_argument("--model", help="a .tinyloop file, a packaged model's name or a pulled hf: name (default: "
+                   "$TINYLOOP_MODEL_PATH or the shipped model)")
     # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py
     g.add_argument("--loops", type=_loops_arg, help='an integer, or "auto" (adaptive depth: docs/adaptive.md); '
                    "default: the model's default_loops")
@@ -512,7 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", help="a .tinyloop file (default: $TINYLOOP_MODEL_PATH or the shipped model)")
+    s.add_argument("--model", help="a .tinyloop file, a packaged model's name (tinyloop-16m, tinyloop-16m-int4) or "
+                   "a pulled model's hf:ORG/NAME[@REVISION][:int4] (pulled first if the store lacks it); default: "
+                   "$TINYLOOP_MODEL_PATH or the shipped model. A model that cannot be loaded stops the command "
+                   "(exit status 1, one line naming the file)")
     s.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model's names in the API: GET /v1/models lists the first (its id). Default: "
                    "$TINYLOOP_SERVED_MODEL_NAME, else the file's stem and \"tinyloop\"")

@@ -42,7 +42,8 @@ def test_chat_shape(tiny_server):
     r = post(tiny_server, "/v1/chat/completions", {"model": "tinyloop", "messages": [{"role": "user", "content": "Hi"}],
                                                    "max_tokens": 5, "temperature": 0})
     body = r.json()
-    assert r.status_code == 200 and set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert r.status_code == 200 and set(body) == {"id", "object", "created", "model", "choices", "usage",
+                                                  "loops_used", "loops_histogram"}   # (TinyLoop's: the depth)
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", body["id"]) and body["object"] == "chat.completion"
     assert body["model"] == "tinyloop" and abs(body["created"] - time.time()) < 60 and isinstance(body["created"], int)
     (choice,) = body["choices"]
@@ -61,7 +62,8 @@ def test_chat_shape(tiny_server):
 def test_completion_shape_and_prompt_forms(tiny_server, tokenizer):
     base = {"model": "tinyloop", "max_tokens": 4, "temperature": 0}
     a = post(tiny_server, "/v1/completions", {**base, "prompt": "The cat"}).json()
-    assert set(a) == {"id", "object", "created", "model", "choices", "usage"} and a["object"] == "text_completion"
+    assert set(a) == {"id", "object", "created", "model", "choices", "usage", "loops_used", "loops_histogram"}
+    assert a["object"] == "text_completion"
     assert a["id"].startswith("cmpl-") and set(a["choices"][0]) == {"text", "index", "logprobs", "finish_reason"}
     assert a["choices"][0]["logprobs"] is None
     ids = tokenizer.encode("The cat")

@@ -146,10 +146,16 @@ def test_runtime_commit_from_env(served):
     assert r.status_code == 200 and r.json()["runtime"]["commit"] == "abc123"
 
 
-def test_corrupt_model_answers_503(tmp_path):
+def test_corrupt_model_answers_503_in_process(tmp_path):
+    """The app run in-process (`create_app`) stays up and says why on every route; `tinyloop serve` instead stops at
+    once with one line (tests/server/test_serve_startup.py)."""
+    from tinyloop.server.settings import Settings
+
+    from .conftest import ServerThread
+
     bad = tmp_path / "corrupt.tinyloop"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}" + b"\x00" * 100)
-    with ServeProcess(bad) as srv:
+    with ServerThread(Settings(model_path=bad)) as srv:
         h = httpx.get(srv.url + "/health")
         assert h.status_code == 503
         body = h.json()

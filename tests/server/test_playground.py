@@ -45,6 +45,9 @@ def test_page_and_assets_are_served_without_a_key(keyed_server):
     assert "/api/v0/completions" in js.text and "Authorization" in js.text
     css = httpx.get(url + "/static/playground.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    icon = httpx.get(url + "/favicon.ico")   # browsers ask for it (without a key): once a 404
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+    assert icon.content[:4] == b"\x00\x00\x01\x00" and 'href="/favicon.ico"' in html
     # the page is open, the API is not; nothing else of static/ is reachable
     assert httpx.get(url + "/api/v0/models").status_code == 401
     assert httpx.get(url + "/static/index.html", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
@@ -205,6 +208,17 @@ def test_playground_in_a_real_browser(browser, keyed_server):
     assert paths[-1] == "/api/v0/chat/completions" and bodies[-1]["messages"] == [{"role": "user", "content": "Hi"}]
     assert bodies[-1]["stop"] == ["\nUser:"]
     page.wait_for_selector("#transcript .msg.assistant")
+    # each answer is shown once: in the transcript, no longer also in the output box under it
+    answer = page.inner_text("#transcript .msg.assistant").removeprefix("Assistant: ")
+    assert answer and page.inner_text("#output").strip() == "", page.inner_text("#output")
+    assert page.inner_text("#single").count(answer) == 1
+    assert [m.inner_text() for m in page.query_selector_all("#transcript .msg")] == ["User: Hi", f"Assistant: {answer}"]
+    page.fill("#prompt", "Again")      # a second turn: the conversation in order, each answer once
+    page.click("#send")
+    page.wait_for_function("document.querySelectorAll('#transcript .msg').length === 4")
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": "Again"}]
+    assert page.inner_text("#output").strip() == ""
     page.check("input[name=kind][value=completion]")
     page.fill("#prompt", " " + prompt)
     page.click("#send")

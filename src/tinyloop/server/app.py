@@ -6,7 +6,9 @@ Middleware is plain ASGI (no BaseHTTPMiddleware), so streaming responses still s
 from __future__ import annotations
 
 import hmac
+import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -84,7 +86,72 @@ class GateMiddleware:
                     raise HTTPException(413, f"request body is over the {limit}-byte limit")
             return message
 
+        if scope.get("method") in BODY_METHODS and not _is_json(headers.get("content-type")):
+            return await self._not_json(scope, receive_limited, send, headers, path)
         await self.app(scope, receive_limited, send)
+
+    async def _not_json(self, scope, receive, send, headers: dict[str, str], path: str):
+        """A body sent with another content type than JSON's, or none. curl's `-d` sends
+        `application/x-www-form-urlencoded`, and many clients `text/plain` or nothing: such a body that parses as
+        JSON is read as JSON, as llama-server and Ollama read it, when the request comes from no web page (no `Origin`
+        header: a browser sends these two types to another origin without a CORS preflight, and they must not
+        let a page drive the API). Anything else is refused in the route's own error shape, naming the content
+        type (400 on OpenAI's and Anthropic's routes, 422 on the native ones), before the route reads it."""
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        named = repr(media) if media else "missing"
+        hint = "send the JSON with the header 'content-type: application/json' (curl: -H 'content-type: application/json')"
+        if not _has_route(scope):   # no such route (or not for this method): its 404 or 405, not a body error
+            return await self.app(scope, receive, send)
+        if media not in LENIENT_TYPES or "origin" in headers:
+            return await errors.send_error(send, APIError(
+                422, f"the request body must be JSON, sent with content-type: application/json; this request's "
+                     f"content-type is {named}" + (" from a web page (Origin header)" if media in LENIENT_TYPES
+                                                  else "") + f": {hint}", code="invalid_content_type"), path)
+        chunks = []
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return   # the client left
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+        except HTTPException as exc:   # over the body limit while reading a chunked body
+            return await errors.send_error(send, APIError(exc.status_code, exc.detail, code="request_too_large"), path)
+        body = b"".join(chunks)
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError):   # (not UTF-8, not JSON, nested too deeply)
+            return await errors.send_error(send, APIError(
+                422, f"the request body is not JSON (its content-type is {named}): {hint}", code="invalid_json"), path)
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"] + \
+            [(b"content-type", b"application/json")]   # (in place: the access log reads the route from this scope)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+BODY_METHODS = {"POST", "PUT", "PATCH"}
+LENIENT_TYPES = {"application/x-www-form-urlencoded", "text/plain", ""}   # curl -d's, fetch's, none at all
+
+
+def _has_route(scope) -> bool:
+    from starlette.routing import Match
+
+    return any(route.matches(scope)[0] == Match.FULL for route in scope["app"].routes)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """JSON's content type (`application/json`, `application/*+json`): FastAPI reads only such a body as JSON."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def create_app(settings: Settings | None = None, *, loader=None, worker_factory=None,
@@ -157,21 +224,93 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     return app
 
 
-def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") -> None:
-    """Run the app under uvicorn. On SIGINT/SIGTERM the engine stops taking requests at once and gives
-    in-flight ones `shutdown_grace_s` to finish (then fails them with an error event), while uvicorn
-    waits for their connections to close."""
+UVICORN_STARTUP = ("Started server process", "Waiting for application startup", "Application startup complete",
+                   "Uvicorn running on")   # uvicorn's own start-up lines: `serve`'s one line says it all
+
+
+class _QuietStartup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(UVICORN_STARTUP)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def loaded_line(engine, model_id: str, url: str) -> str:
+    """The one line `tinyloop serve` prints once it serves: the model, its size, depth, context, weights,
+    who runs its decode steps (the native executor's ISA, or torch) and where."""
+    from ..cli import weights_format
+
+    cfg = engine.config
+    return (f"serving {model_id} ({_params(cfg.param_count())} parameters; loops {cfg.default_loops} default, "
+            f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
+            f"executor {executor_name(engine.model)}) on {url} from {engine.loaded.path}")
+
+
+def load_failure_line(path: str, exc: BaseException | None, reason: str | None) -> str:
+    """One line naming the model file and why it did not load."""
+    from ..errors import ModelFileError
+
+    if isinstance(exc, ModelFileError):   # it names the file itself
+        why = str(exc)
+    else:
+        why = f"{path}: {type(exc).__name__ + ': ' if exc is not None else ''}{reason or 'unknown error'}"
+    return "tinyloop: error: cannot load the model: " + " ".join(why.split())
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Raise OSError now when host:port cannot be bound (in use, no such address), before a long model load."""
+    import socket
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds it
+        sock.bind(addr)
+
+
+def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") -> int:
+    """Run the app under uvicorn; returns the exit status. The model is loaded first (in the engine thread, as
+    the in-process app loads it), and only then is the port bound, as vLLM does: a model that cannot be loaded
+    ends the command at once with one line on stderr naming the file and why (status 1), never a server that
+    answers 503; a good load prints one line (`loaded_line`: model, parameters, loops, context, weights,
+    executor, address). On SIGINT/SIGTERM the engine stops taking requests at once and gives in-flight ones
+    `shutdown_grace_s` to finish (then fails them with an error event), while uvicorn waits for their
+    connections to close."""
     import uvicorn
 
-    app = create_app(settings)
-    worker = app.state.tl.worker
+    try:
+        _check_listen(host, port)
+    except OSError as exc:
+        print(f"tinyloop: error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    access.setup_logging(settings.log_format, log_level)
+    app = create_app(settings, worker_factory=lambda s, m: EngineWorker(s, m, log_load_failure=False))
+    state = app.state.tl
+    worker = state.worker
+    worker.start()
+    while not worker.ready.wait(0.25):   # (a wait with a timeout: Ctrl-C still interrupts it)
+        pass
+    if worker.state != "ready":
+        print(load_failure_line(state.model_path, worker.load_exception, worker.error), file=sys.stderr)
+        worker.stop()
+        return 1
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             worker.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    access.setup_logging(settings.log_format, log_level)
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:   # bound: the address as bound (--port 0: the port the system chose)
+                bound = self.servers[0].sockets[0].getsockname()
+                where = f"[{host}]" if ":" in host else host
+                log.info(loaded_line(worker.engine, state.model_id, f"http://{where}:{bound[1]}"))
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,  # ours has ids
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
+    logging.getLogger("uvicorn.error").addFilter(_QuietStartup())
     Server(config).run()
+    return 0

@@ -84,6 +84,25 @@ def messages_error(exc: ValidationError) -> ValidationError:
                            param="messages", code=exc.code)
 
 
+def loops_report(results) -> dict[str, Any]:
+    """How deep the answer went, beside `usage` (a TinyLoop extension; `stats`' names on /api/v0 and /generate):
+    `loops_used`, the mean core loops over every generated token of every choice (under `loops: "auto"` each
+    token's own depth; else the depth asked for), and `loops_histogram`, core loops -> tokens that ran that many.
+    A stream says the same per chunk (`choices[].loops` under "auto")."""
+    histogram: dict[int, int] = {}
+    for r in results:
+        for loops, count in (r.stats.get("loops_histogram") or {}).items():
+            histogram[int(loops)] = histogram.get(int(loops), 0) + count
+    tokens = sum(histogram.values())
+    if not tokens:   # nothing generated (echo with max_tokens 0): the depth the request ran at
+        used = results[0].stats.get("loops_used")
+    elif len(histogram) == 1:
+        used = next(iter(histogram))
+    else:
+        used = round(sum(k * v for k, v in histogram.items()) / tokens, 3)
+    return {"loops_used": used, "loops_histogram": {str(k): histogram[k] for k in sorted(histogram)}}
+
+
 async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, extended: bool):
     """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
@@ -155,7 +174,8 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
             if result.stats.get("schema_check"):   # a schema checked after generation (docs/structured.md)
                 choices[-1]["schema_check"] = result.stats["schema_check"]
     out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-           "model": body.model, "choices": choices, "usage": sum_usage([total_usage(r) for r in batches])}
+           "model": body.model, "choices": choices, "usage": sum_usage([total_usage(r) for r in batches]),
+           **loops_report([r for results in batches for r in results])}
     if extras:
         out.update(extras(batches[0][0].stats))
     return out

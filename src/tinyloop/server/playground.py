@@ -3,7 +3,8 @@
 Plain HTML, CSS and JavaScript in `static/` (no build step, no CDN: it works on a machine without network).
 The page calls this server's own `/api/v0` routes, the OpenAI-compatible ones plus the looped model's knobs,
 exactly as any client would, with the API key the user types in when the server needs one. The page's
-own files carry no model data, so they are served without a key (`PATHS`, used by the auth gate).
+own files carry no model data, so they are served without a key (`PATHS`, used by the auth gate), and so is
+`/favicon.ico`, which browsers ask every server for.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ FILES = {  # URL path -> (file in static/, media type)
     "/": ("index.html", "text/html; charset=utf-8"),
     "/static/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
     "/static/playground.css": ("playground.css", "text/css; charset=utf-8"),
+    "/favicon.ico": ("favicon.ico", "image/x-icon"),   # a loop (32x32); browsers ask for it on every page
 }
 PATHS = frozenset(FILES)
 
@@ -25,8 +27,10 @@ router = APIRouter()
 
 
 def _route(name: str, media_type: str):
+    cache = "max-age=86400" if name == "favicon.ico" else "no-cache"
+
     async def serve_file() -> Response:
-        return Response((STATIC / name).read_bytes(), media_type=media_type, headers={"Cache-Control": "no-cache"})
+        return Response((STATIC / name).read_bytes(), media_type=media_type, headers={"Cache-Control": cache})
 
     return serve_file
 

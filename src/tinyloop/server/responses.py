@@ -157,6 +157,8 @@ class ChatCompletion(Closed):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    loops_used: int | float              # TinyLoop: mean core loops over the generated tokens (loops "auto": each its own)
+    loops_histogram: dict[str, int]      # TinyLoop: core loops -> generated tokens that ran that many
 
 
 class Completion(Closed):
@@ -166,6 +168,8 @@ class Completion(Closed):
     model: str
     choices: list[TextChoice]
     usage: Usage
+    loops_used: int | float              # TinyLoop: mean core loops over the generated tokens (loops "auto": each its own)
+    loops_histogram: dict[str, int]      # TinyLoop: core loops -> generated tokens that ran that many
 
 
 class LMStudioExtras(BaseModel):

@@ -29,6 +29,7 @@ import torch
 
 from ..engine import Engine, RequestPlan, StreamEvent
 from ..engine.serving import BatchEngine, Request
+from ..engine.native import native
 from ..errors import ValidationError
 from .access import request_id_var
 from .errors import APIError
@@ -130,7 +131,10 @@ class EngineWorker:
     each loop iteration takes in new requests, drops aborted ones, and runs one batched step."""
 
     def __init__(self, settings: Settings, metrics: Metrics,
-                 loader: Callable[[Settings], tuple[Engine, list[str]]] | None = None):
+                 loader: Callable[[Settings], tuple[Engine, list[str]]] | None = None, *,
+                 log_load_failure: bool = True):
+        """`log_load_failure`: log why the model did not load (an in-process server that stays up and says it
+        on /health); `tinyloop serve` says it itself, in one line, and exits (app.serve)."""
         self.settings = settings
         self.metrics = metrics
         self.loader = loader or load_engine
@@ -138,6 +142,8 @@ class EngineWorker:
         self.batch: BatchEngine | None = None
         self.state = "loading"                # loading | ready | failed
         self.error: str | None = None         # why the engine is not ready
+        self.load_exception: BaseException | None = None   # what the loader raised, if it failed
+        self.log_load_failure = log_load_failure
         self.warnings: list[str] = list(settings.warnings)
         self.ready = threading.Event()        # set once loading ended, either way
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
@@ -148,10 +154,15 @@ class EngineWorker:
         self._outbox: list[tuple[RequestHandle, Any]] = []   # events of this iteration, sent by _flush
         self._flushed_early = False           # this iteration's step flushed before its forward or head
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
+        self._launched = False
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
-        self._thread.start()
+        """Start loading in the engine thread (once: `tinyloop serve` starts it before the app's lifespan does,
+        to load the model before the port is bound)."""
+        if not self._launched:
+            self._launched = True
+            self._thread.start()
         return self
 
     def begin_shutdown(self) -> None:
@@ -223,14 +234,15 @@ class EngineWorker:
                 log.warning("the engine's warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
                 self.batch = core()   # (nothing of the failed warm-up left in the core)
             runner = self.batch.runner
-            if self.engine.model.executor is not None:   # the step's forward is one native call without the GIL
+            if native(self.engine.model) is not None:   # the step's forward is one native call without the GIL
                 runner.before_forward = self._flush_early
             runner.before_head = self._flush_early
             self.state = "ready"
             self.metrics.engine_loaded.set(1)
         except Exception as exc:  # noqa: BLE001 - the server stays up and reports why
-            self.state, self.error = "failed", str(exc) or type(exc).__name__
-            log.error("engine failed to load: %s", self.error)
+            self.state, self.error, self.load_exception = "failed", str(exc) or type(exc).__name__, exc
+            if self.log_load_failure:
+                log.error("engine failed to load: %s", self.error)
         finally:
             self.ready.set()
         if self.batch is None:

@@ -150,6 +150,12 @@ class RunView {
     this.setState("done");
   }
 
+  // The answer moved elsewhere (chat mode: into the transcript), so that it is not shown twice.
+  clearText() {
+    this.text = "";
+    this.out.textContent = "";
+  }
+
   fail(err) {
     clearInterval(this.timer);
     this.setState(err.name === "AbortError" ? "stopped" : "error");
@@ -230,15 +236,19 @@ async function send() {
   single.loops = mode === "generate" && $("auto").checked ? `auto (<= ${loops})` : loops;
   single.ceiling = loops;
   single.mode = mode;
-  single.echo = kind() === "chat" ? "" : text;
+  const chatting = kind() === "chat";
+  single.echo = chatting ? "" : text;
+  if (chatting) renderTranscript({ role: "user", content: text });  // the turn's message above its streaming answer
   try {
     await stream(path, body, single, running.signal);
-    if (kind() === "chat") {
+    if (chatting) {  // the answer joins the transcript and leaves the output box: each answer is shown once
       chat.push({ role: "user", content: text }, { role: "assistant", content: single.text.trim() });
+      single.clearText();
       renderTranscript();
       $("prompt").value = "";
     }
   } catch (err) {
+    if (chatting) renderTranscript();  // the failed turn is not kept
     single.fail(err);
     if (err.name !== "AbortError") $("error").textContent = err.message;
   } finally {
@@ -277,16 +287,17 @@ async function compare() {
   }
 }
 
-function renderTranscript() {
+// The chat so far, and `pending` (the message whose answer is streaming) after it.
+function renderTranscript(pending) {
   const box = $("transcript");
   box.textContent = "";
-  for (const m of chat) {
+  for (const m of pending ? [...chat, pending] : chat) {
     const div = document.createElement("div");
     div.className = `msg ${m.role}`;
     div.textContent = `${m.role === "user" ? "User" : "Assistant"}: ${m.content}`;
     box.append(div);
   }
-  box.hidden = kind() !== "chat" || chat.length === 0;
+  box.hidden = kind() !== "chat" || box.childElementCount === 0;
 }
 
 // -- the model card -----------------------------------------------------------------------------------------
