@@ -202,3 +202,18 @@ def check_writable(path: str | Path) -> Path:
     except OSError as exc:
         raise ModelFileError(path, f"cannot be written: {exc.strerror or exc}") from None
     return path
+
+
+def weights_format(header: dict) -> str:
+    """What a model file's weights are, as a person asks it: "float16", or for a quantized file its block
+    weights' format, the LM head's and the float tensors' ("int4 gptq group 32, int8 head, float16 embedding
+    and norms"). The header's `weights.dtype` alone is only the float tensors' dtype."""
+    weights = header.get("weights") or {}
+    dtype = weights.get("dtype", "?")
+    quant = weights.get("quant") or {}
+    if quant.get("method", "none") == "none":
+        return dtype
+    group = f" group {quant['group_size']}" if quant.get("group_size") else " per channel"
+    head = quant.get("head")
+    head = f"int{head['bits']} head" if isinstance(head, dict) and head.get("bits") else f"{dtype} head"
+    return f"int{quant.get('bits')} {quant['method']}{group}, {head}, {dtype} embedding and norms"

@@ -19,6 +19,7 @@ from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
+from ..modelheader import weights_format
 from . import access, anthropic, docs_ui, embeddings, errors, lmstudio, native, openai, openai_responses, playground
 from . import openapi as server_openapi
 from .errors import APIError
@@ -240,8 +241,6 @@ def _params(n: int) -> str:
 def loaded_line(engine, model_id: str, url: str) -> str:
     """The one line `tinyloop serve` prints once it serves: the model, its size, depth, context, weights,
     who runs its decode steps (the native executor's ISA, or torch) and where."""
-    from ..cli import weights_format
-
     cfg = engine.config
     return (f"serving {model_id} ({_params(cfg.param_count())} parameters; loops {cfg.default_loops} default, "
             f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
