@@ -11,7 +11,9 @@ well under a millisecond per token on the GPT-2 vocabulary, measured). The engin
 - `Matcher` is one output's state: the allowed-token mask for the next position (computed off the engine
   thread's critical path: llguidance drops the GIL, so the mask for step t+1 is computed in a worker thread
   while step t+1's forward pass runs), `accept` after each token, `rollback` for speculation's drafts. EOS
-  is in the mask only where the grammar may end.
+  is in the mask only where the grammar may end. Under JSON (`json_object`, `json_schema`, tool calls) and a
+  budget (the request's `max_tokens`), the mask also follows the closing rule (engine/schema_close.py): near the
+  budget's end, only tokens that keep the answer able to close within it.
 
 `Sampler` applies the mask to the row's logits before anything else, so greedy takes the argmax over allowed
 tokens, sampling draws from the masked distribution, and logprobs are those of that distribution.
@@ -20,6 +22,7 @@ tokens, sampling draws from the masked distribution, and logprobs are those of t
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import ValidationError
+from . import schema_close
 from .schema_check import SchemaCheck, keyword_paths
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
@@ -47,6 +51,7 @@ CACHE_SIZE = 256          # compiled grammars kept per engine (least recently us
 # the masks' fills while the engine thread and the native executor's threads run: one worker, which takes at most
 # one core from them at a time (two took both mid-step: 16 constrained rows 0.79 of free text's speed against
 # 0.87 with one, in-process, docs/structured.md "Cost per token")
+log = logging.getLogger(__name__)
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyloop-mask")
 
 
@@ -75,17 +80,21 @@ class Constraint:
 
         return prepare(json.loads(self.source), recursive_refs)
 
-    def grammar_text(self, recursive_refs: bool = False) -> str:
-        """llguidance's grammar for this constraint (raises ValidationError naming `param`)."""
+    def grammar_text(self, recursive_refs: bool = False, bounded: bool = True) -> str:
+        """llguidance's grammar for this constraint (raises ValidationError naming `param`). `bounded`: JSON's
+        strings with their whitespace runs bounded (`schema_close.compact_strings`; a grammar that does not compile
+        so is compiled without: `Grammars._entry`)."""
         import llguidance
 
         try:
             if self.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    schema_close.any_object() if bounded else ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.prepared(recursive_refs).schema,
-                                                                     defaults=JSON_OPTIONS,
-                                                                     overrides=JSON_OVERRIDES)
+                schema = self.prepared(recursive_refs).schema
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    schema_close.compact_strings(schema) if bounded else schema, defaults=JSON_OPTIONS,
+                    overrides=JSON_OVERRIDES)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
             if self.kind == "grammar":
@@ -118,6 +127,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll = None
+        self._tables = None           # the closing rule's tables (engine/schema_close.py), made on first use
         self._lock = threading.Lock()
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
         self.compiles = 0           # grammars compiled (cache misses), for tests and /metrics
@@ -131,11 +141,18 @@ class Grammars:
                 self._ll = _lltokenizer(self.tokenizer, self.vocab_size)
             return self._ll
 
+    def tables(self) -> schema_close.Tables:
+        ll = self.lltokenizer()
+        with self._lock:
+            if self._tables is None:
+                self._tables = schema_close.Tables(ll, self.vocab_size)
+            return self._tables
+
     def compiled(self, constraint: Constraint):
         """The compiled matcher of `constraint` in its initial state (shared: copy before use)."""
         return self._entry(constraint)[0]
 
-    def _entry(self, constraint: Constraint) -> tuple[Any, SchemaCheck | None]:
+    def _entry(self, constraint: Constraint) -> tuple[Any, SchemaCheck | None, schema_close.Rule | None]:
         import llguidance
 
         with self._lock:
@@ -145,11 +162,18 @@ class Grammars:
                 return hit
         text = constraint.grammar_text()
         matcher = llguidance.LLMatcher(self.lltokenizer(), text)
+        if matcher.is_error() and constraint.kind in ("json_object", "json_schema"):
+            # the strings' whitespace bound made it fail (a limit of llguidance's): without it, and the error, if
+            # any, is the schema's own
+            matcher = llguidance.LLMatcher(self.lltokenizer(), constraint.grammar_text(bounded=False))
         second = False
         if matcher.is_error() and constraint.kind == "json_schema" and CIRCULAR in matcher.get_error():
             # a recursive $ref llguidance would have to intersect: once more with those intersections
             # rewritten away (schema_rewrite.prepare's recursive_refs), if that compiles
             again = llguidance.LLMatcher(self.lltokenizer(), constraint.grammar_text(recursive_refs=True))
+            if again.is_error():
+                again = llguidance.LLMatcher(self.lltokenizer(),
+                                             constraint.grammar_text(recursive_refs=True, bounded=False))
             if not again.is_error():
                 matcher, second = again, True
         if matcher.is_error():
@@ -159,12 +183,37 @@ class Grammars:
                                   code="unsupported_schema" if schema_feature else None)
         check = SchemaCheck.of(constraint, matcher.get_grammar_warnings(), second) \
             if constraint.kind == "json_schema" else None
+        rule = self._closing_rule(constraint, matcher)
         with self._lock:
             self.compiles += 1
-            self._compiled[constraint] = (matcher, check)
+            self._compiled[constraint] = (matcher, check, rule)
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return matcher, check
+        return matcher, check, rule
+
+    def _closing_rule(self, constraint: Constraint, matcher) -> schema_close.Rule | None:
+        """The closing rule of a JSON output (json_object, json_schema, tool calls: engine/schema_close.py), with
+        the schema's example strings and the closing path's length from the grammar's start; None for other
+        constraints (a regex or grammar of the client's: what closing means there is the client's)."""
+        if constraint.kind not in ("json_object", "json_schema") and constraint.param != "tools":
+            return None
+        tables = self.tables()
+        schemas: list[Any] = []
+        if constraint.kind == "json_schema":
+            schemas.append(json.loads(constraint.source))
+        elif constraint.kind == "grammar":   # a tool grammar: the JSON schemas after each %json
+            dec, at = json.JSONDecoder(), constraint.source.find("%json ")
+            while at >= 0:
+                try:
+                    schemas.append(dec.raw_decode(constraint.source, at + 6)[0])
+                except ValueError:
+                    pass
+                at = constraint.source.find("%json ", at + 6)
+        rule = schema_close.Rule(tables, schema_close.examples(schemas, tables),
+                                 json="<function=" not in constraint.source)
+        steps, done = schema_close.walk(matcher.deep_copy(), rule, schema_close.START, schema_close.WALK_LIMIT)
+        rule.u0 = sum(map(len, steps)) if done else None
+        return rule
 
     def check(self, constraint: Constraint) -> tuple[str, ...]:
         """Compile now (at planning, before the request is queued): a bad constraint is a 400 naming it.
@@ -179,8 +228,12 @@ class Grammars:
         check = self._entry(constraint)[1]
         return check if check is not None and check.loose else None
 
-    def matcher(self, constraint: Constraint) -> "Matcher":
-        return Matcher(self.compiled(constraint).deep_copy(), self.vocab_size, self.lltokenizer().eos_token)
+    def matcher(self, constraint: Constraint, budget: int | None = None) -> "Matcher":
+        """A fresh matcher for one output; `budget`: the output's max_tokens (the closing rule's, where the
+        constraint has one: engine/schema_close.py)."""
+        compiled, _, rule = self._entry(constraint)
+        return Matcher(compiled.deep_copy(), self.vocab_size, self.lltokenizer().eos_token,
+                       rule=rule if budget is not None else None, budget=budget)
 
 
 def _reason(message: str, constraint: Constraint) -> str:
@@ -228,9 +281,18 @@ class Matcher:
     llguidance's bitmask (in a worker thread right after the previous token was accepted); `allows` reads a
     bit of it, `mask`, `forbidden` and `allowed_ids` unpack it when asked (once per position)."""
 
-    def __init__(self, ll, vocab_size: int, eos: int):
+    def __init__(self, ll, vocab_size: int, eos: int, rule: schema_close.Rule | None = None,
+                 budget: int | None = None):
         self.ll = ll
         self.vocab_size, self.eos = vocab_size, eos
+        # the closing rule (engine/schema_close.py): the output's max_tokens, the tokens of the output this matcher
+        # is not fed (`outside`: a thinking block's, set by the engine), the lexical state at each position
+        self.budget = budget
+        self.closer = schema_close.Closer(rule, budget) if rule is not None and budget is not None else None
+        self.outside = None
+        self._used = 0                        # the output's tokens before this position (read by the fill)
+        self._scratch: np.ndarray | None = None
+        self.zone = "free"                    # the closing rule's zone at this position (tests, benchmarks)
         self.error: str | None = None   # set if a token the grammar refuses was forced in: then only EOS
         self._bits = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)   # (1, V/32) bitmask
         self._words = self._bits[0].numpy()   # the same memory: bit j of word i = token 32 i + j
@@ -245,8 +307,18 @@ class Matcher:
     def _fill(self) -> None:
         v = self._bits[0]
         self.ll.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
+        self.zone = "free"
+        if self.closer is not None and self.error is None:
+            if self._scratch is None:
+                self._scratch = np.zeros_like(self._words, dtype=np.uint32)
+            try:   # (the rule writes the mask only after its walks, which are what may fail)
+                self.zone = self.closer.restrict(self.ll, self._words.view(np.uint32), self._used, self._scratch)
+            except Exception:  # noqa: BLE001 - the rule only narrows the mask: if it fails, the grammar's stands
+                log.exception("the JSON closing rule failed; this position keeps the grammar's mask")
 
     def _prefetch(self) -> None:
+        if self.closer is not None:   # (here, on the engine thread: what the fill reads stays as it was)
+            self._used = self.consumed + (self.outside() if self.outside is not None else 0)
         self._ready = self._filled = False
         self._unpacked = {}
         self._pending = None if self.lazy else _POOL.submit(self._fill)
@@ -329,6 +401,8 @@ class Matcher:
         if self.error is None and not self.ll.consume_token(token):
             self.error = self.ll.get_error() or f"token {token} refused"
         self.consumed += 1
+        if self.closer is not None:
+            self.closer.accept(token)
         self._prefetch()
 
     def forced(self, limit: int, stop=()) -> list[int]:
@@ -355,6 +429,8 @@ class Matcher:
         self._wait()
         self.ll.rollback(n)
         self.consumed -= n
+        if self.closer is not None:
+            self.closer.rollback(n)
         self._prefetch()
 
     def mask_after(self, paths: list[list[int]], scores: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:

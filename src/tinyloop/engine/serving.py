@@ -157,7 +157,9 @@ class BatchEngine(FastSteps):
         for i in range(n):
             p = params if (i == 0 or params.seed is None) else params.replace(seed=params.seed + i)
             # a constrained output's grammar state (its compiled grammar is cached: this is a copy)
-            matcher = None if params.constraint is None else self.engine.grammars.matcher(params.constraint)
+            # (its budget: max_tokens, for the JSON closing rule, engine/schema_close.py)
+            matcher = None if params.constraint is None else self.engine.grammars.matcher(params.constraint,
+                                                                                          params.max_tokens)
             think, thought = plan.thinking, None
             if think is not None:
                 from .thinking import ThinkingMatcher
@@ -165,8 +167,11 @@ class BatchEngine(FastSteps):
                 eos = min(self.engine.eos_ids) if self.engine.eos_ids else 0
                 if think.budget is not None or (matcher is not None and think.inside):
                     # the budget, and a constraint held off until the answer (engine/thinking.py)
+                    inner = matcher
                     matcher = thought = ThinkingMatcher(think, matcher, self.engine.tokenizer.token_bytes,
                                                         cfg.vocab_size, eos)
+                    if inner is not None:   # the block's tokens count in the answer's budget
+                        inner.outside = lambda t=thought: t.closed_at
                 else:   # only followed, for usage's reasoning_tokens (the sampler stays unconstrained)
                     thought = ThinkingMatcher(think, None, self.engine.tokenizer.token_bytes, cfg.vocab_size, eos)
             outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i),
