@@ -113,6 +113,10 @@ class ModelConfig:
     ngpt_alpha_init: float = 0.05       # the residual step |alpha * ngpt_alpha_init / ngpt_std|
     gate_logit_init: float = 0.0        # g0 of the attention output gate (0: sqrt(dim))
     kv_mode: str = "per_loop"           # KV_MODES
+    # The depths the model was trained to be used at, (shallowest, deepest), as its family declares them
+    # (`model.families`: Dory every depth 1..n_recurrent_loops); () : none declared. `loops` beyond it is still
+    # allowed up to max_loops; `reasoning_effort` picks a depth inside it (`effort_loops`, docs/server.md)
+    trained_loops: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +129,7 @@ class ModelConfig:
         object.__setattr__(self, "value_embeds", tuple(sorted({int(i) for i in self.value_embeds})))
         object.__setattr__(self, "rope_llama3", tuple(float(v) for v in self.rope_llama3))
         object.__setattr__(self, "rope_profile", tuple(int(v) for v in self.rope_profile))
+        object.__setattr__(self, "trained_loops", tuple(int(v) for v in self.trained_loops))
         r3 = self.rope_llama3
         n_blocks = self.n_prelude + self.n_core + self.n_coda
         checks = [
@@ -166,6 +171,10 @@ class ModelConfig:
             (2 not in self.rope_profile or self.rope_theta_2 > 0, "rope_profile 2 needs rope_theta_2 > 0"),
             (self.kv_mode in KV_MODES, f"kv_mode must be one of {KV_MODES}"),
             (self.sliding_window >= 0, "sliding_window must be >= 0"),
+            (not self.trained_loops or (len(self.trained_loops) == 2
+                                        and 1 <= self.trained_loops[0] <= self.trained_loops[1] <= self.max_loops),
+             f"trained_loops must be () or (shallowest, deepest) with 1 <= shallowest <= deepest <= max_loops "
+             f"({self.max_loops}), got {self.trained_loops}"),
         ]
         if self.layer_pattern:
             p = self.layer_pattern
@@ -202,7 +211,7 @@ class ModelConfig:
         for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
             if d[name] == default:
                 del d[name]  # (fields added for Parcae: other families' headers stay as they were)
-        for name in ("value_embeds", "rope_llama3", "rope_profile"):
+        for name in ("value_embeds", "rope_llama3", "rope_profile", "trained_loops"):
             if name in d:
                 d[name] = list(getattr(self, name))
         return d
@@ -213,7 +222,7 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
-        for name in ("value_embeds", "rope_llama3", "rope_profile"):
+        for name in ("value_embeds", "rope_llama3", "rope_profile", "trained_loops"):
             if name in d:
                 d = {**d, name: tuple(d[name])}
         missing = sorted(f.name for f in dataclasses.fields(cls)
@@ -232,6 +241,15 @@ class ModelConfig:
     def ngpt(self) -> bool:
         """nGPT single-sublayer blocks (Dory): `layer_pattern` says each block's kind."""
         return bool(self.layer_pattern)
+
+    def effort_loops(self, effort: str) -> int | None:
+        """The depth `reasoning_effort` stands for on this model (`EFFORT_DEPTHS`): inside `trained_loops`,
+        "low" (and "none", "minimal") its shallowest depth, "medium" the middle (the lower one of two), "high"
+        (and "xhigh", Anthropic's "max") its deepest; None when the model declares no trained range."""
+        if not self.trained_loops:
+            return None
+        lo, hi = self.trained_loops
+        return {"shallowest": lo, "middle": (lo + hi) // 2, "deepest": hi}[EFFORT_DEPTHS[effort]]
 
     def block_profile(self, block: int) -> int:
         """The RoPE profile (1 or 2) of block `block` (numbered prelude, core, coda)."""
@@ -277,7 +295,11 @@ _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm":
                           "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
                           "loop_start": "state", "rotary_dim": 0, "rope_theta_2": 0.0, "rotary_dim_2": 0,
                           "rope_profile": (), "layer_pattern": "", "sliding_window": 0, "ngpt_std": 0.0,
-                          "ngpt_alpha_init": 0.05, "gate_logit_init": 0.0, "kv_mode": "per_loop"}
+                          "ngpt_alpha_init": 0.05, "gate_logit_init": 0.0, "kv_mode": "per_loop", "trained_loops": ()}
+
+# reasoning_effort (OpenAI's values, and Anthropic's "max") -> where in a model's trained depth range it runs
+EFFORT_DEPTHS = {"none": "shallowest", "minimal": "shallowest", "low": "shallowest", "medium": "middle",
+                 "high": "deepest", "xhigh": "deepest", "max": "deepest"}
 
 
 PRESETS: dict[str, ModelConfig] = {

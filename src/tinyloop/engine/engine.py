@@ -142,6 +142,9 @@ class Engine:
         exit_path = self.loaded.draft_exit_path
         return {**model_info(self.header), "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
                 "kv_cache_mode": self.kv_format,
+                # [shallowest, deepest] depth the model was trained at (its family's declaration; null: none
+                # declared); loops up to max_loops are allowed all the same, reasoning_effort picks inside it
+                "trained_loops": list(self.config.trained_loops) or None,
                 "executor": executor_name(self.model),  # who runs decode rows: "native (...)" or "torch"
                 "kv_loops": "last (the model's: one cache per recurrent layer that every loop overwrites, "
                             "kv_mode last_loop)" if self.config.kv_mode == "last_loop" else

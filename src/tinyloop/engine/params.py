@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ModelConfig
+from ..config import EFFORT_DEPTHS, ModelConfig
 from ..errors import ValidationError
 
 MODES = ("generate", "speculative", "tree_speculative")
@@ -59,6 +59,12 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: bias in -100..100}, added to the row's logits before the penalties and
     # whatever picks the token (greedy or sampling); -100 bans a token, +100 all but forces it. None: none
     logit_bias: dict[int, float] | None = None
+    # OpenAI's reasoning_effort (Responses' reasoning.effort, Anthropic's output_config.effort): on a model that
+    # declares the depths it was trained at (`ModelConfig.trained_loops`) it picks one of them when the request
+    # names no depth (`loops`, or `verify_loops` in the speculative modes): "low" the shallowest, "medium" the
+    # middle, "high" the deepest (`ModelConfig.effort_loops`; resolved by `plan.plan_request`). A model without
+    # a range keeps its default depth. (The server turns it into a thinking budget too: server/reasoning.py)
+    reasoning_effort: str | None = None
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -70,6 +76,21 @@ class SamplingParams:
     @property
     def adaptive(self) -> bool:
         return self.loops == "auto"
+
+    def depth_given(self) -> bool:
+        """Whether the request names its depth itself (`loops`, or `verify_loops` in a speculative mode): then
+        reasoning_effort does not choose it."""
+        return self.loops is not None or (self.mode != "generate" and self.verify_loops is not None)
+
+    def with_effort(self, cfg: ModelConfig) -> "SamplingParams":
+        """The request with the depth its reasoning_effort picks on this model (`cfg.effort_loops`) as its
+        `loops`; unchanged when it names a depth itself, gives no effort, or the model declares no trained
+        range."""
+        if not isinstance(self.reasoning_effort, str) or self.reasoning_effort not in EFFORT_DEPTHS \
+                or self.depth_given():
+            return self   # (an unknown effort is refused by `validate`)
+        depth = cfg.effort_loops(self.reasoning_effort)
+        return self if depth is None else self.replace(loops=depth)
 
     def effective_loops(self, default_loops: int) -> int:
         """Loops of the output distribution: verify_loops for speculative modes, else loops (for "auto":
@@ -162,6 +183,8 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             need(not bad, "stop", f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
         need(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
+        need(self.reasoning_effort is None or self.reasoning_effort in EFFORT_DEPTHS, "reasoning_effort",
+             f"must be one of {', '.join(EFFORT_DEPTHS)}, got {self.reasoning_effort!r}")
         if self.logprobs is not None:
             need(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= 20,
                  "logprobs", f"must be an integer in 0..20 (alternatives per token), got {self.logprobs!r}")

@@ -1,7 +1,8 @@
 """One request plan: every knob of a request resolved once, before it is queued.
 
 `plan_request` runs every check (SamplingParams' ranges against the model's limits, `n`, the context
-length) and resolves the defaults that depend on the model (`loops` -> its `default_loops`). Everything
+length) and resolves the defaults that depend on the model (`loops` -> its `default_loops`, or the depth a
+`reasoning_effort` picks inside its trained range: `SamplingParams.with_effort`). Everything
 downstream (the engine, the scheduler's page count) reads the plan instead of re-deriving it. Pure: no
 torch, no model, only the config.
 """
@@ -33,6 +34,7 @@ class RequestPlan:
     kv_loops: int | None = None   # core KV slots per layer (the loop-shared budget); None: one per loop
     thinking: Any = None          # engine.thinking.ThinkPlan when the output has a thinking block (Engine.plan)
     warnings: tuple[str, ...] = ()  # schema parts not enforced exactly (Engine.plan; x-tinyloop-warning)
+    cache_save: str | None = None   # a saved conversation's name (POST /v1/cache/save): its prompt's KV kept on disk
 
     @property
     def mode(self) -> str:
@@ -62,6 +64,7 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     `max_seq_len` is the context limit the engine serves (the model's, or lower). `max_positions` is
     prompt + max_tokens, plus for the speculative modes room for one draft tree past the last accepted
     token (k_branches * draft_ahead + 1 positions)."""
+    params = params.with_effort(cfg)   # the depth reasoning_effort picks (every route's requests pass here)
     params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
     if params.adaptive and params.exit_criterion == "gate" and not (cfg.exit_gate if exit_gate is None else exit_gate):
         raise ValidationError('exit_criterion: "gate" needs a model with an exit gate (Ouro\'s, or one trained by '

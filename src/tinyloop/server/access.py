@@ -24,6 +24,7 @@ from typing import Any
 REQUEST_ID_HEADER = "X-Request-Id"
 WARNING_HEADER = "x-tinyloop-warning"            # schema parts not enforced exactly (docs/structured.md)
 SCHEMA_CHECK_HEADER = "x-tinyloop-schema-check"  # the complete answers' check against such a schema
+LOOPS_HEADER = "x-tinyloop-loops"                # the depth a generating request runs at (its plan's)
 _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_request_id", default=None)
 access_var: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("tinyloop_access", default=None)
@@ -175,4 +176,5 @@ def install_cors(app, origins: list[str]) -> None:
     app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["Authorization", "x-api-key", "anthropic-version", "Content-Type",
                                       REQUEST_ID_HEADER],
-                       expose_headers=[REQUEST_ID_HEADER, "request-id", WARNING_HEADER, SCHEMA_CHECK_HEADER], max_age=600)
+                       expose_headers=[REQUEST_ID_HEADER, "request-id", WARNING_HEADER, SCHEMA_CHECK_HEADER,
+                                       LOOPS_HEADER], max_age=600)

@@ -305,6 +305,9 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
+    effort = body.output_config.effort if body.output_config is not None else None
+    if effort is not None:   # chat's reasoning_effort (its deepest value, "xhigh", for Anthropic's "max")
+        fields["reasoning_effort"] = "xhigh" if effort == "max" else effort
     if isinstance(body.thinking, ThinkingDisabled):   # the template's switch (Nanbeige's, Qwen3's)
         fields["chat_template_kwargs"] = {"enable_thinking": False}
     if isinstance(body, MessagesRequest):

@@ -161,7 +161,8 @@ class JSONOutputFormat(Closed):
 
 class OutputConfig(Closed):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
-        None, description="accepted; no effect (the served models do not think)")
+        None, description="chat's reasoning_effort (max: its xhigh): the depth on a model that declares the depths it "
+                          "was trained at, and a thinking budget where `thinking` sets none (docs/server.md)")
     format: JSONOutputFormat | None = Field(None, description="the answer is JSON held to this schema token by "
                                                               "token (docs/structured.md)")
 

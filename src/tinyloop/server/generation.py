@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from ..version import __version__
 from ..engine import SamplingParams
 from ..errors import ValidationError
-from .access import SCHEMA_CHECK_HEADER, WARNING_HEADER, add_completion_tokens, note, response_headers
+from .access import LOOPS_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER, add_completion_tokens, note, response_headers
 from .schemas import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
 from .sse import DONE, Framer, usage
@@ -118,6 +118,8 @@ class ServerState:
         if plan.warnings:   # a schema the grammar holds only in part: said before any answer goes out
             response_headers()[WARNING_HEADER] = " | ".join(plan.warnings)
         note(mode=plan.mode, loops=plan.loops, n=plan.n, prompt_tokens=plan.n_prompt, max_tokens=plan.max_tokens)
+        # the depth it runs at (the one reasoning_effort picked, if it did), before any answer goes out: streams too
+        response_headers()[LOOPS_HEADER] = f"auto (max {plan.loops})" if plan.params.adaptive else str(plan.loops)
         handle = self.worker.submit(plan, timeout_s=timeout_s)
         handle.client_timeout = timeout_s is not None   # its expiry is then the client's 408, not a 504
         return handle

@@ -11,9 +11,9 @@ from pydantic.json_schema import SkipJsonSchema
 from ..engine import SamplingParams, param_default
 from ..engine.constraint import Constraint
 from ..errors import ValidationError
-from .schemas import (DEFAULT_MAX_TOKENS, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S, ChatMessage,
-                      ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, StopStrings, TokenIds, _seed,
-                      check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
+from .schemas import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
+                      ChatMessage, ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, ReasoningEffort,
+                      StopStrings, TokenIds, _seed, check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
 
 
 class GenerateRequest(BaseModel):
@@ -30,6 +30,7 @@ class GenerateRequest(BaseModel):
     min_loops: Int = rng(param_default("min_loops"), lo=1, hi_limit="max_loops")
     max_loops: Int | None = rng(lo=1, hi_limit="max_loops")  # the ceiling of "auto"; None -> default_loops
     kv_loops: KVLoops = rng(param_default("kv_loops"), lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
+    reasoning_effort: ReasoningEffort | None = Field(None, description=EFFORT_DEPTH_DOC)
     logprobs: Int | None = rng(lo=0, hi=20, description="each token's log-probability and this many alternatives "
                                                          "(ids), 0..20; every mode")
     prompt_logprobs: Int | None = rng(lo=0, hi=20, description="each prompt token's log-probability (the first "
@@ -87,7 +88,7 @@ class GenerateRequest(BaseModel):
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
             max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
-            **self.speculative_params())
+            reasoning_effort=self.reasoning_effort, **self.speculative_params())
 
     def speculative_params(self) -> dict[str, Any]:
         return {}

@@ -26,8 +26,13 @@ def state_of(request: Request) -> ServerState:
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
-    state.worker.require_engine()
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "tinyloop"}
+    """OpenAI's model object, and the depths it runs at (TinyLoop): `default_loops`, `max_loops` (any depth
+    1..max_loops per request), and `trained_loops`, [shallowest, deepest] as the model's family declares
+    them (where reasoning_effort picks its depth), or null where it declares none."""
+    cfg = state.worker.require_engine().config
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "tinyloop",
+            "default_loops": cfg.default_loops, "max_loops": cfg.max_loops,
+            "trained_loops": list(cfg.trained_loops) or None}
 
 
 def find_model(state: ServerState, model_id: str) -> None:

@@ -36,7 +36,7 @@ from ..errors import ValidationError
 from .errors import APIError, OpenAIFieldErrors, register_shape
 from .generation import collect, stream as sse_stream
 from .openai import chat_inputs, messages_error, state_of
-from .reasoning import Answer, thinking_budget
+from .reasoning import Answer
 from .openai_responses_schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
                                        FunctionCallOutputItem, FunctionTool, ItemReference, MessageItem,
                                        NamespaceTool, ReasoningItem, ResponsesRequest)
@@ -280,22 +280,15 @@ def check_unsupported(body: ResponsesRequest) -> None:
                            code="unsupported_parameter")
 
 
-def effort_of(body: ResponsesRequest, engine, params):
-    """`reasoning.effort` as the thinking budget (server/reasoning.py; no effect on a model that does not think)."""
-    from ..engine.thinking import resolve
-
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is None or params.max_thinking_tokens is not None or resolve(params.thinking, engine.tokenizer) is None:
-        return params
-    return params.replace(max_thinking_tokens=thinking_budget(None, effort, "reasoning.effort"))
-
-
 def to_chat(body: ResponsesRequest, model: str, items: list[tuple[str | None, dict[str, Any]]],
             max_tokens: int) -> ChatCompletionRequest:
     """The chat completion request a Responses request means."""
     fields: dict[str, Any] = {"model": model, "messages": chat_messages(body.instructions, items), **chat_tools(body),
                               "max_tokens": max_tokens if body.max_output_tokens is None else body.max_output_tokens,
-                              "temperature": body.temperature, "top_p": body.top_p, **body.knobs()}
+                              "temperature": body.temperature, "top_p": body.top_p, **body.knobs(),
+                              # reasoning.effort is chat's reasoning_effort: the depth on a model with a trained
+                              # range, and the thinking budget (docs/server.md)
+                              "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
     fmt = body.text.format if body.text is not None else None
     if isinstance(fmt, FormatJSONObject):
         fields["response_format"] = {"type": "json_object"}
@@ -330,7 +323,6 @@ async def create_response(body: ResponsesRequest, request: Request):
         chat = to_chat(body, model, items, limit)
         params = chat.sampling_params()
         prompt, params, tools = chat_inputs(engine, chat, params, reasoning=state.settings.reasoning_parser)
-        params = effort_of(body, engine, params)
         if params.max_tokens > limit:
             raise ValidationError(f"max_output_tokens: {params.max_tokens} > {limit}, the most this server "
                                   "generates (TINYLOOP_MAX_TOKENS)", param="max_output_tokens")

@@ -184,7 +184,8 @@ class TextConfig(Closed):
 
 
 class Reasoning(Closed):
-    """Accepted; no effect (the served models' chat templates do not think)."""
+    """`effort` is chat's reasoning_effort: the depth on a model with a trained range, and a thinking model's
+    budget (docs/server.md); the summary fields are accepted, no effect."""
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from . import responses as R
-from .access import REQUEST_ID_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER
+from .access import LOOPS_HEADER, REQUEST_ID_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER
 
 ERROR_TEXT = {
     400: "invalid value (out of range, over the context length or KV capacity, conflicting fields); on OpenAI's "
@@ -125,12 +125,15 @@ def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
 
 
-SCHEMA_HEADERS = {  # a JSON schema held in part (docs/structured.md, "Schema coverage")
+SCHEMA_HEADERS = {  # generating routes: a JSON schema held in part (docs/structured.md, "Schema coverage"); the depth
     WARNING_HEADER: {"description": "the schema keywords not enforced while generating and the formats written as "
                      "plain strings, each with its JSON path", "schema": {"type": "string"}},
     SCHEMA_CHECK_HEADER: {"description": "non-streamed, under a schema with such keywords: \"passed\", or "
                           "\"failed: \" and why (each answer validated against the schema as sent)",
-                          "schema": {"type": "string"}}}
+                          "schema": {"type": "string"}},
+    LOOPS_HEADER: {"description": "the depth the request runs at: its loops, the one its reasoning_effort picked "
+                   "on a model with a trained range, or the model's default; \"auto (max K)\" under loops \"auto\"",
+                   "schema": {"type": "string"}}}
 
 
 def build_openapi(app, state, default_limits: dict[str, Any]) -> dict[str, Any]:

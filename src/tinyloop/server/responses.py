@@ -77,6 +77,7 @@ class ModelInfo(Open):
     default_loops: int
     quant: str
     kv_cache_mode: str
+    trained_loops: list[int] | None = None   # the depths the model was trained at (ModelCard's)
 
 
 class FunctionCall(Closed):
@@ -210,6 +211,9 @@ class ModelCard(Closed):
     object: Literal["model"]
     created: int
     owned_by: str
+    default_loops: int                   # TinyLoop: the depth of a request that names none
+    max_loops: int                       # TinyLoop: loops may be any of 1..max_loops
+    trained_loops: list[int] | None      # TinyLoop: [shallowest, deepest] trained depth (reasoning_effort's range)
 
 
 class ModelList(Closed):

@@ -163,8 +163,14 @@ class Prediction(BaseModel):
     content: str | Annotated[list[TextPart], doc(minItems=1)]
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]   # OpenAI's values
 NO_EFFECT = "accepted; no effect"
+EFFORT_DEPTH_DOC = ('on a model that declares the depths it was trained at (GET /v1/models: trained_loops), the '
+                    'depth when the body names no loops: "low" (and "none", "minimal") the shallowest, "medium" the '
+                    'middle, "high" (and "xhigh") the deepest; a model without that range keeps its default depth '
+                    '(docs/server.md)')
+EFFORT_DOC = EFFORT_DEPTH_DOC + ('. On chat, also a thinking budget (max_thinking_tokens wins; no effect on models '
+                                 'that do not think)')
 
 
 class ContentPart(BaseModel):
@@ -335,6 +341,9 @@ class OpenAIRequest(LoopKnobs):
     service_tier: str | None = Field(None, description=NO_EFFECT)
     safety_identifier: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_key: str | None = Field(None, description="accepted; no effect (the prefix cache is automatic)")
+    # OpenAI's (chat; taken by text completions too): the depth on a model with a trained range (engine/params.py
+    # SamplingParams.with_effort), and chat's thinking budget (server/reasoning.py)
+    reasoning_effort: ReasoningEffort | None = Field(None, description=EFFORT_DOC)
 
     def check_unsupported(self) -> None:
         if self.store:
@@ -381,7 +390,7 @@ class OpenAIRequest(LoopKnobs):
             exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
             max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
             logprobs=self.logprobs_param(), constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
-            **self.extension_params())
+            reasoning_effort=self.reasoning_effort, **self.extension_params())
 
     def constraint(self) -> Constraint | None:
         """What the output must match (`response_format`; chat's `tools` add theirs: server/tools.py)."""
@@ -407,8 +416,6 @@ class ChatCompletionRequest(OpenAIRequest):
 
     # accepted OpenAI fields (docs/server.md): text output only; the rest have no effect on this server
     modalities: list[Literal["text"]] | None = Field(None, description='["text"] only (the models write text)')
-    reasoning_effort: ReasoningEffort | None = Field(None, description="a thinking budget (max_thinking_tokens "
-                                                     "wins; docs/server.md): no effect on models that do not think")
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description=NO_EFFECT)
     prediction: Prediction | None = Field(None, description="accepted (type content); it does not change the output")
 
@@ -439,7 +446,7 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (default with tools), "required", '
                                            'or {"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool | None = Field(None, description="allow more than one call per answer (default true)")
-    # reasoning (docs/server.md, "Reasoning"); reasoning_effort is OpenAI's, above
+    # reasoning (docs/server.md, "Reasoning"); reasoning_effort is OpenAI's (OpenAIRequest)
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the model's chat "
                                                         "template (enable_thinking: false turns thinking off)")
     max_thinking_tokens: Int | None = rng(lo=0, hi=8192, description="tokens the thinking block may hold; then "

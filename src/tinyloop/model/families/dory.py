@@ -183,6 +183,13 @@ def _rotary_dim(D: int, factor: Any, key: str, bad: list[str]) -> int:
     return 0 if r == D else r
 
 
+def trained_depths(loops: int) -> tuple[int, int]:
+    """The depths Dory was trained to be used at (`ModelConfig.trained_loops`): every one from 1 to its
+    `n_recurrent_loops` (GGUF: `recurrent_loop_count`), the release's 1-4 (arXiv 2611.03998: post-trained to
+    send harder prompts to deeper loops, each depth usable on its own)."""
+    return (1, loops)
+
+
 def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelConfig:
     """config.json -> ModelConfig, with DoryConfig's defaults for what it leaves out; ConvertError naming every
     field that is not Dory v1."""
@@ -276,7 +283,7 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
                        mlp="swiglu", tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False,
                        head_norm=False, layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
                        ngpt_std=float(std), ngpt_alpha_init=float(hf.get("ngpt_alpha_init", 0.05)),
-                       gate_logit_init=float(g0), kv_mode=KV_MODES[mode],
+                       gate_logit_init=float(g0), kv_mode=KV_MODES[mode], trained_loops=trained_depths(loops),
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
@@ -423,7 +430,7 @@ def gguf_config(g: Any, eos: list[int]) -> ModelConfig:
                        layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
                        ngpt_std=float(scales["init_std"]), ngpt_alpha_init=float(scales["alpha_init"]),
                        gate_logit_init=float(scales["gate_init"]), kv_mode=KV_MODES[mode],
-                       eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+                       trained_loops=trained_depths(loops), eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
 def gguf_tensor(cfg: ModelConfig, g: Any, name: str, t: torch.Tensor, emit: Emit) -> bool:

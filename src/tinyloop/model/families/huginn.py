@@ -33,6 +33,8 @@ def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
                                                "Llama / OLMo checkpoint, which has one, names its RoPE base "
                                                "rope_theta in config.json)")
     steps = hf.get("mean_recurrence", 32)
+    # no trained_loops: Huginn trains at a recurrence drawn per step from a heavy-tailed distribution around
+    # mean_recurrence (a log-normal Poisson), with no bound its config declares: no range is reported
     return ModelConfig(dim=d, n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
                        ffn_dim=hf["intermediate_size"], n_prelude=hf["n_layers_in_prelude"],
                        n_core=hf["n_layers_in_recurrent_block"], n_coda=hf["n_layers_in_coda"],

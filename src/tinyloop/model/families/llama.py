@@ -84,7 +84,8 @@ def gguf_config(g: Any, eos: list[int]) -> ModelConfig:
                            max_seq_len=_int(g, "context_length", 4096), norm_eps=eps, rope_theta=theta,
                            rope_llama3=llama3, mlp="swiglu", tie_embeddings="output.weight" not in names,
                            injection="none", loop_norm=False, post_loop_norm=False, head_norm=True,
-                           norm_placement="pre", eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
+                           norm_placement="pre", trained_loops=(1, 1),   # a plain stack, trained at its one pass
+                           eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
     except ValueError as exc:   # ConfigError
         raise ConvertError(f"{g.path}: the metadata describes no model TinyLoop runs ({exc})") from None
 

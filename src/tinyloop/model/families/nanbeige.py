@@ -49,7 +49,10 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
     steps = int(hf.get("num_loops", 1))
     need(steps >= 1, src, f"num_loops {steps} must be >= 1")
     skip = bool(hf.get("skip_loop_final_norm", False))
-    return llama_shape(hf, eos, steps, norm_placement="pre", loop_norm=not skip, head_norm=skip)
+    # trained_loops: with loop_loss_weights empty (refused otherwise, above) the loss is the last loop's only:
+    # the one depth it was trained at is num_loops
+    return llama_shape(hf, eos, steps, norm_placement="pre", loop_norm=not skip, head_norm=skip,
+                       trained_loops=(steps, steps))
 
 
 def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:

@@ -26,8 +26,11 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
     need(not hf.get("use_sliding_window"), src, "use_sliding_window is not supported")
     need(not hf.get("attention_bias", False), src, "attention_bias is not supported for Ouro")
     steps = int(hf.get("total_ut_steps", 4))
+    # trained_loops: Ouro's objective (arXiv 2510.25741, the entropy-regularized expected loss over exit steps
+    # t = 1..total_ut_steps, the exit gate's distribution weighting each) trains the head's output after
+    # every step, not only the last: each depth 1..total_ut_steps is one it was trained to exit at
     return llama_shape(hf, eos, steps, head_dim=None, loop_norm=True, head_norm=False, norm_placement="sandwich",
-                       exit_gate=True)
+                       exit_gate=True, trained_loops=(1, steps))
 
 
 def tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:

@@ -71,6 +71,8 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
     need(not bad, src, f"{'; '.join(bad)}: not supported (TinyLoop runs the released Parcae configs: pre-norm "
                         "RMSNorm blocks with a ReLU2 BaseMLP, the diagonal injection, one width throughout)")
     steps = int(hf.get("mean_recurrence", 32))
+    # no trained_loops: Parcae samples its recurrence per step around mean_recurrence (Huginn's recipe); its
+    # config declares no bound, so no range is reported
     vocab = hf.get("padded_vocab_size")
     if not vocab:
         m = hf.get("padding_multiple", 512)

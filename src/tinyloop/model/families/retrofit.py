@@ -55,6 +55,8 @@ def retrofit_config(hf: dict[str, Any], src: Path, eos: list[int], variant: str)
     embed_scale = float(init.get("embed_scale", math.sqrt(d)))
     std = float(init.get("std", math.sqrt(2 / (5 * d))))
     steps = int(hf.get("mean_recurrence", 32))
+    # no trained_loops: the retrofitted models train at a sampled recurrence around mean_recurrence (Huginn's
+    # recipe), with no bound in the config: no range is reported
     need(steps >= 1, src, f"mean_recurrence {steps} must be >= 1")
     return ModelConfig(dim=d, n_heads=H, n_kv_heads=Hkv, head_dim=head_dim, ffn_dim=hf["intermediate_size"],
                        n_prelude=hf["n_layers_in_prelude"], n_core=hf["n_layers_in_recurrent_block"],
