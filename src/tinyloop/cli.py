@@ -324,6 +324,10 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["TINYLOOP_REASONING_PARSER"] = args.reasoning_parser
     if getattr(args, "strict_model_names", False):   # as the environment variable (replicas read it too)
         os.environ["TINYLOOP_STRICT_MODEL_NAMES"] = "1"
+    if getattr(args, "prompt_cache_dir", None):   # as the environment variables (replicas read them too)
+        os.environ["TINYLOOP_PROMPT_CACHE_DIR"] = args.prompt_cache_dir
+    if getattr(args, "prompt_cache_bytes", None):
+        os.environ["TINYLOOP_PROMPT_CACHE_BYTES"] = args.prompt_cache_bytes
     settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
     if str(settings.model_path or "").startswith("hf:"):
         from . import store  # noqa: F401 - hf: names resolve through the store (a missing model is pulled now)
@@ -516,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict-model-names", action="store_true",
                    help="answer 404 model_not_found to a request whose model is not one of those names (default: "
                    "any name is accepted and echoed); $TINYLOOP_STRICT_MODEL_NAMES=1")
+    s.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="keep the prefix cache's KV blocks in files under DIR and read them back after a restart "
+                   "(saved conversations: POST /v1/cache/save); with --replicas, one directory they all share; "
+                   "$TINYLOOP_PROMPT_CACHE_DIR. Default: off")
+    s.add_argument("--prompt-cache-bytes", metavar="SIZE",
+                   help="the prompt cache directory's bound, e.g. 4G or 512M (default 4G): least recently used files "
+                   "go first; $TINYLOOP_PROMPT_CACHE_BYTES")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--reasoning-parser", choices=["auto", "none", "think"],
                    help="split <think> blocks from the answer (reasoning_content): auto (default: models whose chat "

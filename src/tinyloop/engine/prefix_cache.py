@@ -26,6 +26,10 @@ list *with their contents and names*; the free list is in release order, so allo
 recently released pages first, and taking a page drops the name of the block it belonged to (LRU
 eviction under memory pressure, and no cached page is ever counted as used). A hit on a block whose
 pages are free takes them back off the free list.
+
+On disk (`disk`, an `engine.disk_cache.DiskPrefixCache`, `--prompt-cache-dir`): every block named here is
+also written to a file, and `extend` reads the blocks past an in-memory hit back from their files into free
+pages, so a restart starts warm.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class PrefixCache:
         self._blocks: dict[bytes, list[int]] = {}
         self._page_name: dict[int, bytes] = {}
         self.hit_tokens = 0            # prompt tokens admitted sequences found in the cache, so far
+        self.disk = None               # engine.disk_cache.DiskPrefixCache: blocks kept in files too
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -71,13 +76,44 @@ class PrefixCache:
         for pages in blocks:
             self.pool.take(pages)
 
-    def insert(self, name: bytes, pages: list[int]) -> None:
-        """Name a block that has just been filled; the first block of a name wins."""
+    def insert(self, name: bytes, pages: list[int]) -> bool:
+        """Name a block that has just been filled; the first block of a name wins (True: this one is new)."""
         if name in self._blocks or any(p in self._page_name for p in pages):
-            return
+            return False
         self._blocks[name] = list(pages)
         for p in pages:
             self._page_name[p] = name
+        return True
+
+    def extend(self, names: list[bytes], hit: list[list[int]], tokens: Seq[int], salt: Any,
+               n_slots: int) -> list[list[int]]:
+        """`hit` (from `peek`) and the blocks after it that the disk holds: block b of `names` (whose tokens
+        are tokens[b*page_size:(b+1)*page_size]) read from its file into free pages and named here, in chain
+        order up to the first one missing (or no free pages left). The blocks read sit on the free list, as
+        cached blocks do; `hit` is held meanwhile so reading cannot evict it."""
+        disk = self.disk
+        if disk is None or len(hit) >= len(names):
+            return hit
+        ps = disk.page_size
+        for blk in hit:
+            self.pool.take(blk)
+        got: list[list[int]] = []
+        try:
+            for b in range(len(hit), len(names)):
+                if self.pool.num_free < n_slots:
+                    break
+                payload = disk.read(names[b], b, names[b - 1] if b else None, tokens[b * ps:(b + 1) * ps],
+                                    salt, n_slots)
+                if payload is None:
+                    break
+                pages = self.pool.allocate(n_slots)
+                got.append(pages)
+                disk.fill(payload, pages)
+                self.insert(names[b], pages)
+        finally:
+            for blk in reversed(hit + got):   # tail first: the free list is reused oldest first
+                self.pool.free(blk)
+        return hit + got
 
     def _forget(self, page: int) -> None:
         """The pool is reusing `page`: the block it belonged to is gone."""

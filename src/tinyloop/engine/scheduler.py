@@ -133,6 +133,7 @@ class Sequence:
     prefix_names: list[bytes] = field(default_factory=list)   # names of its full blocks so far
     n_named: int = 0                    # blocks of block_table offered to the cache
     prompt_cached: int = 0              # prompt tokens read from the cache (the admission that prefilled it)
+    cache_save: str | None = None       # a saved conversation's name: its prompt's blocks kept on disk (`_save`)
 
     def __post_init__(self):
         if not self.tokens:
@@ -231,6 +232,8 @@ class Scheduler:
         """Done (length, stop, abort, error): free its pages now. Idempotent."""
         if seq.status == FINISHED:
             return
+        if seq.cache_save and reason not in ("abort", "error"):
+            self._save(seq)
         if seq.status == RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -338,7 +341,13 @@ class Scheduler:
         n = (target - 1) // self.page_size
         if seq.prefix_upto is not None:
             n = min(n, seq.prefix_upto // self.page_size)
-        return self.prefix.peek(self._names(seq, n)) if n > 0 else []
+        if n <= 0:
+            return []
+        names = self._names(seq, n)
+        hit = self.prefix.peek(names)
+        if len(hit) < n and self.prefix.disk is not None:   # the rest from the prompt cache on disk
+            hit = self.prefix.extend(names, hit, seq.tokens, seq.prefix_salt, seq.n_slots)
+        return hit
 
     def _take_prefix(self, seq: Sequence, hit: list[list[int]]) -> None:
         """Admission: `seq` starts from the cached blocks `hit` (from `_cached_prefix`)."""
@@ -348,8 +357,24 @@ class Scheduler:
         if hit:
             self.prefix.take(hit)
             self.prefix.hit_tokens += cached
+            if self.prefix.disk is not None:   # their files are now the most recently used
+                self.prefix.disk.touch(seq.prefix_names[:len(hit)])
             seq.block_table = [list(b) for b in hit]
             seq.n_cached, seq.n_named = cached, len(hit)
+
+    def _save(self, seq: Sequence) -> None:
+        """A saved conversation's sequence ends: its prompt's full, named blocks go to the prompt cache on disk
+        with a manifest naming them (`engine.disk_cache`; POST /v1/cache/save)."""
+        disk = self.prefix.disk if self.prefix is not None else None
+        if disk is None or seq.prefix_salt is None:
+            return
+        ps = self.page_size
+        full = min(len(seq.prompt) // ps, seq.n_named, len(seq.block_table), seq.n_cached // ps)
+        names = self._names(seq, full)
+        blocks = [(names[b], b, names[b - 1] if b else None, seq.tokens[b * ps:(b + 1) * ps], seq.prefix_salt,
+                   seq.block_table[b]) for b in range(full)]
+        disk.save_manifest(seq.cache_save, blocks, tokens=list(seq.prompt),
+                           info={"loops": seq.loops, "window": seq.window, "salt": repr(seq.prefix_salt)})
 
     def prompt_computed(self, seq: Sequence) -> None:
         """An external sequence's prompt is in the cache (its runner says so): name its full blocks."""
@@ -366,9 +391,14 @@ class Scheduler:
         if full <= seq.n_named:
             return
         names = self._names(seq, full)
+        disk, ps, new = self.prefix.disk, self.page_size, []
         for b in range(seq.n_named, full):
-            self.prefix.insert(names[b], seq.block_table[b])
+            if self.prefix.insert(names[b], seq.block_table[b]) and disk is not None:
+                new.append((names[b], b, names[b - 1] if b else None, seq.tokens[b * ps:(b + 1) * ps],
+                            seq.prefix_salt, seq.block_table[b]))
         seq.n_named = full
+        if new:   # the prompt cache on disk writes them (off this thread)
+            disk.named(new)
 
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule the next prefill chunk of `seq`; returns the tokens it takes from the budget.

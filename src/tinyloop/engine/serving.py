@@ -250,7 +250,8 @@ class BatchEngine(FastSteps):
                 # prompt scoring needs every prompt position's logits: it computes them all
                 "prefix_reads": plan.params.prompt_logprobs is None,
                 # adaptive depth: generated tokens may exit early, so only the prompt's blocks are shared
-                "prefix_upto": None if plan.exit_rule is None else plan.n_prompt}
+                "prefix_upto": None if plan.exit_rule is None else plan.n_prompt,
+                "cache_save": plan.cache_save}   # (POST /v1/cache/save: engine/disk_cache.py)
 
     def abort(self, req: Request) -> None:
         """The client went away: free everything now, emit nothing more."""

@@ -22,6 +22,7 @@ from ..model.fast import executor_name
 from ..modelheader import weights_format
 from . import access, anthropic, docs_ui, embeddings, errors, lmstudio, native, openai, openai_responses, playground
 from . import openapi as server_openapi
+from . import cache_routes
 from .errors import APIError
 from .generation import ServerState, served_names
 from .metrics import Metrics
@@ -190,6 +191,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     app.include_router(openai_responses.router)   # OpenAI's Responses API (/v1/responses)
     app.include_router(embeddings.router)   # OpenAI's embeddings (/v1/embeddings), on the same engine core
     app.include_router(native.router)
+    app.include_router(cache_routes.router)   # saved conversations in the prompt cache on disk (/v1/cache/...)
     app.include_router(playground.router)
     app.include_router(docs_ui.router)   # /docs with Swagger UI's files served from here (no CDN)
 

@@ -41,5 +41,43 @@ class Metrics:
         self.kv_pages_used = Gauge("tinyloop_kv_pages_used", "KV cache pages held by sequences", registry=r)
         self.engine_loaded = Gauge("tinyloop_engine_loaded", "1 when the model is loaded and serving", registry=r)
 
+    def track_prompt_cache(self, stats) -> None:
+        """The prompt cache on disk's figures (`stats()`: engine/disk_cache.py DiskPrefixCache.stats), read at
+        each scrape."""
+        self.registry.register(_PromptCacheCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector:
+    FAMILIES = (  # (name, kind, stats key, help)
+        ("tinyloop_prompt_cache_disk_bytes", "gauge", "bytes",
+         "bytes of the prompt cache directory on disk (every model's blocks and saved conversations)"),
+        ("tinyloop_prompt_cache_disk_hits", "counter", "hits", "KV blocks read back from the prompt cache on disk"),
+        ("tinyloop_prompt_cache_disk_hit_tokens", "counter", "hit_tokens",
+         "prompt tokens whose KV was read back from the prompt cache on disk"),
+        ("tinyloop_prompt_cache_disk_misses", "counter", "misses",
+         "lookups past the in-memory prefix cache that found no file on disk"),
+        ("tinyloop_prompt_cache_files_written", "counter", "written", "KV block files written to the prompt cache"),
+        ("tinyloop_prompt_cache_files_ignored", "counter", "ignored",
+         "prompt cache files ignored and removed: truncated, failing their checksum, or another model's, "
+         "format's or version's"),
+        ("tinyloop_prompt_cache_files_evicted", "counter", "evicted",
+         "prompt cache files removed least recently used first past the byte bound"),
+        ("tinyloop_prompt_cache_blocks_preloaded", "counter", "preloaded",
+         "KV blocks read from disk into the prefix cache at start, while the engine was idle"),
+        ("tinyloop_prompt_cache_writes_deferred", "counter", "dropped",
+         "KV blocks not copied when named (the writer's queue was full); written at shutdown if still cached"),
+    )
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = self.stats() or {}
+        for name, kind, key, doc in self.FAMILIES:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield cls(name, doc, value=values.get(key, 0))

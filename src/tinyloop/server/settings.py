@@ -26,6 +26,10 @@ Environment (see docs/server.md):
     TINYLOOP_MAX_BATCHED_TOKENS  tokens per batched step: decode tokens + prefill chunks (default 512)
     TINYLOOP_KV_POOL_MB     KV page pool size (default: max_num_seqs full contexts, at most 1024 MiB)
     TINYLOOP_PREFIX_CACHING 0 turns prefix caching off (default 1: full KV blocks shared across requests)
+    TINYLOOP_PROMPT_CACHE_DIR  the prompt cache on disk (`--prompt-cache-dir`): the prefix cache's blocks kept in
+                            files there, read back after a restart (default: none, off; engine/disk_cache.py)
+    TINYLOOP_PROMPT_CACHE_BYTES  its bound (`--prompt-cache-bytes`, e.g. 4G, 512M; default 4G): least recently
+                            used files go first
     TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
     TINYLOOP_RESPONSES_STORE_SIZE  /v1/responses kept in memory for GET and previous_response_id, the least
@@ -132,6 +136,21 @@ def _log_format_env(env: dict[str, str]) -> str:
     return value
 
 
+def _prompt_cache_bytes_env(env: dict[str, str]) -> int:
+    from ..engine.disk_cache import DEFAULT_MAX_BYTES, parse_bytes
+
+    raw = env.get("TINYLOOP_PROMPT_CACHE_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    try:
+        value = parse_bytes(raw)
+    except ValueError as exc:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_PROMPT_CACHE_BYTES: {exc}") from None
+    if value < 1 << 20:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_PROMPT_CACHE_BYTES must be at least 1M, got {raw!r}")
+    return value
+
+
 def _store_size_env(env: dict[str, str]) -> int:
     value = _int_env(env, "TINYLOOP_RESPONSES_STORE_SIZE", 1000)
     if value < 0:
@@ -155,6 +174,8 @@ class Settings:
     max_batched_tokens: int = 512
     kv_pool_mb: int | None = None
     prefix_caching: bool = True
+    prompt_cache_dir: Path | None = None    # the prompt cache on disk (engine/disk_cache.py); None: off
+    prompt_cache_bytes: int = 4 << 30       # its bound in bytes
     request_timeout_s: float = 0.0
     shutdown_grace_s: float = 10.0
     draft_exit: Path | bool = True          # True: the model's own draft-exit file if any; False: none
@@ -201,6 +222,9 @@ class Settings:
             max_batched_tokens=_int_env(env, "TINYLOOP_MAX_BATCHED_TOKENS", 512),
             kv_pool_mb=_int_env(env, "TINYLOOP_KV_POOL_MB", None),
             prefix_caching=_switch_env(env, "TINYLOOP_PREFIX_CACHING", True),
+            prompt_cache_dir=Path(env["TINYLOOP_PROMPT_CACHE_DIR"].strip()).expanduser()
+            if env.get("TINYLOOP_PROMPT_CACHE_DIR", "").strip() else None,
+            prompt_cache_bytes=_prompt_cache_bytes_env(env),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             draft_exit=_draft_exit_env(env),

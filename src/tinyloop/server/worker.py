@@ -155,6 +155,7 @@ class EngineWorker:
         self._flushed_early = False           # this iteration's step flushed before its forward or head
         self._thread = threading.Thread(target=self._run, name="tinyloop-engine", daemon=True)
         self._launched = False
+        self.prompt_cache = None              # engine.disk_cache.DiskPrefixCache (--prompt-cache-dir)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
@@ -233,6 +234,7 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001
                 log.warning("the engine's warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
                 self.batch = core()   # (nothing of the failed warm-up left in the core)
+            self._open_prompt_cache()
             runner = self.batch.runner
             if native(self.engine.model) is not None:   # the step's forward is one native call without the GIL
                 runner.before_forward = self._flush_early
@@ -254,6 +256,31 @@ class EngineWorker:
                 self._serve()
         except BaseException as exc:  # noqa: BLE001 - the engine thread itself failed: say so, end cleanly
             self._crashed(exc)
+        finally:
+            if self.prompt_cache is not None:   # what the writer has queued, and what it had no room for
+                self.prompt_cache.close(self.batch.sched.prefix, timeout=max(1.0, self.settings.shutdown_grace_s))
+
+    def _open_prompt_cache(self) -> None:
+        """`--prompt-cache-dir`: the prefix cache's blocks kept on disk (engine/disk_cache.py). A directory that
+        cannot be used is a warning, and the server serves without it."""
+        s = self.settings
+        if s.prompt_cache_dir is None:
+            return
+        if self.batch.sched.prefix is None:
+            self.warnings.append("TINYLOOP_PROMPT_CACHE_DIR needs prefix caching (TINYLOOP_PREFIX_CACHING=0 turns "
+                                 "it off); serving without the prompt cache on disk")
+            log.warning(self.warnings[-1])
+            return
+        from ..engine.disk_cache import open_prompt_cache
+
+        try:
+            self.prompt_cache = open_prompt_cache(self.batch, self.engine, s.prompt_cache_dir, s.prompt_cache_bytes)
+        except Exception as exc:  # noqa: BLE001 - served without it, and said so
+            self.warnings.append(f"the prompt cache directory {s.prompt_cache_dir} cannot be used ({exc}); serving "
+                                 "without the prompt cache on disk")
+            log.warning(self.warnings[-1])
+            return
+        self.metrics.track_prompt_cache(self.prompt_cache.stats)
 
     def _crashed(self, exc: BaseException) -> None:
         """The engine thread failed outside any one request: /health turns 503 with the reason, every
@@ -285,8 +312,12 @@ class EngineWorker:
         stop_at: float | None = None
         while True:
             items: list[RequestHandle | None] = []
+            idle_wait = 0.5
+            if self.prompt_cache is not None and self.prompt_cache.preloading and not self.batch.has_work \
+                    and stop_at is None:   # idle after a start: the prompt cache's recent blocks back into memory
+                idle_wait = 0.002 if self.prompt_cache.preload(self.batch.sched.prefix) else 0.5
             try:  # wait for work when idle; otherwise take what has arrived and step at once
-                items.append(self._inbox.get(timeout=0.5) if not self.batch.has_work else self._inbox.get_nowait())
+                items.append(self._inbox.get(timeout=idle_wait) if not self.batch.has_work else self._inbox.get_nowait())
                 while True:
                     items.append(self._inbox.get_nowait())
             except queue.Empty:

@@ -1,0 +1,765 @@
+"""The prompt cache on disk: the prefix cache's full blocks kept in files, so that a restart (or the model's
+next load) starts warm (`--prompt-cache-dir`, `--prompt-cache-bytes`; docs/server.md "Prompt cache on disk").
+
+A block (`engine.prefix_cache`: one page per cache slot, `page_size` positions, named by the hash chain of
+its tokens and the salt) becomes one file, `DIR/<namespace>/<block name>.kvb`. The namespace is a hash of
+everything else the keys and values depend on, which a block's name does not say: the model file's content
+hash (`model_hash`, sha256, memoized by path, size and mtime so a large file is hashed once, not at every
+start), its draft-exit file's (the speculative layouts' extra slots), the state seed, the KV format, the
+pool's float dtype, the page size, the pool's head shape, the device kind and the native executor (its ISA),
+this file format's version and TinyLoop's. The loop/slot layout is the block name's salt (loops, window, the
+draft depth) and its slot count; loop-shared KV (`kv_loops`) is never cached (a ring slot's keys depend on how
+the prompt was chunked), so it never reaches the disk either.
+
+A file: `MAGIC`, a 4-byte header length, a JSON header (that identity, the block's name, depth, parent name,
+tokens, salt, slot count and storage parts), the payload (keys then values, each `KVTensor` part as the
+pool stores it: floats, or int8/int4 codes with their scales and offsets, `n_slots` pages each) and a
+CRC-32 of everything before it. Reading checks all of it: a file that does not match (another model, format
+or version), is truncated or fails its checksum is ignored with one log line and removed, and the block is
+computed as if it had never been cached.
+
+Writes: the engine thread copies a block's pages out of the pool when the block is named (one index_select
+per storage part for the blocks a step fills; on a GPU an asynchronous device copy) and a writer thread
+does the rest: a temporary name (`.tmp.<host>.<pid>.<random>`), fsync, then an atomic rename, so a write
+cut short (SIGKILL, power) leaves only a temporary file, which is never read and is removed at the next
+start. The writer holds at most `queue_bytes` of copies; past that a block is not copied then, and is
+written at shutdown if it is still in memory (`close`). Reads: lazily, at admission (`PrefixCache.extend`):
+the blocks past the in-memory hit are read in chain order until the first one missing, each verified and
+copied into free pool pages, then named in the in-memory prefix cache as if computed there.
+
+Bounded in bytes: least recently used files first, over the whole directory (every namespace). A file's
+mtime is its last use (written, read, or its block hit in memory), less its depth in microseconds, so
+that a chain's tail goes before its head. Files that a saved conversation names (`saved/<name>.json`,
+`save_manifest`) go last. Several processes may share one directory (Ray Serve replicas): files are
+immutable once renamed, names are content addresses, and each writer re-scans the directory before it
+evicts (a file another process removed is a miss, never an error).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import secrets
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..version import __version__
+from .prefix_cache import block_name
+
+log = logging.getLogger("tinyloop.engine")
+
+DISK_VERSION = 1
+MAGIC = b"TLKVBLK1"
+SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp."
+SAVED_DIR = "saved"
+HASHES_FILE = "model-hashes.json"
+DEFAULT_MAX_BYTES = 4 << 30
+EVICT_TO = 0.9                  # eviction goes down to this fraction of the bound (not one file per write)
+STALE_TMP_S = 3600.0            # a temporary file this old is a dead write whoever made it
+_STAMPS_KEPT = 65536            # chain stamps remembered (a new block inherits its parent's)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEAD = struct.Struct("<I")
+_CRC = struct.Struct("<I")
+
+
+class CacheNameError(ValueError):
+    pass
+
+
+def check_name(name: str) -> str:
+    """A saved conversation's name: letters, digits, '.', '_', '-', at most 128, not starting with a dot and
+    without '..': it cannot leave the cache directory (no separator, no absolute path, no parent)."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
+        raise CacheNameError(f"name {name!r} must be 1 to 128 letters, digits, '.', '_' or '-', not start with "
+                             "'.' or '-' and hold no '..' (it names a file inside the cache directory)")
+    return name
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4G', '512M', '64k', '1000000' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 4G, 512M, 1000000)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+# -- the model's identity -------------------------------------------------------------------------
+def file_hash(path: str | Path, memo_dir: str | Path | None = None) -> str:
+    """sha256 of a file's bytes, memoized in `memo_dir/model-hashes.json` by (real path, size, mtime_ns,
+    inode): a model file is hashed once, not at every start (a 4 GB file takes seconds)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo_path = Path(memo_dir) / HASHES_FILE if memo_dir is not None else None
+    memo: dict[str, str] = {}
+    if memo_path is not None:
+        try:
+            memo = json.loads(memo_path.read_text())
+            if not isinstance(memo, dict):
+                memo = {}
+        except (OSError, ValueError):
+            memo = {}
+        if isinstance(memo.get(key), str):
+            return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if memo_path is not None:
+        live = {k: v for k, v in memo.items() if isinstance(v, str) and Path(k.split("|")[0]).exists()}
+        live[key] = digest
+        try:
+            _atomic_write(memo_path, json.dumps(live, indent=0).encode())
+        except OSError as exc:
+            log.warning("prompt cache: cannot memoize the model's hash in %s: %s", memo_path, exc)
+    return digest
+
+
+def engine_identity(engine, kv, memo_dir: str | Path | None = None) -> dict[str, Any]:
+    """What a block's keys and values depend on besides its name (tokens, salt): the model's bytes and
+    everything the engine adds. Two engines with the same identity compute the same KV for a block."""
+    from ..model.fast import executor_name
+
+    loaded = engine.loaded
+    draft = getattr(loaded, "draft_exit_path", None)
+    exits = getattr(engine.model, "draft_exits", None)
+    return {
+        "format": "tinyloop-kv-block", "version": DISK_VERSION, "tinyloop": __version__,
+        "model": file_hash(loaded.path, memo_dir),
+        "draft_exit": file_hash(draft, memo_dir) if exits and draft is not None and Path(draft).exists() else None,
+        "state_seed": getattr(engine.model, "state_seed", None),
+        "kv_format": kv.kv_format, "dtype": str(kv.dtype).removeprefix("torch."), "page_size": kv.page_size,
+        "kv_heads": kv.cfg.n_kv_heads, "head_dim": kv.cfg.head_dim,
+        "device": kv.k.parts[0].device.type, "executor": executor_name(engine.model),
+    }
+
+
+def namespace(identity: dict[str, Any]) -> str:
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+# -- files ----------------------------------------------------------------------------------------
+def _tmp_name(directory: Path, suffix: str = "") -> Path:
+    return directory / f"{TMP_PREFIX}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(6)}{suffix}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes | list, mtime_ns: int | None = None) -> int:
+    """Write `data` (bytes, or a list of buffers) to `path` through a temporary name, fsync, rename."""
+    tmp = _tmp_name(path.parent)
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for buf in data if isinstance(data, list) else [data]:
+                size += f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return size
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # (EPERM: someone else's, alive)
+        return True
+    return True
+
+
+_STARTED = time.time()
+
+
+def _dead_tmp(entry: os.DirEntry, now: float) -> bool:
+    """A temporary file no live writer owns: a write cut short (SIGKILL, a crash, power)."""
+    try:
+        mtime = entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return False
+    if now - mtime > STALE_TMP_S:
+        return True
+    parts = entry.name[len(TMP_PREFIX):].split(".")
+    if len(parts) < 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False   # another host's: only its age says it is dead
+    pid = int(parts[1])
+    if pid == os.getpid():   # (a container's server is often pid 1 at every start)
+        return mtime < _STARTED
+    return not _pid_alive(pid)
+
+
+@dataclass
+class _Block:
+    name: bytes
+    depth: int
+    parent: bytes | None
+    tokens: list[int]
+    salt: str
+    n_slots: int
+
+
+class DiskPrefixCache:
+    """One engine core's view of a prompt-cache directory (see the module's doc). `kv` is the core's
+    `PagedKV`; `identity` from `engine_identity`. The engine thread calls `named`, `read`/`fill`, `touch`,
+    `save_manifest` and `close`; everything that touches the disk after a read runs in the writer thread."""
+
+    def __init__(self, root: str | Path, kv, identity: dict[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 queue_bytes: int | None = None):
+        self.root = Path(root)
+        self.kv = kv
+        self.identity = dict(identity)
+        self.ns = namespace(self.identity)
+        self.dir = self.root / self.ns
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.root / SAVED_DIR).mkdir(exist_ok=True)
+        self.max_bytes = int(max_bytes)
+        self.queue_bytes = int(queue_bytes if queue_bytes is not None else min(256 << 20, max(self.max_bytes, 1 << 20)))
+        self.page_size = kv.page_size
+        self._parts = list(kv.k.parts) + list(kv.v.parts)
+        self._part_layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in self._parts]
+        self._page_bytes = [t[0].numel() * t.element_size() for t in self._parts]
+        # on the CPU, the parts' bytes as numpy arrays (the same memory): numpy's gather and scatter of whole
+        # pages is single-threaded and takes microseconds, where torch's index ops wake every intra-op thread
+        self._np = [t.view(torch.uint8).numpy() for t in self._parts] \
+            if self._parts[0].device.type == "cpu" else None
+        # counters (read by /metrics from another thread: plain ints)
+        self.hits = self.misses = self.hit_tokens = 0
+        self.written = self.ignored = self.evicted = self.dropped = 0
+        self.bytes_on_disk = 0
+        self._stamps: OrderedDict[bytes, int] = OrderedDict()
+        self._unwritten: OrderedDict[bytes, _Block] = OrderedDict()   # named, not copied (queue full)
+        self._pending = 0               # bytes of copies waiting for the writer
+        self._lock = threading.Lock()
+        self._q: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._preload: deque[Path] | None = None   # this namespace's files, most recently used first (the scan)
+        self.preloaded = 0
+        self._preload_pages = 0
+        self._thread = threading.Thread(target=self._writer, name="tinyloop-prompt-cache", daemon=True)
+        self._thread.start()
+        self._q.put(("scan",))
+
+    # -- naming ---------------------------------------------------------------------------------
+    def path(self, name: bytes) -> Path:
+        return self.dir / (name.hex() + SUFFIX)
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes": self.bytes_on_disk, "hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
+                "written": self.written, "ignored": self.ignored, "evicted": self.evicted, "dropped": self.dropped,
+                "preloaded": self.preloaded}
+
+    def _stamp(self, name: bytes, parent: bytes | None, now_ns: int) -> int:
+        stamp = self._stamps.get(parent, now_ns) if parent is not None else now_ns
+        self._stamps[name] = stamp
+        self._stamps.move_to_end(name)
+        while len(self._stamps) > _STAMPS_KEPT:
+            self._stamps.popitem(last=False)
+        return stamp
+
+    # -- the engine thread: writes ----------------------------------------------------------------
+    def named(self, blocks: list[tuple[bytes, int, bytes | None, list[int], Any, list[int]]], *,
+              force: bool = False) -> None:
+        """Blocks just computed and named in the in-memory cache: (name, depth, parent, tokens, salt, pages)
+        each, all of one sequence (one slot count). Their pages are copied now; the writer writes them."""
+        if not blocks or self._closed:
+            return
+        n_slots = len(blocks[0][5])
+        size = len(blocks) * n_slots * sum(self._page_bytes)
+        now = time.time_ns()
+        metas = [_Block(name, depth, parent, list(tokens), repr(salt), n_slots)
+                 for name, depth, parent, tokens, salt, _ in blocks]
+        stamps = [self._stamp(b.name, b.parent, now) for b in metas]
+        if not force and self._pending + size > self.queue_bytes:
+            self.dropped += len(blocks)
+            for b in metas:   # written at shutdown if still in memory (close)
+                self._unwritten[b.name] = b
+            while len(self._unwritten) > 1 << 20:
+                self._unwritten.popitem(last=False)
+            return
+        pages = [p for blk in blocks for p in blk[5]]
+        if self._np is not None:
+            snaps = [torch.from_numpy(a[pages]) for a in self._np]   # (copies)
+        else:   # an asynchronous device copy; the writer waits for it
+            idx = torch.tensor(pages, device=self._parts[0].device)
+            snaps = [t.index_select(0, idx).view(torch.uint8) for t in self._parts]
+        with self._lock:
+            self._pending += size
+        self._idle.clear()
+        self._q.put(("blocks", metas, stamps, snaps, size))
+
+    def touch(self, names: list[bytes]) -> None:
+        """Blocks 0..len(names)-1 of a chain were used (a hit, in memory or from disk): their files are now
+        the most recently used, the head the most."""
+        if not names or self._closed:
+            return
+        now = time.time_ns()
+        for name in names:
+            self._stamps[name] = now
+            self._stamps.move_to_end(name)
+        self._idle.clear()
+        self._q.put(("touch", [(self.path(n), d) for d, n in enumerate(names)], now))
+
+    def save_manifest(self, label: str, blocks, *, tokens: list[int], info: dict[str, Any]) -> None:
+        """A saved conversation (`POST /v1/cache/save`): its blocks (as `named`, every one copied now, the
+        writer skipping those on disk already), then `saved/<label>.json`, written after them."""
+        check_name(label)
+        self.named(blocks, force=True)
+        manifest = {"format": "tinyloop-prompt-cache-save", "version": DISK_VERSION, "name": label,
+                    "namespace": self.ns, "identity": self.identity, "tokens": list(tokens),
+                    "blocks": [b[0].hex() for b in blocks], "cached_tokens": len(blocks) * self.page_size,
+                    "bytes": len(blocks) * (len(blocks[0][5]) if blocks else 0) * self.block_page_bytes(),
+                    "created": time.time(), **info}
+        self._idle.clear()
+        self._q.put(("manifest", label, manifest))
+
+    def block_page_bytes(self) -> int:
+        return sum(self._page_bytes)
+
+    # -- the engine thread: reads -----------------------------------------------------------------
+    def read(self, name: bytes, depth: int, parent: bytes | None, tokens: list[int], salt: Any,
+             n_slots: int) -> memoryview | None:
+        """The verified payload of block `name` (None: not on disk, or a bad file, now removed)."""
+        path = self.path(name)
+        data = self._read_file(path)
+        if data is None:
+            return None
+        why, start, _ = self._check(data, {"name": name.hex(), "depth": depth, "tokens": list(tokens),
+                                           "parent": parent.hex() if parent is not None else None,
+                                           "salt": repr(salt), "n_slots": n_slots})
+        if why is not None:
+            self._reject(path, why)
+            return None
+        self.hits += 1
+        self.hit_tokens += len(tokens)
+        return data[start:len(data) - _CRC.size]
+
+    def _read_file(self, path: Path) -> memoryview | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        except OSError as exc:
+            log.warning("prompt cache: cannot open %s: %s", path, exc)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            view = memoryview(bytearray(size))
+            got = 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n <= 0:
+                    break
+                got += n
+        except OSError as exc:
+            log.warning("prompt cache: cannot read %s: %s", path, exc)
+            return None
+        finally:
+            os.close(fd)
+        return view[:got]
+
+    # -- the engine thread, idle: reading the most recently used blocks back at start -----------------
+    @property
+    def preloading(self) -> bool:
+        return self._preload is None or bool(self._preload)
+
+    def preload(self, prefix, budget_s: float = 0.004, share: float = 0.5) -> bool:
+        """While the engine is idle after a start: read this model's most recently used blocks (chain heads
+        first) into free pool pages and name them in `prefix`, for at most `budget_s` per call and at most
+        `share` of the pool in all, so that the first requests after a restart find them in memory as a warm
+        cache does. True while there is more to read."""
+        todo = self._preload
+        if todo is None:
+            return True   # (the writer's first scan has not listed the files yet)
+        pool, ps = prefix.pool, self.page_size
+        end = time.perf_counter() + budget_s
+        while todo and time.perf_counter() < end:
+            path = todo.popleft()
+            try:
+                name = bytes.fromhex(path.name[:-len(SUFFIX)])
+            except ValueError:
+                continue
+            if name in prefix._blocks:
+                continue
+            data = self._read_file(path)
+            if data is None:
+                self.misses -= 1   # (evicted since the scan: not a lookup's miss)
+                continue
+            why, start, meta = self._check(data, {"name": name.hex()})
+            if why is None:
+                parent = bytes.fromhex(meta["parent"]) if meta.get("parent") else None
+                tokens = meta.get("tokens")
+                if not isinstance(tokens, list) or len(tokens) != ps or \
+                        block_name(parent, tokens, _Salt(str(meta.get("salt")))) != name:
+                    why = "its name is not its tokens' (a damaged or forged header)"
+                elif parent is not None and parent not in prefix._blocks:
+                    continue   # its chain's head is not in memory: unreachable
+            if why is not None:
+                self._reject(path, why)
+                continue
+            n_slots = meta["n_slots"]
+            if self._preload_pages + n_slots > pool.n_pages * share or pool.num_free < n_slots:
+                todo.clear()
+                break
+            pages = pool.allocate(n_slots)
+            self.fill(data[start:len(data) - _CRC.size], pages)
+            prefix.insert(name, pages)
+            pool.free(pages)
+            self._preload_pages += n_slots
+            self.preloaded += 1
+        return bool(todo)
+
+    def fill(self, payload: memoryview, pages: list[int]) -> None:
+        """Copy a verified payload (`read`) into pool pages, one per slot."""
+        n_slots = len(pages)
+        off = 0
+        if self._np is not None:
+            for a, per in zip(self._np, self._page_bytes):
+                n = per * n_slots
+                a[pages] = np.frombuffer(payload, dtype=np.uint8, count=n, offset=off).reshape(n_slots, *a.shape[1:])
+                off += n
+            return
+        dev = self._parts[0].device
+        idx = torch.tensor(pages, device=dev)
+        for t, per in zip(self._parts, self._page_bytes):
+            n = per * n_slots
+            src = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off).view(n_slots, -1)
+            t.view(torch.uint8).view(t.shape[0], -1).index_copy_(0, idx, src.to(dev))
+            off += n
+
+    def _check(self, data: memoryview, expect: dict[str, Any]) -> tuple[str | None, int, dict]:
+        """(None, payload offset, header) for a good file of this engine whose header says `expect`; else
+        (why, 0, header or {})."""
+        head = len(MAGIC) + _HEAD.size
+        if len(data) < head + _CRC.size:
+            return f"truncated ({len(data)} bytes)", 0, {}
+        if bytes(data[:len(MAGIC)]) != MAGIC:
+            return "not a TinyLoop KV block file (bad magic)", 0, {}
+        (hlen,) = _HEAD.unpack_from(data, len(MAGIC))
+        if head + hlen + _CRC.size > len(data):
+            return f"truncated ({len(data)} bytes, its header alone says {head + hlen})", 0, {}
+        try:
+            meta = json.loads(bytes(data[head:head + hlen]))
+        except (ValueError, UnicodeDecodeError):
+            return "its header is not JSON", 0, {}
+        if not isinstance(meta, dict):
+            return "its header is not an object", 0, {}
+        ident = meta.get("identity")
+        if ident != self.identity:
+            if not isinstance(ident, dict):
+                return "no identity in its header", 0, meta
+            diff = [k for k in sorted(set(ident) | set(self.identity)) if ident.get(k) != self.identity.get(k)]
+            return "written for another " + ", ".join(f"{k} ({ident.get(k)!r}, this engine's {self.identity.get(k)!r})"
+                                                        for k in diff[:3]), 0, meta
+        n_slots = meta.get("n_slots")
+        if meta.get("parts") != self._part_layout or not isinstance(n_slots, int) or n_slots < 1:
+            return f"another storage layout ({n_slots} slots, {meta.get('parts')})", 0, meta
+        expected = head + hlen + n_slots * sum(self._page_bytes) + _CRC.size
+        if len(data) != expected:
+            return f"truncated or padded: {len(data)} bytes, {expected} expected", 0, meta
+        (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+        if zlib.crc32(data[:len(data) - _CRC.size]) != crc:
+            return "checksum mismatch", 0, meta
+        wrong = [k for k, v in expect.items() if meta.get(k) != v]
+        if wrong:
+            return f"another block ({', '.join(wrong)} differ)", 0, meta
+        return None, head + hlen, meta
+
+    def _reject(self, path: Path, why: str) -> None:
+        log.warning("prompt cache: ignored and removed %s: %s", path, why)
+        self.ignored += 1
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            self.bytes_on_disk = max(0, self.bytes_on_disk - size)
+        except OSError:
+            pass
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has written everything queued so far; False on timeout."""
+        done = threading.Event()
+        self._q.put(("idle", done))
+        return done.wait(timeout)
+
+    def close(self, prefix=None, timeout: float = 30.0) -> None:
+        """At shutdown, on the engine thread: write what the writer had no room for and is still in memory
+        (`prefix`: the in-memory `PrefixCache`), wait for the writer (at most `timeout`), stop it."""
+        if self._closed:
+            return
+        if prefix is not None and self._unwritten:
+            left = [(b, prefix._blocks.get(b.name)) for b in self._unwritten.values()]
+            self._unwritten.clear()
+            groups: dict[int, list] = {}
+            for b, pages in left:
+                if pages is not None and len(pages) == b.n_slots:
+                    groups.setdefault(b.n_slots, []).append((b.name, b.depth, b.parent, b.tokens, _Salt(b.salt), pages))
+            for blocks in groups.values():
+                for i in range(0, len(blocks), 64):
+                    self.named(blocks[i:i + 64], force=True)
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    # -- the writer thread ------------------------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                self._idle.set()
+                return
+            try:
+                kind = job[0]
+                if kind == "blocks":
+                    self._write_blocks(*job[1:])
+                elif kind == "touch":
+                    for path, depth in job[1]:
+                        t = job[2] - depth * 1000
+                        try:
+                            os.utime(path, ns=(t, t))
+                        except OSError:
+                            pass
+                elif kind == "manifest":
+                    self._write_manifest(job[1], job[2])
+                elif kind == "scan":
+                    try:
+                        self._scan(start=True)
+                    finally:
+                        if self._preload is None:
+                            self._preload = deque()
+                elif kind == "idle":
+                    job[1].set()
+            except Exception:  # noqa: BLE001 - the disk cache never takes the engine down
+                log.exception("prompt cache: the writer failed on a %s job", job[0])
+            if self._q.empty():
+                self._idle.set()
+
+    def _write_blocks(self, metas: list[_Block], stamps: list[int], snaps: list[torch.Tensor], size: int) -> None:
+        try:
+            cpu = [s.to("cpu") for s in snaps]
+            wrote = 0
+            for i, (b, stamp) in enumerate(zip(metas, stamps)):
+                path = self.path(b.name)
+                t = stamp - b.depth * 1000
+                if path.exists():   # (another request, or process, wrote it): now the most recently used
+                    try:
+                        os.utime(path, ns=(t, t))
+                    except OSError:
+                        pass
+                    continue
+                header = json.dumps({"identity": self.identity, "name": b.name.hex(), "depth": b.depth,
+                                     "parent": b.parent.hex() if b.parent is not None else None,
+                                     "tokens": b.tokens, "salt": b.salt, "n_slots": b.n_slots,
+                                     "parts": self._part_layout}).encode()
+                bufs = [MAGIC + _HEAD.pack(len(header)) + header]
+                for part in cpu:
+                    piece = part[i * b.n_slots:(i + 1) * b.n_slots].contiguous()
+                    bufs.append(memoryview(piece.numpy()).cast("B"))
+                crc = 0
+                for buf in bufs:
+                    crc = zlib.crc32(buf, crc)
+                bufs.append(_CRC.pack(crc))
+                try:
+                    n = _atomic_write(path, bufs, mtime_ns=t)
+                except OSError as exc:
+                    log.warning("prompt cache: cannot write %s: %s", path, exc)
+                    return
+                self.written += 1
+                wrote += n
+            if wrote:
+                _fsync_dir(self.dir)
+                self.bytes_on_disk += wrote
+                if self.bytes_on_disk > self.max_bytes:
+                    self._scan()
+        finally:
+            with self._lock:
+                self._pending -= size
+
+    def _write_manifest(self, label: str, manifest: dict[str, Any]) -> None:
+        path = self.root / SAVED_DIR / f"{label}.json"
+        n = _atomic_write(path, json.dumps(manifest).encode())
+        self.bytes_on_disk += n
+        if self.bytes_on_disk > self.max_bytes:
+            self._scan()
+
+    def _pinned(self) -> set[str]:
+        out = set()
+        try:
+            entries = list(os.scandir(self.root / SAVED_DIR))
+        except OSError:
+            return out
+        for e in entries:
+            if not e.name.endswith(".json"):
+                continue
+            try:
+                m = json.loads(Path(e.path).read_text())
+                out.update(f"{m['namespace']}/{h}{SUFFIX}" for h in m["blocks"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _scan(self, start: bool = False) -> None:
+        """Sum the directory's bytes (every namespace, saved conversations) and evict past the bound; at
+        start also remove temporary files of writes that were cut short."""
+        now = time.time()
+        files: list[tuple[int, str, int]] = []   # (mtime_ns, relative path, size)
+        total = 0
+        try:
+            tops = list(os.scandir(self.root))
+        except OSError as exc:
+            log.warning("prompt cache: cannot list %s: %s", self.root, exc)
+            if start:
+                self._preload = deque()
+            return
+        for top in tops:
+            if not top.is_dir(follow_symlinks=False):
+                if top.name.startswith(TMP_PREFIX) and start and _dead_tmp(top, now):
+                    _unlink(top.path)
+                elif top.is_file(follow_symlinks=False):
+                    total += _size(top)
+                continue
+            try:
+                entries = list(os.scandir(top.path))
+            except OSError:
+                continue
+            for e in entries:
+                if e.name.startswith(TMP_PREFIX):
+                    if _dead_tmp(e, now):
+                        _unlink(e.path)
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_size
+                if e.name.endswith(SUFFIX):
+                    files.append((st.st_mtime_ns, f"{top.name}/{e.name}", st.st_size))
+        if start:   # this model's files, the most recently used first (a chain's head before its tail)
+            mine = sorted((f for f in files if f[1].startswith(self.ns + "/")), key=lambda f: -f[0])
+            self._preload = deque(self.root / rel for _, rel, _ in mine)
+        if total > self.max_bytes:
+            pinned = self._pinned()
+            files.sort(key=lambda f: (f[1] in pinned, f[0]))
+            goal = int(self.max_bytes * EVICT_TO)
+            for _, rel, size in files:
+                if total <= goal:
+                    break
+                if _unlink(os.path.join(self.root, rel)):
+                    self.evicted += 1
+                total -= size
+        self.bytes_on_disk = total
+
+
+class _Salt:
+    """A salt already in its repr (blocks written at shutdown from their recorded names)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _size(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        return 0
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+# -- saved conversations (the routes' side: files only, no engine) -------------------------------------
+def saved_path(root: str | Path, label: str) -> Path:
+    check_name(label)
+    base = (Path(root) / SAVED_DIR).resolve()
+    path = (base / f"{label}.json").resolve()
+    if path.parent != base:   # (check_name already refuses anything that could)
+        raise CacheNameError(f"name {label!r} leaves the cache directory")
+    return path
+
+
+def read_manifest(root: str | Path, label: str) -> dict[str, Any] | None:
+    path = saved_path(root, label)
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("prompt cache: ignored and removed %s: %s", path, exc)
+        _unlink(str(path))
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def list_manifests(root: str | Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        entries = sorted(os.scandir(Path(root) / SAVED_DIR), key=lambda e: e.name)
+    except OSError:
+        return out
+    for e in entries:
+        if e.name.endswith(".json") and not e.name.startswith("."):
+            m = read_manifest(root, e.name[:-5]) if NAME_RE.fullmatch(e.name[:-5]) else None
+            if m is not None:
+                out.append(m)
+    return out
+
+
+def open_prompt_cache(batch, engine, directory: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> DiskPrefixCache | None:
+    """Attach a disk cache under `directory` to a `BatchEngine`'s prefix cache (None when it has none)."""
+    prefix = batch.sched.prefix
+    if prefix is None:
+        return None
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    disk = DiskPrefixCache(root, batch.kv, engine_identity(engine, batch.kv, root), max_bytes=max_bytes)
+    prefix.disk = disk
+    return disk
