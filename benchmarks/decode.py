@@ -35,7 +35,7 @@ import torch
 
 from tinyloop.config import ModelConfig, preset
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 from tinyloop.model import build_model
 from tinyloop.model.fast import prepare_for_decode
 from tinyloop.tools.progress import progress

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.modelfile import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, packaged_model_path
+from tinyloop.modelfile.loader import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, packaged_model_path
 from tinyloop.tools.progress import progress
 
 PROMPT = "The king said unto his servants, "

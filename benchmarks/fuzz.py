@@ -313,7 +313,7 @@ def tinyloop_counts(ctx, response, case):
 def make_model(path: Path) -> Path:
     from tinyloop.config import preset
     from tinyloop.model import build_model
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
     from tinyloop.tokenizer import Tokenizer
 
     return write_model(path, build_model(preset("tiny"), seed=0), tokenizer=Tokenizer.gpt2(),

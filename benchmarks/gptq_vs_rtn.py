@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tinyloop.modelfile import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, load_model, packaged_model_path
+from tinyloop.modelfile.loader import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, load_model, packaged_model_path
 from tinyloop.tools.evaluate import kl_divergence, perplexity
 from tinyloop.tools.gptq import QuantSpec, quantize_model
 from tinyloop.tools.quantize import quantized_model

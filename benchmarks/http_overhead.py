@@ -113,7 +113,7 @@ def main() -> int:
     import torch
 
     from tinyloop.engine import Engine
-    from tinyloop.modelfile import resolve_model_path
+    from tinyloop.modelfile.loader import resolve_model_path
     from tinyloop.tools.progress import progress
 
     torch.set_num_threads(args.threads)

@@ -35,7 +35,7 @@ def build_files(workdir: Path, shape: str, int4: bool) -> list[Path]:
     from real_shapes import SHAPES, small_tokenizer  # noqa: E402
 
     from tinyloop.model import build_model
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
     from tinyloop.model.families import huginn, ouro
 
     family, hf = SHAPES[shape]

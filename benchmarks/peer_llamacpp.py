@@ -187,7 +187,7 @@ def main() -> int:
             return 2
     from tinyloop.engine import Engine
     from tinyloop.model.fused import split_projections
-    from tinyloop.modelfile import load_model, resolve_model_path
+    from tinyloop.modelfile.loader import load_model, resolve_model_path
 
     source = load_model(resolve_model_path("tinyloop-16m"), dtype=torch.float32).model
     split_projections(source)  # GGUF names q, k, v, gate and up apart (row views of the fused weights)

@@ -166,7 +166,7 @@ def main() -> int:
         pairs = [(Path(args.tinyloop).name, args.tinyloop, Path(args.gguf))]
     else:
         from tinyloop.model.fused import split_projections
-        from tinyloop.modelfile import load_model, resolve_model_path
+        from tinyloop.modelfile.loader import load_model, resolve_model_path
 
         source = load_model(resolve_model_path("tinyloop-16m"), dtype=torch.float32).model
         split_projections(source)

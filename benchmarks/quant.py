@@ -33,7 +33,7 @@ import torch
 
 from tinyloop.config import ModelConfig, preset
 from tinyloop.model import KVCache, LoopedTransformer, build_model
-from tinyloop.modelfile import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, load_model, make_header, packaged_model_path, write_model
+from tinyloop.modelfile.loader import DEFAULT_MODEL_NAME, FLOAT_MODEL_NAME, load_model, make_header, packaged_model_path, write_model
 from tinyloop.quant.formats import quantized_weight_bytes
 from tinyloop.quant.kv import KV_FORMATS
 from tinyloop.quant.linear import QuantLinear

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.modelfile import load_model, map_tensors, write_model
-from tinyloop.modelheader import read_header, resolve_model_path
+from tinyloop.modelfile.loader import load_model, map_tensors, write_model
+from tinyloop.modelfile.header import read_header, resolve_model_path
 from tinyloop.quant.formats import quantize_head
 from tinyloop.tools.evaluate import perplexity
 from tinyloop.train.data import read_text, split_text

@@ -31,7 +31,7 @@ from decode import measure_bandwidth  # noqa: E402
 
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.model import build_model  # noqa: E402
-from tinyloop.modelfile import write_model  # noqa: E402
+from tinyloop.modelfile.loader import write_model  # noqa: E402
 from tinyloop.model.families import huginn, nanbeige, ouro, parcae  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402

@@ -67,7 +67,7 @@ def make_model(path: Path) -> Path:
 
     from tinyloop.config import preset
     from tinyloop.model import build_model
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
     from tinyloop.tokenizer import Tokenizer
 
     model = build_model(preset("tiny").replace(max_seq_len=512), seed=0, dtype=torch.float64)
@@ -474,7 +474,7 @@ def main() -> int:
         if args.model is None:
             model = make_model(Path(tmp) / "soak.tinyloop")
         else:
-            from tinyloop.modelfile import resolve_model_path
+            from tinyloop.modelfile.loader import resolve_model_path
             model = resolve_model_path(None if args.model == "shipped" else args.model)
         proc, url = start_server(model, log, args.threads)
         try:

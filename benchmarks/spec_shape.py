@@ -39,7 +39,7 @@ from real_shapes import CONFIG_OF, HEAD_BITS, SHAPES, small_tokenizer  # noqa: E
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.engine.serving import run_ids  # noqa: E402
 from tinyloop.model import build_model  # noqa: E402
-from tinyloop.modelfile import write_model  # noqa: E402
+from tinyloop.modelfile.loader import write_model  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
 from tinyloop.tools.quantize import quantize_file  # noqa: E402
 

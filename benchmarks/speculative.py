@@ -40,7 +40,7 @@ from tinyloop.engine.params import SamplingParams
 from tinyloop.engine.serving import run_ids
 from tinyloop.engine.draft_head import DRAFT_VOCAB
 from tinyloop.engine.speculative import DRAFT_STOP
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 from tinyloop.model.layers import StepContext
 from tinyloop.tools.progress import progress
 
@@ -61,7 +61,7 @@ def load(args):
         model, state = checkpoint_model(args.checkpoint)
         return model, Tokenizer.gpt2(), f"{args.checkpoint} (step {state.get('step')})"
     from tinyloop.engine import Engine
-    from tinyloop.modelfile import resolve_model_path
+    from tinyloop.modelfile.loader import resolve_model_path
 
     path = resolve_model_path(args.model)  # default: the package's default model (int4)
     exit_flag = not args.no_draft_exit

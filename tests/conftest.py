@@ -7,7 +7,7 @@ import torch
 
 from tinyloop.config import preset
 from tinyloop.model import KVCache, build_model
-from tinyloop.modelfile import FLOAT_MODEL_NAME, LoadedModel, packaged_model_path, write_model
+from tinyloop.modelfile.loader import FLOAT_MODEL_NAME, LoadedModel, packaged_model_path, write_model
 from tinyloop.tokenizer import Tokenizer
 
 # Tiny models are bound by per-op overhead: one thread is fastest and avoids fighting other processes.
@@ -179,7 +179,7 @@ def write_legacy(path, tensors: dict, header: dict, tokenizer) -> None:
 
     from safetensors.torch import save_file
 
-    from tinyloop.modelfile import TOKENIZER_TENSOR, tokenizer_blob
+    from tinyloop.modelfile.loader import TOKENIZER_TENSOR, tokenizer_blob
 
     out = {k: v.detach().contiguous() for k, v in tensors.items()}
     out[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer_blob(tokenizer)), dtype=torch.uint8)

@@ -89,7 +89,7 @@ def test_a_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
 
     from tinyloop.config import preset
     from tinyloop.model import build_model
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
     from tinyloop.tokenizer import Tokenizer
 
     path = write_model(tmp_path / "m.tinyloop", build_model(preset("tiny")), tokenizer=Tokenizer.gpt2())
@@ -110,7 +110,7 @@ def test_sigterm_leaves_no_half_written_file(tmp_path):
     # `kill` during `tinyloop quantize`: the writer's `with` block unwinds, the temporary file goes, status 143
     from tinyloop.config import preset
     from tinyloop.model import build_model
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
     from tinyloop.tokenizer import Tokenizer
 
     src = write_model(tmp_path / "m.tinyloop", build_model(preset("tiny")), tokenizer=Tokenizer.gpt2())
@@ -118,7 +118,7 @@ def test_sigterm_leaves_no_half_written_file(tmp_path):
     out.mkdir()
     script = ("import os, signal, sys, time\n"
               "import tinyloop.cli as c\n"
-              "from tinyloop.modelfile_writer import ModelFileWriter\n"
+              "from tinyloop.modelfile.writer import ModelFileWriter\n"
               "add = ModelFileWriter.add\n"
               "def slow_add(self, name, t):\n"
               "    add(self, name, t)\n"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tinyloop.chat import Chat
 from tinyloop.cli import main as cli_main
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.modelfile import read_header
+from tinyloop.modelfile.loader import read_header
 from tinyloop.model.families.nanbeige import NANBEIGE_OFF, NANBEIGE_UNSET
 from tinyloop.tools.convert import ConvertError, convert
 
@@ -175,7 +175,7 @@ def test_ouro_exit_gate_matches_the_reference(tmp_path):
 def test_convert_streams_and_a_full_disk_leaves_no_file(tmp_path, monkeypatch):
     import errno
 
-    from tinyloop import modelfile_writer
+    from tinyloop.modelfile import writer as modelfile_writer
     from tinyloop.errors import ModelFileError
 
     class FullDisk:

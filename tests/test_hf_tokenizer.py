@@ -11,7 +11,7 @@ from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.errors import ValidationError
 from tinyloop.model import build_model
-from tinyloop.modelfile import load_model, write_model
+from tinyloop.modelfile.loader import load_model, write_model
 from tinyloop.tokenizer import HFTokenizer, TokenizerError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

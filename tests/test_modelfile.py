@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import FORMAT_VERSION, ModelFileError, load_model, write_model
+from tinyloop.modelfile.loader import FORMAT_VERSION, ModelFileError, load_model, write_model
 
 
 @pytest.fixture

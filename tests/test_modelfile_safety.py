@@ -20,7 +20,7 @@ import torch
 from tinyloop import cli
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import ModelFileError, load_model, write_model
+from tinyloop.modelfile.loader import ModelFileError, load_model, write_model
 
 SLOW_S = 5.0  # no corrupted file may take longer than this to be refused
 
@@ -176,7 +176,7 @@ def test_pickles_are_never_loaded(small_file, tmp_path):
 # -- atomic writes --------------------------------------------------------------------------------------
 def _fill_disk_after(monkeypatch, nbytes: int = 4096):
     """The writer writes part of the file, then the disk is full."""
-    from tinyloop import modelfile_writer
+    from tinyloop.modelfile import writer as modelfile_writer
 
     class FullDisk:
         def __init__(self, f):

@@ -14,9 +14,9 @@ from tinyloop.config import preset
 from tinyloop.engine import Engine
 from tinyloop.engine.params import SamplingParams
 from tinyloop.model.fused import split_projections
-from tinyloop.modelfile import FORMAT_VERSION, ModelFileError, load_model, make_header, map_tensors, read_header, \
+from tinyloop.modelfile.loader import FORMAT_VERSION, ModelFileError, load_model, make_header, map_tensors, read_header, \
     write_model
-from tinyloop.modellayout import fused_modules
+from tinyloop.modelfile.layout import fused_modules
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511)  # GQA: q 64 rows, k and v 32 each
 X = torch.randint(0, CFG.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
@@ -147,7 +147,7 @@ def test_upgrade_of_a_quantized_file(tmp_path, tokenizer):
 
 
 def test_upgrade_failing_midway_leaves_the_file_as_it_was(files, tmp_path, monkeypatch):
-    from tinyloop.modelfile_writer import ModelFileWriter
+    from tinyloop.modelfile.writer import ModelFileWriter
 
     _, _, old = files
     src = tmp_path / "m.tinyloop"

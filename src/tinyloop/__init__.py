@@ -20,7 +20,7 @@ _LAZY = {
     "ModelConfig": ".config", "preset": ".config",
     "Engine": ".engine", "GenerationResult": ".engine", "SamplingParams": ".engine", "StreamEvent": ".engine",
     "ModelFileError": ".errors", "ValidationError": ".errors",
-    "load_model": ".modelfile", "write_model": ".modelfile",
+    "load_model": ".modelfile.loader", "write_model": ".modelfile.loader",
 }
 
 __all__ = ["Engine", "GenerationResult", "ModelConfig", "ModelFileError", "SamplingParams", "StreamEvent",

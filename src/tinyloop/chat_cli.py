@@ -472,7 +472,7 @@ def _enable_readline() -> None:
 def run_chat(args) -> int:
     """`tinyloop chat`: the model resolved as `generate` and `serve` resolve it, then the session."""
     from .errors import ModelFileError
-    from .modelheader import header_config, resolve_model_path
+    from .modelfile.header import header_config, resolve_model_path
 
     def fail(msg: str) -> int:
         print(f"tinyloop: error: {msg}", file=sys.stderr)

@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
                      overrides=overrides)
     import torch
 
-    from .modelfile import ModelFileError, check_writable
+    from .modelfile.loader import ModelFileError, check_writable
     from .train.checkpoint import CheckpointError
     try:
         check_writable(args.out)  # before the run, not after it
@@ -61,7 +61,7 @@ def _loops_arg(value: str) -> int | str:
 def _generate(args: argparse.Namespace) -> int:
     from .engine.params import SamplingParams
     from .errors import ModelFileError, ValidationError
-    from .modelheader import header_config, resolve_model_path
+    from .modelfile.header import header_config, resolve_model_path
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
@@ -107,7 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from .errors import ModelFileError
     from .model.companion import DRAFT_SUFFIX, find_companion
-    from .modelheader import header_config, model_info, read_header, resolve_model_path, weights_format
+    from .modelfile.header import header_config, model_info, read_header, resolve_model_path, weights_format
 
     try:
         path = resolve_model_path(args.file)  # (an hf: name not in the store yet is pulled first)
@@ -151,7 +151,7 @@ def _init(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, preset
     from .model import build_model
-    from .modelfile import write_model
+    from .modelfile.loader import write_model
     from .tokenizer import Tokenizer
 
     try:
@@ -172,7 +172,7 @@ def _init(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .modelfile import ModelFileError, load_model
+    from .modelfile.loader import ModelFileError, load_model
     from .tools.evaluate import perplexity, windows
     from .tools.plots import PlotError, perplexity_by_loops
     from .tools.progress import progress
@@ -249,7 +249,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from .modelfile import ModelFileError
+    from .modelfile.loader import ModelFileError
     from .quant.packing import QuantError
     from .tools.gptq import QuantSpec
     from .tools.quantize import quantize_file
@@ -257,7 +257,7 @@ def _quantize(args: argparse.Namespace) -> int:
     group = None if args.bits == 8 else args.group_size
     spec = QuantSpec(bits=args.bits, group_size=group, method=args.method, act_order=args.act_order,
                      percdamp=args.damp, loops=args.calib_loops)
-    from .modelfile import check_writable
+    from .modelfile.loader import check_writable
     try:
         check_writable(args.output)  # before the work, not after it
         report = quantize_file(args.input, args.output, spec, calib=args.calib, calib_tokens=args.calib_tokens,
@@ -277,7 +277,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 
     from .model.companion import companion_file
     from .model.draft_exit import SUFFIX
-    from .modelfile import ModelFileError, resolve_model_path
+    from .modelfile.loader import ModelFileError, resolve_model_path
     from .train.draft_exit import train_draft_exits
 
     if args.threads:
@@ -296,7 +296,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 def _train_gate(args: argparse.Namespace) -> int:
     import torch
 
-    from .modelfile import ModelFileError, resolve_model_path
+    from .modelfile.loader import ModelFileError, resolve_model_path
     from .model.companion import companion_file
     from .model.gate import SUFFIX
     from .train.gate import train_gate_file
@@ -317,7 +317,7 @@ def _train_gate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .errors import ModelFileError
-    from .modelheader import header_config, resolve_model_path
+    from .modelfile.header import header_config, resolve_model_path
     from .server.settings import Settings
 
     if getattr(args, "reasoning_parser", None):   # as the environment variable (replicas read it too)

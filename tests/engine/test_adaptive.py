@@ -14,7 +14,7 @@ from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
 from tinyloop.model import KVCache
 from tinyloop.model.exits import ExitRule, gate_survival, kl_divergence, latent_change
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=6)
 PROMPT = [5, 17, 300, 42, 7]

@@ -13,7 +13,7 @@ import torch
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import RequestTimeout, ValidationError
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 from tinyloop.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
 from tinyloop.model.paged import PagedStep
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 from tinyloop.quant import kv as kv_mod
 
 

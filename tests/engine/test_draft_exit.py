@@ -12,7 +12,7 @@ from tinyloop.model import KVCache
 from conftest import core_ids, drive, pool_entries, reference_ids, standalone
 from tinyloop.model.draft_exit import (DraftExit, DraftExitError, attach_draft_exits, draft_exit_path,
                                        read_draft_exits, write_draft_exits)
-from tinyloop.modelfile import ModelFileError, write_model
+from tinyloop.modelfile.loader import ModelFileError, write_model
 
 PROMPTS = [[5, 17, 300, 42, 7], [1], [400, 3, 3, 3, 9, 250, 77, 12, 100, 5, 6], [0, 511, 256]]
 

@@ -27,7 +27,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.embedding import MAX_INPUTS, Pooler, plan_embedding, to_base64, truncate
 from tinyloop.engine.serving import BatchEngine
 from tinyloop.errors import ValidationError
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=3)
 TOL64 = 1e-7

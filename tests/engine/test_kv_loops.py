@@ -13,7 +13,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion, sequence_layout
 from tinyloop.errors import ValidationError
 from tinyloop.model.cache import SlotLayout
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=6)
 PROMPT = [5, 17, 300, 42, 7]

@@ -16,7 +16,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.prefix_cache import block_name
 from tinyloop.engine.scheduler import PagePool, Scheduler, Sequence
 from tinyloop.engine.serving import BatchEngine, run_to_completion
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 SALT = ("loops", 2, "window", 0)
 

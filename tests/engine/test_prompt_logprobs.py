@@ -11,7 +11,7 @@ from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 CFG = preset("tiny").replace(vocab_size=512, eos_token_id=511, default_loops=3)
 PROMPT = [5, 17, 300, 42, 7, 99, 1, 250, 8, 8, 64, 3, 200]

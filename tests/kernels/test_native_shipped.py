@@ -14,7 +14,7 @@ import torch
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import run_ids
 from tinyloop.kernels.lib import NativeBuildError, load
-from tinyloop.modelfile import FLOAT_MODEL_NAME
+from tinyloop.modelfile.loader import FLOAT_MODEL_NAME
 
 try:
     load()

@@ -248,7 +248,7 @@ def test_sampled_speculation_in_a_crowded_batch_is_plain_sampling():
     step, drawn in its one head call) beside plain sampled ones: each answer is its seed's plain answer."""
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine.serving import BatchEngine, run_to_completion
-    from tinyloop.modelfile import LoadedModel
+    from tinyloop.modelfile.loader import LoadedModel
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     engine = Engine(LoadedModel(nat, None, {}, None))
@@ -271,7 +271,7 @@ def test_speculation_in_a_crowded_batch_decodes_plain_rows():
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine.serving import BatchEngine, run_to_completion
     from tinyloop.engine.native_rounds import ALONE_UP_TO
-    from tinyloop.modelfile import LoadedModel
+    from tinyloop.modelfile.loader import LoadedModel
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     engine = Engine(LoadedModel(nat, None, {}, None), kv_format="fp16")

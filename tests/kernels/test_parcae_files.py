@@ -17,7 +17,7 @@ from conftest import core_ids, reference_ids, varied_model  # noqa: E402
 from native_pair import CONFIGS  # noqa: E402
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.kernels.executor import NativeExecutor  # noqa: E402
-from tinyloop.modelfile import read_header, write_model  # noqa: E402
+from tinyloop.modelfile.loader import read_header, write_model  # noqa: E402
 from tinyloop.quant.formats import is_quantizable  # noqa: E402
 from tinyloop.quant.packing import dequantize, quantize_rtn  # noqa: E402
 from tinyloop.tokenizer import Tokenizer  # noqa: E402

@@ -36,7 +36,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
 from tinyloop.model import KVCache
-from tinyloop.modelfile import load_model
+from tinyloop.modelfile.loader import load_model
 from tinyloop.tools.convert import ConvertError, convert
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "reference" / "nanbeige-tiny"

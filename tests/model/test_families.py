@@ -17,7 +17,7 @@ from tinyloop.config import ConfigError, preset
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.model import KVCache, LoopedTransformer
-from tinyloop.modelfile import LoadedModel
+from tinyloop.modelfile.loader import LoadedModel
 
 BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511)
 OURO_LIKE = BASE.replace(n_prelude=0, n_coda=0, injection="none", norm_placement="sandwich", loop_norm=True,

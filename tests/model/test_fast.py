@@ -142,7 +142,7 @@ def test_swap_linears_is_generic():
 
 
 def test_prepare_keeps_file_names_and_rejects_bad_mode(tiny_model_path):
-    from tinyloop.modelfile import load_model
+    from tinyloop.modelfile.loader import load_model
 
     loaded = load_model(tiny_model_path)
     names = set(loaded.model.state_dict())
@@ -236,7 +236,7 @@ def test_prepare_leaves_quantized_linears_alone(tmp_path, tokenizer):
     """Quantized modules (quant.linear.QuantLinear) are not nn.Linear: never swapped for fp16 kernels; fused
     q/k/v only through QuantLinear.concat, which stacks them where this CPU's int4 layout allows (with
     AVX-512 the layout packs rows in blocks of 64, so this model's 32-row k/v stay apart)."""
-    from tinyloop.modelfile import load_model, make_header, write_model
+    from tinyloop.modelfile.loader import load_model, make_header, write_model
     from tinyloop.quant.linear import QuantLinear
     from tinyloop.tools.gptq import QuantSpec, quantize_model
 

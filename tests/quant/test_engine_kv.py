@@ -2,7 +2,7 @@ import pytest
 
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.errors import ValidationError
-from tinyloop.modelfile import load_model
+from tinyloop.modelfile.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from conftest import edit_header
 from tinyloop.cli import main
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import ModelFileError, load_model, make_header, model_info, read_header, write_model
+from tinyloop.modelfile.loader import ModelFileError, load_model, make_header, model_info, read_header, write_model
 from tinyloop.quant.linear import QuantLinear
 from tinyloop.quant.packing import QuantError
 from tinyloop.tools.gptq import QuantSpec, quantize_model

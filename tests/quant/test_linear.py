@@ -92,7 +92,7 @@ def test_quantized_file_is_fused_and_keeps_its_logits(tokenizer, tmp_path, capfd
     from tinyloop.config import preset
     from tinyloop.model import build_model
     from tinyloop.model.fast import prepare_for_decode
-    from tinyloop.modelfile import load_model, make_header, write_model
+    from tinyloop.modelfile.loader import load_model, make_header, write_model
     from tinyloop.tools.gptq import QuantSpec, quantize_model
     from tinyloop.tools.quantize import quantized_model
 

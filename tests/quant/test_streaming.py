@@ -9,7 +9,7 @@ from conftest import varied_model, write_legacy
 
 from tinyloop.config import preset
 from tinyloop.model.fused import split_projections
-from tinyloop.modelfile import fuse_tensors, load_model, make_header, map_tensors, read_header, write_model
+from tinyloop.modelfile.loader import fuse_tensors, load_model, make_header, map_tensors, read_header, write_model
 from tinyloop.tools.gptq import QuantSpec, quantize_model
 from tinyloop.tools.quantize import quantize_file, read_calibration
 

@@ -19,7 +19,7 @@ import torch
 
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 
 # A cycle of distinct tokens: an emoji split over two tokens, CJK characters split over three and two,
 # and a stop string that spans a token boundary ("rld ST" = end of " world" + start of " STOP").

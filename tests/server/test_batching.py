@@ -15,7 +15,7 @@ import torch
 from tinyloop.config import preset
 from tinyloop.model import build_model
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.settings import Settings
 
 from .conftest import ServeProcess, ServerThread

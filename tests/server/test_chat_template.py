@@ -12,7 +12,7 @@ from test_hf_tokenizer import CHATML, byte_level_json
 from tinyloop.chat import Chat, render_template
 from tinyloop.config import preset
 from tinyloop.model import build_model
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.settings import Settings
 from tinyloop.tokenizer import HFTokenizer
 

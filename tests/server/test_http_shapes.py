@@ -336,7 +336,7 @@ def test_server_drafts_through_the_models_draft_exit(tmp_path, tokenizer):
     from conftest import varied_model
     from tinyloop.config import preset
     from tinyloop.model.draft_exit import DraftExit, write_draft_exits
-    from tinyloop.modelfile import write_model
+    from tinyloop.modelfile.loader import write_model
 
     model = varied_model(preset("tiny"), seed=3)
     path = write_model(tmp_path / "t.tinyloop", model, tokenizer=tokenizer, provenance={"tool": "tests"})

@@ -16,7 +16,7 @@ import pytest
 from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.errors import ValidationError
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.anthropic import MessagesFramer, param_of, partial_object
 from tinyloop.server.errors import APIError
 from tinyloop.server.settings import Settings

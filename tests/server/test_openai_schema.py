@@ -27,7 +27,7 @@ import pytest
 
 from conftest import varied_model
 from tinyloop.config import preset
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.settings import Settings
 
 from .conftest import ServerThread

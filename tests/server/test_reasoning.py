@@ -17,7 +17,7 @@ from test_hf_tokenizer import byte_level_json
 from tinyloop.config import preset
 from tinyloop.engine.thinking import THINK
 from tinyloop.model import build_model
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.reasoning import ReasoningParser
 from tinyloop.server.settings import Settings
 from tinyloop.server.tool_stream import ToolCallParser, assemble, parse

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from conftest import varied_model
 from tinyloop.config import preset
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.errors import APIError
 from tinyloop.server.openai_responses import ResponsesFramer, ResponseStore, Stored
 from tinyloop.server.settings import Settings

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("ray.serve", reason="needs tinyloop[ray]")
 
 from tinyloop.config import preset  # noqa: E402
-from tinyloop.modelfile import write_model  # noqa: E402
+from tinyloop.modelfile.loader import write_model  # noqa: E402
 from tinyloop.server.settings import Settings  # noqa: E402
 
 from .conftest import ServerThread, free_port, sse_events  # noqa: E402

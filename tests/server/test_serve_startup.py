@@ -104,7 +104,7 @@ def test_a_good_load_prints_one_line_then_serves(tiny_model_path):
                       r"weights float32; executor (native \(.+\)|torch)\) on (http://127\.0\.0\.1:(\d+)) from (\S+)$",
                       line.strip())
         assert m, line
-        from tinyloop.modelheader import header_config
+        from tinyloop.modelfile.header import header_config
 
         cfg = header_config(tiny_model_path)
         assert float(m.group(1)) == round(cfg.param_count() / 1e6, 1)

@@ -14,7 +14,7 @@ import pytest
 from conftest import varied_model
 from test_hf_tokenizer import byte_level_json
 from tinyloop.config import preset
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.server.settings import Settings
 from tinyloop.server.tool_stream import ToolCallParser, assemble, parse
 from tinyloop.tokenizer import HFTokenizer

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.errors import ValidationError  # noqa: E402
-from tinyloop.modelfile import load_model, read_header  # noqa: E402
+from tinyloop.modelfile.loader import load_model, read_header  # noqa: E402
 from tinyloop.tools.convert import ConvertError, convert  # noqa: E402
 
 Q = gguf.GGMLQuantizationType

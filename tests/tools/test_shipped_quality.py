@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.modelfile import load_model
+from tinyloop.modelfile.loader import load_model
 from tinyloop.tools.evaluate import kl_divergence, perplexity
 
 # Written for this test (not in the training corpus).

@@ -10,7 +10,7 @@ from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.errors import ModelFileError, ValidationError
 from tinyloop.model import build_model
-from tinyloop.modelfile import write_model
+from tinyloop.modelfile.loader import write_model
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.model.gate import read_gate, write_gate
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinyloop.modelfile import load_model
+from tinyloop.modelfile.loader import load_model
 from tinyloop.train.data import split_text
 from tinyloop.train.trainer import TrainConfig, Trainer, sample_loops
 

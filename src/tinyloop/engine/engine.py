@@ -24,7 +24,7 @@ import torch
 from ..chat import Chat, ChatTemplateError, render_plain, render_template
 from ..errors import ValidationError
 from ..model.fast import executor_name
-from ..modelfile import LoadedModel, load_model, model_info
+from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request

@@ -1,4 +1,4 @@
-"""A model's module structure to match a file's layout (`modellayout`), without copying any weight.
+"""A model's module structure to match a file's layout (`modelfile.layout`), without copying any weight.
 
 - `fuse_structure(model)`: on a model built on the meta device (no data), replace wq/wk/wv by one
   `attn.wqkv` linear and (swiglu) w_gate/w_up by one `mlp.w_gate_up`, so that its state dict has a

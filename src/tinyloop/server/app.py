@@ -19,7 +19,7 @@ from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
-from ..modelheader import weights_format
+from ..modelfile.header import weights_format
 from . import access, anthropic, docs_ui, embeddings, errors, lmstudio, native, openai, openai_responses, playground
 from . import openapi as server_openapi
 from . import cache_routes
@@ -163,7 +163,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     settings = settings or Settings.from_env()
     metrics = metrics or Metrics()
     worker = (worker_factory or (lambda s, m: EngineWorker(s, m, loader=loader)))(settings, metrics)
-    from ..modelfile import resolve_model_path
+    from ..modelfile.loader import resolve_model_path
 
     path = resolve_model_path(settings.model_path)
     try:

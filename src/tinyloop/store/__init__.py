@@ -4,7 +4,7 @@
 (torch-free); `catalog` lists and removes them (torch-free); `pull` downloads and converts.
 """
 
-from ..modelheader import set_hub_resolver
+from ..modelfile.header import set_hub_resolver
 
 
 def _resolve(name: str):

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ModelFileError
-from ..modelheader import model_info, read_header
+from ..modelfile.header import model_info, read_header
 from .refs import HubRef, models_dir, parse_ref, store_path
 
 

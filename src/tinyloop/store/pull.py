@@ -158,7 +158,7 @@ def download(ref: HubRef, *, progress: bool = True) -> tuple[Path, str]:
 def pull(ref: HubRef, *, dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> Path:
     """Download and convert `ref` into the store (see the module docstring); returns the model file. A
     model the store already holds is returned as it is unless `force`."""
-    from ..modelheader import check_writable
+    from ..modelfile.header import check_writable
     from ..tools.convert import ConvertError, convert
 
     out = store_path(ref)
@@ -221,7 +221,7 @@ def _quantize_int4(ref: HubRef, src: Path, out: Path, progress: bool) -> None:
     from ..tools.gptq import QuantSpec
     from ..tools.quantize import quantize_file
 
-    from ..modelheader import header_config
+    from ..modelfile.header import header_config
 
     cfg = header_config(src)
     widths = {cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim}

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..modelfile import DTYPES, expected_tensors, make_header, tokenizer_blob
-from ..modelfile_writer import ModelFileWriter
-from ..modellayout import SEPARATE_VERSION
+from ..modelfile.loader import DTYPES, expected_tensors, make_header, tokenizer_blob
+from ..modelfile.writer import ModelFileWriter
+from ..modelfile.layout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 from ..model.families import ConvertError, Emit, lookup  # noqa: F401  (ConvertError: the converter's error)

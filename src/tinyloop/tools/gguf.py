@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..modelfile import DTYPES, expected_tensors, make_header, tokenizer_blob
-from ..modelfile_writer import ModelFileWriter
-from ..modellayout import SEPARATE_VERSION
+from ..modelfile.loader import DTYPES, expected_tensors, make_header, tokenizer_blob
+from ..modelfile.writer import ModelFileWriter
+from ..modelfile.layout import SEPARATE_VERSION
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 from ..model.families import ConvertError
@@ -467,7 +467,7 @@ def quantize_int4(src: Path, out: Path, *, progress: bool = True, sample: str | 
     how far its logits are from the float file's (max abs difference and top-1 agreement over a fixed
     text's positions)."""
     from ..errors import ModelFileError
-    from ..modelheader import header_config
+    from ..modelfile.header import header_config
     from ..quant.packing import QuantError
     from .gptq import QuantSpec
     from .quantize import quantize_file
@@ -495,7 +495,7 @@ SAMPLE_TEXT = ("The capital of France is Paris. It lies on the Seine, and about 
 def logit_difference(a: Path, b: Path, text: str | None = None) -> dict[str, Any]:
     """Next-token logits of two model files with the same tokenizer over `text`'s positions (fp32 forward):
     max abs difference, the reference's logit spread (std), top-1 agreement."""
-    from ..modelfile import load_model
+    from ..modelfile.loader import load_model
 
     ma = load_model(a, dtype=torch.float32)
     ids = ma.tokenizer.encode(text or SAMPLE_TEXT)[: ma.config.max_seq_len]

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..modelfile import DTYPES, TORCH_DTYPES, TORCH_DTYPES_BY_NAME, check_header, expected_tensors, make_header, \
+from ..modelfile.loader import DTYPES, TORCH_DTYPES, TORCH_DTYPES_BY_NAME, check_header, expected_tensors, make_header, \
     map_tensors, read_header, read_tokenizer, tokenizer_blob
-from ..modellayout import FUSED_VERSION, part_rows
+from ..modelfile.layout import FUSED_VERSION, part_rows
 from ..quant.formats import load_quantized, quantize_head
 from ..quant.packing import QuantError
 from ..quant.streamed import StreamedLinear
@@ -102,7 +102,7 @@ def quantize_file(src: str | Path, dst: str | Path, spec: QuantSpec, *,
     too (round-to-nearest; int4 with the blocks' group size); None keeps it in the file's float dtype."""
     if head_bits not in (None, 4, 8):
         raise QuantError(f"head bits must be 4 or 8 (or none: a float head), got {head_bits!r}")
-    from ..modelfile_writer import ModelFileWriter
+    from ..modelfile.writer import ModelFileWriter
 
     t0 = time.perf_counter()
     src = Path(src)

@@ -2,7 +2,7 @@
 
 A version 1 file stores q/k/v and gate/up under separate names, so every load fuses them in memory (a
 private copy of nearly every weight, announced by a one-line notice). Upgrading writes the same tensors in
-the run-time layout (`modellayout`, format version 2): each part at its rows of the fused tensor, streamed
+the run-time layout (`modelfile.layout`, format version 2): each part at its rows of the fused tensor, streamed
 from the mapped input, bytes unchanged. The result replaces FILE (or goes to OUT) atomically: a temporary
 file beside it, then a rename, so a failure leaves the original as it was. The header is kept, with the
 upgrade recorded in its provenance.
@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ModelFileError
-from ..modelheader import FORMAT_VERSION, read_header
-from ..modellayout import FUSED_VERSION
+from ..modelfile.header import FORMAT_VERSION, read_header
+from ..modelfile.layout import FUSED_VERSION
 from ..version import __version__
 
 
@@ -36,8 +36,8 @@ def upgrade(src: str | Path, out: str | Path | None = None) -> Path:
         raise ModelFileError(src, f"already has the current layout (format version {version}): nothing to upgrade")
     import torch
 
-    from ..modelfile import TORCH_DTYPES_BY_NAME, check_header, expected_tensors, map_tensors, read_tokenizer
-    from ..modelfile_writer import ModelFileWriter
+    from ..modelfile.loader import TORCH_DTYPES_BY_NAME, check_header, expected_tensors, map_tensors, read_tokenizer
+    from ..modelfile.writer import ModelFileWriter
 
     cfg = check_header(src, header, index)  # a corrupt file is refused before anything is written
     tensors = map_tensors(src, index)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.draft_vocab import frequency_ranking
-from ..modelfile import load_model
+from ..modelfile.loader import load_model
 from ..model.draft_exit import DraftExit, write_draft_exits
 from .data import read_calibration
 

@@ -77,7 +77,7 @@ def train_gate(model, train_windows: torch.Tensor, val_windows: torch.Tensor, *,
 def train_gate_file(model_path: str | Path, files: list[str], out: str | Path, *, loops: int | None = None,
                     tokens: int = 16384, seq: int = 128, steps: int = 400, seed: int = 0,
                     val_fraction: float = 0.01) -> dict[str, Any]:
-    from ..modelfile import load_model
+    from ..modelfile.loader import load_model
     from .data import read_calibration
 
     loaded = load_model(model_path, dtype=torch.float32)

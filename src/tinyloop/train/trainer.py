@@ -244,7 +244,7 @@ class Trainer:
         self._stop = True
 
     def export(self) -> Path:
-        from ..modelfile import write_model  # the model file is the end product of a run
+        from ..modelfile.loader import write_model  # the model file is the end product of a run
 
         tc = self.tc
         prov = {

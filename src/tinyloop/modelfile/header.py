@@ -12,19 +12,19 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError, ModelConfig
-from .errors import ModelFileError
-from .version import __version__
+from ..config import ConfigError, ModelConfig
+from ..errors import ModelFileError
+from ..version import __version__
 
 FORMAT = "tinyloop"
-FORMAT_VERSION = 2           # what writers write: the run-time layout (`modellayout`)
+FORMAT_VERSION = 2           # what writers write: the run-time layout (`modelfile.layout`)
 READ_VERSIONS = (1, 2)       # what loaders read: version 1 files are fused at load (`tinyloop upgrade`)
 TOKENIZER_TENSOR = "tokenizer.bpe_ranks"   # GPT-2 ranks or a tokenizer.json, by the header's tokenizer type
 TOKENIZER_TYPES = ("gpt2-bpe", "hf-tokenizers")
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
              "I8": "int8", "I32": "int32", "I64": "int64", "U16": "uint16", "I16": "int16"}
 ENV_MODEL = "TINYLOOP_MODEL_PATH"
-MODELS_DIR = Path(__file__).parent / "assets" / "models"
+MODELS_DIR = Path(__file__).parent.parent / "assets" / "models"
 FLOAT_MODEL_NAME = "tinyloop-16m.tinyloop"          # the trained model (fp16): the source of the int4 one
 DEFAULT_MODEL_NAME = "tinyloop-16m-int4.tinyloop"   # what serve / generate / Engine.load use by default
 

@@ -14,7 +14,7 @@ and the tokenizer's BPE ranks as the uint8 tensor `tokenizer.bpe_ranks`:
          ..., "bos_token": ..., "chat_template": ..., "sha256": ...}: the tensor holds tokenizer.json)
      "provenance": {...}}
 
-Format version 2 stores q/k/v and gate/up fused, as the engine computes them (`modellayout`), and
+Format version 2 stores q/k/v and gate/up fused, as the engine computes them (`modelfile.layout`), and
 `load_model` binds the model to views of the mapped file: no weight is read or copied at load. A version 1
 file is fused in memory at each load, with a one-line notice; `tinyloop upgrade` rewrites it once.
 
@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig
-from .errors import ModelFileError
-from .modellayout import FUSED_VERSION, fused_modules
-from .modelheader import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
+from ..config import ConfigError, ModelConfig
+from ..errors import ModelFileError
+from .layout import FUSED_VERSION, fused_modules
+from .header import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
                           MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
                           packaged_models, read_header, resolve_model_path, check_writable)
-from .tokenizer import HFTokenizer, Tokenizer, TokenizerError
-from .version import __version__
+from ..tokenizer import HFTokenizer, Tokenizer, TokenizerError
+from ..version import __version__
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -66,15 +66,15 @@ class LoadedModel:
 def expected_tensors(cfg: ModelConfig, weights: dict[str, Any], version: int = FORMAT_VERSION
                      ) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype) of every model tensor the header's config, weight format and format version
-    imply (version 2 and later: projections fused, `modellayout`)."""
-    from .model.fused import meta_model
+    imply (version 2 and later: projections fused, `modelfile.layout`)."""
+    from ..model.fused import meta_model
 
     dtype = weights.get("dtype")
     model = meta_model(cfg, fused=version >= FUSED_VERSION)
     out = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()}
     quant = weights.get("quant") or {}
     if quant.get("method", "none") != "none":
-        from .quant.formats import expected_quantized_tensors  # quantized files name their own tensors
+        from ..quant.formats import expected_quantized_tensors  # quantized files name their own tensors
         out = expected_quantized_tensors(out, quant)
     return out
 
@@ -215,7 +215,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
                dtype: torch.dtype | None = None) -> LoadedModel:
     """Load and check a model file (a path or packaged name, see `resolve_model_path`; default: the default
     model), optionally casting floats to `dtype`."""
-    from .model.fused import meta_model
+    from ..model.fused import meta_model
 
     path = resolve_model_path(path)
     if not path.exists() and path == packaged_model_path():
@@ -233,7 +233,7 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
         tensors = fuse_tensors(tensors, cfg)
     model = meta_model(cfg)  # the file's names: the model is bound to its tensors where they lie
     if quant.get("method", "none") != "none":
-        from .quant.formats import load_quantized  # swaps in quantized linear modules
+        from ..quant.formats import load_quantized  # swaps in quantized linear modules
         model = load_quantized(model, tensors, header["weights"], device=device, dtype=dtype)
     else:
         if dtype is not None:
@@ -282,10 +282,10 @@ def write_model(path: str | Path, model: torch.nn.Module, *, tokenizer: Tokenize
     """Write `model` (or explicit `tensors` + `header`, for quantized files) atomically: to a temporary
     file beside `path`, flushed to disk, then renamed over it. A failure (full disk, unwritable folder)
     raises ModelFileError naming the path and leaves neither a partial file nor the temporary one.
-    The file has the run-time layout (`modellayout`): tensors may come under the PyTorch definition's
+    The file has the run-time layout (`modelfile.layout`): tensors may come under the PyTorch definition's
     names (a model trained or built in memory) or the fused ones (a loaded model); each part is written
     at its rows (`ModelFileWriter`), from where it lies: no serialised copy of the model is built."""
-    from .modelfile_writer import ModelFileWriter
+    from .writer import ModelFileWriter
 
     path = Path(path)
     try:

@@ -1,6 +1,6 @@
 """Writing a `.tinyloop` file one tensor at a time, in bounded memory (`tinyloop convert`).
 
-`write_model` (modelfile.py) serialises tensors that are all in memory. `ModelFileWriter` instead lays
+`write_model` (modelfile/loader.py) serialises tensors that are all in memory. `ModelFileWriter` instead lays
 out the whole file first (the header with every tensor's name, shape, dtype and offsets, known from the
 config before any weight is read), then writes each tensor at its offset as it is produced, so a
 conversion holds one tensor at a time, not the model. The result is the same safetensors container
@@ -8,7 +8,7 @@ conversion holds one tensor at a time, not the model. The result is the same saf
 temporary file beside the target, fsync, rename; on any failure (a full disk, a missing tensor) neither
 a partial file nor the temporary one is left.
 
-A file of the run-time layout (format version 2, `modellayout`) stores q/k/v and gate/up fused: `add`
+A file of the run-time layout (format version 2, `modelfile.layout`) stores q/k/v and gate/up fused: `add`
 takes either the fused tensor or each of its parts under the PyTorch definition's name (`attn.wk.weight`,
 `attn.wk.qweight`, ...), written at its rows, so converting and quantizing never concatenate.
 """
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
-from .errors import ModelFileError
-from .modelheader import ITEM_BYTES, TOKENIZER_TENSOR
-from .modellayout import FUSED_VERSION, part_rows
+from ..config import ModelConfig
+from ..errors import ModelFileError
+from .header import ITEM_BYTES, TOKENIZER_TENSOR
+from .layout import FUSED_VERSION, part_rows
 
 ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
             torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.int16: "I16"}
