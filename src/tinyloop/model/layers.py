@@ -184,15 +184,20 @@ class Attention(nn.Module):
         self.ve_channels = cfg.ve_gate_channels
         self.ve_gate = nn.Linear(cfg.ve_gate_channels, cfg.n_kv_heads, bias=False) if value_embed else None
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None,
-                ve: torch.Tensor | None = None) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, dim) -> q, k and v heads (B, T, H + 2 Hkv, D): one fused projection, or three."""
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None:
             qkv = self.wqkv(x)
         else:
             qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        return qkv.view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: int | None,
+                ve: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.project_qkv(x)
         cos_full, sin_signed = ctx.rope_full()                                  # (T, 1, D) each
         qk = qkv[:, :, :H + Hkv]
         if self.q_norm is not None:                                             # over all heads: (B, T, H * D)

@@ -35,7 +35,7 @@ from .anthropic_schemas import ThinkingAdaptive, ThinkingDisabled
 from .openai import chat_inputs, messages_error, state_of
 from .reasoning import Answer
 from .schemas import ChatCompletionRequest
-from .sse import Framer
+from .sse import NamedEventFramer, deltas_of
 
 router = APIRouter()
 PREFIX = "/v1/messages"
@@ -483,14 +483,7 @@ def usage(stats: dict[str, Any]) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": stats.get("completion_tokens", 0)}
 
 
-def deltas_of(tools, parser, text: str, final: bool) -> list[dict[str, Any]]:
-    """One event's text as the chat route's deltas: through the tool-call parser under tools."""
-    if tools is None:
-        return [{"content": text}] if text else []
-    return parser.feed(text) + (parser.finish() if final else [])
-
-
-class MessagesFramer(Framer):
+class MessagesFramer(NamedEventFramer):
     """Anthropic's stream: `event: <type>` and `data: <json>` per event; `ping` while the engine is busy."""
 
     keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -501,11 +494,6 @@ class MessagesFramer(Framer):
         self.parser = tools.parser() if tools is not None else None
         self.blocks = Blocks()
 
-    @staticmethod
-    def sse(name: str, data: dict[str, Any]) -> bytes:
-        return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() \
-            + b"\n\n"
-
     def open(self) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "content": [], "model": self.model,
                    "stop_reason": None, "stop_sequence": None,
@@ -513,14 +501,8 @@ class MessagesFramer(Framer):
                              "cache_read_input_tokens": 0, "output_tokens": 0}}
         return [self.sse("message_start", {"type": "message_start", "message": message})]
 
-    def _frames(self, ev, final: bool) -> list[bytes]:
-        out = []
-        for d in deltas_of(self.tools, self.parser, ev.text, final):
-            out += [self.sse(name, data) for name, data in self.blocks.feed(d)]
-        return out
-
-    def event(self, ev) -> list[bytes]:
-        return self._frames(ev, final=False)
+    def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        return self.blocks.feed(delta)
 
     def close(self, ev) -> list[bytes]:
         self.closed[ev.index] = ev.stats or {}

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from .generation import ServerState
-from .openai import find_model, run_completion, state_of
+from .openai import model_routes, run_completion
 from .schemas import LMStudioChatRequest, LMStudioCompletionRequest
 
 router = APIRouter()
@@ -23,16 +23,7 @@ def lmstudio_model(state: ServerState) -> dict[str, Any]:
             "model_info": info, "runtime": state.runtime()}
 
 
-@router.get("/api/v0/models")
-async def list_models(request: Request):
-    return {"object": "list", "data": [lmstudio_model(state_of(request))]}
-
-
-@router.get("/api/v0/models/{model_id:path}")
-async def get_model(model_id: str, request: Request):
-    state = state_of(request)
-    find_model(state, model_id)
-    return lmstudio_model(state)
+model_routes(router, "/api/v0", lmstudio_model)
 
 
 @router.post("/api/v0/chat/completions")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 
@@ -43,16 +43,22 @@ def find_model(state: ServerState, model_id: str) -> None:
                        code="model_not_found")
 
 
-@router.get("/v1/models")
-async def list_models(request: Request):
-    return {"object": "list", "data": [model_card(state_of(request))]}
+def model_routes(router: APIRouter, prefix: str, card: Callable[[ServerState], dict[str, Any]]) -> None:
+    """GET {prefix}/models (the list) and {prefix}/models/{id} (one, or 404 model_not_found): the served
+    model as `card` describes it (OpenAI's shape here, LM Studio's on /api/v0)."""
+
+    @router.get(f"{prefix}/models")
+    async def list_models(request: Request):
+        return {"object": "list", "data": [card(state_of(request))]}
+
+    @router.get(f"{prefix}/models/{{model_id:path}}")
+    async def get_model(model_id: str, request: Request):
+        state = state_of(request)
+        find_model(state, model_id)
+        return card(state)
 
 
-@router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request):
-    state = state_of(request)
-    find_model(state, model_id)
-    return model_card(state)
+model_routes(router, "/v1", model_card)
 
 
 def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams, *,

@@ -6,7 +6,6 @@ its usage, and the bounded in-memory store of responses (`ResponseStore`) that `
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import time
 from collections import OrderedDict
@@ -15,11 +14,10 @@ from typing import Any, Callable, Literal
 
 from fastapi import Request
 
-from .anthropic import deltas_of
 from .errors import APIError
 from .openai import state_of
 from .openai_responses_schemas import ResponsesRequest
-from .sse import Framer
+from .sse import NamedEventFramer, deltas_of, named_frame
 
 DEFAULT_STORE_SIZE = 1000
 
@@ -206,7 +204,7 @@ def finished(response: dict[str, Any], items: Items, finish_reason: str, stats: 
     return out
 
 
-class ResponsesFramer(Framer):
+class ResponsesFramer(NamedEventFramer):
     """Responses' stream: `event: <type>` and `data: <json>` per event, every event with its sequence_number;
     `on_done(response)` is called with the final response (to store it)."""
 
@@ -221,21 +219,14 @@ class ResponsesFramer(Framer):
     def sse(self, kind: str, data: dict[str, Any]) -> bytes:
         obj = {"type": kind, **data, "sequence_number": self.sequence}
         self.sequence += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-            + b"\n\n"
+        return named_frame(kind, obj)
 
     def open(self) -> list[bytes]:
         return [self.sse("response.created", {"response": self.response}),
                 self.sse("response.in_progress", {"response": self.response})]
 
-    def _frames(self, ev, final: bool) -> list[bytes]:
-        out = []
-        for d in deltas_of(self.tools, self.parser, ev.text, final):
-            out += [self.sse(kind, data) for kind, data in self.items.feed(d)]
-        return out
-
-    def event(self, ev) -> list[bytes]:
-        return self._frames(ev, final=False)
+    def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        return self.items.feed(delta)
 
     def close(self, ev) -> list[bytes]:
         self.closed[ev.index] = ev.stats or {}

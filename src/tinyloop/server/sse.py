@@ -28,6 +28,20 @@ def frame(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
+def named_frame(event: str, obj: Any) -> bytes:
+    """`event: <name>` and `data: <json>`: a frame of the streams whose events are named (Anthropic's
+    Messages, OpenAI's Responses)."""
+    return f"event: {event}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+def deltas_of(tools, parser, text: str, final: bool) -> list[dict[str, Any]]:
+    """One event's text as the chat route's deltas: through the tool-call parser under tools."""
+    if tools is None:
+        return [{"content": text}] if text else []
+    return parser.feed(text) + (parser.finish() if final else [])
+
+
 class Framer:
     """Base: subclasses say how the opening, a text delta and the end look."""
 
@@ -73,6 +87,29 @@ class Framer:
     def fail(self, err) -> list[bytes]:
         """The frames that end a stream the engine failed (`err`: an errors.APIError) after it started."""
         return self.error(err.body())
+
+
+class NamedEventFramer(Framer):
+    """A stream of named events built from the chat route's deltas (Messages, Responses): each event's text
+    through the tool-call parser (`deltas_of`), each delta fed to the API's own builder (`feed`: its
+    (event, data) pairs), each pair written by the API's `sse`."""
+
+    tools = parser = None
+
+    def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        raise NotImplementedError
+
+    def sse(self, event: str, data: dict[str, Any]) -> bytes:
+        return named_frame(event, data)
+
+    def _frames(self, ev, final: bool) -> list[bytes]:
+        out = []
+        for d in deltas_of(self.tools, self.parser, ev.text, final):
+            out += [self.sse(name, data) for name, data in self.feed(d)]
+        return out
+
+    def event(self, ev) -> list[bytes]:
+        return self._frames(ev, final=False)
 
 
 class ChatFramer(Framer):

@@ -40,6 +40,16 @@ def llama_shape(hf: dict[str, Any], eos: list[int], steps: int, **kw: Any) -> Mo
                           "injection": "none", "eos_token_id": eos[0], "eos_token_ids": tuple(eos[1:]), **kw})
 
 
+def emit_fused_mlp(cfg: ModelConfig, base: str, name: str, t: torch.Tensor, emit: Emit) -> None:
+    """A fused MLP input projection `fc` (2 ffn_dim rows: gate, then up; silu(first half) * second half, the
+    raven checkpoints') -> TinyLoop's w_gate and w_up."""
+    if tuple(t.shape) != (2 * cfg.ffn_dim, cfg.dim):
+        raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{2 * cfg.ffn_dim}, {cfg.dim}]")
+    gate, up = t.split(cfg.ffn_dim, dim=0)
+    emit(f"{base}.mlp.w_gate.weight", gate)
+    emit(f"{base}.mlp.w_up.weight", up)
+
+
 def half_split(cfg: ModelConfig) -> torch.Tensor:
     """Head-dim permutation: new index j < D/2 takes interleaved 2j, j >= D/2 takes 2(j - D/2) + 1."""
     D = cfg.head_dim

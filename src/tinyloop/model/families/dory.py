@@ -83,11 +83,7 @@ class NGPTAttention(Attention):
     def forward(self, x: torch.Tensor, ctx, slot: int | None, ve: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.wqkv is not None:
-            qkv = self.wqkv(x)
-        else:
-            qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        qkv = self.project_qkv(x)
         cos_full, sin_signed = ctx.rope_full(self.profile)
         qk = justnorm(apply_rope_full(qkv[:, :, :H + Hkv], cos_full, sin_signed))   # every head on its sphere
         sqk = (self.sqk.to(qk.dtype) * self.sqk_factor).square().view(H, D)

@@ -22,7 +22,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, Family, need
-from .common import RAVEN_TOP, half_split
+from .common import RAVEN_TOP, emit_fused_mlp, half_split
 from .retrofit import retrofit_config, retrofit_tensor
 
 
@@ -76,11 +76,7 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
                 raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [2, 1, {H}, {D}]")
             emit(f"{base}.attn.qk_bias", torch.cat([t[0, 0], t[1, 0, :Hkv]])[:, perm])
         elif rest == "mlp.fc.weight":
-            if t.shape[0] != 2 * cfg.ffn_dim:
-                raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{2 * cfg.ffn_dim}, {d}]")
-            gate, up = t.split(cfg.ffn_dim, dim=0)
-            emit(f"{base}.mlp.w_gate.weight", gate)
-            emit(f"{base}.mlp.w_up.weight", up)
+            emit_fused_mlp(cfg, base, name, t, emit)
         else:
             return False
     else:

@@ -25,7 +25,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, need
-from .common import RAVEN_TOP, check_inv_freq, rope_llama3
+from .common import RAVEN_TOP, check_inv_freq, emit_fused_mlp, rope_llama3
 
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
@@ -108,11 +108,7 @@ def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
             emit(f"{base}.attn.wk.weight", k)
             emit(f"{base}.attn.wv.weight", v)
         elif rest == "mlp.fc.weight":
-            if tuple(t.shape) != (2 * cfg.ffn_dim, d):
-                raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{2 * cfg.ffn_dim}, {d}]")
-            gate, up = t.split(cfg.ffn_dim, dim=0)   # silu(first half) * second half
-            emit(f"{base}.mlp.w_gate.weight", gate)
-            emit(f"{base}.mlp.w_up.weight", up)
+            emit_fused_mlp(cfg, base, name, t, emit)
         else:
             return False
     else:
