@@ -39,7 +39,7 @@ from .params import SamplingParams
 from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps
-from .scheduler import ScheduledChunk, Scheduler, SchedulerError, Sequence
+from .scheduler import Scheduler, SchedulerError, Sequence
 from .native import native, one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .speculative import Speculator, speculative_layout
@@ -193,19 +193,7 @@ class BatchEngine(FastSteps):
                                  loops=plan.loops, window=plan.window, reserve_positions=plan.max_positions,
                                  **self._prefix_rules(plan))
                 seqs.append(o.seq)
-        try:
-            for s in seqs:
-                self.sched.add(s)
-        except SchedulerError as exc:
-            for s in seqs:
-                self.sched.finish(s, "abort")
-            raise ValidationError(f"max_tokens: {exc}; lower max_tokens, loops or n",
-                                  param="max_tokens", code="kv_capacity_exceeded") from None
-        for o in outputs:
-            if o.seq is not None:
-                self._outputs[o.seq.seq_id] = (req, o)
-        self.requests[req.req_id] = req
-        return req
+        return self._admit(req, outputs, seqs, "max_tokens", "lower max_tokens, loops or n")
 
     def _add_embedding(self, plan: EmbeddingPlan, emit: Emit, t0: float, timeout_s: float | None,
                        on_admit: Callable[[], None] | None) -> Request:
@@ -224,16 +212,21 @@ class BatchEngine(FastSteps):
         req = Request(self._next_id, plan, emit, outputs, t0, deadline=None if not timeout_s else t0 + timeout_s,
                       on_admit=on_admit, embedding=True)
         self._next_id += 1
+        return self._admit(req, outputs, seqs, "input", "shorten the input or lower loops")
+
+    def _admit(self, req: Request, outputs: list, seqs: list, param: str, advice: str) -> Request:
+        """The request's sequences into the scheduler, all or none (a pool too small for them: a 400 naming
+        `param`, with `advice`); its outputs then known to the core by sequence."""
         try:
             for s in seqs:
                 self.sched.add(s)
         except SchedulerError as exc:
             for s in seqs:
                 self.sched.finish(s, "abort")
-            raise ValidationError(f"input: {exc}; shorten the input or lower loops", param="input",
-                                  code="kv_capacity_exceeded") from None
+            raise ValidationError(f"{param}: {exc}; {advice}", param=param, code="kv_capacity_exceeded") from None
         for o in outputs:
-            self._outputs[o.seq.seq_id] = (req, o)
+            if o.seq is not None:
+                self._outputs[o.seq.seq_id] = (req, o)
         self.requests[req.req_id] = req
         return req
 
