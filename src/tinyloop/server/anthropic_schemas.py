@@ -202,7 +202,7 @@ class MessagesRequest(LoopKnobs, CountTokensRequest):
     frequency_penalty: float | None = rng(lo=-2, hi=2)
 
     def knobs(self) -> dict[str, Any]:
-        """TinyLoop's fields that were given, by their chat-route names."""
-        names = [*LoopKnobs.model_fields, "loops", "exit_criterion", "exit_threshold", "min_loops", "max_loops",
-                 "kv_loops", "timeout_s", "seed", "presence_penalty", "frequency_penalty"]
+        """TinyLoop's fields that were given (LoopKnobs, and the sampling extras the chat route takes too), by
+        their chat-route names."""
+        names = [*LoopKnobs.model_fields, "seed", "presence_penalty", "frequency_penalty"]
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

@@ -243,6 +243,5 @@ class ResponsesRequest(LoopKnobs, Closed):
 
     def knobs(self) -> dict[str, Any]:
         """TinyLoop's fields (and the chat route's sampling extras) that were given, by their chat-route names."""
-        names = [*LoopKnobs.model_fields, "top_k", "stop", "seed", "presence_penalty", "frequency_penalty", "loops",
-                 "exit_criterion", "exit_threshold", "min_loops", "max_loops", "kv_loops", "timeout_s"]
+        names = [*LoopKnobs.model_fields, "top_k", "stop", "seed", "presence_penalty", "frequency_penalty"]
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
