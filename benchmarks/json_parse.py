@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -95,6 +96,16 @@ def judge(schema, text: str, reason: str, said: str) -> str:
     return "parsed-flagged" if said.startswith("failed") else "parsed-invalid"
 
 
+def host() -> str:
+    """The CPU's model name (as `lscpu` gives it) and its cores."""
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", type=Path, default=MODELS)
@@ -108,9 +119,8 @@ def main() -> int:
     items = json.loads(args.schemas.read_text())
     schemas = [(s["name"], s["schema"]) for s in (items["schemas"] if isinstance(items, dict) else items)]
     schemas = schemas[: args.limit] if args.limit else schemas
-    report = {"max_tokens": args.max_tokens, "samples": args.samples, "schemas": str(args.schemas),
-              "host": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "models": {}}
+    report = {"max_tokens": args.max_tokens, "samples": args.samples, "schemas": str(args.schemas), "host": host(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "models": {}}
     print(f"{'model':<26} {'set':<16} {'mode':<8} {'answers':>7} {'parse':>7} {'stop':>5} {'length':>6} {'cut':>4} "
           f"{'invalid':>7} {'flagged':>7} {'tokens':>6}")
     for model in args.models:
@@ -155,9 +165,9 @@ def main() -> int:
             fits = [c for c in cut if c["shortest"] is not None and c["shortest"] + 1 <= args.max_tokens]
             known = [c for c in cut if c["shortest"] is not None]
             if known:
-                print(f"  cut: {len(cut)}, of which {len(cut) - len(fits)} of schemas whose shortest answer (the closing "
-                      f"walk's) needs more than {args.max_tokens - 1} tokens or was not found; closable but cut: "
-                      + (", ".join(f"{c['schema']} ({c['mode']})" for c in fits) or "none"))
+                print(f"  cut: {len(cut)}; {len(cut) - len(fits)} of them under schemas whose shortest answer (the closing "
+                      f"walk's from the start) needs more than {args.max_tokens - 1} tokens, or was not found; the "
+                      f"others: " + (", ".join(f"{c['schema']} ({c['mode']})" for c in fits) or "none"))
                 n_ok = sum(r["answers"] for k, r in rows.items()) - (len(cut) - len(fits))
                 print(f"  parse rate over the answers that can close in the budget: "
                       f"{(n_ok - len(fits)) / max(n_ok, 1):.1%} ({n_ok - len(fits)} of {n_ok})")

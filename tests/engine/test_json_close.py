@@ -75,41 +75,26 @@ def test_an_answer_that_cannot_close_in_its_budget_says_length(shipped):
 
 def test_whitespace_runs_inside_strings_are_bounded(shipped):
     """Inside a string, a run of whitespace ends at WHITESPACE_RUN characters (the issue's answer: a string of
-    spaces until `length`), for json_object and for a schema's free string (its maxLength still held)."""
+    spaces until `length`), for json_object and for a schema's free string, whatever the tokens that make it up
+    (spaces, escaped newlines); the schema's own maxLength still holds; the budget is far."""
     tok = shipped.tokenizer
     run = schema_close.WHITESPACE_RUN
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 60}}, "required": ["a"]}
-    for c, prefix in ((Constraint("json_object"), '{"a": "x'), (Constraint.json_schema(schema), '{"a": "x')):
-        m = shipped.grammars.matcher(c)
-        for t in tok.encode(prefix):
+    space, backslash, n, y = (tok.encode(x)[0] for x in (" ", "\\", "n", "y"))
+    for c in (Constraint("json_object"), Constraint.json_schema(schema)):
+        m = shipped.grammars.matcher(c, 1000)
+        for t in tok.encode('{"a": "x'):
             m.accept(t)
-        space = tok.encode(" ")[0]
-        for _ in range(run):
-            assert m.allows(space)
-            m.accept(space)
-        assert not m.allows(space)                      # a 33rd space is refused,
-        assert m.allows(tok.encode("y")[0])             # anything else goes on
-    bounded = shipped.grammars.matcher(Constraint.json_schema(schema))
+        for t in [backslash, n] * 4 + [space] * (run - 4):   # 4 escaped newlines and 28 spaces: 32 characters
+            assert m.allows(t)
+            m.accept(t)
+        assert not m.allows(space) and m.allows(y)           # a 33rd is refused, anything else goes on
+        m.accept(y)
+        assert m.allows(space)                               # and then a run may begin again
+    bounded = shipped.grammars.matcher(Constraint.json_schema(schema), 1000)
     for t in tok.encode('{"a": "' + "y" * 60):
         bounded.accept(t)
     assert not bounded.allows(tok.encode("y")[0]) and bounded.allows(tok.encode('"}')[0])   # maxLength
-
-
-def test_compact_strings_narrows_positive_strings_only():
-    s = {"type": "object", "properties": {
-        "free": {"type": "string", "minLength": 2},
-        "pat": {"type": "string", "pattern": "^a+$"},
-        "en": {"enum": ["x"], "type": "string"},
-        "neg": {"not": {"type": "string"}},
-        "arr": {"type": "array", "items": {"type": ["string", "null"]}}},
-        "$defs": {"d": {"type": "string"}}, "if": {"type": "string"}}
-    out = schema_close.compact_strings(s)
-    assert out["properties"]["free"] == {"type": "string", "minLength": 2, "pattern": schema_close.STRING_PATTERN}
-    assert out["properties"]["pat"] == s["properties"]["pat"] and out["properties"]["en"] == s["properties"]["en"]
-    assert out["properties"]["neg"] == s["properties"]["neg"]   # (narrowing under `not` would widen)
-    assert out["properties"]["arr"]["items"]["pattern"] == schema_close.STRING_PATTERN
-    assert out["$defs"]["d"]["pattern"] == schema_close.STRING_PATTERN and out["if"] == s["if"]
-    assert "pattern" not in s["properties"]["free"]   # (a copy)
 
 
 @pytest.mark.parametrize("pattern,matches", [

@@ -80,21 +80,17 @@ class Constraint:
 
         return prepare(json.loads(self.source), recursive_refs)
 
-    def grammar_text(self, recursive_refs: bool = False, bounded: bool = True) -> str:
-        """llguidance's grammar for this constraint (raises ValidationError naming `param`). `bounded`: JSON's
-        strings with their whitespace runs bounded (`schema_close.compact_strings`; a grammar that does not compile
-        so is compiled without: `Grammars._entry`)."""
+    def grammar_text(self, recursive_refs: bool = False) -> str:
+        """llguidance's grammar for this constraint (raises ValidationError naming `param`)."""
         import llguidance
 
         try:
             if self.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    schema_close.any_object() if bounded else ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
-                schema = self.prepared(recursive_refs).schema
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    schema_close.compact_strings(schema) if bounded else schema, defaults=JSON_OPTIONS,
-                    overrides=JSON_OVERRIDES)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.prepared(recursive_refs).schema,
+                                                                     defaults=JSON_OPTIONS,
+                                                                     overrides=JSON_OVERRIDES)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
             if self.kind == "grammar":
@@ -162,18 +158,11 @@ class Grammars:
                 return hit
         text = constraint.grammar_text()
         matcher = llguidance.LLMatcher(self.lltokenizer(), text)
-        if matcher.is_error() and constraint.kind in ("json_object", "json_schema"):
-            # the strings' whitespace bound made it fail (a limit of llguidance's): without it, and the error, if
-            # any, is the schema's own
-            matcher = llguidance.LLMatcher(self.lltokenizer(), constraint.grammar_text(bounded=False))
         second = False
         if matcher.is_error() and constraint.kind == "json_schema" and CIRCULAR in matcher.get_error():
             # a recursive $ref llguidance would have to intersect: once more with those intersections
             # rewritten away (schema_rewrite.prepare's recursive_refs), if that compiles
             again = llguidance.LLMatcher(self.lltokenizer(), constraint.grammar_text(recursive_refs=True))
-            if again.is_error():
-                again = llguidance.LLMatcher(self.lltokenizer(),
-                                             constraint.grammar_text(recursive_refs=True, bounded=False))
             if not again.is_error():
                 matcher, second = again, True
         if matcher.is_error():

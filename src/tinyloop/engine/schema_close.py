@@ -1,34 +1,45 @@
 """JSON that closes within its budget (issue 57, item 3): the closing rule of a constrained JSON output.
 
 A small model under a JSON grammar can write a string, or open structure, for as long as it likes: the grammar
-allows it, so the answer runs into `max_tokens` unterminated. The rule here keeps every answer that *can*
-close within its budget closing, without making any answer the grammar allows invalid (it only removes tokens
-from the grammar's mask, and never the last one):
+allows it, so the answer runs into `max_tokens` unterminated (the shipped model under `json_object`: one key string
+of prose, or of spaces, until `length`). The rule here keeps every answer that *can* close within its budget
+closing, and never makes an answer the grammar allows invalid: it only removes tokens from the grammar's mask, and
+never the last one. It applies to `json_object`, `json_schema` and tool calls (engine/constraint.py), with the
+request's `max_tokens` as the budget (a thinking block's tokens count in it).
 
-- **The closing path.** From the grammar's state (llguidance's matcher), a short walk to a state where the
-  grammar may end: at each step the text the grammar forces (its forced bytes, as the tokenizer splits them), else
-  the first of a fixed list of closing tokens the grammar takes in the current lexical state (inside a string:
-  `"}`, `"]`, `"`; outside: `}}`, `}`, `]`, then the shortest values `""`, `0`, `{}`, `[]`, `null`, then `, `, ...),
-  else, inside a string that cannot end yet (a `pattern`, a `format`, `minLength`, an `enum`), one of the schema's
-  own example strings (its enum values, and the shortest strings its patterns and formats match, `examples`
-  below), else a filler character, else the lowest-numbered token the grammar allows. Its length `U` is an upper
-  bound of the tokens needed to close (the fewest is not something llguidance computes); the walk is a pure
-  function of the grammar's state, so every path to the same tokens (one step at a time, jump-forward, the lone
-  steps' native call, speculation's drafts and rollback) gets the same masks.
-- **The zones.** With `left` tokens left (max_tokens minus those output), `slack = left - 1 - U` (the 1: the
-  end-of-text token). `slack <= K`: only the path's first token is allowed (or only EOS where the grammar may end
-  already), so the answer closes with K tokens to spare. `K < slack <= K + NEAR` (JSON only): no token may open
-  structure (`{`, `[`, or a `,` outside a string) unless the path itself does, so what the model still writes
-  (string content, numbers, closers) cannot push the closing path past the budget; a token there can lengthen
-  the path by at most a few tokens (an escape, a number's sign or exponent: K covers them). Elsewhere the
-  grammar's mask is untouched. Where no path fits in the tokens left (`slack < 0`: the answer cannot close
-  anyway) nothing is restricted, and the cut answer says `length`, as before.
-- **Where it is computed.** Only in the answer's last `window` tokens (`U0 + 1 + K + NEAR + EXTRA`, with `U0`
-  the path's length from the grammar's start, computed once per compiled grammar): an answer that ends before
-  never pays for a walk. A walk step costs a few microseconds (forced bytes 0.1 us, a token check ~1 us, a
-  token consumed ~5-10 us), a walk ~U steps.
+- **The closing path.** From the grammar's state (llguidance's matcher), a walk to a state where the grammar may
+  end. At each step: the text the grammar forces (its forced bytes, as the tokenizer splits them); else the first
+  of a fixed list of closing tokens the grammar takes in the current lexical state (inside a string `"}`, `"]`,
+  `"`; outside `}}`, `}`, `]`, then the shortest values `""`, `0`, `{}`, `[]`, `null`, then `, `, ...); else, in a
+  string that cannot end yet (a `pattern`, a `format`, an `enum`, `minLength`), the rest of one of the schema's own
+  strings (`examples`: its enum values, the shortest match of its patterns, an example of each format; those the
+  string has begun first); else a filler character (until the string ends with FILLER_RUN of them), else a
+  character after which the string can end (a uri's `@`), else the lowest-numbered token the grammar allows. The
+  first step takes only tokens the position's mask allows (llguidance's mask allows only the canonical tokens of
+  forced text); the others are checked with llguidance's `validate_tokens`. The path's length `U` bounds the tokens
+  needed to close from above (the fewest is not something llguidance computes; on JSONSchemaBench's sample, the
+  path from the start is what the schema's required members need, written with empty values).
+- **The zones.** With `left` tokens left, `slack = left - 1 - U` (the 1: end-of-text). `slack <= K`: only the
+  path's first token (or EOS, where the grammar may end already), so the answer closes with up to K tokens to
+  spare. `K < slack <= K + NEAR` (JSON): no token may open structure (`{`, `[`, or a `,` outside a string) unless the
+  path itself does, so what the model still writes (string content, numbers, closers) cannot lengthen the path by
+  more than a few tokens (an escape, a number's sign or exponent: K covers them). Elsewhere the grammar's mask
+  stands. Where no path fits in the tokens left (`slack < 0`), nothing is restricted: the answer cannot close, is
+  cut, and says `length`, as before.
+- **A function of the tokens written.** The zone and the path at a position depend on the grammar's state there and
+  the tokens left, nothing else: every route to the same tokens (one step at a time, jump-forward, the lone steps'
+  native call, speculation's drafts and rollback, n choices) gets the same masks. Paths are reused only where
+  provably the same walk (the model took the path's first token, and this position's first step is the path's
+  next: the rest is then the same walk from the same state).
+- **Where it is computed.** Only in an answer's last `window` tokens (`U0 + 1 + K + NEAR + EXTRA`, `U0` the path's
+  length from the grammar's start, once per compiled grammar), and there, between checkpoints (every CHECKPOINT-th
+  position), only where the last checkpoint's path leaves less than MARGIN tokens to spare past the closing zone:
+  an answer that ends early never walks. A walk costs ~10 us a token of path on the dev machine (forced bytes
+  0.1 us, a token check ~1 us, a token consumed ~5 us, the Python around them).
+- **Whitespace inside strings** is bounded too (WHITESPACE_RUN, below), where a string's text ends in whitespace.
 
-The lexical state (outside a string, inside one, after a backslash) is followed from the accepted tokens' bytes.
+The lexical state (outside a string, inside one, after a backslash; a string's last TAIL bytes) is followed from
+the accepted tokens' bytes.
 """
 
 from __future__ import annotations
@@ -42,9 +53,10 @@ import numpy as np
 OUT, STR, ESC = 0, 1, 2
 # the zones' widths (tokens): K covers how much one token written in the closing zone can lengthen the path (a
 # `\u` escape's four hex digits, a number's `-`, `.` or exponent: at most ~4 tokens in GPT-2's vocabulary); NEAR is
-# how much one token written before it may (an object or array item opened with its required members: most of
-# JSONSchemaBench's sample's fit in 16 tokens, docs/structured.md); EXTRA how far the path may grow past its
-# length at the start before the window opens (nesting written meanwhile)
+# how much one token written before it may (an object or array item opened with its required members; a larger
+# one, opened where fewer tokens are left, can still cut the answer: docs/structured.md); EXTRA how far the path
+# may grow past its length at the start before the window opens (nesting written meanwhile). K and NEAR shrink
+# with small budgets (`Rule.margins`).
 K, NEAR, EXTRA = 4, 16, 48
 # between checkpoints (every CHECKPOINT-th position) a position is free without a walk where the last checkpoint's
 # path left MARGIN tokens to spare past the closing zone: the tokens written since (at most CHECKPOINT - 1) are taken
@@ -67,11 +79,47 @@ FORMAT_EXAMPLES = {
     "unknown": "a",
 }
 MAX_EXAMPLES = 32
+# Whitespace inside a string: the grammar writes none between JSON's tokens (constraint.JSON_OPTIONS), but inside a
+# string it is content, and a small model stuck on spaces writes them until its budget ends (issue 57: a string of
+# spaces to `length`). A run is bounded at 32 characters (code nested eight levels deep at four spaces, after its
+# newline, still fits): past it, a token that would lengthen the run is refused, unless nothing else is allowed (a
+# pattern that asks for the spaces). Held here, on the mask, and not as a `pattern` in the schema: llguidance's masks
+# cost 4-5x as much inside strings that carry a pattern (35 -> 135 us a token on benchmarks/structured.py's schema,
+# 10-14 -> 70 on json_object, measured); this is one vectorised AND, where a string's text ends in whitespace.
+WHITESPACE_RUN = 32
 FILLER_RUN = 8      # a string ending with this many of one filler character tries the others, then any character
 
 
 TAIL = 64   # bytes of a string's text kept in the lexical state (the examples' overlap is looked for in them)
 START = (OUT, b"")
+
+
+def leading_whitespace(data: bytes) -> int:
+    """Whitespace characters `data` begins with, read as a JSON string's text (a space, or an escaped newline, tab
+    or carriage return)."""
+    n = i = 0
+    while i < len(data):
+        if data[i] == 0x20:
+            i += 1
+        elif data[i] == 0x5C and i + 1 < len(data) and data[i + 1] in b"ntr":
+            i += 2
+        else:
+            break
+        n += 1
+    return n
+
+
+def trailing_whitespace(tail: bytes) -> int:
+    """Whitespace characters a string's text (`tail`, its last bytes) ends with."""
+    run, i = 0, 0
+    while i < len(tail):
+        if tail[i] == 0x5C and i + 1 < len(tail):
+            run = run + 1 if tail[i + 1] in b"ntr" else 0
+            i += 2
+        else:
+            run = run + 1 if tail[i] == 0x20 else 0
+            i += 1
+    return run
 
 
 def scan(state: int, data: bytes) -> tuple[int, bool]:
@@ -115,6 +163,12 @@ class Tables:
         self.quote = self._ids(['"'])
         # the printable one-byte tokens (a string stuck on its fillers tries each before its closing quote)
         self.singles = [t for t, data in enumerate(self.bytes) if len(data) == 1 and 0x20 <= data[0] < 0x7F]
+        # whitespace inside strings: `ws_over[k]`, the tokens that begin with more than k whitespace characters
+        # (read as a string's text: a space, or the escapes for a newline, a tab, a carriage return)
+        lead = np.array([leading_whitespace(data) for data in self.bytes] + [0] * (self.words * 32 - len(self.bytes)))
+        bits = np.uint32(1) << (np.arange(32, dtype=np.uint32))
+        self.ws_over = np.stack([((lead > k).reshape(-1, 32).astype(np.uint32) * bits).sum(axis=1, dtype=np.uint32)
+                                 for k in range(WHITESPACE_RUN + 1)])
 
     def _ids(self, texts: list[str]) -> list[int]:
         out = []
@@ -193,11 +247,18 @@ class Closer:
         state), `used` tokens of the output written. Returns the zone: "free", "closing" or "forced". Writes `words`
         only after its walks (which are what may fail)."""
         rule, budget = self.rule, self.budget
+        c = len(self.toks)
+        mode, tail = self.lex[c]
+        if mode == STR and tail and (tail[-1] == 0x20 or tail[-2:] in (b"\\n", b"\\t", b"\\r")):
+            run = trailing_whitespace(tail)
+            if run:
+                narrowed = words & ~rule.tables.ws_over[max(0, WHITESPACE_RUN - run)]
+                if narrowed.any():
+                    words[:] = narrowed
         left = budget - used
         if not rule.applies(budget) or left <= 0 or left > rule.window(budget):
             return "free"
         k, near = rule.margins(budget)
-        c = len(self.toks)
         if c % CHECKPOINT:
             # between checkpoints: free without a walk where the checkpoint's path left room to spare past what
             # the tokens written since may add (MARGIN); the checkpoint's path is computed here if nobody did
@@ -500,55 +561,3 @@ def _class_char(items, c) -> str | None:
         return None
     best = sorted(allowed, key=lambda x: (not chr(x).isalnum(), x))[0]
     return chr(best)
-
-
-# -- whitespace inside strings ---------------------------------------------------------------------------------------
-# The grammar writes no whitespace between JSON's tokens (constraint.JSON_OPTIONS); inside a string it is content, and
-# a small model stuck on spaces writes runs of them until its budget ends (issue 57: a string of spaces to `length`).
-# A run is bounded at 32 whitespace characters: code nested eight levels deep at four spaces, after its newline, still
-# fits, and a degenerate run must write something else after 32. Held as a `pattern` beside the string's own
-# keywords (llguidance intersects it with `minLength` / `maxLength`), only on strings the schema does not spell out
-# (no `pattern`, `format`, `enum` or `const`: those say exactly what the string holds), and only where the schema
-# holds a value positively (never under `not` / `if`, where narrowing a string would widen what passes): the answers
-# the grammar then takes are a subset of the schema's, so none becomes invalid.
-WHITESPACE_RUN = 32
-STRING_PATTERN = r"^(?:\s{0,%d}\S)*\s{0,%d}$" % (WHITESPACE_RUN, WHITESPACE_RUN)
-_SPELLED = ("pattern", "format", "enum", "const", "$ref", "anyOf", "allOf", "oneOf", "not")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "then", "else")
-
-
-def compact_strings(schema: Any) -> Any:
-    """`schema` (as llguidance will compile it) with whitespace runs inside its free strings bounded (see above):
-    a copy; the schema itself is left as it is."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    kinds = schema.get("type")
-    if (kinds == "string" or (isinstance(kinds, list) and "string" in kinds)) \
-            and not any(k in schema for k in _SPELLED):
-        out["pattern"] = STRING_PATTERN
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            out[key] = {k: compact_strings(v) for k, v in schema[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            out[key] = [compact_strings(v) for v in schema[key]]
-    for key in _SCHEMA_ONE:
-        value = schema.get(key)
-        if isinstance(value, dict):
-            out[key] = compact_strings(value)
-        elif isinstance(value, list) and key == "items":   # (draft 4's tuple items)
-            out[key] = [compact_strings(v) for v in value]
-    return out
-
-
-def any_object() -> dict[str, Any]:
-    """`json_object`'s schema: any JSON object, its strings (keys included) under `compact_strings`' bound."""
-    value = {"anyOf": [{"type": "string", "pattern": STRING_PATTERN}, {"type": "number"}, {"type": "boolean"},
-                       {"type": "null"}, {"type": "array", "items": {"$ref": "#/$defs/value"}},
-                       {"$ref": "#/$defs/object"}]}
-    obj = {"type": "object", "patternProperties": {STRING_PATTERN: {"$ref": "#/$defs/value"}},
-           "additionalProperties": False}
-    return {**obj, "$defs": {"value": value, "object": obj}}

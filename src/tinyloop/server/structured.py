@@ -259,7 +259,6 @@ def _held(schema: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
     llguidance lacks rewritten, unknown formats written as plain strings, with a warning). What it would
     leave loose is a 400: a call inside a block of text is not checked afterwards as response_format's
     answer is."""
-    from ..engine.schema_close import compact_strings
     from ..engine.schema_rewrite import prepare
 
     prepared = prepare(schema)
@@ -268,7 +267,7 @@ def _held(schema: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
                               "model's tool format are not checked afterwards; remove it from the schema",
                               param="tools", code="unsupported_schema")
     warnings.extend(prepared.warnings)
-    return compact_strings(prepared.schema)   # whitespace runs in its strings bounded, as response_format's are
+    return prepared.schema
 
 
 def _xml_value(fn: str, name: str, schema: dict[str, Any], rule: str, rules: list[str], warnings: list[str]) -> str:
