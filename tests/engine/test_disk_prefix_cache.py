@@ -118,6 +118,19 @@ def test_idle_preload_puts_the_recent_blocks_in_memory(engine, tmp_path, cold):
     disk.close(batch.sched.prefix)
 
 
+def test_a_warm_start_reads_and_replays_the_last_conversation(engine, tmp_path, cold):
+    batch, disk = core(engine, tmp_path)
+    run(batch, [5] + PROMPT[1:])                  # an older conversation
+    run(batch)                                    # the last one
+    disk.close(batch.sched.prefix)
+    batch, disk = core(engine, tmp_path)
+    assert disk.warm_start(batch) == 96           # its 6 full blocks read back, then replayed once
+    assert batch.steps == 0 and not batch.has_work
+    ids, cached = run(batch)
+    assert ids == cold and cached == 96 and disk.hits == 0
+    disk.close(batch.sched.prefix)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "garbage"])
 def test_a_damaged_file_is_ignored_removed_and_logged_once(engine, tmp_path, cold, caplog, damage):
     written(engine, tmp_path)

@@ -89,27 +89,24 @@ class PrefixCache:
                n_slots: int) -> list[list[int]]:
         """`hit` (from `peek`) and the blocks after it that the disk holds: block b of `names` (whose tokens
         are tokens[b*page_size:(b+1)*page_size]) read from its file into free pages and named here, in chain
-        order up to the first one missing (or no free pages left). The blocks read sit on the free list, as
-        cached blocks do; `hit` is held meanwhile so reading cannot evict it."""
+        order up to the first one missing or bad (or no free pages left). The blocks read sit on the free
+        list, as cached blocks do; `hit` is held meanwhile so reading cannot evict it."""
         disk = self.disk
         if disk is None or len(hit) >= len(names):
             return hit
-        ps = disk.page_size
         for blk in hit:
             self.pool.take(blk)
         got: list[list[int]] = []
         try:
-            for b in range(len(hit), len(names)):
-                if self.pool.num_free < n_slots:
-                    break
-                payload = disk.read(names[b], b, names[b - 1] if b else None, tokens[b * ps:(b + 1) * ps],
-                                    salt, n_slots)
-                if payload is None:
-                    break
-                pages = self.pool.allocate(n_slots)
-                got.append(pages)
-                disk.fill(payload, pages)
-                self.insert(names[b], pages)
+            found = disk.present(names, len(hit), self.pool.num_free // n_slots)
+            if found:
+                pages = [self.pool.allocate(n_slots) for _ in found]
+                good = disk.load(found, pages, names, tokens, salt, n_slots)
+                for (b, _), pg in zip(found[:good], pages):
+                    self.insert(names[b], pg)
+                    got.append(pg)
+                for pg in reversed(pages[good:]):   # (their contents are nothing: unnamed)
+                    self.pool.free(pg)
         finally:
             for blk in reversed(hit + got):   # tail first: the free list is reused oldest first
                 self.pool.free(blk)

@@ -30,12 +30,16 @@ Environment (see docs/server.md):
                             files there, read back after a restart (default: none, off; engine/disk_cache.py)
     TINYLOOP_PROMPT_CACHE_BYTES  its bound (`--prompt-cache-bytes`, e.g. 4G, 512M; default 4G): least recently
                             used files go first
+    TINYLOOP_PROMPT_CACHE_PRELOAD  0: no reading of the most recently used blocks into memory while the engine
+                            is idle after a start (default 1; they are read at admission either way)
     TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
     TINYLOOP_RESPONSES_STORE_SIZE  /v1/responses kept in memory for GET and previous_response_id, the least
                             recently used first out (default 1000; 0 keeps none)
     TINYLOOP_REASONING_PARSER  thinking blocks split from the answer: "auto" (default: models whose template or
                             tokenizer has <think> tags), "none" (never), "think" (<think>...</think> for any model)
+    TINYLOOP_TEMPERATURE    the temperature of a request that gives none (`--temperature`, 0..2; default: the
+                            API's own, 1.0). Claude Code and Codex send none: a small model decodes them at this
 """
 
 from __future__ import annotations
@@ -113,6 +117,15 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
         raise SystemExit(f"tinyloop serve: {name}={raw!r} is not a number") from None
 
 
+def _temperature_env(env: dict[str, str]) -> float | None:
+    if not env.get("TINYLOOP_TEMPERATURE", "").strip():
+        return None
+    value = _float_env(env, "TINYLOOP_TEMPERATURE", 1.0)
+    if not 0 <= value <= 2:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_TEMPERATURE must be in 0..2, got {value}")
+    return value
+
+
 def _draft_exit_env(env: dict[str, str]) -> Path | bool:
     raw = env.get("TINYLOOP_DRAFT_EXIT", "").strip()
     if raw.lower() in ("", "auto"):
@@ -176,6 +189,7 @@ class Settings:
     prefix_caching: bool = True
     prompt_cache_dir: Path | None = None    # the prompt cache on disk (engine/disk_cache.py); None: off
     prompt_cache_bytes: int = 4 << 30       # its bound in bytes
+    prompt_cache_preload: bool = True       # read its recent blocks into memory while idle after a start
     request_timeout_s: float = 0.0
     shutdown_grace_s: float = 10.0
     draft_exit: Path | bool = True          # True: the model's own draft-exit file if any; False: none
@@ -184,6 +198,7 @@ class Settings:
     log_format: str = "text"                # text | json
     responses_store_size: int = 1000        # stored /v1/responses (an in-memory LRU; 0: none)
     reasoning_parser: str = "auto"          # auto | none | think (docs/server.md, "Reasoning")
+    temperature: float | None = None        # a request's temperature when it gives none (None: the API's, 1.0)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -225,6 +240,7 @@ class Settings:
             prompt_cache_dir=Path(env["TINYLOOP_PROMPT_CACHE_DIR"].strip()).expanduser()
             if env.get("TINYLOOP_PROMPT_CACHE_DIR", "").strip() else None,
             prompt_cache_bytes=_prompt_cache_bytes_env(env),
+            prompt_cache_preload=_switch_env(env, "TINYLOOP_PROMPT_CACHE_PRELOAD", True),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
             draft_exit=_draft_exit_env(env),
@@ -233,5 +249,6 @@ class Settings:
             log_format=_log_format_env(env),
             responses_store_size=_store_size_env(env),
             reasoning_parser=_reasoning_env(env),
+            temperature=_temperature_env(env),
             warnings=warnings,
         )

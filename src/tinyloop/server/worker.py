@@ -281,6 +281,11 @@ class EngineWorker:
             log.warning(self.warnings[-1])
             return
         self.metrics.track_prompt_cache(self.prompt_cache.stats)
+        if s.prompt_cache_preload:   # the last conversation back in memory and replayed once, before serving
+            try:
+                self.prompt_cache.warm_start(self.batch)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("prompt cache: the warm start failed (%s: %s)", type(exc).__name__, exc)
 
     def _crashed(self, exc: BaseException) -> None:
         """The engine thread failed outside any one request: /health turns 503 with the reason, every
@@ -313,8 +318,8 @@ class EngineWorker:
         while True:
             items: list[RequestHandle | None] = []
             idle_wait = 0.5
-            if self.prompt_cache is not None and self.prompt_cache.preloading and not self.batch.has_work \
-                    and stop_at is None:   # idle after a start: the prompt cache's recent blocks back into memory
+            if self.prompt_cache is not None and self.settings.prompt_cache_preload and self.prompt_cache.preloading \
+                    and not self.batch.has_work and stop_at is None:   # idle after a start: the prompt cache's recent blocks back into memory
                 idle_wait = 0.002 if self.prompt_cache.preload(self.batch.sched.prefix) else 0.5
             try:  # wait for work when idle; otherwise take what has arrived and step at once
                 items.append(self._inbox.get(timeout=idle_wait) if not self.batch.has_work else self._inbox.get_nowait())
