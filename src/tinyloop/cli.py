@@ -324,6 +324,8 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["TINYLOOP_REASONING_PARSER"] = args.reasoning_parser
     if getattr(args, "strict_model_names", False):   # as the environment variable (replicas read it too)
         os.environ["TINYLOOP_STRICT_MODEL_NAMES"] = "1"
+    if getattr(args, "temperature", None) is not None:   # as the environment variable (replicas read it too)
+        os.environ["TINYLOOP_TEMPERATURE"] = str(args.temperature)
     if getattr(args, "prompt_cache_dir", None):   # as the environment variables (replicas read them too)
         os.environ["TINYLOOP_PROMPT_CACHE_DIR"] = args.prompt_cache_dir
     if getattr(args, "prompt_cache_bytes", None):
@@ -531,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=["auto", "none", "think"],
                    help="split <think> blocks from the answer (reasoning_content): auto (default: models whose chat "
                    "template or tokenizer has the tags), none, or think (any model); $TINYLOOP_REASONING_PARSER")
+    s.add_argument("--temperature", type=float, metavar="T",
+                   help="the temperature of a request that gives none (0..2; default: the API's own, 1.0): Claude "
+                   "Code and Codex send none, and a small model needs less; $TINYLOOP_TEMPERATURE")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'tinyloop[ray]'; docs/scale-out.md)")
     r.add_argument("--replicas", type=int, help="engine replicas, each one model copy and one batch "
                    "(default: none, one process without Ray)")

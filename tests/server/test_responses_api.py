@@ -242,6 +242,8 @@ def test_namespaces_and_hosted_tools(client):
     assert [o.type for o in back.output] == ["message"]
     only_hosted = client.responses.create(**{**kw, "tools": [{"type": "web_search"}]}, tool_choice="auto")
     assert [o.type for o in only_hosted.output] == ["message"]
+    no_tools = client.responses.create(**{**kw, "tools": []}, tool_choice="auto", parallel_tool_calls=False)
+    assert [o.type for o in no_tools.output] == ["message"]   # Codex's compaction turn: tools [] and "auto"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{**kw, "tools": [WEATHER, {"type": "namespace", "name": "x", "tools": [WEATHER]}]})
     openai_error(e.value, "invalid_value", "tools[1].tools[0].name", "unique")

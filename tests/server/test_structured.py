@@ -255,8 +255,11 @@ def test_tool_none_and_tool_messages(client, tiny512_server):
     assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
     shown = httpx.post(tiny512_server.url + "/tokenize", json={"messages": convo}).json()["tokens"]
     text = httpx.post(tiny512_server.url + "/detokenize", json={"tokens": shown}).json()["text"]
-    assert 'Assistant: {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}' in text
-    assert "Tool: 3" in text
+    # the generic format shows the round trip on the user's side (structured.generic_conversation), not as a
+    # reply of the model's own that it would copy
+    assert 'User: What is the weather in Paris?\n\nFunction results:\nadd {"a": 1, "b": 2} returned:\n3\n\nAnswer with these ' \
+           'results, or call another function if you still need one.\nAssistant:' in text
+    assert "tool_calls" not in text and "Tool:" not in text
     assert_error(post(tiny512_server, "/v1/chat/completions", {"model": "tinyloop", "messages": MSGS + [
         {"role": "tool", "content": "3"}]}), 400, "messages[1].tool_call_id")
 

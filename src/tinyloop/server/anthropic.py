@@ -325,7 +325,7 @@ async def plan(request: Request, body: CountTokensRequest):
     state.check_model(body.model)
     try:
         chat = to_chat(body)
-        params = chat.sampling_params()
+        params = chat.sampling_params(state.settings.temperature)
         engine = state.worker.require_engine()
         prompt, params, tools = chat_inputs(engine, chat, params, reasoning=state.settings.reasoning_parser)
         params = thinking_of(body, engine, params)

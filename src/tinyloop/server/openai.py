@@ -119,7 +119,7 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
     state = state_of(request)
     state.check_model(body.model)
-    params = body.sampling_params()
+    params = body.sampling_params(state.settings.temperature)
     n = body.choices()
     engine = state.worker.require_engine()
     tools = None

@@ -257,8 +257,8 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     if tools:
         out["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                         for t in tools]
-    elif body.tools and out.get("tool_choice") == "auto":   # only hosted tools: nothing to choose from
-        del out["tool_choice"]
+    elif out.get("tool_choice") == "auto":   # no function tools (only hosted ones, or `tools: []` as Codex's
+        del out["tool_choice"]                # compaction turn sends): nothing to choose from
     if body.parallel_tool_calls is not None:
         out["parallel_tool_calls"] = body.parallel_tool_calls
     return out
@@ -321,7 +321,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         given = input_items(body, store)
         items = [(None, item) for item in (previous.context if previous is not None else ())] + given
         chat = to_chat(body, model, items, limit)
-        params = chat.sampling_params()
+        params = chat.sampling_params(state.settings.temperature)
         prompt, params, tools = chat_inputs(engine, chat, params, reasoning=state.settings.reasoning_parser)
         if params.max_tokens > limit:
             raise ValidationError(f"max_output_tokens: {params.max_tokens} > {limit}, the most this server "

@@ -22,7 +22,8 @@ from ..engine.params import MODES
 from ..engine.plan import MAX_N
 from ..chat import Chat
 from ..errors import ValidationError
-from .structured import ResponseFormat, Tool, ToolCall, ToolChoice, ToolPlan, message_for_template
+from .structured import (ResponseFormat, Tool, ToolCall, ToolChoice, ToolPlan, generic_conversation,
+                         message_for_template)
 
 # Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
 # OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.
@@ -214,8 +215,8 @@ def render_chat(messages: list[ChatMessage], template: str | None = None) -> Cha
             msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
-        out.append(message_for_template(msg, style))
-    return Chat(tuple(out))
+        out.append(msg if style == "generic" else message_for_template(msg, style))
+    return Chat(tuple(generic_conversation(out) if style == "generic" else out))
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -374,14 +375,16 @@ class OpenAIRequest(LoopKnobs):
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, temperature: float | None = None) -> SamplingParams:
+        """`temperature`: the server's for a request that gives none (`serve --temperature`; None: OpenAI's 1.0)."""
         self.check_unsupported()
         check_timeout(self.timeout_s)
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
             max_tokens=self.requested_max_tokens(), loops=self.requested_loops(),
-            temperature=_or(self.temperature, OPENAI_TEMPERATURE), top_p=_or(self.top_p, param_default("top_p")),
+            temperature=_or(self.temperature, _or(temperature, OPENAI_TEMPERATURE)),
+            top_p=_or(self.top_p, param_default("top_p")),
             top_k=_or(self.top_k, param_default("top_k")),
             presence_penalty=_or(self.presence_penalty, param_default("presence_penalty")),
             frequency_penalty=_or(self.frequency_penalty, param_default("frequency_penalty")),
@@ -487,10 +490,10 @@ class CompletionRequest(OpenAIRequest):
                                   param="logprobs")
         return self.logprobs
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, temperature: float | None = None) -> SamplingParams:
         """As OpenAI's legacy completions: max_tokens 0 only with echo; echo with logprobs scores the prompt
         (SamplingParams.prompt_logprobs, so does echo with max_tokens 0)."""
-        params = super().sampling_params()
+        params = super().sampling_params(temperature)
         if not self.echo:
             if params.max_tokens == 0:
                 raise ValidationError("max_tokens: must be at least 1; 0 only with echo: true (score the prompt)",

@@ -309,21 +309,62 @@ def _loads(text: str) -> Any:
 
 
 def message_for_template(m: dict[str, Any], style: str) -> dict[str, Any]:
-    """A conversation message as the model sees it: an assistant's earlier tool calls and a tool's result,
-    in the generic format's JSON, or as transformers passes them to a template (arguments as objects)."""
+    """A conversation message as a template that knows tools sees it: an assistant's earlier tool calls and a
+    tool's result as transformers passes them (arguments as objects). The generic format shows a conversation's
+    tool round trips otherwise: `generic_conversation`."""
     calls = m.get("tool_calls")
-    if style == "generic":
-        if calls:
-            body = {"tool_calls": [{"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"])
-                                    or {}} for c in calls]}
-            return {"role": "assistant", "content": json.dumps(body, ensure_ascii=False)}
-        return {"role": m["role"], "content": m["content"]}
     out = {"role": m["role"], "content": m["content"]}
     if calls:
         out["tool_calls"] = [{"type": "function", "id": c["id"], "function": {
             "name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"]) or {}}} for c in calls]
     if m.get("tool_call_id"):
         out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+RESULTS = "Function results:"
+RESULTS_CUE = "Answer with these results, or call another function if you still need one."
+
+
+def generic_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation as a model without a tool format sees it (the generic format): each tool round trip, an
+    assistant's calls and the tools' results, on the user's side. After the user's message come `Function
+    results:`, per result its call (`NAME {arguments}`) and `returned:` with what it returned, and a cue to answer
+    with them; a later round adds its own block after that (what was shown stays as it was: the prefix cache keeps
+    it). An assistant's text beside its calls stays its turn, and the results open a user turn of their own, so
+    user and assistant still alternate. Written as the model's own earlier reply, a call is what a model not
+    trained on tools copies: SmolLM2-135M-Instruct under Claude Code's and Codex's prompts called the same function
+    again after its result in 12 of 12 conversations (P(answer) <= 0.01); shown this way it answered in 12 of 12
+    (P 0.71-0.96; docs/structured.md, "The formats tools reach the model in")."""
+    calls: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    block: list[str] = []   # the results of the round being read
+
+    def close_round() -> None:
+        if block:
+            shown = "\n\n".join([RESULTS + "\n" + "\n\n".join(block), RESULTS_CUE])
+            if out and out[-1]["role"] == "user":
+                before = out[-1]["content"]
+                out[-1] = {"role": "user", "content": f"{before}\n\n{shown}" if before else shown}
+            else:
+                out.append({"role": "user", "content": shown})
+            block.clear()
+
+    for m in messages:
+        if m["role"] == "tool":
+            block.append(f"{calls.get(m.get('tool_call_id'), 'A function')} returned:\n{m['content']}")
+            continue
+        close_round()
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            for c in m["tool_calls"]:
+                args = _loads(c["function"]["arguments"])
+                shown = json.dumps(args, ensure_ascii=False) if args is not None else c["function"]["arguments"]
+                calls[c["id"]] = f"{c['function']['name']} {shown}"
+            if m["content"]:
+                out.append({"role": "assistant", "content": m["content"]})
+            continue
+        out.append({"role": m["role"], "content": m["content"]})
+    close_round()
     return out
 
 
