@@ -17,7 +17,8 @@ from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.errors import ValidationError
 from tinyloop.modelfile.loader import write_model
-from tinyloop.server.anthropic import MessagesFramer, param_of, partial_object
+from tinyloop.server.anthropic import MessagesFramer, partial_object
+from tinyloop.server.fields import param_of
 from tinyloop.server.errors import APIError
 from tinyloop.server.settings import Settings
 

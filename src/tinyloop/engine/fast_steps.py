@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from ..model.paged import Rows
 from .native import native
+from .requests import Output, Request
 from .scheduler import FORCED_TAIL, ScheduledChunk, Sequence
-
-if TYPE_CHECKING:
-    from .serving import Request, _Output
 
 log = logging.getLogger("tinyloop.engine")
 
@@ -105,7 +102,7 @@ class FastSteps:
                 break
         return True
 
-    def _jump_grammar(self, req: Request, o: _Output, seq: Sequence, group: int):
+    def _jump_grammar(self, req: Request, o: Output, seq: Sequence, group: int):
         """The grammar whose forced tokens this output takes at once after a pick in the shared step
         (`_take_forced`), or None: a constraint the head picks under (no penalties or bias), one choice, no
         logprobs or thinking block, a fixed depth (the forced rows' loops are then the pick's)."""
@@ -115,7 +112,7 @@ class FastSteps:
             return None
         return grammar
 
-    def _take_forced(self, req: Request, o: _Output, seq: Sequence, grammar, loops) -> None:
+    def _take_forced(self, req: Request, o: Output, seq: Sequence, grammar, loops) -> None:
         """Jump-forward in the shared step: the tokens the grammar forces after the pick just taken (`Matcher.
         forced`: each the only token its position allows, so the pick a step would make there) are outputs at
         once; their rows go in with the next decode chunk (`Sequence.forced_tail`), without a head row or a

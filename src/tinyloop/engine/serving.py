@@ -25,8 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any, Callable
 
 import torch
 
@@ -42,50 +41,13 @@ from .fast_steps import FastSteps
 from .scheduler import Scheduler, SchedulerError, Sequence
 from .native import native, one_thread, python_between_calls
 from .native_rounds import NativeRound
+from .requests import Emit, Output, Request
 from .speculative import Speculator, speculative_layout
 from .text import StreamEvent
 
 log = logging.getLogger("tinyloop.engine")
 
-Emit = Callable[[Any], None]
 DEFAULT_POOL_BYTES_CAP = 1 << 30        # the default pool: enough for max_num_seqs full contexts, at most 1 GiB
-
-
-@dataclass(eq=False)
-class _Output:
-    index: int
-    sampler: Sampler
-    stream: Any                                  # engine.text.TokenStream or TextStream
-    seq: Sequence | None = None
-    spec: Speculator | None = None               # speculative modes
-    passes: Generator | None = None              # the speculator's pass generator
-    pending: Rows | None = None                  # the pass it waits on (runs in the next step)
-    run_stats: dict[str, Any] = field(default_factory=dict)
-    done: bool = False
-    thought: Any = None   # a thinking model's block (engine/thinking.py ThinkingMatcher): its reasoning_tokens
-
-
-@dataclass(eq=False)
-class Request:
-    req_id: int
-    plan: RequestPlan
-    emit: Emit
-    outputs: list[_Output]
-    t0: float
-    embedding: bool = False                       # an embedding request (engine/embedding.py): one output per input
-    deadline: float | None = None
-    on_admit: Callable[[], None] | None = None    # called once, when the request first gets to run
-    admitted: float | None = None                 # when it did (perf_counter)
-    started: bool = False                         # a token has gone out
-    scores: list | None = None                    # prompt_logprobs: one entry per prompt token (the first None)
-
-    @property
-    def params(self):
-        return self.plan.params
-
-    @property
-    def done(self) -> bool:
-        return all(o.done for o in self.outputs)
 
 
 WARM_UP_TOKENS = 48   # the tokens of each warm-up request (BatchEngine.warm_up)
@@ -129,7 +91,7 @@ class BatchEngine(FastSteps):
                                max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching)
         self.page_bytes = page_bytes
         self.requests: dict[int, Request] = {}
-        self._outputs: dict[int, tuple[Request, _Output]] = {}   # seq_id -> (request, output)
+        self._outputs: dict[int, tuple[Request, Output]] = {}   # seq_id -> (request, output)
         self._next_id = 1
         self.steps = 0
         self.preemptions = 0
@@ -174,7 +136,7 @@ class BatchEngine(FastSteps):
                         inner.outside = lambda t=thought: t.closed_at
                 else:   # only followed, for usage's reasoning_tokens (the sampler stays unconstrained)
                     thought = ThinkingMatcher(think, None, self.engine.tokenizer.token_bytes, cfg.vocab_size, eos)
-            outputs.append(_Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i),
+            outputs.append(Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i),
                                    thought=thought))
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
@@ -202,7 +164,7 @@ class BatchEngine(FastSteps):
         layout = SlotLayout(self.model.cfg, plan.loops)
         outputs, seqs = [], []
         for i, ids in enumerate(plan.inputs):
-            o = _Output(i, None, EmbeddingStream(plan, i, t0))
+            o = Output(i, None, EmbeddingStream(plan, i, t0))
             # every position is computed (mean pooling needs each one's state), the blocks named for later requests
             o.seq = Sequence(self.sched.new_seq_id(), list(ids), 0, layout.n_slots, loops=plan.loops,
                              slot_cols=layout.columns(), prefix_salt=("loops", plan.loops, "window", 0),
@@ -434,7 +396,7 @@ class BatchEngine(FastSteps):
         o.seq = kid
         self._outputs[kid.seq_id] = (req, o)
 
-    def _token(self, req: Request, o: _Output, tok: int, loops: int | None = None, logprob=None) -> None:
+    def _token(self, req: Request, o: Output, tok: int, loops: int | None = None, logprob=None) -> None:
         req.started = True
         if o.thought is not None and o.thought is not o.sampler.matcher:   # (the sampler's own has it)
             o.thought.accept(tok)
@@ -446,7 +408,7 @@ class BatchEngine(FastSteps):
         elif o.stream.n >= req.params.max_tokens:
             self._finish(req, o, "length")
 
-    def _finish(self, req: Request, o: _Output, reason: str | None) -> None:
+    def _finish(self, req: Request, o: Output, reason: str | None) -> None:
         if o.seq is not None:
             o.run_stats["prompt_tokens_cached"] = o.seq.prompt_cached
         if o.thought is not None:   # a thinking model's output: the tokens of its thinking block (not a stop id)
@@ -457,7 +419,7 @@ class BatchEngine(FastSteps):
             self.requests.pop(req.req_id, None)
             req.emit(None)
 
-    def _release(self, o: _Output, reason: str) -> None:
+    def _release(self, o: Output, reason: str) -> None:
         if o.done:
             return
         o.done = True
@@ -478,7 +440,7 @@ class BatchEngine(FastSteps):
         o.passes = o.spec.passes()
         self._advance_speculative(req, o)
 
-    def _advance_speculative(self, req: Request, o: _Output) -> None:
+    def _advance_speculative(self, req: Request, o: Output) -> None:
         """Resume the speculator after its pass ran: emit what it verified, up to its next pass."""
         o.pending = None
         try:

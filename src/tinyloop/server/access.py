@@ -21,12 +21,13 @@ import sys
 import time
 from typing import Any
 
+from .errors import APIError, request_id_var, send_error, shape_for
+
 REQUEST_ID_HEADER = "X-Request-Id"
 WARNING_HEADER = "x-tinyloop-warning"            # schema parts not enforced exactly (docs/structured.md)
 SCHEMA_CHECK_HEADER = "x-tinyloop-schema-check"  # the complete answers' check against such a schema
 LOOPS_HEADER = "x-tinyloop-loops"                # the depth a generating request runs at (its plan's)
 _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_request_id", default=None)
 access_var: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("tinyloop_access", default=None)
 # headers a route adds to its response (structured output's x-tinyloop-warning, x-tinyloop-schema-check)
 headers_var: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("tinyloop_headers", default=None)
@@ -84,9 +85,6 @@ class AccessMiddleware:
         headers_var.set(extra)
         started = {"status": None}
         t0 = time.perf_counter()
-
-        from .errors import shape_for
-
         # Anthropic's clients read the id from `request-id` (their API's header): sent too on its paths
         names = (b"x-request-id", b"request-id") if shape_for(scope.get("path")) is not None else (b"x-request-id",)
 
@@ -103,7 +101,6 @@ class AccessMiddleware:
         except Exception as exc:  # noqa: BLE001 - the last resort: never a bare stack trace to the client
             log.exception("unhandled error")
             if started["status"] is None:
-                from .errors import APIError, send_error
                 await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}",
                                                         code="internal_error"), scope.get("path"))
         finally:

@@ -9,6 +9,7 @@ client ever sees a bare stack trace.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 from typing import Any, Protocol
@@ -19,9 +20,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestTimeout, ValidationError
-from .access import request_id_var
+from .fields import UNION_TAGS, field_error, param_of
 
 log = logging.getLogger("tinyloop.server")
+# the request being answered (X-Request-Id: server/access.py sets it), named in every error body and log line
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinyloop_request_id", default=None)
 
 # status -> OpenAI error type
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -123,14 +126,11 @@ def error_response(err: APIError, path: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=err.headers)
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
-
-
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     """pydantic's error location as the field's name (`messages[0].role`): union members' tags (`str`,
     `list[int]`, ...) are left out."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    parts = [p for p in parts if p not in _UNION_TAGS and "[" not in p and "(" not in p]
+    parts = [p for p in parts if p not in UNION_TAGS and "[" not in p and "(" not in p]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -180,7 +180,7 @@ class OpenAIErrors:
 class OpenAIFieldErrors(OpenAIErrors):
     """OpenAI's shape for the routes translated onto the chat route's plan (Responses, embeddings): a malformed
     body is a 400 naming the field, its name read from pydantic's location as the Messages API reads it
-    (anthropic.param_of), with OpenAI's codes; an unknown field's message says what the route takes (TAKES).
+    (fields.param_of), with OpenAI's codes; an unknown field's message says what the route takes (TAKES).
     A route whose schema tags its unions rewrites the locations first (`locations`)."""
 
     TAKES = "its documented fields"
@@ -192,19 +192,16 @@ class OpenAIFieldErrors(OpenAIErrors):
 
     @classmethod
     def from_pydantic(cls, errors: list[dict[str, Any]]) -> APIError:
-        from .anthropic import AnthropicErrors, param_of   # (anthropic.py imports this module)
-
         errors = cls.locations(errors)
-        err = AnthropicErrors.from_pydantic(errors)   # the field's name and message, read from pydantic's errors
-        if err.param is None:   # not JSON at all
-            return APIError(400, err.message, code="invalid_json")
-        kinds = [e.get("type", "") for e in errors if param_of(e.get("loc", ())) == err.param]
+        param, message = field_error(errors)   # the field's name and message, read from pydantic's errors
+        if param is None:   # not JSON at all
+            return APIError(400, message, code="invalid_json")
+        kinds = [e.get("type", "") for e in errors if param_of(e.get("loc", ())) == param]
         code = next((cls.CODES[k] for k in kinds if k in cls.CODES), None) or \
             ("invalid_type" if any(k.endswith("_type") for k in kinds) else "invalid_value")
-        message = err.message
         if code == "unknown_parameter":
-            message = f"{err.param}: unknown parameter; this route takes {cls.TAKES}"
-        return APIError(400, message, param=err.param, code=code)
+            message = f"{param}: unknown parameter; this route takes {cls.TAKES}"
+        return APIError(400, message, param=param, code=code)
 
 
 OPENAI_BODY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/api/v0/chat/completions", "/api/v0/completions")

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 
 from ..engine import Engine, RequestPlan, StreamEvent
-from ..engine.serving import BatchEngine, Request
+from ..engine.requests import Request
+from ..engine.serving import BatchEngine
 from ..engine.native import native
 from ..errors import ValidationError
 from .access import request_id_var
