@@ -30,8 +30,8 @@ Environment (see docs/server.md):
                             files there, read back after a restart (default: none, off; engine/disk_cache.py)
     TINYLOOP_PROMPT_CACHE_BYTES  its bound (`--prompt-cache-bytes`, e.g. 4G, 512M; default 4G): least recently
                             used files go first
-    TINYLOOP_PROMPT_CACHE_PRELOAD  0: no reading of the most recently used blocks into memory while the engine
-                            is idle after a start (default 1; they are read at admission either way)
+    TINYLOOP_PROMPT_CACHE_PRELOAD  0: no read-back at start (the last conversation before serving, the other
+                            recent blocks while idle); default 1. Blocks are read at admission either way
     TINYLOOP_REQUEST_TIMEOUT_S  default per-request time limit, 0 = none (a request's `timeout_s` wins)
     TINYLOOP_SHUTDOWN_GRACE_S  on shutdown, in-flight requests get this long to finish (default 10)
     TINYLOOP_RESPONSES_STORE_SIZE  /v1/responses kept in memory for GET and previous_response_id, the least
