@@ -21,8 +21,9 @@ the cold answer's.
      model; a new server answers each: the same text as cold, the blocks before the bad one read, one log
      line per bad file, each removed (tinyloop_prompt_cache_files_ignored_total 3) and written again;
   7. SIGKILL: `--kills` times, a server computing a new prompt (writing its blocks as they fill) is SIGKILLed
-     as soon as a temporary file is seen (mid-write), or at a random moment of the prefill; the next server starts healthy, has removed the temporary files,
-     ignores no file, and answers with the same text as a server without the prompt cache.
+     as soon as a temporary file is seen (mid-write), or at a random moment of the prefill; the next server
+     starts healthy, has removed the temporary files, ignores no file, and answers with the same text as a
+     server without the prompt cache.
 
     .venv/bin/python benchmarks/prompt_cache_restart.py [--model M.tinyloop] [--prompt-tokens 2000]
         [--repeats 5] [--kills 5] [--json benchmarks/results/prompt_cache_restart.json]

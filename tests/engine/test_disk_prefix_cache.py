@@ -17,8 +17,8 @@ import pytest
 from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.disk_cache import (SUFFIX, CacheNameError, DiskPrefixCache, check_name, file_hash,
-                                        open_prompt_cache, parse_bytes, read_manifest)
+from tinyloop.engine.disk_cache import (SUFFIX, CacheNameError, check_name, file_hash, open_prompt_cache,
+                                        parse_bytes, read_manifest)
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.modelfile.loader import write_model
 

@@ -60,7 +60,8 @@ def test_a_restart_answers_from_the_disk_cache(model, tmp_path):
     with server(model, tmp_path) as first:
         cold_text, cached, usage = complete(first)
         assert cached == 0 and usage["prompt_tokens"] > 180
-        eventually(lambda: metric(first.url, "tinyloop_prompt_cache_files_written_total") >= usage["prompt_tokens"] // 16)
+        blocks = usage["prompt_tokens"] // 16
+        eventually(lambda: metric(first.url, "tinyloop_prompt_cache_files_written_total") >= blocks)
     with server(model, tmp_path) as second:   # a new process's engine: an empty pool, the same directory
         text, cached, usage = complete(second)
         assert text == cold_text
@@ -69,6 +70,26 @@ def test_a_restart_answers_from_the_disk_cache(model, tmp_path):
         read = metric(second.url, "tinyloop_prompt_cache_disk_hits_total") + \
             metric(second.url, "tinyloop_prompt_cache_blocks_preloaded_total")
         assert read >= cached // 16 and metric(second.url, "tinyloop_prompt_cache_files_ignored_total") == 0
+
+
+def test_a_corrupted_file_is_never_served(model, tmp_path, caplog):
+    import logging
+
+    with server(model, tmp_path) as first:
+        cold_text, _, usage = complete(first)
+        blocks = usage["prompt_tokens"] // 16
+        eventually(lambda: metric(first.url, "tinyloop_prompt_cache_files_written_total") >= blocks)
+    (ns,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name != "saved"]
+    victim = max(ns.glob("*.kvb"), key=lambda f: f.stat().st_mtime_ns)   # the newest: the chain's head
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0x55
+    victim.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="tinyloop.engine"), server(model, tmp_path) as second:
+        text, cached, _ = complete(second)
+        assert text == cold_text and cached == 0     # the head was bad: the whole prompt computed again
+        assert metric(second.url, "tinyloop_prompt_cache_files_ignored_total") == 1
+    lines = [r.getMessage() for r in caplog.records if "prompt cache" in r.getMessage()]
+    assert len(lines) == 1 and "checksum mismatch" in lines[0] and str(victim) in lines[0], lines
 
 
 def test_without_the_directory_the_routes_say_it_is_off(model):

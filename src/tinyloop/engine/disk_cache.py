@@ -899,7 +899,8 @@ def list_manifests(root: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def open_prompt_cache(batch, engine, directory: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> DiskPrefixCache | None:
+def open_prompt_cache(batch, engine, directory: str | Path,
+                      max_bytes: int = DEFAULT_MAX_BYTES) -> DiskPrefixCache | None:
     """Attach a disk cache under `directory` to a `BatchEngine`'s prefix cache (None when it has none)."""
     prefix = batch.sched.prefix
     if prefix is None:

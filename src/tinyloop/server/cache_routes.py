@@ -174,8 +174,8 @@ async def restore(body: CacheRestoreRequest, request: Request):
 
 
 def _entry(m: dict[str, Any]) -> dict[str, Any]:
-    return {"name": m.get("name"), "prompt_tokens": len(m.get("tokens") or []), "saved_tokens": m.get("cached_tokens", 0),
-            "bytes": m.get("bytes", 0), "loops": m.get("loops"), "created": int(m.get("created", 0)),
+    return {"name": m.get("name"), "prompt_tokens": len(m.get("tokens") or []),
+            "saved_tokens": m.get("cached_tokens", 0), "bytes": m.get("bytes", 0), "loops": m.get("loops"), "created": int(m.get("created", 0)),
             "model_sha256": (m.get("identity") or {}).get("model")}
 
 

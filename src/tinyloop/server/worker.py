@@ -318,12 +318,13 @@ class EngineWorker:
         stop_at: float | None = None
         while True:
             items: list[RequestHandle | None] = []
-            idle_wait = 0.5
-            if self.prompt_cache is not None and self.settings.prompt_cache_preload and self.prompt_cache.preloading \
-                    and not self.batch.has_work and stop_at is None:   # idle after a start: the prompt cache's recent blocks back into memory
-                idle_wait = 0.002 if self.prompt_cache.preload(self.batch.sched.prefix) else 0.5
+            idle_wait, disk = 0.5, self.prompt_cache
+            if disk is not None and self.settings.prompt_cache_preload and disk.preloading and not self.batch.has_work \
+                    and stop_at is None:   # idle after a start: the prompt cache's recent blocks back into memory
+                idle_wait = 0.002 if disk.preload(self.batch.sched.prefix) else 0.5
             try:  # wait for work when idle; otherwise take what has arrived and step at once
-                items.append(self._inbox.get(timeout=idle_wait) if not self.batch.has_work else self._inbox.get_nowait())
+                items.append(self._inbox.get(timeout=idle_wait) if not self.batch.has_work
+                             else self._inbox.get_nowait())
                 while True:
                     items.append(self._inbox.get_nowait())
             except queue.Empty:
