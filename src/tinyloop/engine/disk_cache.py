@@ -240,8 +240,9 @@ class _Block:
 
 class DiskPrefixCache:
     """One engine core's view of a prompt-cache directory (see the module's doc). `kv` is the core's
-    `PagedKV`; `identity` from `engine_identity`. The engine thread calls `named`, `read`/`fill`, `touch`,
-    `save_manifest` and `close`; everything that touches the disk after a read runs in the writer thread."""
+    `PagedKV`; `identity` from `engine_identity`. The engine thread calls `named`, `touch` and `save_manifest`
+    (the writer thread writes), `present`/`load` (admission reads, on `READERS` threads), `warm_start` and
+    `preload` (the read-back at start) and `close`."""
 
     def __init__(self, root: str | Path, kv, identity: dict[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES,
                  queue_bytes: int | None = None):
