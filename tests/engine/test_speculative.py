@@ -508,3 +508,76 @@ def test_draft_policy_picks_the_faster_round_shape():
         tail = shapes[40:]
         assert tail.count(pipeline_faster) > 0.8 * len(tail)
         assert tail.count(not pipeline_faster) > 0                 # (explored)
+
+
+def _drive_lone_calls(costs, calls, stalled, log, plain_ms=1.0):
+    """Calls of lone greedy requests (64 tokens each) as the speculator makes them, against simulated times: a plain
+    call of n steps takes n x plain_ms over its whole cycle; a drafting round of k drafts 0.3 k ms of native draft
+    time and 1.5 + 0.2 k of verification, all drafts accepted, and a call's own cost 0.4 ms. `stalled`: two calls in
+    five of drafting also lose 3x their native time to something the medians never see (a preempted call on a
+    busy host), so that drafting (1.39x plain otherwise) realizes 0.64x plain. Appends (k, tokens, ms, check
+    drafting) a call to `log`."""
+    from tinyloop.engine.draft_policy import DraftPolicy
+
+    pol, left = None, 0
+    for i in range(calls):
+        if left <= 0:
+            pol, left = DraftPolicy(4, costs=costs), 64
+        pol.held, pol.room = 4, left
+        k = pol.choose(min(4, left - 1))
+        if k == 0:
+            n = pol.plain_run(min(8, left))
+            ms = n * plain_ms
+            pol.update(0, 0, 0.0, ms / n)
+            pol.timed(0, n, ms, full=n == 8)
+            log.append((0, n, ms, pol.check.drafting))
+            left -= n
+            continue
+        r = pol.chain_run(k, min(4, left // (k + 1)))
+        draft, verify = 0.3 * k, 1.5 + 0.2 * k
+        native = r * (draft + verify)
+        ms = native + 0.4 + (3 * native if stalled and i % 5 in (0, 2) else 0.0)
+        costs.call(ms - native)
+        for _ in range(r):
+            pol.update(k, k, draft, verify)
+        pol.timed(k, r * (k + 1), ms)
+        log.append((k, r * (k + 1), ms, pol.check.drafting))
+        left -= r * (k + 1)
+
+
+def test_draft_policy_falls_back_to_plain_where_drafting_does_not_pay_and_comes_back():
+    """The check of whether drafting pays at all (`PlainCheck`): drafting calls that lose, two in five, three times
+    their native time to something the round costs' medians never see (as on a busy host) realize fewer tokens a ms
+    than plain calls (0.49x here), though every length's modelled rate still favours drafting; plain calls probed at
+    requests' tails measure it, and within a bounded number of calls the requests decode plain (then at >= 0.9x
+    plain's speed, the probes of drafting included). When drafting's costs
+    recover, probes at requests' starts measure that and drafting resumes; while drafting clearly pays, the plain
+    probes cost little."""
+    from tinyloop.engine.draft_policy import PlainCheck, RoundCosts
+
+    costs = RoundCosts()
+
+    def rate(log):   # tokens a ms over the calls, against plain's (1 token a ms)
+        return sum(n for _, n, _, _ in log) / sum(ms for _, _, ms, _ in log)
+
+    def plain_share(log):
+        return sum(n for k, n, _, _ in log if k == 0) / sum(n for _, n, _, _ in log)
+
+    # (bounds from the check's constants, in calls of 8 tokens or more: a change seen within GAP tokens, then MIN
+    # samples a GAP apart at requests' tails, 64 tokens each)
+    settle = (PlainCheck.MIN + 2) * (PlainCheck.GAP + 64) // 8
+    idle: list = []
+    _drive_lone_calls(costs, 400, False, idle)
+    assert all(d for *_, d in idle) and rate(idle[100:]) > 1.33   # drafting: 1.39x plain
+    assert plain_share(idle[200:]) < 0.03                          # (the probes, once the gap has grown)
+    busy: list = []
+    _drive_lone_calls(costs, 500, True, busy)
+    switched = next(i for i, (*_, d) in enumerate(busy) if not d)
+    assert switched <= settle
+    tail = busy[switched + 20:]
+    assert rate(tail) >= 0.9 and plain_share(tail) > 0.8
+    back: list = []
+    _drive_lone_calls(costs, 500, False, back)
+    resumed = next(i for i, (*_, d) in enumerate(back) if d)
+    assert resumed <= PlainCheck.MAX_GAP // 8 + settle
+    assert rate(back[resumed + 20:]) > 1.3

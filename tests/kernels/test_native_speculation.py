@@ -478,3 +478,69 @@ def test_warm_up_pays_the_one_time_costs_and_leaves_nothing():
         BatchEngine(eng, max_num_seqs=4).warm_up()
     finally:
         ex.streamed, serving.run_to_completion = was, real
+
+
+def test_speculation_decodes_plain_where_drafting_calls_lose_and_drafts_again_after(monkeypatch):
+    """Where drafting calls realize fewer tokens a ms than plain ones in a way the round costs' medians do not show
+    (two in five of them stalled three times as long as they ran, as a busy host's preemption would: drafting then at
+    ~0.7x plain), the draft
+    policy's check (`PlainCheck`: drafting and plain calls measured over their whole cycles, side by side) brings a
+    lone request's rounds to plain calls within a bounded number of requests; when the stalls stop, its probes of
+    drafting see it and the requests draft again. Every output is plain decoding's."""
+    import time
+
+    from tinyloop.engine import Engine, SamplingParams
+    from tinyloop.engine import native_rounds
+    from tinyloop.engine.draft_policy import _ROUND_COSTS, PlainCheck
+    from tinyloop.engine.serving import BatchEngine, run_to_completion
+
+    eng = Engine.load()
+    if getattr(eng.model, "executor", None) is None:
+        pytest.skip("the shipped model runs without the native executor here")
+    _ROUND_COSTS.pop(eng.model, None)
+    monkeypatch.setattr(PlainCheck, "MAX_GAP", 4 * PlainCheck.GAP)   # (the longest gap shorter: a quicker test)
+    bound = 4 * PlainCheck.MAX_GAP // 48   # requests: a gap, then a few at GAP (~48 timed tokens a request)
+    core = BatchEngine(eng, max_num_seqs=4, prefix_caching=False)
+    ids = eng.tokenizer.encode("The king said to his people that")
+    plain = [t for e in run_to_completion(core, [(ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))])[0]
+             for t in e.token_ids]
+    spec = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, mode="speculative")
+    stall = {"on": False, "calls": 0}
+    run = native_rounds.NativeRound.run
+
+    def stalled(self, kv):
+        t0 = time.perf_counter()
+        run(self, kv)
+        if type(self) is native_rounds.NativeRound and self.k > 0:
+            stall["calls"] += 1
+            if stall["on"] and stall["calls"] % 5 in (0, 2):
+                time.sleep(3 * (time.perf_counter() - t0))
+
+    def request():
+        events = run_to_completion(core, [(ids, spec)])[0]
+        assert [t for e in events for t in e.token_ids] == plain
+        return events[-1].stats["plain_rounds"] / 64   # (the share of its tokens made by plain rounds)
+
+    native_rounds.NativeRound.run = stalled
+    try:
+        for _ in range(4):
+            request()
+        check = next(c.check for c in _ROUND_COSTS[eng.model].values() if c.check.probes or c.verify_ms)
+        assert check.drafting and min(request() for _ in range(3)) < 0.5   # drafting pays here (a request whose
+        #                                                            tail probes plain calls makes half of it plain)
+        stall["on"] = True
+        for n in range(bound):
+            request()
+            if not check.drafting:
+                break
+        assert not check.drafting, (check.ratio, check.probes, check.shifts)
+        assert max(request() for _ in range(3)) > 0.8             # plain calls, a probe of drafting now and then
+        stall["on"] = False
+        for n in range(bound):
+            request()
+            if check.drafting:
+                break
+        assert check.drafting, (check.ratio, check.probes, check.shifts)
+        assert min(request() for _ in range(3)) < 0.5
+    finally:
+        native_rounds.NativeRound.run = run

@@ -4,6 +4,7 @@ per model and setting) and each request's choice of draft length from them and i
 
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import deque
@@ -28,6 +29,7 @@ class RoundCosts:
         self._calls: deque[float] = deque(maxlen=self.WINDOW)
         self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
         self._yields: dict[int, list[float]] = {}   # k -> decayed [tokens yielded, tokens predicted, rounds]
+        self.check = PlainCheck()   # (the chain table's is the setting's: whether drafting pays at all, measured)
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
@@ -123,6 +125,162 @@ def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: 
     return table.setdefault((d, V, exit, pipeline, sampled), RoundCosts())
 
 
+class PlainCheck:
+    """Whether drafting pays here and now, measured: the milliseconds a token that calls realize over their whole
+    cycle (native time, Python, scheduling, emission, and whatever the OS took from them), drafting calls against
+    plain calls over the same stretch of time. The model's for one setting (`RoundCosts.check`, the chain table's):
+    the conditions (a neighbour on the cores, the host) are the machine's, not a request's. Lone requests' calls
+    only (`DraftPolicy.timed`).
+
+    Why: the round costs the draft lengths are weighed by are medians of native times (a round the OS preempted must
+    not move them), and plain's own cost was timed once and then only while plain rounds ran. On a busy host the
+    medians hid what preemption took from drafting calls (their whole cycles 1.1-1.5x the policy's prediction, beside
+    one spinning process), and a plain cost timed under other conditions stood for plain's (6.4 ms a token, timed
+    beside a neighbour, while plain ran at 2.0-3.5 once it had gone). So this check compares what each mode realizes.
+
+    The mode in use runs and the other is probed once `gap` tokens of the mode in use have run: plain calls at a
+    request's last TAIL tokens, to its end, while drafting; drafting calls (the policy's choice of length) for PROBE
+    tokens at a request's start, while plain. (Plain calls write no draft-exit entries, and drafts after them attend
+    to what the pool holds there: so probes go where no draft comes after or none came before; one overdue by LATE
+    gaps, the requests ending first, runs where it is.) A probe gives each mode one sample, its ms a token: the
+    probe's, and the mode in use's over its calls since the last probe (means, not medians: what the OS takes now
+    and then is part of what a mode costs). A mode's estimate is the mean of its samples, each probe multiplying the
+    weight of those before by DECAY (about seven probes' stretch), alike for both.
+
+    Drafting goes on unless log(plain / drafting ms a token) is below log LEAVE by Z standard errors (from the
+    samples' spread, MIN samples' weight of each mode at least), and once fallen back resumes when it is above log
+    RESUME by as much: on a shared host a call's time is noisy (two passes over the same 512 tokens took 0.78-1.44x
+    each other at five times as many runnable threads as cores), and there a switch waits for more probes or a
+    larger difference. The gap doubles (GAP to MAX_GAP tokens) while the mode in use leads by CLEAR (by Z standard
+    errors), so that probes cost little where the answer is plain, and is back at GAP when it does not and when the
+    mode changes. When the mode in use's ms a token since the last probe (GAP tokens of it at least) is SHIFT away
+    from its estimate, or two probes in a row are on the same side of theirs (a neighbour started or stopped), the
+    samples before weigh FADE times less and the gap is back at GAP; after one such probe, the next comes GAP
+    tokens later."""
+
+    DECAY = 0.85
+    MIN = 3.0
+    Z = 1.0
+    LEAVE = 1.0
+    RESUME = 1.04
+    GAP = 256
+    MAX_GAP = 2048
+    CLEAR = 1.15
+    SHIFT = 1.5
+    FADE = 0.3
+    SD_FLOOR = 0.05
+    PROBE = 16
+    TAIL = 32
+    LATE = 4
+
+    def __init__(self):
+        self.drafting = True   # the mode in use (drafting: the policy's choice of length; else plain calls)
+        # each mode's samples (ms a token), decayed alike: weight, sum, log sum, log sum of squares
+        self.stats = {True: [0.0, 0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0, 0.0]}
+        self.cur = [0, 0.0]   # the mode in use's tokens and ms since the last probe
+        self.probe = [0, 0, 0.0]   # the probe under way: its calls, tokens and ms
+        self.shifted = False   # (they are SHIFT away from its estimate)
+        self.gap = self.GAP
+        self.side = 0   # where the last probe fell against its mode's estimate: -1 / 1 beyond SHIFT, else 0
+        self.probes = self.switches = self.shifts = 0
+
+    def ms_per_token(self, drafting: bool) -> float | None:
+        w, s, _, _ = self.stats[drafting]
+        return s / w if w > 0 else None
+
+    def estimate(self) -> tuple[float, float] | None:
+        """log(plain / drafting ms a token) (> 0: drafting pays) and its standard error; None before MIN samples'
+        weight of each mode."""
+        if min(self.stats[m][0] for m in (True, False)) < self.MIN:
+            return None
+        var = 0.0
+        for w, _, l1, l2 in self.stats.values():
+            sd = max(self.SD_FLOOR, math.sqrt(max(0.0, l2 / w - (l1 / w) ** 2) * w / (w - 1)))
+            var += sd * sd / w
+        return math.log(self.ms_per_token(False) / self.ms_per_token(True)), math.sqrt(var)
+
+    @property
+    def ratio(self) -> float | None:
+        """Plain ms / drafting ms a token as measured (> 1: drafting pays); None before both modes have samples."""
+        p, d = self.ms_per_token(False), self.ms_per_token(True)
+        return p / d if p is not None and d is not None else None
+
+    def due(self) -> bool:
+        """Whether a probe of the mode not in use is due (none under way)."""
+        return self.cur[0] >= self.gap and self.probe[1] == 0
+
+    def overdue(self) -> bool:
+        """Whether a probe has been due for LATE gaps (requests that end before their tail: it runs where it is)."""
+        return self.due() and self.cur[0] >= self.LATE * self.gap
+
+    def record(self, drafting: bool, tokens: int, ms: float, probe: bool) -> None:
+        """A lone request's call just timed: `drafting` or plain, `tokens` emitted in `ms` of its whole cycle;
+        `probe`: it probed the mode not in use (other calls of that mode are not counted). A probe's calls count
+        together, weighed when the mode in use's next call comes."""
+        if tokens <= 0 or ms <= 0:
+            return
+        if probe and drafting != self.drafting:
+            pr = self.probe
+            pr[0], pr[1], pr[2] = pr[0] + 1, pr[1] + tokens, pr[2] + ms
+        elif drafting == self.drafting:
+            if self.probe[1] > 0:
+                self._probed()
+            c = self.cur
+            c[0], c[1] = c[0] + tokens, c[1] + ms
+            mean = self.ms_per_token(drafting)
+            if not self.shifted and c[0] >= self.GAP and mean is not None and \
+                    max(c[1] / c[0] / mean, mean * c[0] / c[1]) >= self.SHIFT:
+                self.shifted, self.gap = True, self.GAP   # (the conditions changed: a probe soon)
+
+    def _probed(self) -> None:
+        """The probe just ended: one sample of each mode, then the weighing."""
+        _, tokens, ms = self.probe
+        self.probe = [0, 0, 0.0]
+        self.probes += 1
+        probed = not self.drafting
+        x, mean = ms / tokens, self.ms_per_token(probed)
+        # two probes in a row SHIFT away from the probed mode's estimate on the same side: its conditions changed
+        # (a probe alone is too noisy to say so: on a busy host one in two or three is)
+        side = 0 if mean is None or max(x / mean, mean / x) < self.SHIFT else (1 if x > mean else -1)
+        if side and side == self.side or self.shifted:
+            self._shift()
+        elif side:
+            self.gap = self.GAP   # (the next probe soon: it says whether this one was noise)
+        self.side = side
+        for st in self.stats.values():
+            st[:] = [self.DECAY * v for v in st]
+        self._add(probed, x)
+        if self.cur[0] > 0:
+            self._add(self.drafting, self.cur[1] / self.cur[0])
+        self.cur = [0, 0.0]
+        self._weigh()
+
+    def _shift(self) -> None:
+        """The conditions changed: what came before weighs FADE times less, and probes come sooner."""
+        for st in self.stats.values():
+            st[:] = [self.FADE * v for v in st]
+        self.gap, self.side, self.shifted = self.GAP, 0, False
+        self.shifts += 1
+
+    def _add(self, drafting: bool, x: float) -> None:
+        st, y = self.stats[drafting], math.log(x)
+        st[0], st[1], st[2], st[3] = st[0] + 1.0, st[1] + x, st[2] + y, st[3] + y * y
+
+    def _weigh(self) -> None:
+        est = self.estimate()
+        if est is None:
+            return
+        x, se = est
+        lo, hi = x - self.Z * se, x + self.Z * se
+        if self.drafting and hi < math.log(self.LEAVE) or not self.drafting and lo > math.log(self.RESUME):
+            self.drafting = not self.drafting
+            self.switches += 1
+            self.gap = self.GAP
+            return
+        clear = lo >= math.log(self.CLEAR) if self.drafting else hi <= -math.log(self.CLEAR)
+        self.gap = min(self.MAX_GAP, 2 * self.gap) if clear and not self.side else self.GAP
+
+
 class DraftPolicy:
     """Each round's draft length k in 0..k_max (and, where the executor offers both, its shape: a chain
     round or depth-aligned passes), from what this request's rounds accepted and what rounds cost on this
@@ -150,7 +308,12 @@ class DraftPolicy:
     once the best and the choices near it are timed over a whole window, every 32nd round (SETTLED). At a
     request's last tokens, with drafts mostly accepted, a round drafts all that remains (one call ends it). Until a
     shape's rounds have been timed, its round drafts one token (a failed round of many drafts costs
-    several plain tokens on a model whose depths disagree); then, until it is timed, a plain round."""
+    several plain tokens on a model whose depths disagree); then, until it is timed, a plain round.
+
+    Over all of it, while the request runs alone, the check of whether drafting pays at all (`PlainCheck`, the
+    model's): the choice above stands where drafting calls have realized more tokens a ms than plain calls over the
+    same stretch (whole cycles, means: a busy host's preemption included), and gives way to plain calls where they
+    have not, each mode probed now and then (`_checked`, `timed`)."""
 
     DECAY = 0.95
     EXPLORE = 8
@@ -186,6 +349,14 @@ class DraftPolicy:
         self.k_sum = self.plain_rounds = 0   # (the sum of chosen and its zeros, kept as they come)
         self.held = 1   # the chain rounds a call holds (the speculator sets it: CHAIN_ROUNDS while alone)
         self._predicted: float | None = None   # the tokens the last choice's rounds were expected to yield
+        self.check = self.tables[False].check   # whether drafting pays at all, measured (the model's, per setting)
+        # what the call chosen last is for the check: "draft" (the length chosen), "plain" (plain calls, the check
+        # holding them or the length chosen being 0), "probe" (of the mode not in use), None (not counted: the
+        # first rounds, a probe of one draft for acceptance)
+        self._call: str | None = None
+        self._probing = False   # (this request's calls are the check's probe)
+        self.fresh = True   # no plain call yet in this request (its draft-exit entries are whole)
+        self.room = 1 << 30   # the tokens the request may still make (the speculator sets it)
 
     @property
     def costs(self) -> RoundCosts:
@@ -213,6 +384,7 @@ class DraftPolicy:
         whose drafts in flight the executor bounds by k_max, at most `pipeline_cap` in all (None: `cap`)."""
         cap = max(0, min(cap, self.k_max))
         pipeline_cap = cap if pipeline_cap is None else max(0, pipeline_cap)
+        self._call = None
         if not self.adaptive:
             self._chose(cap)
             return cap
@@ -228,6 +400,7 @@ class DraftPolicy:
             self.pipeline, k = False, 0
         else:
             a = min(self.acceptance, 0.999)
+            accept_probe = False
             best, best_rate = (False, 0), -1.0
             rates = {}
             for pipe, c in self.tables.items():
@@ -258,6 +431,7 @@ class DraftPolicy:
             # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
             # it is taken only when it beats the best draft length clearly (by MARGIN at acceptance 1), not on
             # a near tie that one unlucky round produced; where they keep failing, on any lead
+            drafting = best   # (what a probe of drafting takes where the check holds plain calls)
             if 1.0 / self.tables[False].verify(0) > best_rate * (1.0 + (self.MARGIN - 1.0) * a):
                 best = (False, 0)
             if 0 < best[1] < cap < self.k_max and a >= self.LONG_RUN:
@@ -285,18 +459,55 @@ class DraftPolicy:
                 pool = near if near and self.rounds % (8 * self.EXPLORE) else [o for o in rates if o != best]
                 if pool:
                     self.pipeline, k = pool[(self.rounds // self.EXPLORE) % len(pool)]
-            elif k == 0 and cap > 0:
+            elif k == 0 and cap > 0 and (self.held <= 1 or self.check.drafting):
+                # (where the check holds plain calls, its own probes of drafting stand for these)
                 self.idle += 1
                 if self.idle >= self.probe_every:
                     self.idle, self.probe_every = 0, min(64, 2 * self.probe_every)
                     k = 1
+                    accept_probe = True
             elif k > 0:
                 self.idle, self.probe_every = 0, 8
+            if self.held > 1 and not accept_probe:   # (one draft for its acceptance is not what drafting realizes)
+                k = self._checked(k, drafting)
         if k == 0:
-            self.pipeline = False
+            self.pipeline, self.fresh = False, False
         self._predicted = self.expected(k) if k else None
         self._chose(k)
         return k
+
+    def _checked(self, k: int, drafting: tuple[bool, int]) -> int:
+        """The length chosen, under the check (`PlainCheck`) while the request runs alone: drafting (k > 0) gives
+        way to plain calls where the check holds them, and each mode to a probe of the other when one is due: of
+        plain calls at the request's last TAIL tokens (`room`), to its end; of drafting, PROBE tokens at its start,
+        at `drafting`, the best (shape, length) by the rates (whatever they say of plain: under the check they decide
+        nothing there). Plain calls write no draft-exit entries, and a draft after them attends to what the pool
+        holds there: one probe of eight plain tokens took the drafts' acceptance over the rest of a request from
+        0.81-0.87 to 0.76-0.78, so probes go where no draft comes after (plain) or none came before (drafting), or,
+        a probe overdue (the requests end first), where they are. Sets `_call`."""
+        chk = self.check
+        if chk.drafting:
+            if self._probing or k > 0 and chk.due() and (self.room <= chk.TAIL or chk.overdue()):
+                k, self._call, self._probing = 0, "probe", True
+            else:
+                self._call = "plain" if k == 0 else "draft"
+            return k
+        if drafting[1] > 0 and (self._probing and chk.probe[1] < chk.PROBE or
+                                chk.due() and (self.fresh or chk.overdue())):
+            self.pipeline, k = drafting
+            self._call, self._probing = "probe", True
+        else:
+            k, self._call, self._probing = 0, "plain", False
+        return k
+
+    def timed(self, k: int, tokens: int, cycle_ms: float, full: bool = True) -> None:
+        """The last call's tokens and whole cycle (until the next one starts: the engine's step, scheduling and
+        emission included), for the check, while the request runs alone; `full`: a plain call of all the steps a
+        call of plain rounds holds (a shorter one pays its call's own cost for fewer tokens)."""
+        call, self._call = self._call, None
+        if call is None or self.held <= 1 or (k == 0 and not full):
+            return
+        self.check.record(k > 0, tokens, cycle_ms, probe=call == "probe")
 
     def plain_run(self, most: int) -> int:
         """After `choose` gave k = 0: how many plain rounds in a row it would give before its next probe (at
@@ -305,6 +516,9 @@ class DraftPolicy:
             return 1
         if not self.adaptive:
             n = most
+        elif self._call == "probe" or self._call == "plain" and not self.check.drafting:
+            n = most   # (the check's plain calls, and its probe of them: whole calls, as plain decoding makes)
+            self.rounds += n - 1
         elif self.idle == 0:   # (timing plain's cost, or a probe just reset the count: one round)
             return 1
         else:

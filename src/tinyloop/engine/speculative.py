@@ -195,11 +195,14 @@ class Speculator(TreeRounds):
         self.head.add([tok])
         yield [tok]
         emitted = 1
-        while emitted < self.params.max_tokens:
-            self.logprobs = []
-            out = yield from self.round(self.params.max_tokens - emitted)
-            emitted += len(out)
-            yield out
+        try:
+            while emitted < self.params.max_tokens:
+                self.logprobs = []
+                out = yield from self.round(self.params.max_tokens - emitted)
+                emitted += len(out)
+                yield out
+        finally:   # (the last call is timed as it ends: its request with it; a probe of plain calls is one)
+            self._time_last_chain()
 
     def prefill(self) -> Generator[Rows, None, torch.Tensor]:
         """The prompt through all V loops (and, with a draft exit, the exit's entries from the prompt's
@@ -342,8 +345,10 @@ class Speculator(TreeRounds):
         now = self._time_last_chain()
         if self.running is not None and self.running() > ALONE_UP_TO:
             return (yield from self._plain_row(batched=True))
-        # (the rounds a call holds while this request runs alone: a call's own cost is shared among them)
+        # (the rounds a call holds while this request runs alone: a call's own cost is shared among them; the tokens
+        # it may still make: the check of whether drafting pays probes plain calls at its tail)
         self.policy.held = CHAIN_ROUNDS if self.running is None or self.running() == 1 else 1
+        self.policy.room = min(self.plan.params.max_tokens - self.sampler.n_out, self.plan.max_positions - self.length)
         k = self.policy.choose(cap, pipeline_cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
@@ -419,6 +424,9 @@ class Speculator(TreeRounds):
                 held = PLAIN_STEPS if self.policy.held > 1 else 1
                 for acc in accepted0:
                     self.policy.update(k0, acc, 0.0, max(0.0, cycle - call) / rounds + call / held)
+            # (and what the call realized, for the check of whether drafting pays at all: PlainCheck)
+            self.policy.timed(k0, sum(a + 1 for a in accepted0) if k0 > 0 else rounds, cycle,
+                              full=k0 > 0 or rounds == PLAIN_STEPS)
             self._last = None
         return now
 
