@@ -47,6 +47,17 @@ def test_a_missing_model_exits_at_once_with_one_line():
     assert "/nonexistent/model.tinyloop: no such file" in one_error_line(r)
 
 
+def test_a_refused_start_imports_no_torch():
+    # what the refusal path reads (settings from the environment, the header) stays torch-free, so a missing
+    # model is refused in well under a second even on a loaded host (torch's import alone is ~1-2 s of CPU)
+    code = ("import sys; from tinyloop.server.settings import Settings; from tinyloop.modelfile.header import "
+            "header_config; Settings.from_env(); assert 'torch' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('tinyloop'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TINYLOOP_PROMPT_CACHE_DIR": "/tmp/unused-prompt-cache"})
+    assert r.returncode == 0, r.stderr
+
+
 def test_a_truncated_or_corrupt_model_exits_at_once_with_one_line(tmp_path, tiny_model_path):
     data = Path(tiny_model_path).read_bytes()
     cut = tmp_path / "cut.tinyloop"

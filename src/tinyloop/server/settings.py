@@ -150,11 +150,11 @@ def _log_format_env(env: dict[str, str]) -> str:
 
 
 def _prompt_cache_bytes_env(env: dict[str, str]) -> int:
-    from ..engine.disk_cache import DEFAULT_MAX_BYTES, parse_bytes
-
     raw = env.get("TINYLOOP_PROMPT_CACHE_BYTES", "").strip()
     if not raw:
-        return DEFAULT_MAX_BYTES
+        return Settings.prompt_cache_bytes   # (the default: engine.disk_cache.DEFAULT_MAX_BYTES)
+    from ..engine.disk_cache import parse_bytes   # (here: it imports torch, which a refused start never needs)
+
     try:
         value = parse_bytes(raw)
     except ValueError as exc:
