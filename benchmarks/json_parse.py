@@ -15,10 +15,11 @@ its int4 sibling (or `--models`). Per model and set, the table gives:
 - **tokens**: the mean answer length in tokens.
 
     PYTHONPATH=src .venv/bin/python benchmarks/json_parse.py [--models A B] [--max-tokens 256] [--samples 1]
-        [--limit N] [--json benchmarks/results/json_parse.json]
+        [--limit N] [--no-closing] [--json benchmarks/results/json_parse.json]
 
-The script reads only the engine's public API, so the tree before a change runs it too (`git archive <rev> src |
-tar -x -C /tmp/before` and `PYTHONPATH=/tmp/before/src`).
+Apart from `--no-closing` (the rule off on this tree) and the shortest answers it reports, the script reads only the
+engine's public API, so the tree before a change runs it too (`git archive <rev> src | tar -x -C /tmp/before` and
+`PYTHONPATH=/tmp/before/src`).
 """
 from __future__ import annotations
 
@@ -115,11 +116,20 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="the first N schemas only (0: all)")
     ap.add_argument("--batch", type=int, default=64, help="BatchEngine max_num_seqs")
     ap.add_argument("--json", type=Path, help="write the figures (and every bad answer) here")
+    ap.add_argument("--no-closing", action="store_true",
+                    help="the closing rule off (matchers made without a budget: engine/schema_close.py), for a before "
+                         "and after on one tree")
     args = ap.parse_args()
+    if args.no_closing:
+        from tinyloop.engine.constraint import Grammars
+
+        matcher = Grammars.matcher
+        Grammars.matcher = lambda self, constraint, budget=None: matcher(self, constraint)
     items = json.loads(args.schemas.read_text())
     schemas = [(s["name"], s["schema"]) for s in (items["schemas"] if isinstance(items, dict) else items)]
     schemas = schemas[: args.limit] if args.limit else schemas
     report = {"max_tokens": args.max_tokens, "samples": args.samples, "schemas": str(args.schemas), "host": host(),
+              "closing_rule": not args.no_closing,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "models": {}}
     print(f"{'model':<26} {'set':<16} {'mode':<8} {'answers':>7} {'parse':>7} {'stop':>5} {'length':>6} {'cut':>4} "
           f"{'invalid':>7} {'flagged':>7} {'tokens':>6}")
@@ -165,9 +175,10 @@ def main() -> int:
             fits = [c for c in cut if c["shortest"] is not None and c["shortest"] + 1 <= args.max_tokens]
             known = [c for c in cut if c["shortest"] is not None]
             if known:
-                print(f"  cut: {len(cut)}; {len(cut) - len(fits)} of them under schemas whose shortest answer (the closing "
-                      f"walk's from the start) needs more than {args.max_tokens - 1} tokens, or was not found; the "
-                      f"others: " + (", ".join(f"{c['schema']} ({c['mode']})" for c in fits) or "none"))
+                print(f"  cut: {len(cut)}; {len(cut) - len(fits)} of them under schemas whose shortest answer (the "
+                      f"closing walk's from the start) needs more than {args.max_tokens - 1} tokens, or was not "
+                      f"found; the others: " + (", ".join(f"{c['schema']} ({c['mode']})" for c in fits[:12]) or "none")
+                      + (f" and {len(fits) - 12} more" if len(fits) > 12 else ""))
                 n_ok = sum(r["answers"] for k, r in rows.items()) - (len(cut) - len(fits))
                 print(f"  parse rate over the answers that can close in the budget: "
                       f"{(n_ok - len(fits)) / max(n_ok, 1):.1%} ({n_ok - len(fits)} of {n_ok})")

@@ -10,7 +10,6 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-import torch
 
 from tinyloop.chat import Chat
 from tinyloop.engine import Engine, SamplingParams, schema_close
@@ -140,6 +139,26 @@ def test_the_rule_only_narrows_and_its_masks_depend_on_the_tokens_alone(shipped)
             again.rollback(1)
         again.accept(t)
     assert {"closing", "forced"} <= set(zones), (text, zones)
+
+
+@pytest.mark.parametrize("budget", [40, 96])
+def test_masks_are_the_same_whichever_positions_were_filled(shipped, budget):
+    """A position's mask does not depend on which earlier positions had theirs computed (jump-forward and the lone
+    steps' call skip the forced tokens' fills; a checkpoint's path is then walked from there when needed): masks
+    read at every third position equal those read at every position."""
+    c = Constraint.json_schema(PERSON)
+    text, _, _ = _answers(shipped, c, budget, prompts=PROMPTS[1:2], sampled=False)[0]
+    toks = shipped.tokenizer.encode(text)
+    _, every = _feed(shipped, c, budget, toks)
+    some = shipped.grammars.matcher(c, budget)
+    zones = set()
+    with some.lazily():
+        for i, t in enumerate(toks):
+            if i % 3 == 2:
+                assert np.array_equal(np.array(some._current()), every[i]), i
+                zones.add(some.zone)
+            some.accept(t)
+    assert zones - {"free"}, zones   # (the rule acted at some of them)
 
 
 def test_speculative_and_plain_greedy_agree_under_the_rule(shipped):

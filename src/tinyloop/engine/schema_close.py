@@ -22,8 +22,9 @@ request's `max_tokens` as the budget (a thinking block's tokens count in it).
 - **The zones.** With `left` tokens left, `slack = left - 1 - U` (the 1: end-of-text). `slack <= K`: only the
   path's first token (or EOS, where the grammar may end already), so the answer closes with up to K tokens to
   spare. `K < slack <= K + NEAR` (JSON): no token may open structure (`{`, `[`, or a `,` outside a string) unless the
-  path itself does, so what the model still writes (string content, numbers, closers) cannot lengthen the path by
-  more than a few tokens (an escape, a number's sign or exponent: K covers them). Elsewhere the grammar's mask
+  path itself does, nor a string where the path writes another value, so what the model still writes (string
+  content, numbers, closers) cannot lengthen the path by more than a few tokens (an escape, a number's sign or
+  exponent: K covers them). Elsewhere the grammar's mask
   stands. Where no path fits in the tokens left (`slack < 0`), nothing is restricted: the answer cannot close, is
   cut, and says `length`, as before.
 - **A function of the tokens written.** The zone and the path at a position depend on the grammar's state there and
@@ -31,11 +32,12 @@ request's `max_tokens` as the budget (a thinking block's tokens count in it).
   native call, speculation's drafts and rollback, n choices) gets the same masks. Paths are reused only where
   provably the same walk (the model took the path's first token, and this position's first step is the path's
   next: the rest is then the same walk from the same state).
-- **Where it is computed.** Only in an answer's last `window` tokens (`U0 + 1 + K + NEAR + EXTRA`, `U0` the path's
-  length from the grammar's start, once per compiled grammar), and there, between checkpoints (every CHECKPOINT-th
-  position), only where the last checkpoint's path leaves less than MARGIN tokens to spare past the closing zone:
-  an answer that ends early never walks. A walk costs ~10 us a token of path on the dev machine (forced bytes
-  0.1 us, a token check ~1 us, a token consumed ~5 us, the Python around them).
+- **Where it is computed.** Every FAR-th position (a far checkpoint); from there on, only once the tokens left are
+  within EXTRA of that path's end plus the zones (the window); in the window, at every CHECKPOINT-th position, and
+  between them only where the last checkpoint's path leaves less than MARGIN tokens to spare past the closing zone.
+  The rule is off for a grammar whose path from its start (`U0`, once per compiled grammar) does not fit the
+  budget. A walk costs ~10 us a token of path on the dev machine (forced bytes 0.1 us, a token check ~1 us, a token
+  consumed ~5 us, the Python around them).
 - **Whitespace inside strings** is bounded too (WHITESPACE_RUN, below), where a string's text ends in whitespace.
 
 The lexical state (outside a string, inside one, after a backslash; a string's last TAIL bytes) is followed from
@@ -55,13 +57,16 @@ OUT, STR, ESC = 0, 1, 2
 # `\u` escape's four hex digits, a number's `-`, `.` or exponent: at most ~4 tokens in GPT-2's vocabulary); NEAR is
 # how much one token written before it may (an object or array item opened with its required members; a larger
 # one, opened where fewer tokens are left, can still cut the answer: docs/structured.md); EXTRA how far the path
-# may grow past its length at the start before the window opens (nesting written meanwhile). K and NEAR shrink
-# with small budgets (`Rule.margins`).
+# may grow past its length at the last far checkpoint before the window opens (what ~FAR tokens can open). K and
+# NEAR shrink with small budgets (`Rule.margins`).
 K, NEAR, EXTRA = 4, 16, 48
 # between checkpoints (every CHECKPOINT-th position) a position is free without a walk where the last checkpoint's
 # path left MARGIN tokens to spare past the closing zone: the tokens written since (at most CHECKPOINT - 1) are taken
 # to lengthen the path by no more than that
 CHECKPOINT, MARGIN = 8, 16
+# far from the end, a path every FAR-th position: the window (EXTRA tokens past its path's end) opens from it, so an
+# answer whose path grew (an array item with many required members opened early) is caught in time
+FAR = 32
 WALK_LIMIT = 512    # the start's walk (U0): past this the rule is off for the grammar
 
 # closing tokens by lexical state, in order (those that are one token in the vocabulary)
@@ -87,7 +92,7 @@ MAX_EXAMPLES = 32
 # cost 4-5x as much inside strings that carry a pattern (35 -> 135 us a token on benchmarks/structured.py's schema,
 # 10-14 -> 70 on json_object, measured); this is one vectorised AND, where a string's text ends in whitespace.
 WHITESPACE_RUN = 32
-FILLER_RUN = 8      # a string ending with this many of one filler character tries the others, then any character
+FILLER_RUN = 8      # a string ending with this many of one filler takes no more: a character it can end after, else any
 
 
 TAIL = 64   # bytes of a string's text kept in the lexical state (the examples' overlap is looked for in them)
@@ -122,10 +127,10 @@ def trailing_whitespace(tail: bytes) -> int:
     return run
 
 
-def scan(state: int, data: bytes) -> tuple[int, bool]:
-    """The lexical state after `data` from `state`, and whether `data` opened structure (`{`, `[` or `,` outside a
-    string)."""
-    grew = False
+def scan(state: int, data: bytes) -> tuple[int, bool, bool]:
+    """The lexical state after `data` from `state`, whether `data` opened structure (`{`, `[` or `,` outside a
+    string), and whether it opened a string."""
+    grew = opened = False
     for b in data:
         if state == STR:
             if b == 0x22:
@@ -135,10 +140,10 @@ def scan(state: int, data: bytes) -> tuple[int, bool]:
         elif state == ESC:
             state = STR
         elif b == 0x22:
-            state = STR
+            state, opened = STR, True
         elif b in (0x7B, 0x5B, 0x2C):
             grew = True
-    return state, grew
+    return state, grew, opened
 
 
 class Tables:
@@ -152,12 +157,17 @@ class Tables:
         n = min(vocab_size, lltok.vocab_size)
         self.bytes = [b"" if lltok.is_special_token(t) else lltok.decode_bytes([t]) for t in range(n)]
         self.words = (vocab_size + 31) // 32
+        # by the lexical state a token is read from: the tokens that open structure (`grow`), a string (`opens`)
         self.grow = np.zeros((3, self.words), dtype=np.uint32)
+        self.opens = np.zeros((3, self.words), dtype=np.uint32)
         for t, data in enumerate(self.bytes):
-            if any(c in data for c in b'{[,'):
+            if any(c in data for c in b'{[,"'):
                 for state in (OUT, STR):
-                    if scan(state, data)[1]:
+                    _, grew, opened = scan(state, data)
+                    if grew:
                         self.grow[state, t >> 5] |= np.uint32(1 << (t & 31))
+                    if opened:
+                        self.opens[state, t >> 5] |= np.uint32(1 << (t & 31))
         self.closers = {STR: self._ids(_STR_CLOSERS), OUT: self._ids(_OUT_CLOSERS), ESC: self._ids(_ESC_CLOSERS)}
         self.fillers = self._ids(_FILLERS)
         self.quote = self._ids(['"'])
@@ -210,10 +220,6 @@ class Rule:
         budget at most for K, an eighth for NEAR), so a short answer is not all closing."""
         return min(K, budget // 16), min(NEAR, budget // 8)
 
-    def window(self, budget: int) -> int:
-        k, near = self.margins(budget)
-        return (self.u0 or 0) + 1 + k + near + EXTRA
-
     def applies(self, budget: int) -> bool:
         """Whether the rule can help an output of `budget` tokens: a path from the start was found, and fits."""
         return self.u0 is not None and self.u0 + 1 <= budget
@@ -248,17 +254,19 @@ class Closer:
         only after its walks (which are what may fail)."""
         rule, budget = self.rule, self.budget
         c = len(self.toks)
-        mode, tail = self.lex[c]
-        if mode == STR and tail and (tail[-1] == 0x20 or tail[-2:] in (b"\\n", b"\\t", b"\\r")):
-            run = trailing_whitespace(tail)
-            if run:
-                narrowed = words & ~rule.tables.ws_over[max(0, WHITESPACE_RUN - run)]
-                if narrowed.any():
-                    words[:] = narrowed
+        self._bound_whitespace(words, c)
         left = budget - used
-        if not rule.applies(budget) or left <= 0 or left > rule.window(budget):
+        if not rule.applies(budget) or left <= 0:
             return "free"
         k, near = rule.margins(budget)
+        # far from the end: free where the last far checkpoint's path (every FAR-th position) leaves more than
+        # the window's worth of tokens; a path that could not close there (the answer had outgrown its budget)
+        # leaves it free too
+        far = c - c % FAR
+        steps, done = self._path(ll, c, left, words, scratch) if far == c else \
+            self._path_at(ll, far, left + c - far, scratch)
+        if not done or left > sum(map(len, steps)) + 1 + k + near + EXTRA:
+            return "free"
         if c % CHECKPOINT:
             # between checkpoints: free without a walk where the checkpoint's path left room to spare past what
             # the tokens written since may add (MARGIN); the checkpoint's path is computed here if nobody did
@@ -281,11 +289,26 @@ class Closer:
             return "forced"
         mode = self.lex[c][0]
         if slack <= k + near and rule.json and mode != ESC:
-            words &= ~rule.tables.grow[mode]
+            # no structure opened, and no string where the path writes another value (a string in place of the
+            # path's `null` or `0`: its pattern's text, or the model's, can cost many tokens more)
+            t = rule.tables
+            strings = t.opens[mode] if not (path and _has(t.opens[mode], path[0])) else np.uint32(0)
+            words &= ~(t.grow[mode] | strings)
             if path:   # (else the grammar may end here: EOS, which opens nothing, stays allowed)
                 words[path[0] >> 5] |= np.uint32(1 << (path[0] & 31))
             return "closing"
         return "free"
+
+    def _bound_whitespace(self, words: np.ndarray, c: int) -> None:
+        """Inside a string whose text ends in whitespace: refuse the tokens that would make the run longer than
+        WHITESPACE_RUN, unless they are all the mask allows."""
+        mode, tail = self.lex[c]
+        if mode == STR and tail and (tail[-1] == 0x20 or tail[-2:] in (b"\\n", b"\\t", b"\\r")):
+            run = trailing_whitespace(tail)
+            if run:
+                narrowed = words & ~self.rule.tables.ws_over[max(0, WHITESPACE_RUN - run)]
+                if narrowed.any():
+                    words[:] = narrowed
 
     def _path(self, ll, c: int, left: int, words: np.ndarray, scratch: np.ndarray) -> Path:
         """The closing path at position `c` (the current one), at most `left - 1` tokens: the previous position's
@@ -305,8 +328,8 @@ class Closer:
         if path is None:
             path = walk(ll, self.rule, lex, left - 1, words, scratch, first=first)
         self.paths[c] = path
-        for p in [p for p in self.paths if p < c - 2 * CHECKPOINT]:   # (kept: this checkpoint's, the one before)
-            del self.paths[p]
+        for p in [p for p in self.paths if p < c - 2 * FAR or (p < c - 2 and p % CHECKPOINT)]:
+            del self.paths[p]   # (kept: the last two positions', and the checkpoints' within 2 FAR)
         return path
 
     def _path_at(self, ll, c0: int, left: int, scratch: np.ndarray) -> Path:
@@ -317,9 +340,11 @@ class Closer:
             return self.paths[c0]
         back = self.toks[c0:]
         ll.rollback(len(back))
-        try:
+        try:   # (the mask there as its fill gives it to `_path`: whitespace bounded)
             ll.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-            return self._path(ll, c0, left, scratch.copy(), scratch)
+            words = scratch.copy()
+            self._bound_whitespace(words, c0)
+            return self._path(ll, c0, left, words, scratch)
         finally:
             if not ll.consume_tokens(back):   # (they were taken before, from this state)
                 raise RuntimeError("the grammar refused tokens it took before")
