@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LOOP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -40,14 +41,55 @@ class Metrics:
         self.running = Gauge("tinyloop_running_sequences", "sequences in the running batch", registry=r)
         self.kv_pages_used = Gauge("tinyloop_kv_pages_used", "KV cache pages held by sequences", registry=r)
         self.engine_loaded = Gauge("tinyloop_engine_loaded", "1 when the model is loaded and serving", registry=r)
+        # the model pool (server/models.py): loads, unloads, their seconds, what is loaded
+        self.model_loads = Counter("tinyloop_model_loads", "model loads by model and outcome (ok, failed)",
+                                   ["model", "outcome"], registry=r)
+        self.model_unloads = Counter("tinyloop_model_unloads",
+                                     "model unloads by model and reason (keep_alive, lru)", ["model", "reason"],
+                                     registry=r)
+        self.model_load_seconds = Histogram("tinyloop_model_load_seconds", "seconds a model's load took",
+                                            ["model"], buckets=LOAD_BUCKETS, registry=r)
+        self.model_unload_seconds = Histogram("tinyloop_model_unload_seconds",
+                                              "seconds a model's unload took (its engine stopped, memory freed)",
+                                              ["model"], buckets=LOAD_BUCKETS, registry=r)
+        self.models_loaded = Gauge("tinyloop_models_loaded", "models loaded now", registry=r)
+        self.model_memory = Gauge("tinyloop_model_memory_bytes",
+                                  "bytes a loaded model's weights and KV pool hold (0: not loaded)", ["model"],
+                                  registry=r)
+        self._prompt_caches: list = []
 
     def track_prompt_cache(self, stats) -> None:
         """The prompt cache on disk's figures (`stats()`: engine/disk_cache.py DiskPrefixCache.stats), read at
-        each scrape."""
-        self.registry.register(_PromptCacheCollector(stats))
+        each scrape. Several models' caches (one each) are summed, the directory's bytes taken once."""
+        if not self._prompt_caches:
+            self.registry.register(_PromptCacheCollector(self._prompt_cache_stats))
+        self._prompt_caches.append(stats)
+
+    def untrack_prompt_cache(self, stats) -> None:
+        """A model unloaded: its cache's figures leave the sums (what it counted stays: the counters are
+        kept as a base)."""
+        if stats in self._prompt_caches:
+            self._gone = _add_stats(getattr(self, "_gone", {}), stats() or {})
+            self._prompt_caches.remove(stats)
+
+    def _prompt_cache_stats(self) -> dict:
+        out = dict(getattr(self, "_gone", {}))
+        out.pop("bytes", None)
+        for stats in self._prompt_caches:
+            out = _add_stats(out, stats() or {})
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _add_stats(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # the directory's bytes: every model's cache sees the whole directory
+            out[key] = max(out.get(key, 0), value) if key == "bytes" else out.get(key, 0) + value
+    return out
 
 
 class _PromptCacheCollector:

@@ -38,6 +38,13 @@ Environment (see docs/server.md):
                             recently used first out (default 1000; 0 keeps none)
     TINYLOOP_REASONING_PARSER  thinking blocks split from the answer: "auto" (default: models whose template or
                             tokenizer has <think> tags), "none" (never), "think" (<think>...</think> for any model)
+    TINYLOOP_KEEP_ALIVE     how long a model stays loaded after its last request (`--keep-alive`; Ollama's keep_alive:
+                            seconds or a duration such as 5m; negative: pinned; 0: unloaded after each answer).
+                            Default: until its room is needed (server/models.py)
+    TINYLOOP_MAX_LOADED_MODELS  several models served: at most this many loaded at once (`--max-loaded-models`);
+                            the least recently used one that is not pinned is unloaded first. Default: no bound
+    TINYLOOP_MAX_MEMORY     several models served: a memory budget for the loaded models' weights and KV pools
+                            (`--max-memory`, e.g. 8G); default: none
     TINYLOOP_TEMPERATURE    the temperature of a request that gives none (`--temperature`, 0..2; default: the
                             API's own, 1.0). Claude Code and Codex send none: a small model decodes them at this
 """
@@ -164,6 +171,41 @@ def _prompt_cache_bytes_env(env: dict[str, str]) -> int:
     return value
 
 
+def _keep_alive_env(env: dict[str, str]) -> float | None:
+    raw = env.get("TINYLOOP_KEEP_ALIVE", "").strip()
+    if not raw:
+        return None
+    from ..errors import ValidationError
+    from .models import parse_keep_alive
+
+    try:
+        return parse_keep_alive(raw, "TINYLOOP_KEEP_ALIVE")
+    except ValidationError as exc:
+        raise SystemExit(f"tinyloop serve: {exc.message}") from None
+
+
+def _max_memory_env(env: dict[str, str]) -> int | None:
+    raw = env.get("TINYLOOP_MAX_MEMORY", "").strip()
+    if not raw:
+        return None
+    from .models import parse_size
+
+    try:
+        value = parse_size(raw)
+    except ValueError as exc:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_MEMORY: {exc}") from None
+    if value < 1 << 20:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_MEMORY must be at least 1M, got {raw!r}")
+    return value
+
+
+def _max_loaded_env(env: dict[str, str]) -> int | None:
+    value = _int_env(env, "TINYLOOP_MAX_LOADED_MODELS", None)
+    if value is not None and value < 1:
+        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_LOADED_MODELS must be 1 or more, got {value}")
+    return value
+
+
 def _store_size_env(env: dict[str, str]) -> int:
     value = _int_env(env, "TINYLOOP_RESPONSES_STORE_SIZE", 1000)
     if value < 0:
@@ -199,6 +241,12 @@ class Settings:
     responses_store_size: int = 1000        # stored /v1/responses (an in-memory LRU; 0: none)
     reasoning_parser: str = "auto"          # auto | none | think (docs/server.md, "Reasoning")
     temperature: float | None = None        # a request's temperature when it gives none (None: the API's, 1.0)
+    default_loops: int | None = None        # the depth of a request that names none (None: the model's default_loops)
+    keep_alive: float | None = None         # seconds a model stays after its last request (inf: pinned; None: until
+                                            # its room is needed); a request's keep_alive wins (server/models.py)
+    max_loaded_models: int | None = None    # several models: at most this many loaded (LRU unloads the others)
+    max_memory: int | None = None           # several models: bytes the loaded ones may hold
+    models: list = field(default_factory=list)   # several models: models.ModelSpec each ([]: model_path alone)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -250,5 +298,8 @@ class Settings:
             responses_store_size=_store_size_env(env),
             reasoning_parser=_reasoning_env(env),
             temperature=_temperature_env(env),
+            keep_alive=_keep_alive_env(env),
+            max_loaded_models=_max_loaded_env(env),
+            max_memory=_max_memory_env(env),
             warnings=warnings,
         )

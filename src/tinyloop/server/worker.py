@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -470,6 +471,14 @@ def load_engine(settings: Settings) -> tuple[Engine, list[str]]:
     if settings.max_seq_len is not None and settings.max_seq_len > engine.config.max_seq_len:
         warnings.append(f"TINYLOOP_MAX_SEQ_LEN={settings.max_seq_len} is above the model's context of "
                         f"{engine.config.max_seq_len} tokens; serving {engine.config.max_seq_len}")
+    loops = getattr(settings, "default_loops", None)
+    if loops is not None:   # a model's own default depth (a models config's `loops`): read everywhere from its cfg
+        cfg = engine.model.cfg
+        if 1 <= loops <= cfg.max_loops:
+            engine.model.cfg = engine.config = dataclasses.replace(cfg, default_loops=loops)
+        else:
+            warnings.append(f"loops {loops} is outside the model's 1..{cfg.max_loops}; serving its default "
+                            f"{cfg.default_loops}")
     kv = settings.kv_cache_mode
     if kv == "fp16":
         return engine, warnings
