@@ -54,7 +54,7 @@ import schemathesis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
 import local_server  # noqa: E402
-from tinyloop.server.schemas import model_loops  # noqa: E402
+from tinyloop.server.knobs import model_loops  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16

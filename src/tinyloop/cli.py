@@ -272,18 +272,26 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_draft(args: argparse.Namespace) -> int:
+def _companion_job(args: argparse.Namespace, suffix: str) -> tuple[str, str]:
+    """A training command's model path and the companion file it writes (`--out`, else beside the model), with
+    its thread count set."""
     import torch
 
     from .model.companion import companion_file
-    from .model.draft_exit import SUFFIX
-    from .modelfile.loader import ModelFileError, resolve_model_path
-    from .train.draft_exit import train_draft_exits
+    from .modelfile.loader import resolve_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    out = args.out or str(companion_file(path, SUFFIX))
+    return path, args.out or str(companion_file(path, suffix))
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from .model.draft_exit import SUFFIX
+    from .modelfile.loader import ModelFileError
+    from .train.draft_exit import train_draft_exits
+
+    path, out = _companion_job(args, SUFFIX)
     try:
         train_draft_exits(path, args.files, out, draft_loops=tuple(args.draft_loops), tokens=args.tokens,
                           seq=args.seq, batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
@@ -294,17 +302,11 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 
 def _train_gate(args: argparse.Namespace) -> int:
-    import torch
-
-    from .modelfile.loader import ModelFileError, resolve_model_path
-    from .model.companion import companion_file
+    from .modelfile.loader import ModelFileError
     from .model.gate import SUFFIX
     from .train.gate import train_gate_file
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    out = args.out or str(companion_file(path, SUFFIX))
+    path, out = _companion_job(args, SUFFIX)
     try:
         meta = train_gate_file(path, args.files, out, loops=args.loops, tokens=args.tokens, seq=args.seq,
                                steps=args.steps, seed=args.seed, val_fraction=args.val_fraction)
@@ -330,15 +332,37 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["TINYLOOP_PROMPT_CACHE_DIR"] = args.prompt_cache_dir
     if getattr(args, "prompt_cache_bytes", None):
         os.environ["TINYLOOP_PROMPT_CACHE_BYTES"] = args.prompt_cache_bytes
+    for flag, env in (("keep_alive", "TINYLOOP_KEEP_ALIVE"), ("max_loaded_models", "TINYLOOP_MAX_LOADED_MODELS"),
+                      ("max_memory", "TINYLOOP_MAX_MEMORY")):
+        if getattr(args, flag, None) is not None:   # as the environment variables (one reading of them)
+            os.environ[env] = str(getattr(args, flag))
+    specs, server_keys = [], {}
+    if getattr(args, "models", None):
+        from .server.models import specs_from_args
+
+        if args.model:
+            return _fail("give the models as arguments or --model, not both")
+        specs, server_keys = specs_from_args(args.models)
+    for key, env in (("max_loaded_models", "TINYLOOP_MAX_LOADED_MODELS"), ("max_memory", "TINYLOOP_MAX_MEMORY")):
+        if key in server_keys and env not in os.environ:   # a config file's, unless a flag or the environment says
+            os.environ[env] = str(server_keys[key])
     settings = Settings.from_env(model_path=args.model, served_model_names=args.served_model_name)
-    if str(settings.model_path or "").startswith("hf:"):
+    settings.models = specs
+    sources = [spec.source for spec in specs] or [settings.model_path]
+    if any(str(source or "").startswith("hf:") for source in sources):
         from . import store  # noqa: F401 - hf: names resolve through the store (a missing model is pulled now)
     try:   # a missing, truncated or malformed file stops here, in one line, before torch, the port or Ray
-        header_config(resolve_model_path(settings.model_path))
+        for source in sources:
+            header_config(resolve_model_path(source))
     except ModelFileError as exc:
         print(f"tinyloop: error: cannot load the model: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     scaled = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None, None, None, None)
+    if scaled and len(specs) > 1:
+        return _fail("several models are not served on Ray Serve (--replicas): run one `tinyloop serve MODEL "
+                     "--replicas N` per model (docs/server.md, \"Several models\")")
+    if scaled and specs:
+        settings = _one_model(settings, specs[0])
     if not scaled:  # single process: Ray is never imported
         from .server.app import serve
 
@@ -355,6 +379,22 @@ def _serve(args: argparse.Namespace) -> int:
     serve_cluster(settings, scale, host=args.host, port=args.port, log_level=args.log_level,
                   ray_address=args.ray_address)
     return 0
+
+
+def _one_model(settings, spec):
+    """One model given as an argument, for the scale-out replicas (which read the model from the environment)."""
+    from .server.models import model_settings
+
+    os.environ["TINYLOOP_MODEL_PATH"] = spec.source
+    if spec.names:
+        os.environ["TINYLOOP_SERVED_MODEL_NAME"] = ",".join(spec.names)
+    return model_settings(settings, spec)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from .ps import run
+
+    return run(args.url, args.json)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -512,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/server.md)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("models", nargs="*", metavar="MODEL",
+                   help="several models behind one server (docs/server.md \"Several models\"): each a .tinyloop file, "
+                   "a packaged name, an hf: name, NAME=any of these, a directory of .tinyloop files, or a models "
+                   "config (.toml / .json, with per-model loops, kv, context, keep_alive). A request's model "
+                   "picks one; they load on demand. One MODEL is the same as --model")
     s.add_argument("--model", help="a .tinyloop file, a packaged model's name (tinyloop-16m, tinyloop-16m-int4) or "
                    "a pulled model's hf:ORG/NAME[@REVISION][:int4] (pulled first if the store lacks it); default: "
                    "$TINYLOOP_MODEL_PATH or the shipped model. A model that cannot be loaded stops the command "
@@ -529,6 +574,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-bytes", metavar="SIZE",
                    help="the prompt cache directory's bound, e.g. 4G or 512M (default 4G): least recently used files "
                    "go first; $TINYLOOP_PROMPT_CACHE_BYTES")
+    s.add_argument("--keep-alive", metavar="DURATION",
+                   help="how long a model stays loaded after its last request (Ollama's keep_alive: seconds or 5m, "
+                   "1h; -1 pins it, 0 unloads it after each answer; a request's keep_alive wins). Default: until "
+                   "its room is needed; $TINYLOOP_KEEP_ALIVE")
+    s.add_argument("--max-loaded-models", type=int, metavar="N",
+                   help="several models: at most N loaded at once, the least recently used unloaded first (never "
+                   "a pinned one, never while it runs a request); $TINYLOOP_MAX_LOADED_MODELS. Default: no bound")
+    s.add_argument("--max-memory", metavar="SIZE",
+                   help="several models: the memory the loaded ones' weights and KV pools may hold, e.g. 8G "
+                   "(LRU as above); $TINYLOOP_MAX_MEMORY. Default: no bound")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--reasoning-parser", choices=["auto", "none", "think"],
                    help="split <think> blocks from the answer (reasoning_content): auto (default: models whose chat "
@@ -547,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray-address", help="join this Ray cluster (e.g. HEAD_IP:6379 after `ray start --head`) "
                    "instead of starting one on this machine")
     s.set_defaults(func=_serve)
+
+    ps = sub.add_parser("ps", help="the models a running server serves: state, memory, keep_alive (as `ollama ps`)")
+    ps.add_argument("--url", default=os.environ.get("TINYLOOP_URL", "http://127.0.0.1:8000"),
+                    help="the server (default: $TINYLOOP_URL or %(default)s); its key from $TINYLOOP_API_KEY")
+    ps.add_argument("--json", action="store_true", help="the /v1/models cards as JSON")
+    ps.set_defaults(func=_ps)
 
     from .store.commands import add_commands  # pull, list, rm
     add_commands(sub)

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings (server/embeddings.py) through the official `openai` SDK against a local server:
+"""POST /v1/embeddings (server/openai/embeddings.py) through the official `openai` SDK against a local server:
 embeddings.create with a string, strings, token ids and token-id lists; float and base64 (the SDK's default)
 equal; dimensions; values equal to the PyTorch model's own forward at that loop count pooled the same way;
 a batch equal to its inputs one by one; `loops` (and `model@loops=K`) changes the vector; `pooling`; usage

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (server/anthropic.py) through the official `anthropic` SDK against a local server:
+"""Anthropic's Messages API (server/anthropic/routes.py) through the official `anthropic` SDK against a local server:
 messages.create, messages.stream (the same answer as create at temperature 0, events in Anthropic's order),
 stop sequences, a tool-use round trip (held to the tool's input_schema, parsed as the chat route parses its
 calls), count_tokens (the prompt create prefills), TinyLoop's knobs, and bad input as Anthropic-shaped
@@ -17,7 +17,7 @@ from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.errors import ValidationError
 from tinyloop.modelfile.loader import write_model
-from tinyloop.server.anthropic import MessagesFramer, partial_object
+from tinyloop.server.anthropic.routes import MessagesFramer, partial_object
 from tinyloop.server.fields import param_of
 from tinyloop.server.errors import APIError
 from tinyloop.server.settings import Settings
@@ -427,6 +427,6 @@ def test_stream_error_event():
                                                          "message": "the server is shutting down"}
     assert framer.keepalive.startswith(b"event: ping\n")
     with pytest.raises(ValidationError):   # (the tiny guard: the module's own errors are ValidationErrors)
-        from tinyloop.server.anthropic import chat_messages
-        from tinyloop.server.anthropic_schemas import CountTokensRequest
+        from tinyloop.server.anthropic.routes import chat_messages
+        from tinyloop.server.anthropic.schemas import CountTokensRequest
         chat_messages(CountTokensRequest.model_validate({"model": "m", "messages": []}))

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (server/openai_responses.py) through the official `openai` SDK against a local server:
+"""OpenAI's Responses API (server/responses/routes.py) through the official `openai` SDK against a local server:
 responses.create (a string, items, instructions: the chat route's answer to the same conversation), responses.stream
 (the same answer as create at temperature 0, typed events in order with consecutive sequence numbers), a tool-call
 round trip (function_call items held to the tool's parameters, parsed as the chat route parses its calls, their
@@ -20,7 +20,7 @@ from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.modelfile.loader import write_model
 from tinyloop.server.errors import APIError
-from tinyloop.server.openai_responses import ResponsesFramer, ResponseStore, Stored
+from tinyloop.server.responses.routes import ResponsesFramer, ResponseStore, Stored
 from tinyloop.server.settings import Settings
 
 from .conftest import ServerThread

@@ -1,8 +1,8 @@
 """Request bodies take their defaults from SamplingParams (one place), except where an API's spec differs."""
 
 from tinyloop.engine import SamplingParams
-from tinyloop.server.native_schemas import GenerateRequest, SpeculativeRequest, TreeSpeculativeRequest
-from tinyloop.server.schemas import CompletionRequest, LMStudioCompletionRequest
+from tinyloop.server.native.schemas import GenerateRequest, SpeculativeRequest, TreeSpeculativeRequest
+from tinyloop.server.openai.schemas import CompletionRequest, LMStudioCompletionRequest
 
 KNOBS = ("max_tokens", "draft_loops", "verify_loops", "draft_ahead", "k_branches", "cache_window",
          "repetition_penalty", "presence_penalty", "frequency_penalty", "loops")

@@ -160,7 +160,7 @@ class SamplingParams:
             if self.exit_threshold is not None:
                 need(isinstance(self.exit_threshold, (int, float)) and 0 < self.exit_threshold <= 10, "exit_threshold",
                      f"must be in (0, 10], got {self.exit_threshold}")
-        if self.verify_loops is not None:  # checked whenever given, as the other knobs are (server/schemas.py)
+        if self.verify_loops is not None:  # checked whenever given, as the other knobs are (server/knobs.py)
             need(isinstance(self.verify_loops, int) and 1 <= self.verify_loops <= max_loops, "verify_loops",
                  f"must be in 1..{max_loops}, got {self.verify_loops}")
         fixed = " (this model's depth is fixed: it runs its layers once)" if max_loops == 1 else ""

@@ -21,7 +21,12 @@ from fastapi import HTTPException
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..model.fast import executor_name
 from ..modelfile.header import weights_format
-from . import access, anthropic, docs_ui, embeddings, errors, lmstudio, native, openai, openai_responses, playground
+from . import access, docs_ui, errors, playground
+from .anthropic import routes as anthropic
+from .native import routes as native
+from .openai import embeddings, lmstudio
+from .openai import routes as openai
+from .responses import routes as openai_responses
 from . import openapi as server_openapi
 from . import cache_routes
 from .errors import APIError

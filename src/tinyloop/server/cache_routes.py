@@ -33,8 +33,8 @@ from ..engine import SamplingParams
 from ..engine.disk_cache import CacheNameError, check_name, file_hash, list_manifests, read_manifest, saved_path
 from .errors import APIError
 from .generation import collect
-from .openai import state_of
-from .schemas import ChatMessage, render_chat
+from .generation import state_of
+from .knobs import ChatMessage, render_chat
 
 router = APIRouter()
 MANIFEST_WAIT_S = 60.0   # how long a save waits for the engine's writer to put the manifest on disk

@@ -1,6 +1,6 @@
 """Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}, plus
 `request_id` (the `X-Request-Id` of the response), except under the paths of an API with its own error
-shape (`register_shape`: Anthropic's Messages API under /v1/messages, server/anthropic.py).
+shape (`register_shape`: Anthropic's Messages API under /v1/messages, server/anthropic/routes.py).
 
 `APIError` is what route code raises; the handlers below turn it, the engine's `ValidationError`,
 pydantic's validation errors, Starlette's HTTP errors and anything unexpected into that shape, so no

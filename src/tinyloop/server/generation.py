@@ -19,7 +19,7 @@ from ..version import __version__
 from ..engine import SamplingParams
 from ..errors import ValidationError
 from .access import LOOPS_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER, add_completion_tokens, note, response_headers
-from .schemas import LOOPS_SUFFIX
+from .knobs import LOOPS_SUFFIX
 from .errors import APIError, from_engine_failure
 from .sse import DONE, Framer, usage
 from .worker import EngineWorker, RequestHandle
@@ -183,6 +183,11 @@ async def collect(handle: RequestHandle, request: Request) -> list[Result]:
     schema_checked(out)
     note(finish_reason=out[0].finish_reason)  # a batch of prompts: its requests' sum
     return out
+
+
+def state_of(request: Request) -> ServerState:
+    """The server's state, as a route reaches it."""
+    return request.app.state.tl
 
 
 def schema_checked(results: list[Result]) -> None:

@@ -1,11 +1,11 @@
 """The OpenAPI document at /openapi.json: what every route really takes and really returns.
 
-FastAPI writes the request schemas from the pydantic models (schemas.py: strict types, and the engine's
+FastAPI writes the request schemas from the pydantic models (knobs.py and each API's schemas.py: strict types, and the engine's
 ranges as JSON-schema keywords). This module adds what FastAPI cannot know:
 
 - the limits that depend on the served model or the settings (`x-limit` markers: `max_tokens`,
   `max_loops`, the last token id) and the model ids `/v1/models/{id}` answers for;
-- every response: the JSON bodies (responses.py), the SSE content type of streaming routes, the
+- every response: the JSON bodies (response_models.py), the SSE content type of streaming routes, the
   `text/plain` of /metrics, each error status with OpenAI's error body, and the `X-Request-Id` header.
 
 Rules JSON Schema cannot state (prompt_tokens + max_tokens within the context, draft_loops below
@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from . import responses as R
+from . import response_models as R
 from .access import LOOPS_HEADER, REQUEST_ID_HEADER, SCHEMA_CHECK_HEADER, WARNING_HEADER
 
 ERROR_TEXT = {

@@ -50,6 +50,21 @@ def emit_fused_mlp(cfg: ModelConfig, base: str, name: str, t: torch.Tensor, emit
     emit(f"{base}.mlp.w_up.weight", up)
 
 
+def emit_fused_qkv(cfg: ModelConfig, base: str, name: str, t: torch.Tensor, emit: Emit,
+                   perm: torch.Tensor | None = None) -> None:
+    """A fused attention input projection `Wqkv` (q rows, then k, then v) -> TinyLoop's wq, wk and wv; `perm`
+    reorders each q and k head's dimensions (interleaved RoPE pairs -> halves: `half_split`)."""
+    H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+    if tuple(t.shape) != ((H + 2 * Hkv) * D, d):
+        raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{(H + 2 * Hkv) * D}, {d}]")
+    q, k, v = t.split([H * D, Hkv * D, Hkv * D], dim=0)
+    if perm is not None:
+        q, k = q.reshape(H, D, -1)[:, perm].reshape(H * D, -1), k.reshape(Hkv, D, -1)[:, perm].reshape(Hkv * D, -1)
+    emit(f"{base}.attn.wq.weight", q)
+    emit(f"{base}.attn.wk.weight", k)
+    emit(f"{base}.attn.wv.weight", v)
+
+
 def half_split(cfg: ModelConfig) -> torch.Tensor:
     """Head-dim permutation: new index j < D/2 takes interleaved 2j, j >= D/2 takes 2(j - D/2) + 1."""
     D = cfg.head_dim

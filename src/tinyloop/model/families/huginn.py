@@ -22,7 +22,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, Family, need
-from .common import RAVEN_TOP, emit_fused_mlp, half_split
+from .common import RAVEN_TOP, emit_fused_mlp, emit_fused_qkv, half_split
 from .retrofit import retrofit_config, retrofit_tensor
 
 
@@ -49,7 +49,7 @@ def huginn_config(hf: dict[str, Any], src: Path, eos: list[int]) -> ModelConfig:
 
 
 def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
-    H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     perm = half_split(cfg)
     parts = name.split(".")
     if name in RAVEN_TOP:
@@ -65,12 +65,7 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
         if rest in simple:
             emit(f"{base}.{simple[rest]}", t)
         elif rest == "attn.Wqkv.weight":
-            if t.shape[0] != (H + 2 * Hkv) * D:
-                raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{(H + 2 * Hkv) * D}, {d}]")
-            q, k, v = t.split([H * D, Hkv * D, Hkv * D], dim=0)
-            emit(f"{base}.attn.wq.weight", q.reshape(H, D, -1)[:, perm].reshape(H * D, -1))
-            emit(f"{base}.attn.wk.weight", k.reshape(Hkv, D, -1)[:, perm].reshape(Hkv * D, -1))
-            emit(f"{base}.attn.wv.weight", v)
+            emit_fused_qkv(cfg, base, name, t, emit, perm)
         elif rest == "attn.qk_bias":
             if tuple(t.shape) != (2, 1, H, D):
                 raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [2, 1, {H}, {D}]")

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ...config import ModelConfig
-from . import ConvertError, Emit, need
-from .common import RAVEN_TOP, check_inv_freq, emit_fused_mlp, rope_llama3
+from . import Emit, need
+from .common import RAVEN_TOP, check_inv_freq, emit_fused_mlp, emit_fused_qkv, rope_llama3
 
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
@@ -82,7 +82,6 @@ RETROFIT_NORMS = {"pre": {"norm_1.weight": "attn_norm.weight", "norm_2.weight": 
 def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> bool:
     """A retrofit's state dict -> TinyLoop's names. RoPE is already half-split (transformers' rotate_half),
     so q and k rows keep their order; Wqkv and the MLP's fc are split at their rows (q, k, v; gate, up)."""
-    H, Hkv, D, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
     parts = name.split(".")
     if name in RAVEN_TOP:
         emit(RAVEN_TOP[name], t)
@@ -101,12 +100,7 @@ def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
         elif rest in RETROFIT_BLOCK:
             emit(f"{base}.{RETROFIT_BLOCK[rest]}", t)
         elif rest == "attn.Wqkv.weight":
-            if tuple(t.shape) != ((H + 2 * Hkv) * D, d):
-                raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [{(H + 2 * Hkv) * D}, {d}]")
-            q, k, v = t.split([H * D, Hkv * D, Hkv * D], dim=0)
-            emit(f"{base}.attn.wq.weight", q)
-            emit(f"{base}.attn.wk.weight", k)
-            emit(f"{base}.attn.wv.weight", v)
+            emit_fused_qkv(cfg, base, name, t, emit)
         elif rest == "mlp.fc.weight":
             emit_fused_mlp(cfg, base, name, t, emit)
         else:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes (/v1/*). The /api/v0 routes (lmstudio.py) reuse these handlers with extras."""
+"""OpenAI-compatible routes (/v1/*). The /api/v0 routes (openai/lmstudio.py) reuse these handlers with extras."""
 
 from __future__ import annotations
 
@@ -6,23 +6,19 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 
-from ..chat import Chat
-from ..engine import SamplingParams
-from ..errors import ValidationError
-from .access import note
-from .errors import APIError
-from .generation import MergedHandle, ServerState, collect_all, new_id, now, stream, sum_usage, total_usage
-from .logprobs import chat_content, chat_logprobs, completion_logprobs, completion_tail, join
+from ...chat import Chat
+from ...engine import SamplingParams
+from ...errors import ValidationError
+from ..access import note
+from ..errors import APIError
+from ..generation import MergedHandle, ServerState, state_of, collect_all, new_id, now, stream, sum_usage, total_usage
+from ..logprobs import chat_content, chat_logprobs, completion_logprobs, completion_tail, join
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from .sse import ChatFramer, CompletionFramer, ToolChatFramer
-from .reasoning import Answer, thinking_budget
-from .structured import ToolPlan, message_of
+from ..sse import ChatFramer, CompletionFramer, ToolChatFramer
+from ..reasoning import Answer, thinking_budget
+from ..structured import ToolPlan
 
 router = APIRouter()
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.tl
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
@@ -77,7 +73,7 @@ def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams, *,
 def thinking_params(engine, body: ChatCompletionRequest, params: SamplingParams, reasoning: str) -> SamplingParams:
     """The thinking block's tags (the server's reasoning parser: auto, none, think) and budget
     (max_thinking_tokens, else reasoning_effort's); neither has an effect on a model that does not think."""
-    from ..engine.thinking import THINK, resolve
+    from ...engine.thinking import THINK, resolve
 
     thinking = {"none": False, "think": THINK}.get(reasoning)
     budget = thinking_budget(body.max_thinking_tokens, getattr(body, "reasoning_effort", None))
@@ -192,11 +188,21 @@ async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, e
     return out
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await run_completion(request, body, chat=True, extended=False)
+def completion_routes(router: APIRouter, prefix: str, chat_body: type[OpenAIRequest], text_body: type[OpenAIRequest],
+                      *, extended: bool) -> None:
+    """POST {prefix}/chat/completions and {prefix}/completions, their bodies read as `chat_body` and `text_body`
+    (/v1: OpenAI's; /api/v0: LM Studio's, `extended` with stats, model_info and runtime)."""
+
+    async def chat_completions(body, request: Request):
+        return await run_completion(request, body, chat=True, extended=extended)
+
+    async def completions(body, request: Request):
+        return await run_completion(request, body, chat=False, extended=extended)
+
+    for handler, body_type, path in ((chat_completions, chat_body, "/chat/completions"),
+                                     (completions, text_body, "/completions")):
+        handler.__annotations__ = {"body": body_type, "request": Request}
+        router.post(prefix + path)(handler)
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    return await run_completion(request, body, chat=False, extended=False)
+completion_routes(router, "/v1", ChatCompletionRequest, CompletionRequest, extended=False)

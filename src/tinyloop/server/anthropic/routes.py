@@ -24,18 +24,19 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 
-from ..errors import ValidationError
-from .errors import APIError, register_shape, request_id_var
-from .fields import field_error
-from .generation import collect, now, stream
-from .anthropic_schemas import (CountTokensRequest, DocumentBlock, ImageBlock, MessagesRequest,
+from ...errors import ValidationError
+from ..errors import APIError, register_shape, request_id_var
+from ..fields import field_error
+from ..generation import collect, now, stream
+from .schemas import (CountTokensRequest, DocumentBlock, ImageBlock, MessagesRequest,
                                 RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolChoiceAny, ToolChoiceAuto,
                                 ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock)
-from .anthropic_schemas import ThinkingAdaptive, ThinkingDisabled
-from .openai import chat_inputs, messages_error, state_of
-from .reasoning import Answer
-from .schemas import ChatCompletionRequest
-from .sse import NamedEventFramer, deltas_of
+from .schemas import ThinkingAdaptive, ThinkingDisabled
+from ..generation import state_of
+from ..openai.routes import chat_inputs, messages_error
+from ..reasoning import Answer
+from ..openai.schemas import ChatCompletionRequest
+from ..sse import NamedEventFramer, deltas_of
 
 router = APIRouter()
 PREFIX = "/v1/messages"
@@ -255,7 +256,7 @@ def thinking_of(body: CountTokensRequest, engine, params):
     """`thinking`: enabled -> its budget_tokens as the thinking budget, disabled -> no thinking (the template's
     enable_thinking false, and a budget of 0 in case the template has no such switch); no effect on a model
     that does not think."""
-    from ..engine.thinking import MAX_THINKING_TOKENS, resolve
+    from ...engine.thinking import MAX_THINKING_TOKENS, resolve
 
     th = body.thinking
     if th is None or isinstance(th, ThinkingAdaptive) or resolve(params.thinking, engine.tokenizer) is None:

@@ -24,13 +24,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.embedding import check_dimensions, to_base64, truncate
-from ..errors import ValidationError
-from .access import note
-from .errors import OpenAIFieldErrors, register_shape
-from .generation import gather
-from .openai import state_of
-from .schemas import Int, check_timeout, requested_loops
+from ...engine.embedding import check_dimensions, to_base64, truncate
+from ...errors import ValidationError
+from ..access import note
+from ..errors import OpenAIFieldErrors, register_shape
+from ..generation import gather
+from ..generation import state_of
+from ..knobs import Int, check_timeout, requested_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"

@@ -7,15 +7,15 @@ from functools import partial
 import anyio
 from fastapi import APIRouter, Request
 
-from ..errors import ValidationError
-from ..tokenizer import HFTokenizer
-from .logprobs import native_logprob
-from .generation import collect, stream
-from .openai import state_of
-from .native_schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
+from ...errors import ValidationError
+from ...tokenizer import HFTokenizer
+from ..logprobs import native_logprob
+from ..generation import collect, stream
+from ..generation import state_of
+from .schemas import (DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest,
                              TreeSpeculativeRequest)
-from .schemas import render_chat
-from .sse import NativeFramer
+from ..knobs import render_chat
+from ..sse import NativeFramer
 
 router = APIRouter()
 

@@ -1,5 +1,5 @@
 """Request bodies of Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): Anthropic's
-field names, types and block shapes, plus TinyLoop's knobs as extra fields (server/anthropic.py translates a
+field names, types and block shapes, plus TinyLoop's knobs as extra fields (server/anthropic/routes.py translates a
 request onto the chat route's; docs/server.md, "Anthropic Messages API").
 
 Types are strict, as on the OpenAI routes; unknown fields are refused (Anthropic's API refuses them too),
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import Int, LoopKnobs, rng
+from ..knobs import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 CacheControl = dict[str, Any] | None   # {"type": "ephemeral", "ttl": ...}: accepted; the prefix cache is automatic

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from .generation import ServerState
-from .openai import model_routes, run_completion
+from ..generation import ServerState
+from .routes import completion_routes, model_routes
 from .schemas import LMStudioChatRequest, LMStudioCompletionRequest
 
 router = APIRouter()
@@ -24,13 +24,4 @@ def lmstudio_model(state: ServerState) -> dict[str, Any]:
 
 
 model_routes(router, "/api/v0", lmstudio_model)
-
-
-@router.post("/api/v0/chat/completions")
-async def chat_completions(body: LMStudioChatRequest, request: Request):
-    return await run_completion(request, body, chat=True, extended=True)
-
-
-@router.post("/api/v0/completions")
-async def completions(body: LMStudioCompletionRequest, request: Request):
-    return await run_completion(request, body, chat=False, extended=True)
+completion_routes(router, "/api/v0", LMStudioChatRequest, LMStudioCompletionRequest, extended=True)

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from ..engine import SamplingParams, param_default
-from ..engine.constraint import Constraint
-from ..errors import ValidationError
-from .schemas import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
+from ...engine import SamplingParams, param_default
+from ...engine.constraint import Constraint
+from ...errors import ValidationError
+from ..knobs import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
                       ChatMessage, ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, ReasoningEffort,
                       StopStrings, TokenIds, _seed, check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
 

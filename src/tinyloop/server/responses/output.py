@@ -1,4 +1,4 @@
-"""The Responses API's answer and store (server/openai_responses.py translates the request): the chat route's
+"""The Responses API's answer and store (server/responses/routes.py translates the request): the chat route's
 deltas as Responses' output items and their typed events (`Items`, `ResponsesFramer`), the response object and
 its usage, and the bounded in-memory store of responses (`ResponseStore`) that `GET /v1/responses/{id}` and
 `previous_response_id` read."""
@@ -14,10 +14,10 @@ from typing import Any, Callable, Literal
 
 from fastapi import Request
 
-from .errors import APIError
-from .openai import state_of
-from .openai_responses_schemas import ResponsesRequest
-from .sse import NamedEventFramer, deltas_of, named_frame
+from ..errors import APIError
+from ..generation import state_of
+from .schemas import ResponsesRequest
+from ..sse import NamedEventFramer, deltas_of, named_frame
 
 DEFAULT_STORE_SIZE = 1000
 

@@ -1,7 +1,7 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and
 `GET /v1/responses/{id}/input_items` (docs/server.md, "OpenAI Responses API").
 
-A thin translation onto the chat route, as server/anthropic.py translates Anthropic's Messages: a request
+A thin translation onto the chat route, as server/anthropic/routes.py translates Anthropic's Messages: a request
 becomes the `ChatCompletionRequest` it means (`instructions` a first system message; the conversation of
 `previous_response_id` and the `input` items as the chat route's messages: messages, an earlier answer's
 `function_call` items as an assistant's `tool_calls`, `function_call_output` items as `tool` messages; `tools`,
@@ -32,16 +32,17 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Query, Request
 
-from ..errors import ValidationError
-from .errors import APIError, OpenAIFieldErrors, register_shape
-from .generation import collect, stream as sse_stream
-from .openai import chat_inputs, messages_error, state_of
-from .reasoning import Answer
-from .openai_responses_schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
+from ...errors import ValidationError
+from ..errors import APIError, OpenAIFieldErrors, register_shape
+from ..generation import collect, stream as sse_stream
+from ..generation import state_of
+from ..openai.routes import chat_inputs, messages_error
+from ..reasoning import Answer
+from .schemas import (TEXT_PARTS, FormatJSONObject, FormatJSONSchema, FunctionCallItem,
                                        FunctionCallOutputItem, FunctionTool, ItemReference, MessageItem,
                                        NamespaceTool, ReasoningItem, ResponsesRequest)
-from .schemas import ChatCompletionRequest
-from .openai_responses_output import (ResponsesFramer, ResponseStore, Stored, finished, new_id, output_of,  # noqa: F401
+from ..openai.schemas import ChatCompletionRequest
+from .output import (ResponsesFramer, ResponseStore, Stored, finished, new_id, output_of,  # noqa: F401
                                       response_object, store_of)
 
 router = APIRouter()

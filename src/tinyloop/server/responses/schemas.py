@@ -1,8 +1,8 @@
 """Request bodies of OpenAI's Responses API (`POST /v1/responses`): OpenAI's field names, item and part
-shapes, plus TinyLoop's knobs as extra fields (server/openai_responses.py translates a request onto the chat
+shapes, plus TinyLoop's knobs as extra fields (server/responses/routes.py translates a request onto the chat
 route's; docs/server.md, "OpenAI Responses API").
 
-Not to be confused with server/responses.py, the response bodies of the other routes as the OpenAPI document
+Not to be confused with server/response_models.py, the response bodies of the other routes as the OpenAPI document
 describes them.
 
 Types are strict, as on the other routes; unknown fields are refused (OpenAI's API refuses them too) with a
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .schemas import Int, LoopKnobs, rng
+from ..knobs import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 OPEN = ConfigDict(strict=True, extra="allow")
