@@ -102,7 +102,7 @@ def is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(_json_equal(value, d) for d in allowed)
 
 
-def _closed_schema(schema: dict[str, Any]) -> None:
+def closed_schema(schema: dict[str, Any]) -> None:
     """The document of an OpenAI body: the refused fields with the only values accepted, and no others."""
     schema["properties"].update({k: v for k, v in _unsupported_schema().items() if k not in schema["properties"]})
     schema["additionalProperties"] = False
@@ -219,11 +219,11 @@ def render_chat(messages: list[ChatMessage], template: str | None = None) -> Cha
     return Chat(tuple(generic_conversation(out) if style == "generic" else out))
 
 
-def _or(value: Any, default: Any) -> Any:
+def or_default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _seed(value: int | None, param: str) -> int | None:
+def seed_of(value: int | None, param: str) -> int | None:
     """Seeds go to torch.Generator.manual_seed, which takes [-2**63, 2**64); any other integer is taken
     modulo 2**64 (JSON numbers that large are not exact in most clients anyway)."""
     if value is not None and not SEED_MIN <= value <= SEED_MAX:
@@ -303,4 +303,4 @@ class LoopKnobs(BaseModel):
         given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
                  "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
-        return {name: _or(value, param_default(name)) for name, value in given.items()}
+        return {name: or_default(value, param_default(name)) for name, value in given.items()}

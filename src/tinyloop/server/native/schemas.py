@@ -13,7 +13,7 @@ from ...engine.constraint import Constraint
 from ...errors import ValidationError
 from ..knobs import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
                       ChatMessage, ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, ReasoningEffort,
-                      StopStrings, TokenIds, _seed, check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
+                      StopStrings, TokenIds, seed_of, check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
 
 
 class GenerateRequest(BaseModel):
@@ -83,7 +83,7 @@ class GenerateRequest(BaseModel):
         return SamplingParams(
             max_tokens=self.max_tokens, loops=self.loops, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=_seed(self.sample_seed, "sample_seed"), stop=stop,
+            frequency_penalty=self.frequency_penalty, seed=seed_of(self.sample_seed, "sample_seed"), stop=stop,
             stop_token_ids=stop_ids, cache_window=self.cache_window, mode=self.MODE,
             exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold, min_loops=self.min_loops,
             max_loops=self.max_loops, kv_loops=self.kv_loops, logprobs=self.logprobs,

@@ -12,7 +12,10 @@ from ...engine import SamplingParams, param_default
 from ...engine.constraint import Constraint
 from ...engine.plan import MAX_N
 from ...errors import ValidationError
-from ..knobs import (ChatMessage, DEFAULT_MAX_TOKENS, EFFORT_DOC, Int, LoopKnobs, MAX_STOP, NO_EFFECT, NonEmptyStr, OPENAI_TEMPERATURE, Prediction, PromptIds, ReasoningEffort, StopStrings, StreamOptions, UNSUPPORTED, _closed_schema, _or, _seed, check_timeout, doc, is_default, logit_bias_field, logit_bias_of, render_chat, requested_loops, rng)
+from ..knobs import (ChatMessage, DEFAULT_MAX_TOKENS, EFFORT_DOC, Int, LoopKnobs, MAX_STOP, NO_EFFECT, NonEmptyStr,
+                     OPENAI_TEMPERATURE, Prediction, PromptIds, ReasoningEffort, StopStrings, StreamOptions,
+                     UNSUPPORTED, closed_schema, or_default, seed_of, check_timeout, doc, is_default, logit_bias_field,
+                     logit_bias_of, render_chat, requested_loops, rng)
 from ..structured import ResponseFormat, Tool, ToolChoice, ToolPlan
 
 
@@ -23,7 +26,7 @@ class OpenAIRequest(LoopKnobs):
     pydantic (so that this is a 400 naming the field, not a 422) and refused in `check_unsupported`; the
     document says `additionalProperties: false`."""
 
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_closed_schema)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=closed_schema)
 
     model: str = Field(description='any name, echoed into the response (under --strict-model-names one of the '
                                    'server\'s names, GET /v1/models, else 404 model_not_found); a name ending in '
@@ -80,7 +83,7 @@ class OpenAIRequest(LoopKnobs):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int:
-        return _or(self.max_tokens, DEFAULT_MAX_TOKENS)
+        return or_default(self.max_tokens, DEFAULT_MAX_TOKENS)
 
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None
@@ -93,15 +96,15 @@ class OpenAIRequest(LoopKnobs):
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
             max_tokens=self.requested_max_tokens(), loops=self.requested_loops(),
-            temperature=_or(self.temperature, _or(temperature, OPENAI_TEMPERATURE)),
-            top_p=_or(self.top_p, param_default("top_p")),
-            top_k=_or(self.top_k, param_default("top_k")),
-            presence_penalty=_or(self.presence_penalty, param_default("presence_penalty")),
-            frequency_penalty=_or(self.frequency_penalty, param_default("frequency_penalty")),
-            seed=_seed(self.seed, "seed"), stop=self.stop_list(),
-            exit_criterion=_or(self.exit_criterion, param_default("exit_criterion")),
-            exit_threshold=self.exit_threshold, min_loops=_or(self.min_loops, param_default("min_loops")),
-            max_loops=self.max_loops, kv_loops=_or(self.kv_loops, param_default("kv_loops")),
+            temperature=or_default(self.temperature, or_default(temperature, OPENAI_TEMPERATURE)),
+            top_p=or_default(self.top_p, param_default("top_p")),
+            top_k=or_default(self.top_k, param_default("top_k")),
+            presence_penalty=or_default(self.presence_penalty, param_default("presence_penalty")),
+            frequency_penalty=or_default(self.frequency_penalty, param_default("frequency_penalty")),
+            seed=seed_of(self.seed, "seed"), stop=self.stop_list(),
+            exit_criterion=or_default(self.exit_criterion, param_default("exit_criterion")),
+            exit_threshold=self.exit_threshold, min_loops=or_default(self.min_loops, param_default("min_loops")),
+            max_loops=self.max_loops, kv_loops=or_default(self.kv_loops, param_default("kv_loops")),
             logprobs=self.logprobs_param(), constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
             reasoning_effort=self.reasoning_effort, **self.extension_params())
 
@@ -118,7 +121,7 @@ class OpenAIRequest(LoopKnobs):
 
     def choices(self) -> int:
         """`n` as asked (default 1); the request plan checks its range with every other knob."""
-        return _or(self.n, 1)
+        return or_default(self.n, 1)
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -138,7 +141,7 @@ class ChatCompletionRequest(OpenAIRequest):
                                   param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise ValidationError("top_logprobs: needs logprobs: true", param="top_logprobs")
-        return _or(self.top_logprobs, 0) if self.logprobs else None
+        return or_default(self.top_logprobs, 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int:
         if self.max_completion_tokens is not None and self.max_tokens is not None \
@@ -146,7 +149,7 @@ class ChatCompletionRequest(OpenAIRequest):
             raise ValidationError(f"max_tokens: {self.max_tokens} and max_completion_tokens "
                                   f"{self.max_completion_tokens} disagree; give one (max_tokens is OpenAI's older name)",
                                   param="max_tokens")
-        value = _or(self.max_completion_tokens, _or(self.max_tokens, DEFAULT_MAX_TOKENS))
+        value = or_default(self.max_completion_tokens, or_default(self.max_tokens, DEFAULT_MAX_TOKENS))
         if value < 1:  # chat has no prompt scoring: the engine's "0 only with prompt_logprobs" does not apply
             name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
             raise ValidationError(f"{name}: must be at least 1, got {value}", param=name)
