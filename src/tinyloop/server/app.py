@@ -9,7 +9,6 @@ import hmac
 import json
 import logging
 import sys
-import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,7 +29,7 @@ from .responses import routes as openai_responses
 from . import openapi as server_openapi
 from . import cache_routes
 from .errors import APIError
-from .generation import ServerState, served_names
+from .models import LeaseMiddleware, build_pool
 from .metrics import Metrics
 from .settings import Settings
 from .worker import EngineWorker
@@ -168,28 +167,19 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     worker that forwards planned requests to engine replicas); `metrics` what `/metrics` renders."""
     settings = settings or Settings.from_env()
     metrics = metrics or Metrics()
-    worker = (worker_factory or (lambda s, m: EngineWorker(s, m, loader=loader)))(settings, metrics)
-    from ..modelfile.loader import resolve_model_path
-
-    path = resolve_model_path(settings.model_path)
-    try:
-        created = int(path.stat().st_mtime)
-    except OSError:
-        created = int(time.time())
-    state = ServerState(settings, worker, metrics, names=served_names(settings.served_model_names, path),
-                        created=created)
-    state.model_path = str(path)
+    # the models served (server/models.py): one, as before, or several, each with its own worker once loaded
+    state = build_pool(settings, metrics, worker_factory or (lambda s, m: EngineWorker(s, m, loader=loader)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()
+        state.start()
         for w in settings.warnings:
             log.warning(w)
         # anyio's thread backend imported and its first worker thread started now, not by the first request (every
         # route tokenizes off the event loop): ~15 ms of CPU the first request after a restart paid
         await anyio.to_thread.run_sync(lambda: None)
         yield
-        worker.stop()
+        state.stop()
 
     app = FastAPI(title="TinyLoop", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tl = state
@@ -206,8 +196,14 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
 
     @app.get("/health")
     async def health():
+        if not state.single:   # several models: the server serves while any may load; each one's state
+            return {"status": "ok", "version": __version__, "commit": settings.commit,
+                    "models": {e.name: state.status(e) for e in state.entries}, **state.pool_status()}
+        worker = state.worker
         base: dict[str, Any] = {"model": state.model_path, "model_id": state.model_id, "version": __version__, "commit": settings.commit,
                                 "kv_cache_mode": settings.kv_cache_mode, "warnings": worker.warnings}
+        if worker.state == "unloaded":   # (keep_alive ran out: it loads again on the next request)
+            return {"status": "ok", **base, "model_state": "unloaded"}
         if worker.state == "ready":
             engine = worker.engine
             out = {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
@@ -229,6 +225,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
     async def prometheus(request: Request):
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    app.add_middleware(LeaseMiddleware)   # a request holds its model until its response has gone out
     app.add_middleware(GateMiddleware, settings=settings, metrics=metrics)
     access.install_cors(app, settings.cors_origins)
     app.add_middleware(access.AccessMiddleware)
@@ -256,6 +253,16 @@ def loaded_line(engine, model_id: str, url: str) -> str:
     return (f"serving {model_id} ({_params(cfg.param_count())} parameters; loops {cfg.default_loops} default, "
             f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
             f"executor {executor_name(engine.model)}) on {url} from {engine.loaded.path}")
+
+
+def several_line(pool, url: str) -> str:
+    """`tinyloop serve A B ...`'s line: the models, and how they load."""
+    bounds = [f"at most {pool.max_loaded} loaded"] if pool.max_loaded is not None else []
+    if pool.max_memory is not None:
+        bounds.append(f"a memory budget of {pool.max_memory >> 20} MiB")
+    return (f"serving {len(pool.entries)} models ({', '.join(e.name for e in pool.entries)}) on {url}; each loads on "
+            f"its first request{' (' + ', '.join(bounds) + ')' if bounds else ''}; GET /v1/models or `tinyloop ps` "
+            "shows which are loaded")
 
 
 def load_failure_line(path: str, exc: BaseException | None, reason: str | None) -> str:
@@ -298,18 +305,19 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") 
     access.setup_logging(settings.log_format, log_level)
     app = create_app(settings, worker_factory=lambda s, m: EngineWorker(s, m, log_load_failure=False))
     state = app.state.tl
-    worker = state.worker
-    worker.start()
-    while not worker.ready.wait(0.25):   # (a wait with a timeout: Ctrl-C still interrupts it)
-        pass
-    if worker.state != "ready":
-        print(load_failure_line(state.model_path, worker.load_exception, worker.error), file=sys.stderr)
-        worker.stop()
-        return 1
+    state.preload()   # one model: loaded now; several: the pinned ones begin loading, the others load on demand
+    if state.single:
+        worker = state.worker
+        while not worker.ready.wait(0.25):   # (a wait with a timeout: Ctrl-C still interrupts it)
+            pass
+        if worker.state != "ready":
+            print(load_failure_line(state.model_path, worker.load_exception, worker.error), file=sys.stderr)
+            worker.stop()
+            return 1
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            worker.begin_shutdown()
+            state.begin_shutdown()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -317,7 +325,11 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str = "info") 
             if self.started:   # bound: the address as bound (--port 0: the port the system chose)
                 bound = self.servers[0].sockets[0].getsockname()
                 where = f"[{host}]" if ":" in host else host
-                log.info(loaded_line(worker.engine, state.model_id, f"http://{where}:{bound[1]}"))
+                url = f"http://{where}:{bound[1]}"
+                if state.single:
+                    log.info(loaded_line(state.worker.engine, state.model_id, url))
+                else:
+                    log.info(several_line(state, url))
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,  # ours has ids
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)

@@ -58,8 +58,10 @@ class CacheRestoreRequest(BaseModel):
     timeout_s: float | None = None
 
 
-def _root(request: Request):
-    state = state_of(request)
+async def _root(request: Request, model: str | None = None, timeout_s: float | None = None):
+    """(the model's state, the cache directory); `model`: several served, which one (default the first)."""
+    pool = state_of(request)
+    state = pool if model is None and pool.single else await pool.model(model, timeout_s)
     root = state.settings.prompt_cache_dir
     if root is None:
         raise APIError(501, "the prompt cache on disk is off: start the server with --prompt-cache-dir DIR "
@@ -96,12 +98,10 @@ async def _run(request: Request, state, ids: list[int], loops: int | None, windo
 
 @router.post("/v1/cache/save", include_in_schema=False)
 async def save(body: CacheSaveRequest, request: Request):
-    state, root = _root(request)
+    state, root = await _root(request, body.model, body.timeout_s)
     name = _name(body.name)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
-    if body.model is not None:
-        state.check_model(body.model)
     engine = state.worker.require_engine()
     if body.messages is not None:
         chat = render_chat(body.messages, getattr(engine.tokenizer, "chat_template", None))
@@ -139,10 +139,8 @@ async def _wait_manifest(path, started: float, ids: list[int]) -> dict[str, Any]
 
 @router.post("/v1/cache/restore", include_in_schema=False)
 async def restore(body: CacheRestoreRequest, request: Request):
-    state, root = _root(request)
+    state, root = await _root(request, body.model, body.timeout_s)
     name = _name(body.name)
-    if body.model is not None:
-        state.check_model(body.model)
     manifest = await anyio.to_thread.run_sync(read_manifest, root, name)
     if manifest is None:
         raise APIError(404, f"no saved conversation {name!r} (GET /v1/cache lists them)", param="name",
@@ -181,16 +179,16 @@ def _entry(m: dict[str, Any]) -> dict[str, Any]:
 
 @router.get("/v1/cache", include_in_schema=False)
 async def list_saved(request: Request):
-    _, root = _root(request)
+    state, root = await _root(request)
     saved = await anyio.to_thread.run_sync(list_manifests, root)
-    disk = getattr(state_of(request).worker, "prompt_cache", None)
+    disk = getattr(state.worker, "prompt_cache", None)
     return {"object": "list", "data": [_entry(m) for m in saved],
             "disk_bytes": disk.bytes_on_disk if disk is not None else None}
 
 
 @router.delete("/v1/cache/{name}", include_in_schema=False)
 async def delete_saved(name: str, request: Request):
-    _, root = _root(request)
+    _, root = await _root(request)
     name = _name(name)
     path = saved_path(root, name)
     try:

@@ -276,6 +276,10 @@ def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: 
                                   param=name)
 
 
+KEEP_ALIVE_DOC = ("Ollama's: how long the model stays loaded after this request (seconds, or a duration such as "
+                  '"5m"; negative: pinned; 0: unloaded once answered); default the model\'s (server/models.py)')
+
+
 class LoopKnobs(BaseModel):
     """TinyLoop's own knobs, declared once and taken by every generating route (/v1 chat and completions,
     /api/v0, Messages, Responses; as vLLM takes its sampling extras on /v1): the depth (`loops`, adaptive
@@ -297,6 +301,7 @@ class LoopKnobs(BaseModel):
     cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
     repetition_penalty: float | None = rng(lo=0.5, hi=2)
     ignore_eos: bool | None = Field(None, description="vLLM's: keep generating past end-of-text (benchmarks)")
+    keep_alive: float | str | None = Field(None, description=KEEP_ALIVE_DOC)   # server/models.py
 
     def extension_params(self) -> dict[str, Any]:
         check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)

@@ -493,21 +493,22 @@ class ModelPool:
         staying = [e for e in occupying if not (e.evicting or e.unloading)]
         if self._fits(staying, entry):
             return "wait"
-        # least recently used first; models with requests waiting for them last (those requests come first)
-        candidates = sorted((e for e in staying if e.ready and not e.pinned),
-                            key=lambda e: (e.waiting > 0, e.last_used))
+        # least recently used first; not one still loading, nor one whose waiting requests are about to run
+        candidates = sorted((e for e in staying if e.ready and not e.pinned and not e.waiting),
+                            key=lambda e: e.last_used)
         chosen = []
         while candidates and not self._fits(staying, entry):
             victim = candidates.pop(0)
             staying.remove(victim)
             chosen.append(victim)
         if not self._fits(staying, entry):
+            if any(not e.pinned for e in staying):   # loading, or about to serve: a candidate once that is done
+                return "wait"
             pinned = [e.name for e in staying if e.pinned]
             limit = (f"--max-loaded-models {self.max_loaded}" if self.max_loaded is not None and
                      len(staying) + 1 > self.max_loaded else f"--max-memory {self.max_memory >> 20} MiB")
             return (f"model {entry.name!r} cannot be loaded now: the models loaded fill {limit} and "
-                    f"{', '.join(repr(n) for n in pinned) or 'none'} are pinned (keep_alive -1)"
-                    + (", the others loading" if len(pinned) < len(staying) else ""))
+                    f"{', '.join(repr(n) for n in pinned)} {'is' if len(pinned) == 1 else 'are'} pinned (keep_alive -1)")
         for victim in chosen:
             victim.evicting = True
             if victim.running == 0:
@@ -639,10 +640,40 @@ class ModelPool:
             out["error"] = entry.error or (entry.served.worker.error if entry.served is not None else None)
         return out
 
+    def card(self, entry: ModelEntry, card: Callable[[Any], dict[str, Any]], lmstudio: bool = False) -> dict[str, Any]:
+        """A model's /v1/models (or /api/v0/models) card with its state and memory (`tinyloop`): the route's own
+        card while it is loaded, else one read from its file's header."""
+        if entry.ready:
+            out = card(entry.served)
+        else:
+            out = _offline_card(entry, lmstudio)
+        return {**out, "tinyloop": self.status(entry)}
+
     def pool_status(self) -> dict[str, Any]:
         return {"max_loaded_models": self.max_loaded, "max_memory_bytes": self.max_memory,
                 "loaded": sum(1 for e in self.entries if e.ready),
                 "memory_bytes": sum(e.memory or 0 for e in self.entries if e.ready)}
+
+
+def _offline_card(entry: ModelEntry, lmstudio: bool) -> dict[str, Any]:
+    """The card of a model that is not loaded: what its file's header says (nothing more when unreadable)."""
+    from ..modelfile.header import header_config, model_info, read_header
+
+    try:
+        header, _ = read_header(entry.path)
+        cfg = header_config(entry.path)
+        info = model_info(header)
+    except Exception:  # noqa: BLE001 - a file that will not load: its card says only its name
+        cfg, info = None, {}
+    loops = entry.settings.default_loops or (cfg.default_loops if cfg is not None else None)
+    if lmstudio:
+        return {"id": entry.name, "object": "model", "type": "llm", "publisher": "tinyloop",
+                "arch": info.get("arch"), "compatibility_type": "tinyloop", "quantization": info.get("quant"),
+                "state": "not-loaded", "max_context_length": None if cfg is None else
+                min(cfg.max_seq_len, entry.settings.max_seq_len or cfg.max_seq_len)}
+    return {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "tinyloop",
+            "default_loops": loops, "max_loops": cfg.max_loops if cfg is not None else None,
+            "trained_loops": (list(cfg.trained_loops) or None) if cfg is not None else None}
 
 
 _LOOPS_SUFFIX = re.compile(r"@loops=(auto|-?[0-9]+)$")   # (knobs.LOOPS_SUFFIX: a request's depth suffix)

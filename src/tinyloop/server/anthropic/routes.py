@@ -239,8 +239,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
 async def plan(request: Request, body: CountTokensRequest):
     """(state, the chat request, its prompt, sampling params and tool plan), every check made, in Anthropic's
     names."""
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await state_of(request).model(body.model, getattr(body, "timeout_s", None), getattr(body, "keep_alive", None))
     try:
         chat = to_chat(body)
         params = chat.sampling_params(state.settings.temperature)

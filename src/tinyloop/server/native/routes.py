@@ -20,8 +20,15 @@ from ..sse import NativeFramer
 router = APIRouter()
 
 
+async def model_of(request: Request, name: str | None, timeout_s: float | None = None, keep_alive=None):
+    """The model a native request names (several served; default the first): with one served, its `model` is
+    not read, as before."""
+    pool = state_of(request)
+    return await pool.model(None if pool.single else name, timeout_s, keep_alive)
+
+
 async def run_generate(request: Request, body: GenerateRequest):
-    state = state_of(request)
+    state = await model_of(request, body.model, body.timeout_s, body.keep_alive)
     handle = await state.submit(body.prompt, body.sampling_params(), timeout_s=body.timeout_s,
                                 max_tokens_given=body.max_tokens_given())
     if body.stream:
@@ -55,7 +62,7 @@ async def generate_tree_speculative(body: TreeSpeculativeRequest, request: Reque
 async def tokenize(body: TokenizeRequest, request: Request):
     """{"text": ...} (or vLLM's "prompt", llama.cpp's "content") or {"messages": [...]} (rendered with the
     chat template) -> token ids."""
-    engine = state_of(request).worker.require_engine()
+    engine = (await model_of(request, body.model)).worker.require_engine()
     if body.given() != 1:
         raise ValidationError("give exactly one of text (or prompt, or content) or messages", param="text")
     text = body.plain_text()
@@ -72,7 +79,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
-    engine = state_of(request).worker.require_engine()
+    engine = (await model_of(request, body.model)).worker.require_engine()
     vocab = engine.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
@@ -82,10 +89,10 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request):
+async def tokenizer_info(request: Request, model: str | None = None):
     """vLLM's tokenizer description, which lm-eval's `local-completions` model looks for to tokenize through
     this server (`/tokenize`, `/detokenize`) instead of loading a Hugging Face tokenizer (docs/evaluation.md)."""
-    engine = state_of(request).worker.require_engine()
+    engine = (await model_of(request, model)).worker.require_engine()
     tok = engine.tokenizer
     if tok is None:
         raise ValidationError("this model has no tokenizer", param=None)

@@ -30,7 +30,7 @@ from ..access import note
 from ..errors import OpenAIFieldErrors, register_shape
 from ..generation import gather
 from ..generation import state_of
-from ..knobs import Int, check_timeout, requested_loops
+from ..knobs import KEEP_ALIVE_DOC, Int, check_timeout, requested_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"
@@ -64,6 +64,7 @@ class EmbeddingRequest(BaseModel):
     pooling: Any = Field(None, description='TinyLoop: "mean" (the default: the mean over the input\'s positions) '
                                            'or "last" (the last position); L2-normalized either way')
     timeout_s: float | None = Field(None, description="TinyLoop: fail if not started within this many seconds")
+    keep_alive: float | str | None = Field(None, description=KEEP_ALIVE_DOC)
 
     def requested_loops(self) -> Any:
         return requested_loops(self.loops, self.model)
@@ -89,9 +90,8 @@ async def collect_vectors(handle, request: Request) -> list:
 
 @router.post(PATH, include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request):
-    state = state_of(request)
-    state.check_model(body.model)
     check_timeout(body.timeout_s)
+    state = await state_of(request).model(body.model, body.timeout_s, body.keep_alive)
     fmt = body.encoding()
     loops = body.requested_loops()
     engine = state.worker.require_engine()

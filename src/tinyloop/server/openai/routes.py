@@ -43,15 +43,22 @@ def model_routes(router: APIRouter, prefix: str, card: Callable[[ServerState], d
     """GET {prefix}/models (the list) and {prefix}/models/{id} (one, or 404 model_not_found): the served
     model as `card` describes it (OpenAI's shape here, LM Studio's on /api/v0)."""
 
+    lmstudio = prefix == "/api/v0"
+
     @router.get(f"{prefix}/models")
     async def list_models(request: Request):
-        return {"object": "list", "data": [card(state_of(request))]}
+        pool = state_of(request)
+        if pool.single:
+            return {"object": "list", "data": [card(pool)]}
+        return {"object": "list", "data": [pool.card(entry, card, lmstudio) for entry in pool.entries]}
 
     @router.get(f"{prefix}/models/{{model_id:path}}")
     async def get_model(model_id: str, request: Request):
-        state = state_of(request)
-        find_model(state, model_id)
-        return card(state)
+        pool = state_of(request)
+        if pool.single:
+            find_model(pool, model_id)
+            return card(pool)
+        return pool.card(pool.lookup(model_id), card, lmstudio)
 
 
 model_routes(router, "/v1", model_card)
@@ -113,8 +120,7 @@ def loops_report(results) -> dict[str, Any]:
 async def run_completion(request: Request, body: OpenAIRequest, *, chat: bool, extended: bool):
     """Shared by /v1 and /api/v0, chat and text completion. A text completion's list of prompts is a batch:
     one engine request per prompt, running side by side; prompt i's choices are indices i*n .. i*n+n-1."""
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await state_of(request).model(body.model, body.timeout_s, body.keep_alive)
     params = body.sampling_params(state.settings.temperature)
     n = body.choices()
     engine = state.worker.require_engine()

@@ -306,15 +306,15 @@ async def create_response(body: ResponsesRequest, request: Request):
     """max_output_tokens is a ceiling: past TINYLOOP_MAX_TOKENS it is refused; past the room the prompt leaves
     in the context (and when it is not given) it is that room, at most TINYLOOP_MAX_TOKENS; an answer that
     fills it is `incomplete` (reason max_output_tokens)."""
-    state = state_of(request)
+    pool = state_of(request)
     store = store_of(request)
     previous = None
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise not_found(body.previous_response_id, "previous_response_id", "Previous response")
-    model = body.model or (previous.response["model"] if previous is not None else state.model_id)
-    state.check_model(model)
+    model = body.model or (previous.response["model"] if previous is not None else pool.model_id)
+    state = await pool.model(model, body.timeout_s, body.keep_alive)
     engine = state.worker.require_engine()
     limit = state.settings.max_tokens
     try:
