@@ -370,16 +370,19 @@ def test_speculative_decoding_equals_plain_greedy(dory, engines, weights):
             assert err.value.param == "mode" and "last_loop" in str(err.value)
 
 
-def test_the_native_executor_refuses_dory_by_name(dory, engines):
+def test_the_native_executor_runs_dory(dory, engines):
+    """Dory runs on the native executor where its library builds (kernels/dory.py, csrc/dory.cpp; compared
+    with model/ in tests/kernels/test_dory_native.py), so the engine tests above ran natively there."""
     from tinyloop.kernels.executor import unsupported_features
+    from tinyloop.kernels.lib import native_wanted
     from tinyloop.model.fast import executor_name
 
     mode, hf, path = dory
-    missing = unsupported_features(engines.config)
-    assert any("nGPT" in m and "Dory" in m for m in missing)
-    assert executor_name(engines.model) == "torch"   # the PyTorch path serves it
+    assert unsupported_features(engines.config) == []
+    want = "native" if native_wanted() else "torch"
+    assert executor_name(engines.model).startswith(want)
     info = engines.model_info()
-    assert info["executor"] == "torch" and info["kv_loops"].startswith("last") == (mode == "last_loop")
+    assert info["executor"].startswith(want) and info["kv_loops"].startswith("last") == (mode == "last_loop")
 
 
 def test_tokenizer_and_chat_template_come_from_the_checkpoint(dory, engines):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("threads.cpp", "matmul.cpp", "intdot.cpp", "amx.cpp", "attention.cpp", "step.cpp", "spec.cpp", "tree.cpp",
-           "sample.cpp", "parcae.cpp")
+           "sample.cpp", "parcae.cpp", "dory.cpp")
 ISAS = ("native", "avx2", "portable")
 
 

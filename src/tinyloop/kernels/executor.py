@@ -23,6 +23,7 @@ from . import lib as L
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
                      linear_desc, pack_int4, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
+from .dory import dory_block_desc, dory_desc, logit_scale_desc
 from .parcae import parcae_desc, value_embed_desc
 
 _PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
@@ -38,7 +39,9 @@ _BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL
 def unsupported_features(cfg) -> list[str]:
     """The config's features the C++ code does not implement: a model with any of them is served by the
     PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
-    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) run natively."""
+    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) and Dory's (nGPT single-sublayer
+    blocks, sliding-window layers, partial rotary and a second RoPE profile, the last_loop KV mode, the logit
+    scale: kernels/dory.py) run natively."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu", "relu2"):
         out.append(f"the {cfg.mlp} MLP")
@@ -50,13 +53,11 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"loop 0 starting as {cfg.loop_start!r}")
     if cfg.value_embeds and cfg.head_dim > 1024:
         out.append("value embeddings on heads wider than 1024")
-    pattern = getattr(cfg, "layer_pattern", "")
-    if pattern:   # NVIDIA Dory (model/families/dory.py)
-        out.append(f"nGPT single-sublayer blocks (layer_pattern {pattern!r}, Dory)")
-    if getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0) or getattr(cfg, "rope_profile", ()):
-        out.append("partial rotary or a second RoPE profile")
-    if getattr(cfg, "kv_mode", "per_loop") != "per_loop":
-        out.append(f"kv_mode {cfg.kv_mode!r}")
+    # partial rotary and the second profile: Dory's layers read them (the tables carry both); another family's
+    # blocks would read profile 1 only
+    if not getattr(cfg, "layer_pattern", "") and (getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0)
+                                                  or getattr(cfg, "rope_profile", ())):
+        out.append("partial rotary or a second RoPE profile outside nGPT blocks")
     return out
 
 
@@ -88,6 +89,8 @@ class NativeExecutor(RequestCalls):
         blocks = [*model.prelude, *model.core, *model.coda]
         self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
         parcae_desc(model, m, self.keep)
+        if cfg.ngpt:
+            dory_desc(model, m, self.keep)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
@@ -95,6 +98,8 @@ class NativeExecutor(RequestCalls):
             m.adapter = linear_desc(model.adapter, self.keep)
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
+        if model.logit_scale is not None:
+            logit_scale_desc(model, self.head, self.keep)
         self._mark_streamed(m)
         self._pack(self.linears())
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
@@ -148,6 +153,11 @@ class NativeExecutor(RequestCalls):
         """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
         says where its value embeddings come from (None: a draft exit's block, which has none)."""
         b, k = L.TlBlock(), self.keep
+        if getattr(blk, "kind", None) in ("S", "*", "-"):   # Dory's nGPT layers (model/families/dory.py NGPTBlock)
+            if index is None:
+                raise Unsupported("a draft exit's nGPT blocks")
+            dory_block_desc(blk, b, k)
+            return b
         a, mlp = blk.attn, blk.mlp
         qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
         for i, lin in enumerate(qkv):
@@ -174,10 +184,15 @@ class NativeExecutor(RequestCalls):
         return b
 
     def _rope(self, n: int) -> None:
-        cos, sin = self.model.rotary.table(n, torch.float32, "cpu")   # the PyTorch path's own tables
+        rot = self.model.rotary
+        cos, sin = rot.table(n, torch.float32, "cpu")   # the PyTorch path's own tables
         self.rope = (cos.contiguous(), sin.contiguous())
         self.desc.rope_cos, self.desc.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
         self.desc.rope_len = self.rope[0].shape[0]
+        if rot.alt is not None:   # the second profile's (Dory), as many rows
+            cos2, sin2 = (t[:self.desc.rope_len].contiguous() for t in rot.alt.table(self.desc.rope_len, torch.float32, "cpu"))
+            self.rope += (cos2, sin2)
+            self.desc.rope_cos2, self.desc.rope_sin2 = cos2.data_ptr(), sin2.data_ptr()
 
     def _kv_desc(self, kv) -> L.TlKV:
         if self._kv is not None and self._kv[0] is kv:
@@ -417,5 +432,6 @@ def _tree_keys(r, keep: list) -> tuple[list[int], int, list[tuple[int, int, int]
 
 
 def _linears(blocks) -> list:
-    """The linear layers' descriptors of block descriptors, in order (references into them)."""
-    return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down)]
+    """The linear layers' descriptors of block descriptors, in order (references into them; a Dory layer's
+    output gate after its q, k, v, and none of the sublayer it does not have)."""
+    return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wg, b.wo, *b.up[:b.n_up], b.down) if d.n]

@@ -27,14 +27,15 @@ _i = ctypes.c_int32
 
 class TlLinear(ctypes.Structure):
     _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p),
-                ("act_q8", _i), ("streamed", _i), ("packed", _p)]
+                ("act_q8", _i), ("streamed", _i), ("packed", _p), ("out_scale", _p)]
 
 
 class TlBlock(ctypes.Structure):
     _fields_ = [("qkv", TlLinear * 3), ("n_qkv", _i), ("wo", TlLinear), ("up", TlLinear * 2), ("n_up", _i),
                 ("down", TlLinear), ("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p),
                 ("mlp_out_norm", _p), ("qk_bias", _p), ("q_norm", _p), ("k_norm", _p), ("ve_gate", _p),
-                ("ve_table", _p), ("ve_kind", _i), ("ve_col", _i)]
+                ("ve_table", _p), ("ve_kind", _i), ("ve_col", _i), ("ngpt", _i), ("window", _i), ("profile", _i),
+                ("wg", TlLinear), ("sqk", _p), ("s_gate", _p), ("alpha", _p), ("suv_gate", _p), ("suv_up", _p)]
 
 
 class TlReadout(ctypes.Structure):
@@ -52,7 +53,8 @@ class TlModel(ctypes.Structure):
                 ("readouts", ctypes.POINTER(TlReadout)), ("n_readouts", _i), ("head", ctypes.POINTER(TlLinear)),
                 ("head_norm", _p), ("head_eps", ctypes.c_float), ("loop_start", _i), ("relu2", _i), ("inj_decay", _p),
                 ("inj_dt", _p), ("inj_B", TlLinear), ("prelude_norm", _p), ("state_proj", TlLinear), ("qk_norm", _i),
-                ("qk_eps", ctypes.c_float), ("ve_channels", _i), ("e_width", _i), ("logit_softcap", ctypes.c_float)]
+                ("qk_eps", ctypes.c_float), ("ve_channels", _i), ("e_width", _i), ("logit_softcap", ctypes.c_float),
+                ("ngpt", _i), ("rope_cos2", _p), ("rope_sin2", _p), ("slot_map", _p), ("slot_loops", _i)]
 
 
 class TlKV(ctypes.Structure):

@@ -255,15 +255,16 @@ class PagedView:
 
     def _mask(self, i: int, m: Rows, device: torch.device, window: int = 0) -> torch.Tensor | None:
         w = combine_windows(m.window, window)
-        if (i, w) not in self._masks:
+        key = (i, w, bool(window))   # (a row's own window alone reads from block 0: `_first_block`)
+        if key not in self._masks:
             lo = self._first_block(i, m, window) * self.kv.page_size
             if m.n == 1 and w == 0 and m.tree_mask is None:
                 mask = None
             else:   # (the rows' positions are host tensors; the mask goes where the queries are)
                 key_pos = torch.arange(lo, m.end, device=m.positions.device)
                 mask = build_mask(m.positions, key_pos, w, m.tree_mask, m.tree_key_positions).to(device)
-            self._masks[(i, w)] = mask
-        return self._masks[(i, w)]
+            self._masks[key] = mask
+        return self._masks[key]
 
     def _store(self, i: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Member i's new keys/values (n, Hkv, D) into its pages of `slot`."""

@@ -497,7 +497,7 @@ void tl_permute(const tl_linear* L, const float* x, int m, float* xp, float* xs)
 }
 
 // y[:, 0:n] with row stride ldy; runs on the pool. scratch (quantized kinds): m * k + m * k / 8 floats.
-void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
+static void linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
 #if TL_SIMD
     if (m >= panel_min_rows(L)) return panel_rows_all(L, x, m, y, ldy);
     if (int8_activations(L)) return qq_linear_rows(L, x, m, y, ldy, scratch);
@@ -520,6 +520,13 @@ void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
             default: quant_rows<2>(L, xp, xs, m, y, ldy, n0, n1); break;
         }
     });
+}
+
+void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
+    linear_rows(L, x, m, y, ldy, scratch);
+    if (L->out_scale)   // (Dory's logit scale: y * s, the product model/looped.py logits forms)
+        for (int r = 0; r < m; ++r)
+            for (int j = 0; j < L->n; ++j) y[(int64_t)r * ldy + j] *= L->out_scale[j];
 }
 
 // batch-invariant mode on (1) or off (0); returns the old setting

@@ -85,10 +85,42 @@ void residual(const tl_model* m, float* x, float* y, const float* out_norm, int 
     }
 }
 
+// Attention of M rows' queries (B.qkv, rows (H + 2 Hkv) * D apart) over the keys each sees in its slot (`slot`,
+// or slots[i] per row), into B.att (M, H * D); the rows' own keys are in the pool already.
+void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int slot, Buffers& B, const int* slots) {
+    const int D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
+    const int QKV = (H + 2 * Hkv) * D;
+    // a prefill chunk's (or a verification's) rows in groups of up to TL_ATTEND_ROWS where tl_attend_pairable holds
+    // between neighbours (each key read once for the group, the same bits as each row alone), the others alone
+    thread_local std::vector<int> units_tl;   // first row of each unit; a group's other rows follow it
+    std::vector<int>& units = units_tl;       // (the calling thread's: the workers read it)
+    units.clear();
+    for (int r = 0; r < M;) {
+        units.push_back(r);
+        int n = 1;
+        while (n < TL_ATTEND_ROWS && r + n < M && (slots ? slots[r + n - 1] == slots[r + n] : true)
+               && tl_attend_pairable(kv, &rows[r + n - 1], &rows[r + n], D))
+            ++n;
+        r += n;
+    }
+    tl_parallel_for((int)units.size() * Hkv, [&](int task, int t) {   // a (unit, kv head) each
+        const int u = task / Hkv, g = task % Hkv, r = units[u];
+        const int n = (u + 1 < (int)units.size() ? units[u + 1] : M) - r;
+        float* sc = B.attn + B.attn_per_thread * t;
+        if (n > 1)
+            tl_attend_rows(kv, &rows[r], n, slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, QKV,
+                           B.att + (int64_t)r * H * D, (int64_t)H * D, g, sc);
+        else
+            tl_attend_row(kv, &rows[r], slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV,
+                          B.att + (int64_t)r * H * D, g, sc);
+    });
+}
+
 // `slots` (one per row; null: `slot` for every row): rows of one pass may sit at different loops, each
 // writing and reading its own loop's cache slot (depth-aligned passes: tl_spec_pipeline)
 void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
            float* x, Buffers& B, const int* slots) {
+    if (b->ngpt) return ngpt_block(m, b, kv, rows, M, slot, x, B, slots);   // Dory (dory.cpp)
     const int dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
     const int QKV = (H + 2 * Hkv) * D;
     // attention: norm, q/k/v, bias, RoPE, keys into the pool, attention over the row's pages, output
@@ -119,30 +151,7 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
             tl_kv_write(kv, 1, e, D, B.tmp);
         }
     }
-    // a prefill chunk's (or a verification's) rows in groups of up to TL_ATTEND_ROWS where tl_attend_pairable holds
-    // between neighbours (each key read once for the group, the same bits as each row alone), the others alone
-    thread_local std::vector<int> units_tl;   // first row of each unit; a group's other rows follow it
-    std::vector<int>& units = units_tl;       // (the calling thread's: the workers read it)
-    units.clear();
-    for (int r = 0; r < M;) {
-        units.push_back(r);
-        int n = 1;
-        while (n < TL_ATTEND_ROWS && r + n < M && (slots ? slots[r + n - 1] == slots[r + n] : true)
-               && tl_attend_pairable(kv, &rows[r + n - 1], &rows[r + n], D))
-            ++n;
-        r += n;
-    }
-    tl_parallel_for((int)units.size() * Hkv, [&](int task, int t) {   // a (unit, kv head) each
-        const int u = task / Hkv, g = task % Hkv, r = units[u];
-        const int n = (u + 1 < (int)units.size() ? units[u + 1] : M) - r;
-        float* sc = B.attn + B.attn_per_thread * t;
-        if (n > 1)
-            tl_attend_rows(kv, &rows[r], n, slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV, QKV,
-                           B.att + (int64_t)r * H * D, (int64_t)H * D, g, sc);
-        else
-            tl_attend_row(kv, &rows[r], slots ? slots[r] : slot, H, Hkv, D, B.qkv + (int64_t)r * QKV,
-                          B.att + (int64_t)r * H * D, g, sc);
-    });
+    attend(m, kv, rows, M, slot, B, slots);
     tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);
     residual(m, x, B.y, b->attn_out_norm, M);
     // MLP
@@ -202,8 +211,10 @@ void fill_skipped(const tl_model* m, const tl_kv* kv, const tl_row* r, int used,
     const int64_t* tab = r->table + (int64_t)(r->pos / ps) * r->stride;
     for (int l = used; l < upto; ++l)
         for (int j = 0; j < m->n_core; ++j) {
-            const int64_t src = (tab[core0 + (used - 1) * m->n_core + j] * ps + r->pos % ps) * Hkv;
-            const int64_t dst = (tab[core0 + l * m->n_core + j] * ps + r->pos % ps) * Hkv;
+            const int a = map_slot(m, core0 + (used - 1) * m->n_core + j), b = map_slot(m, core0 + l * m->n_core + j);
+            if (a < 0 || a == b) continue;   // (Dory: an MLP layer keeps no keys; last_loop: one slot for every loop)
+            const int64_t src = (tab[a] * ps + r->pos % ps) * Hkv;
+            const int64_t dst = (tab[b] * ps + r->pos % ps) * Hkv;
             tl_kv_copy(kv, src, dst, Hkv, m->head_dim);
         }
 }
@@ -306,6 +317,7 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             ++n_fresh;
         }
         if (rows[r].readout > m->n_readouts) return 5;
+        if (m->slot_map && rows[r].loops > m->slot_loops) return 8;   // (Dory: past the slots described)
     }
     int64_t need;
     Buffers B = carve(m, M, max_ctx, scratch, &need);
@@ -396,10 +408,12 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             }
             tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
         }
+        if (m->ngpt) justnorm(B.x, B.x, Ml, (int)dim);   // Dory: the sum back on the sphere
         B.ve_e = W > dim ? B.e : nullptr;   // value embeddings of the core's blocks (packed with the rows)
         for (int j = 0; j < m->n_core; ++j)
             block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
         if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
+        else if (m->ngpt) justnorm(B.x, B.y, Ml, (int)dim);   // Dory: the state is justnorm(h)
         else memcpy(B.y, B.x, sizeof(float) * Ml * dim);
         if (any_kl) kl_readout(m, kv, ph.data(), orig.data(), Ml, loop, B, logp, have, kl.data());
         for (int p = 0; p < Ml; ++p)

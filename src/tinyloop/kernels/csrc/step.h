@@ -41,6 +41,17 @@ void project_state(const tl_linear* C, int dim, float* x, int n, Buffers& B);
 // y (m rows of ld, first n) = c tanh(y / c)
 void softcap(float* y, int m, int n, int64_t ld, float c);
 
+// attention of M rows' queries (B.qkv) over the keys each sees in `slot` (or slots[i]) into B.att (step.cpp)
+void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int slot, Buffers& B,
+            const int* slots = nullptr);
+
+// NVIDIA Dory's pieces (dory.cpp): y (m rows of n) = x / sqrt(sum(x^2) + 1e-6) (y may be x); one nGPT block
+// (block() hands it b->ngpt blocks); the cache slot of the step's slot number s (m->slot_map; -1: none)
+void justnorm(const float* x, float* y, int m, int n);
+void ngpt_block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
+                float* x, Buffers& B, const int* slots);
+inline int map_slot(const tl_model* m, int s) { return m->slot_map ? m->slot_map[s] : s; }
+
 // index of the largest of x[0 .. n-1]: the first of equal maxima, or the first NaN (torch.argmax's rule)
 int32_t argmax(const float* x, int n);
 }  // namespace tl_step

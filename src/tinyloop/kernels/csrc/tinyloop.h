@@ -21,6 +21,7 @@ typedef struct {
     int32_t act_q8;          // TL_Q8 / TL_Q4 with SIMD: activations quantized to int8 (integer dot products)
     int32_t streamed;        // the model's weights do not stay in cache: one row is read after the other
     const uint8_t* packed;   // int4 with int8 activations: the codes repacked 16 rows a vector (tl_pack_int4), or null
+    const float* out_scale;  // (n) or null: output j is then y[j] * out_scale[j] (Dory's per-token logit scale)
 } tl_linear;
 
 typedef struct {
@@ -39,6 +40,15 @@ typedef struct {
     const float* ve_gate;              // (Hkv, ve_channels)
     const void* ve_table; int32_t ve_kind;   // (vocab, Hkv * D), TL_F32/F16/BF16
     int32_t ve_col;
+    // NVIDIA Dory's nGPT single-sublayer blocks (dory.cpp; model/families/dory.py). ngpt 0: not one; 1: an
+    // attention layer (qkv, wo, and wg the output gate's projection; `window` > 0: an S layer's sliding window;
+    // RoPE `profile` 1 or 2); 2: an MLP layer (up, down). The scales are the products the model forms, in fp32:
+    // sqk (H * D) = (sqk sqrt(D) / std)^2, s_gate (H * D) = (s_gate sqrt(g0) / std)^2, alpha (dim) = |alpha
+    // alpha_init / std|, suv_gate and suv_up (ffn) = suv * sqrt(dim)
+    int32_t ngpt, window, profile;
+    tl_linear wg;
+    const float* sqk; const float* s_gate; const float* alpha;
+    const float* suv_gate; const float* suv_up;
 } tl_block;
 
 typedef struct {
@@ -72,6 +82,13 @@ typedef struct {
     int32_t e_width;                        // the loop input's width: dim, then the core's and coda's
                                             // value embeddings (model/looped.py loop_input_width)
     float logit_softcap;                    // c > 0: logits -> c tanh(logits / c)
+    // Dory (dory.cpp; ngpt 0: off): blocks are nGPT single sublayers; loops enter as justnorm(h + e) and end
+    // with justnorm; the second RoPE profile's tables (rope_len rows, as rope_cos); slot_map: the cache slot
+    // of each slot number the step forms (prelude i, n_prelude + coda i, n_prelude + n_coda + loop * n_core + j
+    // for loop < slot_loops; -1: an MLP layer, none), model/cache.py SlotLayout (last_loop: one per layer)
+    int32_t ngpt;
+    const float* rope_cos2; const float* rope_sin2;
+    const int32_t* slot_map; int32_t slot_loops;
 } tl_model;
 
 typedef struct tl_readout {                 // blocks that read a state out (a draft exit's coda copy)
