@@ -261,3 +261,13 @@ def test_a_pinned_model_is_never_unloaded(paths):
         assert "pinned" in r.json()["error"]["message"]
         assert complete(srv, "a", "x").status_code == 200
         assert cards(srv)["a"]["tinyloop"]["state"] == "loaded"
+
+
+def test_serve_refuses_several_models_on_ray_and_a_missing_file(paths, capsys):
+    from tinyloop.cli import main
+
+    assert main(["serve", str(paths["a"]), str(paths["b"]), "--replicas", "2"]) == 2   # (_fail: a usage error)
+    assert "several models are not served on Ray Serve" in capsys.readouterr().err
+    assert main(["serve", str(paths["a"]), str(paths["broken"])]) == 1   # every header checked before the port
+    err = capsys.readouterr().err
+    assert "cannot load the model" in err and "missing.tinyloop" in err
