@@ -271,3 +271,22 @@ def test_serve_refuses_several_models_on_ray_and_a_missing_file(paths, capsys):
     assert main(["serve", str(paths["a"]), str(paths["broken"])]) == 1   # every header checked before the port
     err = capsys.readouterr().err
     assert "cannot load the model" in err and "missing.tinyloop" in err
+
+
+def test_each_model_keeps_its_own_prompt_cache_on_disk(paths, tmp_path):
+    cache = tmp_path / "cache"
+    with ServerThread(settings_for(paths, names=("a", "b"), prompt_cache_dir=cache)) as srv:
+        for model, prompt in (("a", A_PROMPT), ("b", B_PROMPT)):
+            assert complete(srv, model, prompt * 40, max_tokens=2).status_code == 200
+        r = httpx.post(srv.url + "/v1/cache/save", json={"name": "conv-b", "model": "b", "prompt": B_PROMPT * 40},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["cached_tokens"] >= 32, r.text
+        r = httpx.post(srv.url + "/v1/cache/restore", json={"name": "conv-b", "model": "a"}, timeout=60)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "cache_mismatch"   # another model's
+        assert httpx.post(srv.url + "/v1/cache/restore", json={"name": "conv-b", "model": "b"},
+                          timeout=60).status_code == 200
+        deadline = time.monotonic() + 20
+        while len([d for d in cache.iterdir() if d.is_dir() and d.name != "saved"]) < 2:   # a namespace each
+            assert time.monotonic() < deadline, sorted(p.name for p in cache.iterdir())
+            time.sleep(0.1)
+        assert metric(srv, "tinyloop_prompt_cache_files_written_total") > 0
