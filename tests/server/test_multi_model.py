@@ -179,6 +179,7 @@ def test_a_failing_model_answers_its_requests_and_leaves_the_others_serving(mult
 
 def test_models_list_states_memory_and_tinyloop_ps(multi, capsys):
     complete(multi, "a", "x")
+    assert complete(multi, "broken", "x").status_code == 503
     listed = cards(multi)
     assert list(listed) == ["a", "b", "broken"]
     a = listed["a"]["tinyloop"]
@@ -290,3 +291,20 @@ def test_each_model_keeps_its_own_prompt_cache_on_disk(paths, tmp_path):
             assert time.monotonic() < deadline, sorted(p.name for p in cache.iterdir())
             time.sleep(0.1)
         assert metric(srv, "tinyloop_prompt_cache_files_written_total") > 0
+
+
+def test_one_model_unloaded_by_keep_alive_loads_again_on_its_next_request(paths):
+    with ServerThread(Settings(model_path=paths["a"])) as srv:
+        assert complete(srv, "anything", A_PROMPT, keep_alive=0).status_code == 200
+        deadline = time.monotonic() + 20
+        while httpx.get(srv.url + "/health").json().get("model_state") != "unloaded":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (card,) = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert card["id"] == "a" and card["tinyloop"]["state"] == "unloaded"
+        assert httpx.get(srv.url + "/v1/models/a").json()["tinyloop"]["state"] == "unloaded"
+        assert httpx.get(srv.url + "/v1/models/zz").status_code == 404
+        r = complete(srv, "anything", A_PROMPT)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].split()[0] == A_NEXT
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["a"]

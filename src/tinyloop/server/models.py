@@ -372,6 +372,13 @@ class ModelPool:
             self._not_found(name)
         return entry
 
+    def listed(self, model_id: str) -> ModelEntry:
+        """`/v1/models/{id}`: the model one of whose names is exactly `model_id`, else a 404 naming the list."""
+        for entry in self.entries:
+            if model_id in entry.names:
+                return entry
+        self._not_found(model_id)
+
     def _not_found(self, name: str):
         shown = ", ".join(repr(e.name) for e in self.entries)
         raise APIError(404, f"model {name!r} not found; this server serves {shown} (GET /v1/models)",
@@ -391,8 +398,8 @@ class ModelPool:
         entry.first_wait = min(entry.first_wait, time.monotonic())
         try:
             while not (entry.ready and not entry.evicting):
-                if self.single and entry.served is not None and not entry.evicting and not entry.unloading:
-                    break   # (reloading after an unload: its own errors from here on, as at start)
+                if self.single and entry.served is not None and entry.served.worker.state == "failed":
+                    break   # (one model that failed to load again: the route answers as at start)
                 if entry.served is None and not entry.unloading and entry.error \
                         and time.monotonic() - entry.failed_at < RETRY_FAILED_S:
                     raise APIError(503, f"model {entry.name!r} failed to load: {entry.error}",

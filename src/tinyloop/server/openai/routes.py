@@ -48,17 +48,17 @@ def model_routes(router: APIRouter, prefix: str, card: Callable[[ServerState], d
     @router.get(f"{prefix}/models")
     async def list_models(request: Request):
         pool = state_of(request)
-        if pool.single:
+        if pool.single and pool.default.served is not None:   # one model: its card, as it always was
             return {"object": "list", "data": [card(pool)]}
         return {"object": "list", "data": [pool.card(entry, card, lmstudio) for entry in pool.entries]}
 
     @router.get(f"{prefix}/models/{{model_id:path}}")
     async def get_model(model_id: str, request: Request):
         pool = state_of(request)
-        if pool.single:
+        if pool.single and pool.default.served is not None:
             find_model(pool, model_id)
             return card(pool)
-        return pool.card(pool.lookup(model_id), card, lmstudio)
+        return pool.card(pool.listed(model_id), card, lmstudio)
 
 
 model_routes(router, "/v1", model_card)
