@@ -202,8 +202,9 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
         worker = state.worker
         base: dict[str, Any] = {"model": state.model_path, "model_id": state.model_id, "version": __version__, "commit": settings.commit,
                                 "kv_cache_mode": settings.kv_cache_mode, "warnings": worker.warnings}
-        if worker.state == "unloaded":   # (keep_alive ran out: it loads again on the next request)
-            return {"status": "ok", **base, "model_state": "unloaded"}
+        if worker.state == "unloaded" or (worker.state == "loading" and state.default.on_demand):
+            # (keep_alive ran out: it loads again on the next request, which waits for it)
+            return {"status": "ok", **base, "model_state": worker.state}
         if worker.state == "ready":
             engine = worker.engine
             out = {"status": "ok", **base, "kv_cache_mode": engine.kv_format,

@@ -24,6 +24,7 @@ from ..engine.params import MODES
 from ..chat import Chat
 from ..errors import ValidationError
 from .structured import ToolCall, generic_conversation, message_for_template
+from .models import KEEP_ALIVE_PATTERN
 
 # Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
 # OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.
@@ -276,6 +277,7 @@ def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: 
                                   param=name)
 
 
+KeepAlive = float | Annotated[str, doc(pattern=KEEP_ALIVE_PATTERN)]   # checked by server/models.py: a 400 naming it
 KEEP_ALIVE_DOC = ("Ollama's: how long the model stays loaded after this request (seconds, or a duration such as "
                   '"5m"; negative: pinned; 0: unloaded once answered); default the model\'s (server/models.py)')
 
@@ -301,7 +303,7 @@ class LoopKnobs(BaseModel):
     cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
     repetition_penalty: float | None = rng(lo=0.5, hi=2)
     ignore_eos: bool | None = Field(None, description="vLLM's: keep generating past end-of-text (benchmarks)")
-    keep_alive: float | str | None = Field(None, description=KEEP_ALIVE_DOC)   # server/models.py
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_DOC)   # server/models.py
 
     def extension_params(self) -> dict[str, Any]:
         check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)

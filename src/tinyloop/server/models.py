@@ -37,6 +37,7 @@ import logging
 import math
 import re
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -55,7 +56,10 @@ MODEL_KEYS = {"path", "names", "loops", "kv", "context", "keep_alive", "draft_ex
 
 
 # -- keep_alive and sizes --------------------------------------------------------------------------
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_DURATION = re.compile(f"({_NUMBER})(ns|us|µs|ms|s|m|h)")
+# a keep_alive string: seconds, or a Go duration ("5m", "1h30m", "300ms"), signed (the schema's pattern too)
+KEEP_ALIVE_PATTERN = f"^[+-]?(?:{_NUMBER}|(?:{_NUMBER}(?:ns|us|µs|ms|s|m|h))+)$"
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -70,18 +74,13 @@ def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
-        text = value.strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            sign = -1.0 if text.startswith("-") else 1.0
-            body = text.lstrip("+-")
-            parts = _DURATION.findall(body)
-            if not body or "".join(n + u for n, u in parts) != body:
-                raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", "
-                                      f"\"1h30m\", \"300ms\" (negative: keep loaded), got {value!r}",
-                                      param=param) from None
-            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+        if not re.fullmatch(KEEP_ALIVE_PATTERN, value):
+            raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", \"1h30m\", "
+                                  f"\"300ms\" (negative: keep loaded), got {value!r}", param=param)
+        sign = -1.0 if value.startswith("-") else 1.0
+        body = value.lstrip("+-")
+        parts = _DURATION.findall(body)
+        seconds = sign * (sum(float(n) * _UNIT_S[u] for n, u in parts) if parts else float(body))
     else:
         raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", got {value!r}",
                               param=param)
@@ -285,6 +284,7 @@ class ModelEntry:
         self.load_seconds: float | None = None
         self.unload_seconds: float | None = None
         self.memory: int | None = None      # bytes its weights and KV pool hold (measured once loaded)
+        self.on_demand = False              # its last load was a request's (not the server's start)
         self.estimate = _estimate_bytes(path, settings)
 
     @property
@@ -390,8 +390,9 @@ class ModelPool:
         the server's request timeout); held until this request's response has gone out."""
         entry = self.lookup(name)
         keep = parse_keep_alive(keep_alive)
-        if self.single and entry.served is not None and not entry.evicting and not entry.unloading:
-            return self._lease(entry, keep)   # one model: today's path (a loading model answers 503 as before)
+        if self.single and entry.served is not None and not entry.evicting and not entry.unloading \
+                and not (entry.on_demand and entry.served.worker.state == "loading"):
+            return self._lease(entry, keep)   # one model: today's path (loading at start: 503 as before)
         limit = timeout_s if timeout_s is not None else (self.settings.request_timeout_s or None)
         deadline = None if limit is None else time.monotonic() + limit
         entry.waiting += 1
@@ -524,7 +525,7 @@ class ModelPool:
 
     def _start_load(self, entry: ModelEntry) -> None:
         entry.served = self._make_state(entry)
-        entry.error = None
+        entry.error, entry.on_demand = None, True
         entry.load_started = time.monotonic()
         entry.served.worker.start()
         self._watch(entry)
@@ -754,11 +755,19 @@ def _free(worker, metrics) -> None:
     worker.stop()
     if worker.prompt_cache is not None:
         metrics.untrack_prompt_cache(worker.prompt_cache.stats)
+    engine = worker.engine
+    model = weakref.ref(engine.model) if engine is not None else None
+    if engine is not None and getattr(engine.model, "executor", None) is not None:
+        engine.model.executor = None   # (the native executor and its model refer to each other)
     worker.engine = worker.batch = worker.prompt_cache = None
     worker.load_exception = None
-    gc.unfreeze()   # (Engine.load froze the models' objects out of the collector's reach)
-    gc.collect()
-    gc.freeze()
+    del engine
+    if model is not None and model() is not None:
+        # another cycle holds it: a full collection (Engine.load froze the models' objects out of the collector's
+        # reach), which holds the GIL for a while (~0.6 s beside a loaded model, measured), so only then
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)   # freed heap pages back to the system (glibc)
     except (OSError, AttributeError):

@@ -11,7 +11,7 @@ from pydantic.json_schema import SkipJsonSchema
 from ...engine import SamplingParams, param_default
 from ...engine.constraint import Constraint
 from ...errors import ValidationError
-from ..knobs import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KEEP_ALIVE_DOC, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
+from ..knobs import (DEFAULT_MAX_TOKENS, EFFORT_DEPTH_DOC, KEEP_ALIVE_DOC, KeepAlive, KV_LOOPS_DOC, LOOPS_DOC, MAX_STOP, MAX_WINDOW, MIN_TIMEOUT_S,
                       ChatMessage, ExitCriterion, Int, KVLoops, Loops, NonEmptyStr, PromptIds, ReasoningEffort,
                       StopStrings, TokenIds, seed_of, check_knobs, check_timeout, logit_bias_field, logit_bias_of, rng)
 
@@ -24,7 +24,7 @@ class GenerateRequest(BaseModel):
 
     prompt: NonEmptyStr | PromptIds = Field(description="text or token ids; not empty")
     model: str | None = Field(None, description="several models served: which one (default: the first)")
-    keep_alive: float | str | None = Field(None, description=KEEP_ALIVE_DOC)
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_DOC)
     max_tokens: Int = rng(DEFAULT_MAX_TOKENS, lo=0, hi_limit="max_tokens", description="0 only with prompt_logprobs")
     loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # None -> the model's default_loops
     exit_criterion: ExitCriterion = param_default("exit_criterion")

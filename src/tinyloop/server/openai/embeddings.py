@@ -30,7 +30,7 @@ from ..access import note
 from ..errors import OpenAIFieldErrors, register_shape
 from ..generation import gather
 from ..generation import state_of
-from ..knobs import KEEP_ALIVE_DOC, Int, check_timeout, requested_loops
+from ..knobs import KEEP_ALIVE_DOC, Int, KeepAlive, check_timeout, requested_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"
@@ -64,7 +64,7 @@ class EmbeddingRequest(BaseModel):
     pooling: Any = Field(None, description='TinyLoop: "mean" (the default: the mean over the input\'s positions) '
                                            'or "last" (the last position); L2-normalized either way')
     timeout_s: float | None = Field(None, description="TinyLoop: fail if not started within this many seconds")
-    keep_alive: float | str | None = Field(None, description=KEEP_ALIVE_DOC)
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_DOC)
 
     def requested_loops(self) -> Any:
         return requested_loops(self.loops, self.model)
