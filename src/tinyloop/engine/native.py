@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
+from ..torch_threads import torch_threads
 
 
 def native(model: Any):
@@ -30,18 +30,9 @@ def python_between_calls(model: Any):
     return one_thread() if native(model) is not None else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
 def one_thread():
     """Run the step's per-row sampling on one torch thread. Its ops over one vocabulary row (50,257 entries
     for GPT-2) are just above torch's parallel grain, so each would wake a second OpenMP thread; next to
     the native executor's spinning workers (and on a shared machine) that wake-up cost milliseconds a
     token in `masked_fill` and `.double()` (profiled: docs/structured.md, "Cost per token")."""
-    prev = torch.get_num_threads()
-    if prev == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
+    return torch_threads(1)

@@ -11,7 +11,6 @@ import torch
 
 from . import lib as L
 from .layers import _vec, linear_desc
-from ..model.cache import SlotLayout
 
 
 def dory_desc(model, m: L.TlModel, keep: list) -> None:
@@ -19,7 +18,7 @@ def dory_desc(model, m: L.TlModel, keep: list) -> None:
     n_prelude + coda i, n_prelude + n_coda + loop * n_core + j), SlotLayout's at the deepest depth (a last_loop
     model: one slot per recurrent attention layer for every loop; MLP layers: -1, none)."""
     cfg = model.cfg
-    lay = SlotLayout(cfg, cfg.max_loops)
+    lay = model.slot_layout()
     P, C, K = cfg.n_prelude, cfg.n_core, cfg.n_coda
 
     def slot(s: int | None) -> int:

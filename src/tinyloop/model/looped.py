@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .cache import KVCache
+from .cache import KVCache, SlotLayout
 from .paged import PagedStep, Rows
 from .layers import Block, DiagonalInjection, RMSNorm, Rotary, StepContext, init_weights, linear_as
 
@@ -93,6 +93,11 @@ class LoopedTransformer(nn.Module):
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def slot_layout(self, loops: int | None = None) -> SlotLayout:
+        """The cache slot of each layer at `loops` (default: the deepest), as the paged pool numbers them (what
+        the native executor's descriptors are told, without importing model/)."""
+        return SlotLayout(self.cfg, self.cfg.max_loops if loops is None else loops)
 
     @contextlib.contextmanager
     def _decode_threads(self, n_rows: int):

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..torch_threads import torch_threads
 from .packing import dequantize, unpack
 
 KERNEL_DTYPE = torch.bfloat16
@@ -101,9 +102,12 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         kind, bufs = "native", {"qweight": qweight.contiguous(), "scales": scales.contiguous(),
                                 "zeros": zeros.contiguous()}
         if check:
+            # on one torch thread: a few small tensors, next to the native pool's spinning workers (a 4B
+            # model's 180 checks took 16 s on two threads of a loaded two-core host, 0.6 s on one)
             rows = min(N, NATIVE_CHECK_ROWS)
-            ok = _check_kernel(kind, {k: v[:rows] for k, v in bufs.items()}, group_size,
-                               dequantize(unpack(qweight[:rows], bits), scales[:rows], zeros[:rows]), device)
+            with torch_threads(1):
+                ok = _check_kernel(kind, {k: v[:rows] for k, v in bufs.items()}, group_size,
+                                   dequantize(unpack(qweight[:rows], bits), scales[:rows], zeros[:rows]), device)
             if not ok:
                 kind, bufs = "dense", {}
         check = False
