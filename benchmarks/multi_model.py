@@ -12,7 +12,10 @@
   5. a request arriving during a load: while a model loads (the other one still loaded, max 1), more requests
      for it and for the other model; all answered 200;
   6. pinned: `--max-loaded-models 2` with the first model pinned (a config file's keep_alive = -1), the others
-     requested in turn: the pinned one never unloaded (its unloads 0), the two others swap each time.
+     requested in turn: the pinned one never unloaded (its unloads 0), the two others swap each time;
+  7. stalls: the first model's greedy stream (`--stall-tokens`) alone, then while the last model loads beside it
+     (a /tokenize naming it: nothing generated) and is unloaded (a one-token request with keep_alive 0), twice
+     each: its tokens/s and the gaps between its events (p99, max).
 
     .venv/bin/python benchmarks/multi_model.py [--models A B C] [--clients 16] [--seconds 120]
         [--rounds 3] [--json benchmarks/results/multi_model.json]
@@ -58,6 +61,7 @@ def rss_mib(pid: int) -> float:
 def complete(url: str, model: str, prompt: str, timeout: float = 300, **extra) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                      "temperature": 0, **extra}, timeout=timeout)
+
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -247,6 +251,58 @@ def pinned(named: dict[str, Path], rounds: int, log: Path) -> dict:
         local_server.stop_server(proc)
 
 
+def stream_gaps(url: str, model: str, tokens: int, started: threading.Event | None = None) -> list[float]:
+    """Seconds between a greedy stream's events (one token each, several may come in one write); `started` set at
+    its first."""
+    times = []
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"the stream failed: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                if started is not None and len(times) == 1:
+                    started.set()
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def stalls(named: dict[str, Path], log: Path, tokens: int) -> dict:
+    """One model's stream while another loads and unloads (keep_alive 0) beside it, against the same stream
+    alone: the gaps between its tokens."""
+    names = list(named)
+    first, other = names[0], names[-1]
+    proc, url = serve([f"{n}={p}" for n, p in named.items()], log)
+    out: dict = {}
+    try:
+        complete(url, first, PROMPTS[0])
+        for label in ("alone", "beside a load and an unload", "alone again", "beside a load and an unload again"):
+            started = threading.Event()
+            gaps: list[float] = []
+            t = threading.Thread(target=lambda: gaps.extend(stream_gaps(url, first, tokens, started)))
+            t.start()
+            started.wait(60)
+            events = {}
+            if label.startswith("beside"):
+                time.sleep(0.2)
+                began = time.monotonic()   # loaded by a request that generates nothing, unloaded after one token
+                httpx.post(url + "/tokenize", json={"model": other, "text": PROMPTS[1]}, timeout=300).raise_for_status()
+                events["load_s"] = round(time.monotonic() - began, 3)
+                complete(url, other, PROMPTS[1], keep_alive=0, max_tokens=1)
+                wait_state(url, other, "unloaded")
+                events["until_unloaded_s"] = round(time.monotonic() - began, 3)
+            t.join()
+            gaps.sort()
+            out[label] = {"tokens": len(gaps) + 1, "stream_s": round(sum(gaps), 3),
+                          "tok_s": round(len(gaps) / sum(gaps), 1),
+                          "p99_gap_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 2),
+                          "max_gap_ms": round(1000 * gaps[-1], 2), **events}
+    finally:
+        local_server.stop_server(proc)
+    return out
+
+
 def host() -> str:
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -265,7 +321,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["three", "one", "pinned"])
+    ap.add_argument("--stall-tokens", type=int, default=480, help="the stream's length in the stall check")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["three", "one", "pinned", "stall"])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     named = {n: Path(p) for n, p in zip(args.names, args.models)}
@@ -283,6 +340,9 @@ def main() -> None:
     if "pinned" not in args.skip:
         result["pinned"] = pinned(named, args.rounds, log)
         print(json.dumps(result["pinned"], indent=1), flush=True)
+    if "stall" not in args.skip:
+        result["stall"] = stalls(named, log, args.stall_tokens)
+        print(json.dumps(result["stall"], indent=1), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -308,3 +308,19 @@ def test_one_model_unloaded_by_keep_alive_loads_again_on_its_next_request(paths)
         assert r.status_code == 200 and r.json()["choices"][0]["text"].split()[0] == A_NEXT
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
         assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["a"]
+
+
+def test_per_model_defaults_from_a_config(paths, tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text(f'[models.deep]\npath = "{paths["a"]}"\n'
+                      f'[models.shallow]\npath = "{paths["a"]}"\nloops = 2\ncontext = 64\nkv = "int8"\n')
+    specs, _ = specs_from_args([str(config)])
+    with ServerThread(Settings(models=specs)) as srv:
+        deep, shallow = complete(srv, "deep", A_PROMPT), complete(srv, "shallow", A_PROMPT)
+        assert deep.headers["x-tinyloop-loops"] == "3" and shallow.headers["x-tinyloop-loops"] == "2"   # tiny: 3
+        listed = cards(srv)
+        assert listed["shallow"]["default_loops"] == 2 and listed["deep"]["default_loops"] == 3
+        info = httpx.post(srv.url + "/api/v0/completions", json={"model": "shallow", "prompt": A_PROMPT,
+                                                                "max_tokens": 1}, timeout=60).json()["model_info"]
+        assert info["max_seq_len"] == 64 and info["kv_cache_mode"] == "int8"
+        assert complete(srv, "shallow", A_PROMPT * 70).status_code == 400   # past its own context
