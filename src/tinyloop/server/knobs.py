@@ -24,7 +24,7 @@ from ..engine.params import MODES
 from ..chat import Chat
 from ..errors import ValidationError
 from .structured import ToolCall, generic_conversation, message_for_template
-from .models import KEEP_ALIVE_PATTERN
+from .settings import KEEP_ALIVE_PATTERN
 
 # Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
 # OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.

@@ -46,61 +46,14 @@ import anyio
 
 from ..errors import ValidationError
 from .errors import APIError
+from .generation import DEFAULT_NAME, ServerState, served_names
+from .settings import PINNED, parse_keep_alive, parse_size, show_keep_alive  # noqa: F401 - parse_size: the pool's callers'
 
 log = logging.getLogger("tinyloop.server")
 RETRY_FAILED_S = 30.0       # a model that failed to load is tried again by a request after this long
 REAPER_PERIOD_S = 0.5       # keep_alive expiries are checked this often
-PINNED = math.inf           # keep_alive < 0: never unloaded
 CONFIG_SUFFIXES = (".toml", ".json")
 MODEL_KEYS = {"path", "names", "loops", "kv", "context", "keep_alive", "draft_exit"}
-
-
-# -- keep_alive and sizes --------------------------------------------------------------------------
-_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-_DURATION = re.compile(f"({_NUMBER})(ns|us|µs|ms|s|m|h)")
-# a keep_alive string: seconds, or a Go duration ("5m", "1h30m", "300ms"), signed (the schema's pattern too)
-KEEP_ALIVE_PATTERN = f"^[+-]?(?:{_NUMBER}|(?:{_NUMBER}(?:ns|us|µs|ms|s|m|h))+)$"
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
-    """Ollama's keep_alive -> seconds (PINNED when negative), None when not given. A number is seconds; a
-    string is a number or a Go duration ("5m", "1h30m", "300ms", "-1m")."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", got {value!r}",
-                              param=param)
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        if not re.fullmatch(KEEP_ALIVE_PATTERN, value):
-            raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", \"1h30m\", "
-                                  f"\"300ms\" (negative: keep loaded), got {value!r}", param=param)
-        sign = -1.0 if value.startswith("-") else 1.0
-        body = value.lstrip("+-")
-        parts = _DURATION.findall(body)
-        seconds = sign * (sum(float(n) * _UNIT_S[u] for n, u in parts) if parts else float(body))
-    else:
-        raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", got {value!r}",
-                              param=param)
-    if math.isnan(seconds):
-        raise ValidationError(f"{param}: must be a number, got {value!r}", param=param)
-    return PINNED if seconds < 0 else seconds
-
-
-def show_keep_alive(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    return "-1 (pinned)" if seconds == PINNED else f"{seconds:g}s"
-
-
-def parse_size(text: str) -> int:
-    """'8G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 8G, 512M)")
-    return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " "))))
 
 
 # -- what is served ------------------------------------------------------------------------------
@@ -778,7 +731,6 @@ def build_pool(settings, metrics, make_worker: Callable[[Any, Any], Any]) -> Mod
     """The pool of `settings`' models (`settings.models`, else `model_path` alone), each with its own
     settings, names and, once loaded, its own `EngineWorker` from `make_worker(settings, metrics)`."""
     from ..modelfile.header import resolve_model_path
-    from .generation import DEFAULT_NAME, ServerState, served_names
 
     specs = settings.models or [None]
     entries: list[ModelEntry] = []

@@ -51,9 +51,62 @@ Environment (see docs/server.md):
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from ..errors import ValidationError
+
+# -- keep_alive and sizes (the model pool's, server/models.py; the request schemas show the pattern) ----------
+PINNED = math.inf           # keep_alive < 0: never unloaded
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_DURATION = re.compile(f"({_NUMBER})(ns|us|µs|ms|s|m|h)")
+# a keep_alive string: seconds, or a Go duration ("5m", "1h30m", "300ms"), signed (the schema's pattern too)
+KEEP_ALIVE_PATTERN = f"^[+-]?(?:{_NUMBER}|(?:{_NUMBER}(?:ns|us|µs|ms|s|m|h))+)$"
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive -> seconds (PINNED when negative), None when not given. A number is seconds; a
+    string is a number or a Go duration ("5m", "1h30m", "300ms", "-1m")."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", got {value!r}",
+                              param=param)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        if not re.fullmatch(KEEP_ALIVE_PATTERN, value):
+            raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", \"1h30m\", "
+                                  f"\"300ms\" (negative: keep loaded), got {value!r}", param=param)
+        sign = -1.0 if value.startswith("-") else 1.0
+        body = value.lstrip("+-")
+        parts = _DURATION.findall(body)
+        seconds = sign * (sum(float(n) * _UNIT_S[u] for n, u in parts) if parts else float(body))
+    else:
+        raise ValidationError(f"{param}: must be a number of seconds or a duration such as \"5m\", got {value!r}",
+                              param=param)
+    if math.isnan(seconds):
+        raise ValidationError(f"{param}: must be a number, got {value!r}", param=param)
+    return PINNED if seconds < 0 else seconds
+
+
+def show_keep_alive(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return "-1 (pinned)" if seconds == PINNED else f"{seconds:g}s"
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 8G, 512M)")
+    return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " "))))
 
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off"}
@@ -175,9 +228,6 @@ def _keep_alive_env(env: dict[str, str]) -> float | None:
     raw = env.get("TINYLOOP_KEEP_ALIVE", "").strip()
     if not raw:
         return None
-    from ..errors import ValidationError
-    from .models import parse_keep_alive
-
     try:
         return parse_keep_alive(raw, "TINYLOOP_KEEP_ALIVE")
     except ValidationError as exc:
@@ -188,8 +238,6 @@ def _max_memory_env(env: dict[str, str]) -> int | None:
     raw = env.get("TINYLOOP_MAX_MEMORY", "").strip()
     if not raw:
         return None
-    from .models import parse_size
-
     try:
         value = parse_size(raw)
     except ValueError as exc:
