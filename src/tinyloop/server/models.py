@@ -291,8 +291,6 @@ class ModelPool:
             raise AttributeError(name)
         entry = entries[0]
         if entry.served is None:
-            from .generation import ServerState
-
             placeholder = ServerState(entry.settings, _Unloaded(entry.name, entry.state, entry.error),
                                       self.metrics, names=entry.names, created=entry.created)
             placeholder.model_path = str(entry.path)

@@ -10,7 +10,8 @@ import json
 from typing import Any, Callable
 
 from ..engine import StreamEvent
-from .logprobs import chat_content, chat_logprobs
+from .reasoning import chunk_delta
+from .logprobs import chat_content, chat_logprobs, completion_logprobs, completion_tail, join, native_logprob
 
 
 def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
@@ -194,8 +195,6 @@ class CompletionFramer(ChatFramer):
         return {"text": delta.get("content", ""), "index": index, "logprobs": None, "finish_reason": finish}
 
     def event(self, ev: StreamEvent) -> list[bytes]:
-        from .logprobs import completion_logprobs, completion_tail, join
-
         i, text, lp = ev.index, ev.text, None
         if self.echo is not None and i not in self.echoed:
             self.echoed.add(i)
@@ -228,8 +227,6 @@ class NativeFramer(Framer):
     """One event per token: {"token_id", "text"}; then {"token_id": -1, "text": tail, ...}; [DONE]."""
 
     def event(self, ev: StreamEvent) -> list[bytes]:
-        from .logprobs import native_logprob
-
         ids = ev.token_ids
         # one event per token; when an event accounts for several tokens its text goes with the last
         out = []
@@ -245,16 +242,12 @@ class NativeFramer(Framer):
         return out
 
     def close(self, ev: StreamEvent) -> list[bytes]:
-        from .logprobs import native_logprob
-
         self.closed[ev.index] = ev.stats or {}
         e = {"token_id": -1, "text": ev.text, "finish_reason": ev.finish_reason, "stats": ev.stats or {}}
         if ev.prompt_logprobs is not None:  # nothing was generated (max_tokens 0, or a stop token at once)
             e["prompt_logprobs"] = [native_logprob(x) for x in ev.prompt_logprobs]
         return [frame(e), DONE]
 
-
-from .reasoning import chunk_delta  # noqa: E402 - after the framers it builds on
 
 
 class ToolChatFramer(ChatFramer):
