@@ -13,8 +13,9 @@ Steps, each in its own process so that its peak resident memory (`ru_maxrss` of 
 1. `tinyloop convert SNAPSHOT dory-4b.tinyloop` (bf16 -> fp16); bar: peak <= the largest shard + 1.5 GiB.
 2. `tinyloop quantize dory-4b.tinyloop dory-4b-int4.tinyloop --method rtn`; the same bar.
 3. `tinyloop serve --model dory-4b-int4.tinyloop`: seconds from the process's start to `/health` 200; bar <= 5 s.
-4. Decode tok/s at loops 1, 2 and 4 on the int4 file in process (`Engine`, greedy, `--tokens` after the first),
-   with the executor the engine picks (`executor` in the output says which).
+4. Decode tok/s at loops 1, 2 and 4 on the int4 file in process (`Engine`, greedy, `--tokens` after the first;
+   one 4-token request first, so that the weights' first reads are not timed), with the executor the engine picks
+   (`executor` in the output says which).
 
     PYTHONPATH=src .venv/bin/python benchmarks/dory_4b.py --workdir /tmp/dory4b [--keep] [--skip-decode]
         [--reuse] [--json benchmarks/results/dory_4b.json]
@@ -185,6 +186,7 @@ def decode(model: Path, loops: list[int], tokens: int) -> dict:
     eng = Engine.load(str(model))
     out = {"executor": executor_name(eng.model)}
     prompt = list(range(10, 42))
+    eng.generate(prompt, SamplingParams(max_tokens=4, loops=max(loops), temperature=0.0, ignore_eos=True))  # warm
     for k in loops:
         params = SamplingParams(max_tokens=tokens + 1, loops=k, temperature=0.0, ignore_eos=True)
         st = eng.generate(prompt, params).stats
