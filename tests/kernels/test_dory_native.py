@@ -201,19 +201,18 @@ def test_int8_activations(dory, monkeypatch):
     assert 0 < err < 5e-2, err
 
 
+SEQS = [(9, 3, 0, None), (5, 1, 0, None), (13, 4, 2, None), (7, 2, 5, None), (11, 4, 0, 0.5)]   # (prompt length,
+# loops, the row's own cache window, a latent exit threshold): the rows of one decode step
+
+
 @torch.inference_mode()
-def test_one_step_of_rows_at_mixed_depths_windows_and_exits(isa, dory):
-    """One decode step of four sequences at once (loops 1-4, positions 5-13, one with a cache window of its own
-    narrower and one wider than the layers' window of 3, one leaving early by the latent rule), prompts
-    prefilled in PyTorch: logits and pools equal the PyTorch path's, and the early exit happens at the same
-    loop on both sides (its skipped loops' keys copied; last_loop: the one slot is already the last loop's)."""
-    mode, hf, path = dory
-    ref, nat = pair(path)
+def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS):
+    """The prompts of `seqs` prefilled in PyTorch into one pool, copied; then one decode step of all of them in
+    PyTorch and natively, each on its own copy: (PyTorch rows, native rows, both pools, the native calls' rows)."""
     cfg = ref.cfg
-    seqs = [(9, 3, 0, None), (5, 1, 0, None), (13, 4, 2, None), (7, 2, 5, None), (11, 4, 0, 0.5)]
-    slots = SlotLayout(cfg, 4).n_slots
-    blocks = -(-14 // PAGE)
-    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, "fp16", torch.float32)
+    slots = SlotLayout(cfg, max(s[1] for s in seqs)).n_slots
+    blocks = -(-max(s[0] + 1 for s in seqs) // PAGE)
+    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
     g = torch.Generator().manual_seed(7)
     tables, toks = [], []
     for i, (n, loops, window, _) in enumerate(seqs):
@@ -223,9 +222,10 @@ def test_one_step_of_rows_at_mixed_depths_windows_and_exits(isa, dory):
                           ref.rotary, torch.float32, "cpu"))
         tables.append(table)
         toks.append(prompt[n])
-    kv_nat = PagedKV(cfg, kv.n_pages, PAGE, "fp16", torch.float32)
-    kv_nat.k.data.copy_(kv.k.data)
-    kv_nat.v.data.copy_(kv.v.data)
+    kv_nat = PagedKV(cfg, kv.n_pages, PAGE, kv_format, kv_dtype)
+    for a, b in ((kv.k, kv_nat.k), (kv.v, kv_nat.v)):
+        for x, y in zip(a.parts, b.parts):
+            y.copy_(x)
 
     def rows():
         return [Rows(table=t, start=n, n=1, last_loop=loops, tokens=[tok], window=w,
@@ -236,11 +236,23 @@ def test_one_step_of_rows_at_mixed_depths_windows_and_exits(isa, dory):
     calls = counting(nat)
     ref.run(PagedStep(kv, r_ref, ref.rotary, torch.float32, "cpu"))
     nat.run(PagedStep(kv_nat, r_nat, nat.rotary, torch.float32, "cpu"))
-    assert calls == [len(seqs)]
+    return r_ref, r_nat, kv, kv_nat, calls
+
+
+def test_one_step_of_rows_at_mixed_depths_windows_and_exits(isa, dory):
+    """One decode step of five sequences at once (loops 1-4, positions 5-13, one with a cache window of its own
+    narrower and one wider than the layers' window of 3, one leaving early by the latent rule), prompts
+    prefilled in PyTorch: logits and pools equal the PyTorch path's, and the early exit happens at the same
+    loop on both sides (its skipped loops' keys copied; last_loop: the one slot is already the last loop's)."""
+    mode, hf, path = dory
+    ref, nat = pair(path)
+    r_ref, r_nat, kv, kv_nat, calls = one_step(ref, nat)
+    assert calls == [len(SEQS)]
     assert [r.last_loop for r in r_nat] == [r.last_loop for r in r_ref]
-    assert r_ref[-1].last_loop < seqs[-1][1]   # the exit happened
-    lr = ref.logits(torch.cat([r.hidden for r in r_ref])[None])[0]
-    ln = nat.logits(torch.cat([r.hidden for r in r_nat])[None])[0]   # (the native head)
+    assert r_ref[-1].last_loop < SEQS[-1][1]   # the exit happened
+    with torch.inference_mode():
+        lr = ref.logits(torch.cat([r.hidden for r in r_ref])[None])[0]
+        ln = nat.logits(torch.cat([r.hidden for r in r_nat])[None])[0]   # (the native head)
     assert (lr - ln).abs().max().item() < TOL
     pool_close(kv, kv_nat)
 
@@ -293,3 +305,38 @@ def test_a_16_bit_file_decodes_natively_as_in_pytorch(isa, dory, weights, dtype)
     got = native.generate(D.PROMPT, params).token_ids
     assert got == Engine.load(path, dtype=dtype, executor="torch").generate(D.PROMPT, params).token_ids
     assert got == D.reference_greedy(weights, hf, D.PROMPT, 3, 8)[0]
+
+
+def _pool_step(t, values: torch.Tensor) -> torch.Tensor:
+    """One rounding step of pool t's format at each entry (values: t read as fp32): test_native.py's rule."""
+    if t.bits is not None:
+        return t.scale.float().expand(values.shape)
+    eps = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[t.dtype]
+    return values.abs() * eps + (2.0 ** -24 if t.dtype == torch.float16 else 0.0)
+
+
+@pytest.mark.parametrize("kv_format,kv_dtype", [("fp16", torch.float16), ("fp16", torch.bfloat16),
+                                                ("int8", torch.float32), ("int4", torch.float32),
+                                                ("int4-h", torch.float32)])
+def test_every_kv_format(isa, dory, kv_format, kv_dtype):
+    """Lossy pools, one decode step of SEQS over prompts prefilled (in PyTorch) into the pool: both sides round
+    the same keys and values (within fp32 reordering, ~1e-6) into it; one that sits on a rounding boundary may
+    round the other way, by one step of the format at that entry, so every pool entry agrees within a step
+    (+ 1e-4). Such a flip moves the scores it enters by about |q_i| step / sqrt(D), q being a unit vector per
+    head times (sqk sqrt(D) / std)^2 ~ 8-27 here: an int8 step (~1/255 of a key's range) moves a score by ~1e-2,
+    an int4 step by 16x that, and the later loops carry it on (a prefill through such a pool, where every
+    position's flips feed every later one, moved the logits by up to 0.13 at loop 4: not compared). The step's
+    own logits: 1e-2 (measured: 1e-5 where nothing flipped, up to 3.7e-3 where something did: int4 per_loop,
+    bf16 last_loop on the portable build), while a wrong scale, offset or rotation of the pool moves them by
+    O(1)."""
+    mode, hf, path = dory
+    ref, nat = pair(path)
+    r_ref, r_nat, kv, kv_nat, _ = one_step(ref, nat, kv_format, kv_dtype)
+    with torch.inference_mode():
+        lr = ref.logits(torch.cat([r.hidden for r in r_ref])[None])[0]
+        ln = nat.logits(torch.cat([r.hidden for r in r_nat])[None])[0]
+    assert (lr - ln).abs().max().item() < 1e-2
+    for a, b in ((kv.k, kv_nat.k), (kv.v, kv_nat.v)):
+        ra, rb = a.read(slice(None), torch.float32), b.read(slice(None), torch.float32)
+        step = _pool_step(a, ra).maximum(_pool_step(b, rb))
+        assert ((ra - rb).abs() - step - 1e-4).max().item() <= 0, kv_format

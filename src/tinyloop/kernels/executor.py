@@ -232,6 +232,8 @@ class NativeExecutor(RequestCalls):
         if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
                                                                                     nn.ModuleList))):
             return False
+        if isinstance(ro, tuple) and self.model.cfg.ngpt:   # (a draft exit's nGPT blocks: not described)
+            return False
         if r.tokens is not None:
             return (r.first_loop == 0
                     and (rule is None or (r.n == 1 and rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
