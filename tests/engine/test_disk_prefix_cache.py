@@ -18,7 +18,7 @@ from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.disk_cache import (SUFFIX, CacheNameError, check_name, file_hash, open_prompt_cache,
-                                        parse_bytes, read_manifest)
+                                        read_manifest)
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.modelfile.loader import write_model
 
@@ -262,11 +262,8 @@ def test_a_saved_name_cannot_leave_the_directory(name):
         check_name(name)
 
 
-def test_names_and_sizes():
+def test_names():   # (sizes: server/settings.py parse_size, tests/server/test_multi_model.py)
     assert check_name("conv-1_v2.final") == "conv-1_v2.final"
-    assert parse_bytes("4G") == 4 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("1000") == 1000
-    with pytest.raises(ValueError):
-        parse_bytes("lots")
 
 
 def test_the_model_hash_is_memoized(model_path, tmp_path, monkeypatch):

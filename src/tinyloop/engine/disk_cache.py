@@ -91,17 +91,6 @@ def check_name(name: str) -> str:
     return name
 
 
-def parse_bytes(text: str | int) -> int:
-    """'4G', '512M', '64k', '1000000' -> bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size (e.g. 4G, 512M, 1000000)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
-
-
 # -- the model's identity -------------------------------------------------------------------------
 def file_hash(path: str | Path, memo_dir: str | Path | None = None) -> str:
     """sha256 of a file's bytes, memoized in `memo_dir/model-hashes.json` by (real path, size, mtime_ns,

@@ -209,18 +209,17 @@ def _log_format_env(env: dict[str, str]) -> str:
     return value
 
 
-def _prompt_cache_bytes_env(env: dict[str, str]) -> int:
-    raw = env.get("TINYLOOP_PROMPT_CACHE_BYTES", "").strip()
+def _size_env(env: dict[str, str], name: str, default: int | None) -> int | None:
+    """A byte size from `name` ("4G", "512M", "1000000"; at least 1M), else `default`."""
+    raw = env.get(name, "").strip()
     if not raw:
-        return Settings.prompt_cache_bytes   # (the default: engine.disk_cache.DEFAULT_MAX_BYTES)
-    from ..engine.disk_cache import parse_bytes   # (here: it imports torch, which a refused start never needs)
-
+        return default
     try:
-        value = parse_bytes(raw)
+        value = parse_size(raw)
     except ValueError as exc:
-        raise SystemExit(f"tinyloop serve: TINYLOOP_PROMPT_CACHE_BYTES: {exc}") from None
+        raise SystemExit(f"tinyloop serve: {name}: {exc}") from None
     if value < 1 << 20:
-        raise SystemExit(f"tinyloop serve: TINYLOOP_PROMPT_CACHE_BYTES must be at least 1M, got {raw!r}")
+        raise SystemExit(f"tinyloop serve: {name} must be at least 1M, got {raw!r}")
     return value
 
 
@@ -232,19 +231,6 @@ def _keep_alive_env(env: dict[str, str]) -> float | None:
         return parse_keep_alive(raw, "TINYLOOP_KEEP_ALIVE")
     except ValidationError as exc:
         raise SystemExit(f"tinyloop serve: {exc.message}") from None
-
-
-def _max_memory_env(env: dict[str, str]) -> int | None:
-    raw = env.get("TINYLOOP_MAX_MEMORY", "").strip()
-    if not raw:
-        return None
-    try:
-        value = parse_size(raw)
-    except ValueError as exc:
-        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_MEMORY: {exc}") from None
-    if value < 1 << 20:
-        raise SystemExit(f"tinyloop serve: TINYLOOP_MAX_MEMORY must be at least 1M, got {raw!r}")
-    return value
 
 
 def _max_loaded_env(env: dict[str, str]) -> int | None:
@@ -335,7 +321,7 @@ class Settings:
             prefix_caching=_switch_env(env, "TINYLOOP_PREFIX_CACHING", True),
             prompt_cache_dir=Path(env["TINYLOOP_PROMPT_CACHE_DIR"].strip()).expanduser()
             if env.get("TINYLOOP_PROMPT_CACHE_DIR", "").strip() else None,
-            prompt_cache_bytes=_prompt_cache_bytes_env(env),
+            prompt_cache_bytes=_size_env(env, "TINYLOOP_PROMPT_CACHE_BYTES", Settings.prompt_cache_bytes),
             prompt_cache_preload=_switch_env(env, "TINYLOOP_PROMPT_CACHE_PRELOAD", True),
             request_timeout_s=_float_env(env, "TINYLOOP_REQUEST_TIMEOUT_S", 0.0),
             shutdown_grace_s=_float_env(env, "TINYLOOP_SHUTDOWN_GRACE_S", 10.0),
@@ -348,6 +334,6 @@ class Settings:
             temperature=_temperature_env(env),
             keep_alive=_keep_alive_env(env),
             max_loaded_models=_max_loaded_env(env),
-            max_memory=_max_memory_env(env),
+            max_memory=_size_env(env, "TINYLOOP_MAX_MEMORY", None),
             warnings=warnings,
         )
