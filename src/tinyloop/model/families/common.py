@@ -65,6 +65,19 @@ def emit_fused_qkv(cfg: ModelConfig, base: str, name: str, t: torch.Tensor, emit
     emit(f"{base}.attn.wv.weight", v)
 
 
+def emit_fused(cfg: ModelConfig, base: str, rest: str, name: str, t: torch.Tensor, emit: Emit,
+               perm: torch.Tensor | None = None) -> bool:
+    """A raven block's fused projections (`attn.Wqkv.weight`, `mlp.fc.weight`) split into TinyLoop's; False for
+    any other tensor."""
+    if rest == "attn.Wqkv.weight":
+        emit_fused_qkv(cfg, base, name, t, emit, perm)
+    elif rest == "mlp.fc.weight":
+        emit_fused_mlp(cfg, base, name, t, emit)
+    else:
+        return False
+    return True
+
+
 def half_split(cfg: ModelConfig) -> torch.Tensor:
     """Head-dim permutation: new index j < D/2 takes interleaved 2j, j >= D/2 takes 2(j - D/2) + 1."""
     D = cfg.head_dim

@@ -22,7 +22,7 @@ import torch
 
 from ...config import ModelConfig
 from . import ConvertError, Emit, Family, need
-from .common import RAVEN_TOP, emit_fused_mlp, emit_fused_qkv, half_split
+from .common import RAVEN_TOP, emit_fused, half_split
 from .retrofit import retrofit_config, retrofit_tensor
 
 
@@ -64,15 +64,11 @@ def huginn_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) -> b
                   "attn.proj.weight": "attn.wo.weight", "mlp.proj.weight": "mlp.w_down.weight"}
         if rest in simple:
             emit(f"{base}.{simple[rest]}", t)
-        elif rest == "attn.Wqkv.weight":
-            emit_fused_qkv(cfg, base, name, t, emit, perm)
         elif rest == "attn.qk_bias":
             if tuple(t.shape) != (2, 1, H, D):
                 raise ConvertError(f"{name} has shape {list(t.shape)}, the config needs [2, 1, {H}, {D}]")
             emit(f"{base}.attn.qk_bias", torch.cat([t[0, 0], t[1, 0, :Hkv]])[:, perm])
-        elif rest == "mlp.fc.weight":
-            emit_fused_mlp(cfg, base, name, t, emit)
-        else:
+        elif not emit_fused(cfg, base, rest, name, t, emit, perm):
             return False
     else:
         return False

@@ -25,7 +25,7 @@ import torch
 
 from ...config import ModelConfig
 from . import Emit, need
-from .common import RAVEN_TOP, check_inv_freq, emit_fused_mlp, emit_fused_qkv, rope_llama3
+from .common import RAVEN_TOP, check_inv_freq, emit_fused, rope_llama3
 
 # Options of the retrofit code (raven_config_minimal.RavenConfig + what transformers' Llama/OLMo-2 RoPE
 # reads) that change the forward and that TinyLoop does not run: refused by name, never converted into a
@@ -99,11 +99,7 @@ def retrofit_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, emit: Emit) ->
             emit(f"{base}.{norms[rest]}", t)
         elif rest in RETROFIT_BLOCK:
             emit(f"{base}.{RETROFIT_BLOCK[rest]}", t)
-        elif rest == "attn.Wqkv.weight":
-            emit_fused_qkv(cfg, base, name, t, emit)
-        elif rest == "mlp.fc.weight":
-            emit_fused_mlp(cfg, base, name, t, emit)
-        else:
+        elif not emit_fused(cfg, base, rest, name, t, emit):
             return False
     else:
         return False
