@@ -338,7 +338,7 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[env] = str(getattr(args, flag))
     specs, server_keys = [], {}
     if getattr(args, "models", None):
-        from .server.models import specs_from_args
+        from .server.model_specs import specs_from_args
 
         if args.model:
             return _fail("give the models as arguments or --model, not both")
@@ -383,7 +383,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _one_model(settings, spec):
     """One model given as an argument, for the scale-out replicas (which read the model from the environment)."""
-    from .server.models import model_settings
+    from .server.model_specs import model_settings
 
     os.environ["TINYLOOP_MODEL_PATH"] = spec.source
     if spec.names:

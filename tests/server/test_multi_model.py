@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tinyloop.server.models import ModelSpec, PINNED, parse_keep_alive, parse_size, specs_from_args
+from tinyloop.server.model_specs import ModelSpec, specs_from_args
+from tinyloop.server.settings import PINNED, parse_keep_alive, parse_size
 from tinyloop.server.settings import Settings
 
 from .conftest import FORCED_TEXT, ServerThread, write_forced_model

@@ -30,149 +30,24 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ctypes
-import gc
-import json
 import logging
 import math
 import re
 import time
-import weakref
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import anyio
 
-from ..errors import ValidationError
 from .errors import APIError
 from .generation import DEFAULT_NAME, ServerState, served_names
-from .settings import PINNED, parse_keep_alive, parse_size, show_keep_alive  # noqa: F401 - parse_size: the pool's callers'
+from .model_memory import estimate_bytes, free, measure_bytes
+from .model_specs import default_names, model_settings, offline_card
+from .settings import PINNED, parse_keep_alive, show_keep_alive
 
 log = logging.getLogger("tinyloop.server")
 RETRY_FAILED_S = 30.0       # a model that failed to load is tried again by a request after this long
 REAPER_PERIOD_S = 0.5       # keep_alive expiries are checked this often
-CONFIG_SUFFIXES = (".toml", ".json")
-MODEL_KEYS = {"path", "names", "loops", "kv", "context", "keep_alive", "draft_exit"}
-
-
-# -- what is served ------------------------------------------------------------------------------
-@dataclass
-class ModelSpec:
-    """One served model as given on the command line or in a config file: its source (a path, a packaged
-    model's name or an `hf:` name), its names in the API (the first is its id; [] -> derived) and its own
-    defaults (None: the server's)."""
-    source: str
-    names: list[str] = field(default_factory=list)
-    loops: int | None = None            # the depth of a request that names none
-    kv: str | None = None               # KV cache format (fp16, int8, int4, int4-h)
-    context: int | None = None          # max_seq_len served
-    keep_alive: float | None = None     # seconds; PINNED; None: the server's
-    draft_exit: Path | bool | None = None
-
-
-def _spec_of(name: str | None, entry: dict[str, Any], defaults: dict[str, Any], where: str) -> ModelSpec:
-    unknown = set(entry) - MODEL_KEYS
-    if unknown:
-        raise SystemExit(f"tinyloop serve: {where}: unknown key(s) {', '.join(sorted(unknown))} (known: "
-                         f"{', '.join(sorted(MODEL_KEYS))})")
-    merged = {**defaults, **entry}
-    if "path" not in merged:
-        raise SystemExit(f"tinyloop serve: {where}: no path (a .tinyloop file, a packaged name or an hf: name)")
-    names = merged.get("names") or []
-    if isinstance(names, str):
-        names = [names]
-    names = ([name] if name else []) + [n for n in names if n != name]
-    try:
-        keep = parse_keep_alive(merged.get("keep_alive"), f"{where}: keep_alive")
-    except ValidationError as exc:
-        raise SystemExit(f"tinyloop serve: {exc.message}") from None
-    for key in ("loops", "context"):
-        value = merged.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise SystemExit(f"tinyloop serve: {where}: {key} must be a positive integer, got {value!r}")
-    kv = merged.get("kv")
-    if kv is not None and kv not in ("fp16", "int8", "int4", "int4-h"):
-        raise SystemExit(f"tinyloop serve: {where}: kv must be fp16, int8, int4 or int4-h, got {kv!r}")
-    draft = merged.get("draft_exit")
-    if isinstance(draft, str):
-        draft = {"auto": True, "none": False}.get(draft.lower(), Path(draft))
-    return ModelSpec(str(merged["path"]), names, merged.get("loops"), kv, merged.get("context"), keep, draft)
-
-
-def specs_from_config(path: Path) -> tuple[list[ModelSpec], dict[str, Any]]:
-    """A config file (TOML or JSON): per-model tables under `models` (`[models.NAME]` with `path` and any of
-    names, loops, kv, context, keep_alive, draft_exit); top-level keys of those names are every model's
-    defaults, and `max_loaded_models`, `max_memory`, `keep_alive` the server's. Returns (specs, server keys)."""
-    try:
-        text = path.read_text()
-        if path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"tinyloop serve: cannot read the models config {path}: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("models"), (dict, list)) or not data["models"]:
-        raise SystemExit(f"tinyloop serve: {path}: needs a 'models' table (e.g. [models.small] path = \"...\")")
-    server = {k: data[k] for k in ("max_loaded_models", "max_memory") if k in data}
-    defaults = {k: v for k, v in data.items() if k in MODEL_KEYS - {"path", "names"}}
-    unknown = set(data) - MODEL_KEYS - {"models", "max_loaded_models", "max_memory"}
-    if unknown:
-        raise SystemExit(f"tinyloop serve: {path}: unknown key(s) {', '.join(sorted(unknown))}")
-    models = data["models"]
-    items = models.items() if isinstance(models, dict) else [(m.get("name"), m) for m in models]
-    specs = [_spec_of(name, {k: v for k, v in dict(entry).items() if k != "name"}, defaults, f"{path}: {name}")
-             for name, entry in items]
-    return specs, server
-
-
-def specs_from_args(items: list[str]) -> tuple[list[ModelSpec], dict[str, Any]]:
-    """`tinyloop serve A B ...`: each a model (a path, a packaged name, an `hf:` name, or NAME=any of these),
-    a directory (every .tinyloop file in it, named by its stem) or a config file (.toml / .json)."""
-    specs: list[ModelSpec] = []
-    server: dict[str, Any] = {}
-    for item in items:
-        name, _, source = item.partition("=") if "=" in item and not item.startswith(("hf:", "/", ".")) \
-            else ("", "", item)
-        path = Path(source).expanduser()
-        if not name and path.suffix in CONFIG_SUFFIXES and path.is_file():
-            more, keys = specs_from_config(path)
-            specs += more
-            server.update(keys)
-        elif not name and path.is_dir():
-            files = sorted(p for p in path.glob("*.tinyloop") if p.is_file())
-            if not files:
-                raise SystemExit(f"tinyloop serve: the directory {path} holds no .tinyloop file")
-            specs += [ModelSpec(str(p)) for p in files]
-        else:
-            specs.append(ModelSpec(source, [name] if name else []))
-    return specs, server
-
-
-def default_names(source: str, path: Path) -> list[str]:
-    """A model's names when none are given: its packaged/hf name or file stem, then its path."""
-    stem = str(path).rsplit("/", 1)[-1].removesuffix(".tinyloop")
-    first = source.removesuffix(".tinyloop") if source.startswith("hf:") or "/" not in source else stem
-    return list(dict.fromkeys([first, stem, str(path), str(path).lstrip("/")]))
-
-
-def model_settings(settings, spec: ModelSpec):
-    """The server's settings with one model's own: its file, names and defaults."""
-    changes: dict[str, Any] = {"model_path": Path(spec.source) if not spec.source.startswith("hf:") else spec.source,
-                               "served_model_names": list(spec.names), "models": []}
-    if spec.kv is not None:
-        changes["kv_cache_mode"] = spec.kv
-    if spec.context is not None:
-        changes["max_seq_len"] = spec.context
-    if spec.loops is not None:
-        changes["default_loops"] = spec.loops
-    if spec.keep_alive is not None:
-        changes["keep_alive"] = spec.keep_alive
-    if spec.draft_exit is not None:
-        changes["draft_exit"] = spec.draft_exit
-    return replace(settings, **changes)
 
 
 # -- leases: a request's hold on its model until its response has gone out ---------------------
@@ -238,7 +113,7 @@ class ModelEntry:
         self.unload_seconds: float | None = None
         self.memory: int | None = None      # bytes its weights and KV pool hold (measured once loaded)
         self.on_demand = False              # its last load was a request's (not the server's start)
-        self.estimate = _estimate_bytes(path, settings)
+        self.estimate = estimate_bytes(path, settings)
 
     @property
     def name(self) -> str:
@@ -494,7 +369,7 @@ class ModelPool:
         if worker.state == "ready":
             entry.load_seconds = seconds
             entry.last_used = max(entry.last_used, time.monotonic())
-            entry.memory = _measure_bytes(worker)
+            entry.memory = measure_bytes(worker)
             if entry.keep is not None and entry.keep != PINNED and not entry.running and not entry.waiting:
                 entry.expires_at = time.monotonic() + entry.keep   # (loaded at start: its keep_alive runs now)
             m.model_loads.labels(entry.name, "ok").inc()
@@ -522,7 +397,7 @@ class ModelPool:
     async def _do_unload(self, entry: ModelEntry, reason: str) -> None:
         served, began = entry.served, time.monotonic()
         try:
-            await anyio.to_thread.run_sync(_free, served.worker, self.metrics)
+            await anyio.to_thread.run_sync(free, served.worker, self.metrics)
         except Exception as exc:  # noqa: BLE001 - it is gone all the same
             log.warning("model %s: unloading raised %s: %s", entry.name, type(exc).__name__, exc)
         entry.served, entry.unloading, entry.memory = None, False, entry.memory
@@ -605,7 +480,7 @@ class ModelPool:
         if entry.ready:
             out = card(entry.served)
         else:
-            out = _offline_card(entry, lmstudio)
+            out = offline_card(entry, lmstudio)
         return {**out, "tinyloop": self.status(entry)}
 
     def pool_status(self) -> dict[str, Any]:
@@ -614,115 +489,11 @@ class ModelPool:
                 "memory_bytes": sum(e.memory or 0 for e in self.entries if e.ready)}
 
 
-def _offline_card(entry: ModelEntry, lmstudio: bool) -> dict[str, Any]:
-    """The card of a model that is not loaded: what its file's header says (nothing more when unreadable)."""
-    from ..modelfile.header import header_config, model_info, read_header
-
-    try:
-        header, _ = read_header(entry.path)
-        cfg = header_config(entry.path)
-        info = model_info(header)
-    except Exception:  # noqa: BLE001 - a file that will not load: its card says only its name
-        cfg, info = None, {}
-    loops = entry.settings.default_loops or (cfg.default_loops if cfg is not None else None)
-    if lmstudio:
-        return {"id": entry.name, "object": "model", "type": "llm", "publisher": "tinyloop",
-                "arch": info.get("arch"), "compatibility_type": "tinyloop", "quantization": info.get("quant"),
-                "state": "not-loaded", "max_context_length": None if cfg is None else
-                min(cfg.max_seq_len, entry.settings.max_seq_len or cfg.max_seq_len)}
-    return {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "tinyloop",
-            "default_loops": loops, "max_loops": cfg.max_loops if cfg is not None else None,
-            "trained_loops": (list(cfg.trained_loops) or None) if cfg is not None else None}
-
-
 _LOOPS_SUFFIX = re.compile(r"@loops=(auto|-?[0-9]+)$")   # (knobs.LOOPS_SUFFIX: a request's depth suffix)
 
 
 def _bare(name: str) -> str:
     return _LOOPS_SUFFIX.sub("", name)
-
-
-def _estimate_bytes(path: Path, settings) -> int:
-    """A model's memory before it was ever loaded: its file, and its KV pool (the setting, else what
-    BatchEngine sizes: max_num_seqs full contexts at the default depth, at most 1 GiB)."""
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0
-    if settings.kv_pool_mb is not None:
-        return size + (settings.kv_pool_mb << 20)
-    try:
-        from ..modelfile.header import header_config
-
-        cfg = header_config(path)
-        context = min(cfg.max_seq_len, settings.max_seq_len or cfg.max_seq_len)
-        per_token = 2 * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 2 * \
-            (cfg.n_prelude + cfg.n_core * cfg.default_loops + cfg.n_coda)
-        return size + min(settings.max_num_seqs * context * per_token, 1 << 30)
-    except Exception:  # noqa: BLE001 - an estimate
-        return size
-
-
-def _measure_bytes(worker) -> int:
-    """Bytes a loaded model holds: its tensors (weights, buffers, packed forms; each storage once) and KV pool."""
-    import torch
-
-    seen: set[int] = set()
-    total = 0
-
-    def add(t) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            try:
-                storage = t.untyped_storage()
-            except Exception:  # noqa: BLE001
-                return
-            key = storage.data_ptr()
-            if key and key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-
-    engine = worker.engine
-    if engine is None:
-        return 0
-    model = engine.model
-    for t in list(model.parameters()) + list(model.buffers()):
-        add(t)
-    for module in model.modules():   # packed forms kept as plain attributes (native executor, quantized layers)
-        for value in vars(module).values():
-            add(value)
-    batch = worker.batch
-    if batch is not None:
-        try:
-            kv = batch.kv.nbytes()
-        except Exception:  # noqa: BLE001
-            kv = 0
-        total += kv
-    return total
-
-
-def _free(worker, metrics) -> None:
-    """(a thread) Stop a model's engine thread and let go of everything it held, back to the system."""
-    worker.stop()
-    if worker.prompt_cache is not None:
-        metrics.untrack_prompt_cache(worker.prompt_cache.stats)
-    engine = worker.engine
-    model = weakref.ref(engine.model) if engine is not None else None
-    if engine is not None and getattr(engine.model, "executor", None) is not None:
-        engine.model.executor = None   # (the native executor and its model refer to each other)
-    worker.engine = worker.batch = worker.prompt_cache = None
-    worker.load_exception = None
-    del engine
-    if model is not None and model() is not None:
-        # another cycle holds it: a full collection (Engine.load froze the models' objects out of the collector's
-        # reach), which holds the GIL for a while (~0.6 s beside a loaded model, measured), so only then
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)   # freed heap pages back to the system (glibc)
-    except (OSError, AttributeError):
-        pass
 
 
 def build_pool(settings, metrics, make_worker: Callable[[Any, Any], Any]) -> ModelPool:
