@@ -135,20 +135,21 @@ class TextLogprobs(Closed):
     text_offset: list[int]
 
 
-class ChatChoice(Closed):
+class _Choice(Closed):
+    """What a choice of either route carries besides its text."""
     index: int
+    finish_reason: FinishReason
+    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
+
+
+class ChatChoice(_Choice):
     message: AssistantMessage
-    finish_reason: FinishReason
     logprobs: ChatLogprobs | None        # null unless logprobs: true
-    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
-class TextChoice(Closed):
+class TextChoice(_Choice):
     text: str
-    index: int
-    finish_reason: FinishReason
     logprobs: TextLogprobs | None        # null unless logprobs: k
-    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class ChatCompletion(Closed):
@@ -296,22 +297,20 @@ class ChatDelta(Closed):
     reasoning: str | None = None           # the same, under vLLM's newer name
 
 
-class ChatChunkChoice(Closed):
-    index: int
+class _ChunkChoice(_Choice):
+    """What a streamed choice of either route carries besides its text."""
+    finish_reason: FinishReason | None   # null until the choice's last chunk
+    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
+
+
+class ChatChunkChoice(_ChunkChoice):
     delta: ChatDelta
-    finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None        # null unless logprobs: true
-    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
-    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
-class TextChunkChoice(Closed):
+class TextChunkChoice(_ChunkChoice):
     text: str
-    index: int
-    finish_reason: FinishReason | None
     logprobs: TextLogprobs | None        # null unless logprobs: k
-    loops: list[int] | None = None      # loops "auto": the depth of each token this chunk accounts for
-    schema_check: str | None = None     # "passed" / "failed: why": a schema held in part (structured.md)
 
 
 class _Chunk(Closed):
