@@ -22,6 +22,13 @@ def native(model: Any):
     return getattr(model, "executor", None)
 
 
+def detach(model: Any) -> None:
+    """Let go of the model's native executor (the executor and its model refer to each other: without this an
+    unloaded model waits for a full garbage collection to free its memory)."""
+    if native(model) is not None:
+        model.executor = None
+
+
 def python_between_calls(model: Any):
     """Where the native executor runs the passes, the engine's Python between them touches small tensors
     only: one torch thread, no OpenMP wake-ups beside the native pool's spinning workers (a draft head's

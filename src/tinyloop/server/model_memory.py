@@ -75,8 +75,10 @@ def free(worker, metrics) -> None:
         metrics.untrack_prompt_cache(worker.prompt_cache.stats)
     engine = worker.engine
     model = weakref.ref(engine.model) if engine is not None else None
-    if engine is not None and getattr(engine.model, "executor", None) is not None:
-        engine.model.executor = None   # (the native executor and its model refer to each other)
+    if engine is not None:
+        from ..engine.native import detach   # (torch: not on a refused start's path, as `import torch` below)
+
+        detach(engine.model)   # (the native executor and its model refer to each other)
     worker.engine = worker.batch = worker.prompt_cache = None
     worker.load_exception = None
     del engine
