@@ -73,6 +73,17 @@ def isa(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["dot", "panel"])
+def matmul_path(request, isa):
+    """Both multi-row matmul paths (test_native.py's fixture): the dot-product tiles, and the outer-product panels
+    (6 or 12 rows and more by default outside batch-invariant mode; here every call, so that the chunks' rows and
+    the head take them: the logit scale is applied after either)."""
+    lib = kernels.load(isa)
+    old = lib.tl_set_panel_min_rows(1 if request.param == "panel" else 1 << 30)
+    yield request.param
+    lib.tl_set_panel_min_rows(old)
+
+
 @pytest.fixture(autouse=True)
 def exact_activations(monkeypatch):
     """fp32 activations for int4/int8 layers (exact to the dequantized weights); one test takes the int8 ones."""
@@ -156,7 +167,7 @@ def pool_close(kv_a, kv_b, tol: float = TOL) -> None:
 
 
 @pytest.mark.parametrize("loops", [1, 2, 3, 4])
-def test_prefill_and_decode_rows_match_the_reference(isa, dory, weights, loops):
+def test_prefill_and_decode_rows_match_the_reference(isa, matmul_path, dory, weights, loops):
     """The prompt in calls of 4, 1, 1, 3, 1 positions (prefill chunks and decode rows, all native): the logits of
     every position equal the numpy reference's own chunked run (per_loop: the same as one call; last_loop: each
     call's tokens at their last loop) and the PyTorch path's, the native head's per-token logit scale included;
@@ -175,7 +186,7 @@ def test_prefill_and_decode_rows_match_the_reference(isa, dory, weights, loops):
 
 
 @pytest.mark.parametrize("weights_fmt", ["fp16", "bf16", "int8", "int4"])
-def test_every_weight_format(isa, dory, weights_fmt):
+def test_every_weight_format(isa, matmul_path, dory, weights_fmt):
     """16-bit and quantized projections (the output gate's too): native prefill and decode rows equal the PyTorch
     path over the same rounded weights at loops 1 and 4."""
     mode, hf, path = dory
@@ -340,3 +351,19 @@ def test_every_kv_format(isa, dory, kv_format, kv_dtype):
         ra, rb = a.read(slice(None), torch.float32), b.read(slice(None), torch.float32)
         step = _pool_step(a, ra).maximum(_pool_step(b, rb))
         assert ((ra - rb).abs() - step - 1e-4).max().item() <= 0, kv_format
+
+
+def test_sampled_decoding_natively_equals_pytorch(isa, dory):
+    """Sampled decoding (temperature 0.8, top-p 0.9, a seed: each token drawn under the shared noise of its output
+    index, engine/sampling.py) gives the PyTorch path's tokens natively, the native head's logit scale in the
+    draws; per_loop: sampled self-speculation gives plain sampling's tokens too."""
+    mode, hf, path = dory
+    modes = [{}] + ([dict(mode="speculative", draft_loops=1, verify_loops=3)] if mode == "per_loop" else [])
+    out = {}
+    for executor in ("torch", "native"):
+        engine = Engine.load(path, executor=executor)
+        out[executor] = [engine.generate(D.PROMPT, SamplingParams(max_tokens=16, loops=3, temperature=0.8, top_p=0.9,
+                                                                  seed=5, ignore_eos=True, **kw)).token_ids
+                         for kw in modes]
+    assert out["native"] == out["torch"]
+    assert all(toks == out["native"][0] for toks in out["native"])

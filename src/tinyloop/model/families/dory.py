@@ -23,7 +23,8 @@ r and earlier calls' tokens at the last loop they ran: `ModelConfig.kv_mode`, `c
 
 This module owns the mapping of config.json onto `ModelConfig` (refusing, by name, everything that is not
 Dory v1), of the checkpoint's tensor names onto TinyLoop's, and the math above (`NGPTBlock`, used by
-`model.looped.LoopedTransformer` for a config with a `layer_pattern`).
+`model.looped.LoopedTransformer` for a config with a `layer_pattern`). Its native math beside the shared kernels:
+`kernels/csrc/dory.cpp` (described by `kernels/dory.py`; tests/kernels/test_dory_native.py holds it to this).
 
 Partial rotary: the checkpoint rotates pairs (i, i + R/2) of the first R = head_dim * factor dims and leaves
 the rest; TinyLoop's RoPE turns pairs (j, j + D/2). The converter permutes each head's q and k rows (and sqk)
