@@ -305,6 +305,37 @@ def equality(args, work: Path, gguf: Path) -> dict:
     return res
 
 
+def fidelity(args, work: Path, gguf: Path) -> dict:
+    """How far each conversion the speed part runs is from the file's model: along each prompt and the
+    conversion's own greedy text, the change of a difference between two of the 5 top float32 logits (the measure
+    of the tolerance), and where that text leaves llama.cpp's (`llama-simple`)."""
+    from tinyloop.engine import Engine
+    ref = Engine.load(convert(work, "float32", "--dtype", "float32"), fast=False, executor="torch", draft_exit=False)
+    paths = {"float16": convert(work, "float16"), "int4": convert(work, "int4", "--int4"), "int4 head8": head8(work)}
+    threads = max(int(t) for t in args.threads.split(","))
+    peers = [(ref.encode_prompt(text), llama_simple(Path(args.build), gguf, text, args.tokens, threads))
+             for _, text in prompts(ref)]
+    out = {}
+    for name, path in paths.items():
+        e = Engine.load(path, executor="native", draft_exit=False)
+        changes, firsts = [], []
+        for ids, peer in peers:
+            toks = greedy(e, ids, args.tokens)
+            firsts.append(first_difference(ref.tokenizer, toks, peer))
+            seq = ids + toks
+            with torch.inference_mode():
+                exact = ref.logits(seq)[len(ids) - 1:len(seq) - 1]
+                mine = e.logits(seq)[len(ids) - 1:len(seq) - 1]
+            d = (mine - exact).gather(1, exact.topk(TOP, dim=-1).indices)
+            changes += (d.amax(1) - d.amin(1)).tolist()
+        changes.sort()
+        out[name] = {"change_median": changes[len(changes) // 2], "change_max": changes[-1],
+                     "first_difference_from_llama_cpp": firsts}
+        print(f"  {name}: change of a top-{TOP} logit difference from float32 median {changes[len(changes) // 2]:.3f}, "
+              f"max {changes[-1]:.3f}; first difference from llama.cpp's text {firsts}", flush=True)
+    return out
+
+
 def llama_bench(build: Path, gguf: Path, threads: int, p: int, n: int, reps: int) -> float:
     r = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(n),
                         "-t", str(threads), "-r", str(reps), "-o", "json"], capture_output=True, check=True, timeout=900)
@@ -455,6 +486,8 @@ def main() -> int:
     ap.add_argument("--skip-equality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--cpu-time", action="store_true", help="also CPU ms a token at one thread (a loaded host)")
+    ap.add_argument("--fidelity", action="store_true", help="also how far each timed conversion is from the file's "
+                    "model (logit change from float32, first difference from llama.cpp's text)")
     ap.add_argument("--json")
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -499,6 +532,8 @@ def main() -> int:
                 t = b[f"TinyLoop {n}|{what}"]
                 cells.append(f"{t['tok_s']} (t{t['threads']}) | {t['tok_s'] / ll['tok_s']:.2f}x")
             print(f"| {what} | {ll['tok_s']} (t{ll['threads']}) | " + " | ".join(cells) + " |")
+    if args.fidelity:
+        result["fidelity"] = fidelity(args, work, gguf)
     if args.cpu_time:
         ct = cpu_time(args, work, gguf)
         result["cpu_time"] = ct
