@@ -367,3 +367,19 @@ def test_sampled_decoding_natively_equals_pytorch(isa, dory):
                          for kw in modes]
     assert out["native"] == out["torch"]
     assert all(toks == out["native"][0] for toks in out["native"])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_head_takes_the_logit_scale(isa, dory, bits):
+    """A quantized LM head (`quantize --head-bits`: the model's `head_linear`) scales its logits per token as the
+    float one does: natively (its codes through the library, fp32 activations) equal to PyTorch's dequantized
+    head times the scale, within the fp32 bound."""
+    mode, hf, path = dory
+    ref, nat = pair(path)
+    q, s, z = quantize_rtn(ref.lm_head.weight.detach(), bits, None if bits == 8 else 32)
+    ref.head_linear = QuantLinear.from_portable(pack(q, bits), s, z, bits, kernel="dense")
+    nat.head_linear = QuantLinear.from_portable(pack(q, bits), s, z, bits, kernel="native")
+    nat.executor = NativeExecutor(nat, threads=2)   # (described with its head)
+    got, _ = chunked(nat, nat.cfg, 3, D.PROMPT, CHUNKS)
+    want, _ = chunked(ref, ref.cfg, 3, D.PROMPT, CHUNKS)
+    assert (got - want).abs().max().item() < TOL
