@@ -7,14 +7,12 @@
 // row's own (attention.cpp reads tl_row.window).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 #include "tinyloop.h"
 #include "vec.h"
 #include "step.h"
 
 void tl_rope(float* x, int n_heads, int D, const float* cos, const float* sin);
-void tl_kv_write(const tl_kv* kv, int which, int64_t e, int D, float* x);
 
 namespace tl_step {
 void linears(const tl_linear* parts, int n, const float* x, int M, float* y, int ldy, float* lin);   // step.cpp
@@ -114,15 +112,7 @@ void ngpt_block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_
         tl_rope(q, H + Hkv, D, cos + (int64_t)pos * (D / 2), sin + (int64_t)pos * (D / 2));
         justnorm(q, q, H + Hkv, D);   // every head on its sphere
         for (int i = 0; i < HD; i += TL_W) vstore(q + i, vmul(vload(q + i), vload(b->sqk + i)));
-        const int ps = kv->page_size;
-        const int64_t page = rows[r].table[(int64_t)(at / ps) * rows[r].stride + mapped[r]];
-        for (int g = 0; g < Hkv; ++g) {
-            const int64_t e = (page * ps + at % ps) * Hkv + g;
-            memcpy(B.tmp, q + (int64_t)(H + g) * D, sizeof(float) * D);
-            tl_kv_write(kv, 0, e, D, B.tmp);
-            memcpy(B.tmp, q + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
-            tl_kv_write(kv, 1, e, D, B.tmp);
-        }
+        store_kv(kv, rows[r], at, mapped[r], q, H, Hkv, D, B.tmp);
     }
     attend(m, kv, own.data(), M, mapped[0], B, mapped.data());
     // the output gate: g = wg x into B.qkv (free now), rows H * D apart

@@ -87,6 +87,19 @@ void residual(const tl_model* m, float* x, float* y, const float* out_norm, int 
 
 // Attention of M rows' queries (B.qkv, rows (H + 2 Hkv) * D apart) over the keys each sees in its slot (`slot`,
 // or slots[i] per row), into B.att (M, H * D); the rows' own keys are in the pool already.
+void store_kv(const tl_kv* kv, const tl_row& row, int at, int slot, const float* qkv, int H, int Hkv, int D,
+              float* tmp) {
+    const int ps = kv->page_size;
+    const int64_t page = row.table[(int64_t)(at / ps) * row.stride + slot];
+    for (int g = 0; g < Hkv; ++g) {
+        const int64_t e = (page * ps + at % ps) * Hkv + g;
+        memcpy(tmp, qkv + (int64_t)(H + g) * D, sizeof(float) * D);
+        tl_kv_write(kv, 0, e, D, tmp);
+        memcpy(tmp, qkv + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
+        tl_kv_write(kv, 1, e, D, tmp);
+    }
+}
+
 void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int slot, Buffers& B, const int* slots) {
     const int D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
     const int QKV = (H + 2 * Hkv) * D;
@@ -141,15 +154,7 @@ void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* 
         if (b->ve_gate)
             value_embed(m, b, &rows[r], B.a + (int64_t)r * dim, B.ve_e ? B.ve_e + r * B.ve_ld : nullptr,
                         q + (int64_t)(H + Hkv) * D);
-        const int ps = kv->page_size;
-        const int64_t page = rows[r].table[(int64_t)(at / ps) * rows[r].stride + (slots ? slots[r] : slot)];
-        for (int g = 0; g < Hkv; ++g) {
-            const int64_t e = (page * ps + at % ps) * Hkv + g;
-            memcpy(B.tmp, q + (int64_t)(H + g) * D, sizeof(float) * D);
-            tl_kv_write(kv, 0, e, D, B.tmp);
-            memcpy(B.tmp, q + (int64_t)(H + Hkv + g) * D, sizeof(float) * D);
-            tl_kv_write(kv, 1, e, D, B.tmp);
-        }
+        store_kv(kv, rows[r], at, slots ? slots[r] : slot, q, H, Hkv, D, B.tmp);
     }
     attend(m, kv, rows, M, slot, B, slots);
     tl_linear_rows(&b->wo, B.att, M, B.y, dim, B.lin);

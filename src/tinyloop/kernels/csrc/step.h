@@ -41,6 +41,11 @@ void project_state(const tl_linear* C, int dim, float* x, int n, Buffers& B);
 // y (m rows of ld, first n) = c tanh(y / c)
 void softcap(float* y, int m, int n, int64_t ld, float c);
 
+// a row's new keys and values (a q|k|v row of H + 2 Hkv heads of D) into its page of cache slot `slot` at storage
+// index `at` (step.cpp; `tmp`: D floats)
+void store_kv(const tl_kv* kv, const tl_row& row, int at, int slot, const float* qkv, int H, int Hkv, int D,
+              float* tmp);
+
 // attention of M rows' queries (B.qkv) over the keys each sees in `slot` (or slots[i]) into B.att (step.cpp)
 void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int slot, Buffers& B,
             const int* slots = nullptr);
