@@ -176,3 +176,18 @@ def test_generate_ends_its_line(tmp_path):
 def test_serve_help_names_what_model_takes():
     out = " ".join(run("serve", "--help").stdout.split())
     assert "a packaged model's name" in out and "hf:ORG/NAME" in out and "exit status 1" in out
+
+
+def test_info_says_the_pytorch_path_serves_a_model_the_native_executor_refuses(tmp_path):
+    """`tinyloop info`'s executor row is the one a load would use: a config the native executor refuses (here a
+    head_dim that is not a multiple of 8) reads "torch" and why, not the library's ISA."""
+    from tinyloop.kernels.lib import describe
+
+    path = tmp_path / "odd.tinyloop"
+    r = run("init", str(path), "--preset", "tiny", "--seed", "4", "--overrides", '{"head_dim": 12}')
+    assert r.returncode == 0, r.stderr
+    executor = json.loads(run("info", str(path), "--json").stdout)["executor"]
+    if describe().startswith("native"):
+        assert executor.startswith("torch (the native executor does not run this model: ") and "multiples of 8" in executor
+    else:   # no library here: the row says so as before
+        assert executor == describe()

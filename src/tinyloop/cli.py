@@ -112,10 +112,15 @@ def _info(args: argparse.Namespace) -> int:
     try:
         path = resolve_model_path(args.file)  # (an hf: name not in the store yet is pulled first)
         header, _ = read_header(path)
-        header_config(path)  # framing and config; the tensors are checked when the model loads
+        cfg = header_config(path)  # framing and config; the tensors are checked when the model loads
     except ModelFileError as exc:
         return _fail(str(exc))
-    from .kernels.lib import describe as describe_executor
+    from .kernels.lib import config_refusal, describe as describe_executor
+
+    executor = describe_executor()
+    why = config_refusal(cfg) if executor.startswith("native") else None
+    if why:   # (the PyTorch path serves it: model.fast.attach_executor falls back with a warning)
+        executor = f"torch (the native executor does not run this model: {why})"
 
     exit_file = find_companion(path, header, DRAFT_SUFFIX)
     tok = header.get("tokenizer") or {}
@@ -128,7 +133,7 @@ def _info(args: argparse.Namespace) -> int:
                           if tok.get(k) is not None},
             "chat_template": tok.get("chat_template"),
             "draft_exit": str(exit_file) if exit_file else None,
-            "executor": describe_executor(),
+            "executor": executor,
             "provenance": prov}
     if args.json:
         print(json.dumps(info, indent=2))

@@ -20,15 +20,13 @@ import torch
 import torch.nn as nn
 
 from . import lib as L
+from .lib import _INJECTIONS, _LOOP_STARTS, _PLACEMENTS, config_refusal, unsupported_features  # noqa: F401
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
                      linear_desc, pack_int4, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
 from .dory import dory_block_desc, dory_desc, logit_scale_desc
 from .parcae import parcae_desc, value_embed_desc
 
-_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
-_LOOP_STARTS = {"state": 0, "embed": 1, "skip": 2}
-_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
 
@@ -36,41 +34,14 @@ STREAMED_BYTES = 64 << 20
 _BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL_Q2: 2}
 
 
-def unsupported_features(cfg) -> list[str]:
-    """The config's features the C++ code does not implement: a model with any of them is served by the
-    PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
-    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) and Dory's (nGPT single-sublayer
-    blocks, sliding-window layers, partial rotary and a second RoPE profile, the last_loop KV mode, the logit
-    scale: kernels/dory.py) run natively."""
-    out = []
-    if cfg.mlp not in ("swiglu", "gelu", "relu2"):
-        out.append(f"the {cfg.mlp} MLP")
-    if cfg.injection not in _INJECTIONS:
-        out.append(f"the {cfg.injection} injection")
-    if cfg.norm_placement not in _PLACEMENTS:
-        out.append(f"{cfg.norm_placement}-norm blocks")
-    if cfg.loop_start not in _LOOP_STARTS:
-        out.append(f"loop 0 starting as {cfg.loop_start!r}")
-    if cfg.value_embeds and cfg.head_dim > 1024:
-        out.append("value embeddings on heads wider than 1024")
-    # partial rotary and the second profile: Dory's layers read them (the tables carry both); another family's
-    # blocks would read profile 1 only
-    if not getattr(cfg, "layer_pattern", "") and (getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0)
-                                                  or getattr(cfg, "rope_profile", ())):
-        out.append("partial rotary or a second RoPE profile outside nGPT blocks")
-    return out
-
-
 class NativeExecutor(RequestCalls):
     def __init__(self, model, threads: int | None = None):
         cfg = model.cfg
-        missing = unsupported_features(cfg)
-        if missing:
-            raise Unsupported(f"not implemented natively: {', '.join(missing)}")
+        why = config_refusal(cfg)
+        if why:
+            raise Unsupported(why)
         if model.embed.weight.device.type != "cpu":
             raise Unsupported("the native executor runs on the CPU")
-        if cfg.dim % 8 or cfg.head_dim % 8:
-            raise Unsupported("dim and head_dim must be multiples of 8")
         self.lib = L.load()
         self.model, self.keep = model, []
         self._head_costs: list[float] = []   # (head_costs)

@@ -225,6 +225,48 @@ def native_wanted() -> bool:
         return False
 
 
+# -- what the native code runs (torch-free: `tinyloop info` asks without loading torch) ---------------------
+_PLACEMENTS = {"pre": 0, "sandwich": 1, "sandwich-residual": 2, "post": 3}
+_LOOP_STARTS = {"state": 0, "embed": 1, "skip": 2}
+_INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
+
+
+def unsupported_features(cfg) -> list[str]:
+    """The config's features the C++ code does not implement: a model with any of them is served by the
+    PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
+    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) and Dory's (nGPT single-sublayer
+    blocks, sliding-window layers, partial rotary and a second RoPE profile, the last_loop KV mode, the logit
+    scale: kernels/dory.py) run natively."""
+    out = []
+    if cfg.mlp not in ("swiglu", "gelu", "relu2"):
+        out.append(f"the {cfg.mlp} MLP")
+    if cfg.injection not in _INJECTIONS:
+        out.append(f"the {cfg.injection} injection")
+    if cfg.norm_placement not in _PLACEMENTS:
+        out.append(f"{cfg.norm_placement}-norm blocks")
+    if cfg.loop_start not in _LOOP_STARTS:
+        out.append(f"loop 0 starting as {cfg.loop_start!r}")
+    if cfg.value_embeds and cfg.head_dim > 1024:
+        out.append("value embeddings on heads wider than 1024")
+    # partial rotary and the second profile: Dory's layers read them (the tables carry both); another family's
+    # blocks would read profile 1 only
+    if not getattr(cfg, "layer_pattern", "") and (getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0)
+                                                  or getattr(cfg, "rope_profile", ())):
+        out.append("partial rotary or a second RoPE profile outside nGPT blocks")
+    return out
+
+
+def config_refusal(cfg) -> str | None:
+    """Why the native executor refuses a model of this config (None: it runs it, the weights permitting), as
+    `NativeExecutor` says it and `tinyloop info` shows it."""
+    missing = unsupported_features(cfg)
+    if missing:
+        return f"not implemented natively: {', '.join(missing)}"
+    if cfg.dim % 8 or cfg.head_dim % 8:
+        return "dim and head_dim must be multiples of 8"
+    return None
+
+
 def describe() -> str:
     """Which executor a model loaded now would use, without compiling anything (`tinyloop info`): "torch"
     (forced, or no library), "native (ISA)" when the library is built, or what is missing."""
