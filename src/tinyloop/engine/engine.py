@@ -26,6 +26,7 @@ from ..errors import ValidationError
 from ..model.fast import executor_name
 from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
+from .native import detach
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
@@ -136,6 +137,11 @@ class Engine:
         # collection would otherwise walk them all, mid-step (measured ~6% of a native decode step's time).
         gc.freeze()   # (unfrozen at exit, so that extension modules see their objects freed as usual)
         return cls(loaded, max_seq_len=max_seq_len, kv_format=kv_format)
+
+    def release(self) -> None:
+        """Let go of the native executor (it and the model refer to each other: without this, an engine let go
+        of waits for a full garbage collection to free the model's memory)."""
+        detach(self.model)
 
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}

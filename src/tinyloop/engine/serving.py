@@ -249,6 +249,11 @@ class BatchEngine(FastSteps):
             self.steps, self.preemptions, self.peak_running, self.sched.prefix = kept
 
     @property
+    def runs_natively(self) -> bool:
+        """Whether the native executor runs this core's steps (its forward is then one call without the GIL)."""
+        return native(self.model) is not None
+
+    @property
     def num_running(self) -> int:
         return len(self.sched.running)
 

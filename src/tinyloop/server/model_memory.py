@@ -76,9 +76,7 @@ def free(worker, metrics) -> None:
     engine = worker.engine
     model = weakref.ref(engine.model) if engine is not None else None
     if engine is not None:
-        from ..engine.native import detach   # (torch: not on a refused start's path, as `import torch` below)
-
-        detach(engine.model)   # (the native executor and its model refer to each other)
+        engine.release()   # (the native executor and its model refer to each other)
     worker.engine = worker.batch = worker.prompt_cache = None
     worker.load_exception = None
     del engine

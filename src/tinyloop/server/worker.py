@@ -31,7 +31,6 @@ import torch
 from ..engine import Engine, RequestPlan, StreamEvent
 from ..engine.requests import Request
 from ..engine.serving import BatchEngine
-from ..engine.native import native
 from ..errors import ValidationError
 from .access import request_id_var
 from .errors import APIError
@@ -238,7 +237,7 @@ class EngineWorker:
                 self.batch = core()   # (nothing of the failed warm-up left in the core)
             self._open_prompt_cache()
             runner = self.batch.runner
-            if native(self.engine.model) is not None:   # the step's forward is one native call without the GIL
+            if self.batch.runs_natively:   # the step's forward is one native call without the GIL
                 runner.before_forward = self._flush_early
             runner.before_head = self._flush_early
             self.state = "ready"
