@@ -14,6 +14,7 @@ import torch.nn as nn
 from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.kernels.executor import NativeExecutor
+from tinyloop.model.paged import PagedKV, PagedStep, Rows
 from tinyloop.quant.linear import QuantLinear
 from tinyloop.quant.packing import pack, quantize_rtn
 
@@ -69,6 +70,14 @@ def make_pair(cfg, weights: str):
             g = torch.Generator().manual_seed(6)
             ref.injection.A_log.normal_(0, 1, generator=g)
             ref.injection.dt_bias.normal_(0, 1, generator=g)
+    return native_twin(ref, weights)
+
+
+def native_twin(ref, weights: str):
+    """(ref, its native twin): a copy of `ref` with its block projections (every nn.Linear but the LM head) in
+    `weights` ("fp32", "fp16", "bf16", "int8", "int4", "int2") on the native executor, `ref`'s own holding the
+    same values in fp32 (dequantized, or rounded to the 16-bit type and back), so both compute with one set of
+    effective weights."""
     nat = copy.deepcopy(ref)
     if weights in ("fp16", "bf16"):
         dt = torch.float16 if weights == "fp16" else torch.bfloat16
@@ -102,3 +111,36 @@ def attach_varied_exits(model, seeds: dict[int, int]) -> None:
                 p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
         exits[d] = ex.eval()
     attach_draft_exits(model, exits)
+
+
+def clone_kv(kv: PagedKV) -> PagedKV:
+    """A copy of the pool with its own storage (any KV format)."""
+    out = copy.copy(kv)
+    out.k, out.v = copy.copy(kv.k), copy.copy(kv.v)
+    for t in (out.k, out.v):
+        t.parts = tuple(p.clone() for p in t.parts)
+        if t.bits is None:
+            t.data = t.parts[0]
+        else:
+            t.codes, t.scale, t.offset = t.parts
+    return out
+
+
+@torch.inference_mode()
+def prefilled_pool(ref, seqs, page: int, slots: int, kv_format: str = "fp16", kv_dtype=torch.float32):
+    """The prompts of `seqs` (each (prompt length, loops, window, ...): random tokens, seed 7) prefilled by `ref`
+    (the PyTorch path) into one paged pool of `slots` cache slots, each sequence's pages in a shuffled order:
+    (the pool, the block tables, each sequence's next token)."""
+    cfg = ref.cfg
+    blocks = -(-max(s[0] + 1 for s in seqs) // page)
+    kv = PagedKV(cfg, len(seqs) * blocks * slots, page, kv_format, kv_dtype)
+    g = torch.Generator().manual_seed(7)
+    tables, toks = [], []
+    for i, (n, loops, window, *_) in enumerate(seqs):
+        table = torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
+        prompt = torch.randint(0, cfg.vocab_size, (n + 1,), generator=g).tolist()
+        ref.run(PagedStep(kv, [Rows(table=table, start=0, n=n, last_loop=loops, tokens=prompt[:n], window=window)],
+                          ref.rotary, torch.float32, "cpu"))
+        tables.append(table)
+        toks.append(prompt[n])
+    return kv, tables, toks

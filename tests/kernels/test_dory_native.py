@@ -22,14 +22,12 @@ logit there (the bound test_native.py holds the other families to).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
@@ -38,6 +36,7 @@ except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path se
     pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
 
 from conftest import core_ids  # noqa: E402
+from native_pair import clone_kv, native_twin, prefilled_pool  # noqa: E402
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
 from tinyloop.kernels.executor import NativeExecutor  # noqa: E402
 from tinyloop.model.cache import SlotLayout  # noqa: E402
@@ -105,34 +104,11 @@ def dory(request, tmp_path_factory, weights):
     return mode, hf, convert(src, root / "dory.tinyloop", dtype="float32", progress=False)
 
 
-def _linears(model):
-    for mod in model.modules():
-        for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and name != "lm_head":
-                yield mod, name, child
-
-
 def pair(path, weights: str = "fp32"):
     """(PyTorch reference, native model): the converted file loaded twice; the native one's block projections in
     `weights` (the output gate's too), the reference's holding the same values in fp32 (tests/kernels/native_pair.py's
     rule). The LM head and the scale vectors stay fp32 in both."""
-    ref = load_model(path).model.eval()
-    nat = copy.deepcopy(ref)
-    if weights in ("fp16", "bf16"):
-        dt = torch.float16 if weights == "fp16" else torch.bfloat16
-        for (_, _, r), (_, _, n) in zip(_linears(ref), _linears(nat)):
-            w = r.weight.detach().to(dt)
-            r.weight.data = w.float()
-            n.weight = nn.Parameter(w, requires_grad=False)
-    elif weights.startswith("int"):
-        bits = int(weights[3:])
-        for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
-            q, s, z = quantize_rtn(r.weight.detach(), bits, None if bits == 8 else 32)
-            qw = pack(q, bits)
-            setattr(rm, rn, QuantLinear.from_portable(qw, s, z, bits, kernel="dense"))
-            setattr(nm, nn_, QuantLinear.from_portable(qw, s, z, bits, kernel="native"))
-    nat.executor = NativeExecutor(nat, threads=2)
-    return ref, nat
+    return native_twin(load_model(path).model.eval(), weights)
 
 
 def counting(nat) -> list[int]:
@@ -220,23 +196,9 @@ SEQS = [(9, 3, 0, None), (5, 1, 0, None), (13, 4, 2, None), (7, 2, 5, None), (11
 def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS):
     """The prompts of `seqs` prefilled in PyTorch into one pool, copied; then one decode step of all of them in
     PyTorch and natively, each on its own copy: (PyTorch rows, native rows, both pools, the native calls' rows)."""
-    cfg = ref.cfg
-    slots = SlotLayout(cfg, max(s[1] for s in seqs)).n_slots
-    blocks = -(-max(s[0] + 1 for s in seqs) // PAGE)
-    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
-    g = torch.Generator().manual_seed(7)
-    tables, toks = [], []
-    for i, (n, loops, window, _) in enumerate(seqs):
-        table = torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
-        prompt = torch.randint(0, cfg.vocab_size, (n + 1,), generator=g).tolist()
-        ref.run(PagedStep(kv, [Rows(table=table, start=0, n=n, last_loop=loops, tokens=prompt[:n], window=window)],
-                          ref.rotary, torch.float32, "cpu"))
-        tables.append(table)
-        toks.append(prompt[n])
-    kv_nat = PagedKV(cfg, kv.n_pages, PAGE, kv_format, kv_dtype)
-    for a, b in ((kv.k, kv_nat.k), (kv.v, kv_nat.v)):
-        for x, y in zip(a.parts, b.parts):
-            y.copy_(x)
+    slots = SlotLayout(ref.cfg, max(s[1] for s in seqs)).n_slots
+    kv, tables, toks = prefilled_pool(ref, seqs, PAGE, slots, kv_format, kv_dtype)
+    kv_nat = clone_kv(kv)
 
     def rows():
         return [Rows(table=t, start=n, n=1, last_loop=loops, tokens=[tok], window=w,

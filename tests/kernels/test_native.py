@@ -27,23 +27,11 @@ try:
 except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
     pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
 
-from native_pair import BASE, CONFIGS, PAGE, make_pair  # noqa: E402
+from native_pair import BASE, CONFIGS, PAGE, clone_kv, make_pair, prefilled_pool  # noqa: E402
 from tinyloop.kernels.executor import NativeExecutor  # noqa: E402
 from tinyloop.model.paged import PagedKV, PagedStep, Rows  # noqa: E402
 from tinyloop.quant.linear import QuantLinear  # noqa: E402
 from tinyloop.quant.packing import pack, quantize_rtn  # noqa: E402
-
-def clone_kv(kv: PagedKV) -> PagedKV:
-    out = copy.copy(kv)
-    out.k, out.v = copy.copy(kv.k), copy.copy(kv.v)
-    for t in (out.k, out.v):
-        t.parts = tuple(p.clone() for p in t.parts)
-        if t.bits is None:
-            t.data = t.parts[0]
-        else:
-            t.codes, t.scale, t.offset = t.parts
-    return out
-
 
 SEQS = [  # (prompt length, loops, window): rows of one step, different depths, positions and windows
     (9, 3, 0), (5, 1, 0), (14, 2, 6), (3, 3, 0),
@@ -54,17 +42,7 @@ SEQS = [  # (prompt length, loops, window): rows of one step, different depths, 
 def one_step(ref, nat, kv_format="fp16", kv_dtype=torch.float32, seqs=SEQS, rule=None, out=None):
     cfg = ref.cfg
     slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * max(s[1] for s in seqs)
-    blocks = max(-(-(n + 1) // PAGE) for n, _, _ in seqs)
-    kv = PagedKV(cfg, len(seqs) * blocks * slots, PAGE, kv_format, kv_dtype)
-    g = torch.Generator().manual_seed(7)
-    tables, toks = [], []
-    for i, (n, loops, window) in enumerate(seqs):
-        table = torch.randperm(blocks * slots, generator=g).view(blocks, slots) + i * blocks * slots
-        prompt = torch.randint(0, cfg.vocab_size, (n + 1,), generator=g).tolist()
-        ref.run(PagedStep(kv, [Rows(table=table, start=0, n=n, last_loop=loops, tokens=prompt[:n], window=window)],
-                          ref.rotary, torch.float32, "cpu"))
-        tables.append(table)
-        toks.append(prompt[n])
+    kv, tables, toks = prefilled_pool(ref, seqs, PAGE, slots, kv_format, kv_dtype)
     kv_nat = clone_kv(kv)
 
     def rows():
