@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from hostinfo import host  # (benchmarks/)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "fixtures" / "reference" / "nanbeige-tiny"
@@ -210,9 +211,7 @@ def main() -> int:
     w = args.workdir
     w.mkdir(parents=True, exist_ok=True)
     snap, fp16, int4 = w / "dory-4b", w / "dory-4b.tinyloop", w / "dory-4b-int4.tinyloop"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": f"{cpu}, {os.cpu_count()} cores",
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": host(),
                     "load_average_start": os.getloadavg()}
     t0 = time.perf_counter()
     if not (snap / "model.safetensors.index.json").exists():

@@ -20,7 +20,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.model import build_model
 from tinyloop.model.fast import prepare_for_decode
 from tinyloop.modelfile.loader import LoadedModel
+from hostinfo import cpu_name  # (benchmarks/)
 
 PROMPT = [(i * 7919) % 32000 for i in range(1, 97)]
 
@@ -82,16 +82,6 @@ def decode_rate(engine, loops: int, tokens: int) -> dict:
     dt = time.perf_counter() - t
     core.abort(req)
     return {"decode_s": dt / (len(got) - n0) * tokens, "prefill_s": prefill}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:

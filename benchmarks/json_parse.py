@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from collections import Counter
@@ -39,6 +37,7 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.constraint import Constraint
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
+from hostinfo import host  # (benchmarks/)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = [ROOT / "src/tinyloop/assets/models/tinyloop-16m.tinyloop",
@@ -95,16 +94,6 @@ def judge(schema, text: str, reason: str, said: str) -> str:
     if ok:
         return "parsed-valid"
     return "parsed-flagged" if said.startswith("failed") else "parsed-invalid"
-
-
-def host() -> str:
-    """The CPU's model name (as `lscpu` gives it) and its cores."""
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def main() -> int:

@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
 import local_server  # noqa: E402
+from hostinfo import host  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "src/tinyloop/assets/models"
@@ -301,16 +299,6 @@ def stalls(named: dict[str, Path], log: Path, tokens: int) -> dict:
     finally:
         local_server.stop_server(proc)
     return out
-
-
-def host() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = re.search(r"Model name:\s*(.+)", text).group(1).strip()
-        cpus = re.search(r"^CPU\(s\):\s*(\d+)", text, re.M).group(1)
-        return f"{model}, {cpus} CPUs"
-    except Exception:  # noqa: BLE001
-        return platform.processor()
 
 
 def main() -> None:

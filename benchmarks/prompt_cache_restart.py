@@ -56,6 +56,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: local_server
 import local_server  # noqa: E402
+from hostinfo import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 8
@@ -213,7 +214,7 @@ def main() -> int:
     ps = prompts(args.repeats, args.prompt_tokens, args.seed)
     client = httpx.Client()
     out: dict = {"model": str(model), "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
-                 "host": local_cpu(), "date": time.strftime("%Y-%m-%d"), "loadavg_start": os.getloadavg()}
+                 "host": cpu_name(), "date": time.strftime("%Y-%m-%d"), "loadavg_start": os.getloadavg()}
     try:
         # 1-2: cold and warm, one server
         proc, url = start(model, cache, work / "a.log", **env)
@@ -365,16 +366,6 @@ def main() -> int:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def local_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
