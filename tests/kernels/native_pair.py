@@ -16,7 +16,7 @@ from tinyloop.config import preset
 from tinyloop.kernels.executor import NativeExecutor
 from tinyloop.model.paged import PagedKV, PagedStep, Rows
 from tinyloop.quant.linear import QuantLinear
-from tinyloop.quant.packing import pack, quantize_rtn
+from tinyloop.quant.packing import pack, quantize_min, quantize_rtn
 
 BASE = preset("tiny").replace(vocab_size=512, eos_token_id=511, max_seq_len=128)
 CONFIGS = {
@@ -75,7 +75,7 @@ def make_pair(cfg, weights: str):
 
 def native_twin(ref, weights: str):
     """(ref, its native twin): a copy of `ref` with its block projections (every nn.Linear but the LM head) in
-    `weights` ("fp32", "fp16", "bf16", "int8", "int4", "int2") on the native executor, `ref`'s own holding the
+    `weights` ("fp32", "fp16", "bf16", "int8", "int4", "int4-min", "int2") on the native executor, `ref`'s own holding the
     same values in fp32 (dequantized, or rounded to the 16-bit type and back), so both compute with one set of
     effective weights."""
     nat = copy.deepcopy(ref)
@@ -85,6 +85,12 @@ def native_twin(ref, weights: str):
             w = r.weight.detach().to(dt)
             r.weight.data = w.float()
             n.weight = nn.Parameter(w, requires_grad=False)
+    elif weights == "int4-min":   # int4's min form (GGUF Q4_1): w = q * scale + min
+        for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):
+            q, s, m = quantize_min(r.weight.detach(), 32)
+            qw = pack(q, 4)
+            setattr(rm, rn, QuantLinear.from_portable(qw, s, None, 4, kernel="dense", mins=m))
+            setattr(nm, nn_, QuantLinear.from_portable(qw, s, None, 4, kernel="native", mins=m))
     elif weights.startswith("int"):
         bits = int(weights[3:])
         for (rm, rn, r), (nm, nn_, n) in zip(_linears(ref), _linears(nat)):

@@ -23,8 +23,8 @@ import pytest
 from tinyloop.kernels import build, lib
 
 HERE = Path(__file__).parent
-FILES = ["test_native.py", "test_native_linear.py", "test_sample.py", "test_native_speculation.py",
-         "test_batch_invariance.py"]
+FILES = ["test_native.py", "test_native_linear.py", "test_native_q4min.py", "test_sample.py",
+         "test_native_speculation.py", "test_batch_invariance.py"]
 
 
 def other_builds() -> list[str]:

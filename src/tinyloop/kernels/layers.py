@@ -81,7 +81,8 @@ def pack_int4(d: L.TlLinear, keep: list) -> bool:
 def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
     that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;
-    quant.linear.QuantLinear of kind "native": bits, group size and the portable codes, scales, zeros)."""
+    quant.linear.QuantLinear of kind "native": bits, group size and the portable codes, scales, and zeros or,
+    int4's min form (GGUF Q4_1, quant/packing.py `dequantize_min`), mins)."""
     if type(mod) is nn.Linear:
         if mod.bias is not None:
             raise Unsupported("a linear layer with a bias")
@@ -95,7 +96,13 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     d = L.TlLinear()
     d.kind, d.group = _QUANT_KINDS[w["bits"]], w["group_size"]
     d.n, d.k = w["qweight"].shape[0], w["qweight"].shape[1] * 8 // w["bits"]
-    d.w, d.scales, d.zeros = w["qweight"].data_ptr(), w["scales"].data_ptr(), w["zeros"].data_ptr()
+    d.w, d.scales = w["qweight"].data_ptr(), w["scales"].data_ptr()
+    if w.get("mins") is not None:   # w = q * scale + min: every int4 kernel path takes it (csrc/intdot.h group_sz)
+        if w["bits"] != 4:
+            raise Unsupported(f"int{w['bits']} weights with float minimums (only int4 has the min form)")
+        d.mins = w["mins"].data_ptr()
+    else:
+        d.zeros = w["zeros"].data_ptr()
     # int4 and int8 weights take int8 activations (integer dot products, scaled per group or 256 columns)
     # where the rows are whole 64s and the groups whole 32s (int4) or 64s (int8), or (int4 in groups that are
     # not whole 64s: activation blocks of 32) whole 32s; intdot.h says why

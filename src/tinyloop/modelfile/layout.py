@@ -9,7 +9,7 @@ file stores them as the engine uses them, and the loader binds them as views of 
     X.mlp.w_gate_up.S rows gate (ffn_dim), then up (ffn_dim)            (swiglu models only)
 
 for every block X and every suffix S the layer has (`weight`; a quantized layer's `qweight`, `scales`,
-`zeros`: each has the output dimension first, so parts stack by rows). The model's PyTorch definition
+`zeros` or `mins`: each has the output dimension first, so parts stack by rows). The model's PyTorch definition
 keeps the separate modules (training builds them); `model.fused` fuses a model's modules to match a file
 (on the meta device: no data) or splits them again (into row views: no copy).
 
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 SEPARATE_VERSION = 1  # projections under their own names (fused in memory at each load)
 FUSED_VERSION = 2     # q/k/v and gate/up stored fused: the run-time layout (what writers write)
-SUFFIXES = ("weight", "qweight", "scales", "zeros")
+SUFFIXES = ("weight", "qweight", "scales", "zeros", "mins")   # (mins: int4's min form, quant/formats.py)
 
 
 def fused_modules(cfg: Any) -> dict[str, list[tuple[str, int]]]:

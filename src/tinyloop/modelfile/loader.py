@@ -37,7 +37,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..errors import ModelFileError
-from .layout import FUSED_VERSION, fused_modules
+from .layout import FUSED_VERSION, SUFFIXES, fused_modules
 from .header import (DEFAULT_MODEL_NAME, ENV_MODEL, FLOAT_MODEL_NAME, FORMAT, FORMAT_VERSION,  # noqa: F401
                           MODELS_DIR, ST_DTYPES, TOKENIZER_TENSOR, TOKENIZER_TYPES, model_info, packaged_model_path,
                           packaged_models, read_header, resolve_model_path, check_writable)
@@ -181,7 +181,7 @@ def fuse_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     rows (a copy); every other tensor as it is."""
     out = dict(tensors)
     for fused, parts in fused_modules(cfg).items():
-        for suffix in ("weight", "qweight", "scales", "zeros"):
+        for suffix in SUFFIXES:
             names = [f"{part}.{suffix}" for part, _ in parts]
             if all(n in out for n in names):
                 out[f"{fused}.{suffix}"] = torch.cat([out.pop(n) for n in names], dim=0)

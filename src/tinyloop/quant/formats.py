@@ -11,6 +11,11 @@ is listed in `quant["high_precision"]`. The header's quant section:
 A quantized LM head is stored beside the float head (the embedding stays float for lookups when they are
 tied) as `head.qweight`, `head.scales`, `head.zeros`, and loads as the model's `head_linear`.
 
+int4's min form (layout "tinyloop-packed-min-v1", method "gguf": a GGUF's Q4_1 blocks imported as they are,
+`tools/gguf.py`): each quantized linear is `X.qweight`, `X.scales` and `X.mins` (float16 (N, K/G): w = q * scale
++ min, `quant.packing.dequantize_min`) in place of `X.zeros`; the head, if quantized, keeps the zero-point form.
+A reader that predates the form refuses the file by its layout name.
+
 At load (`load_quantized`) the model built on the meta device gets a `QuantLinear` in place of each
 quantized `nn.Linear`, and the float tensors are assigned without copies.
 """
@@ -26,7 +31,8 @@ from .linear import QuantLinear
 from .packing import QuantError, SUPPORTED_BITS, pack, resolve_group_size
 
 LAYOUT = "tinyloop-packed-v1"
-METHODS = ("rtn", "gptq")
+MIN_LAYOUT = "tinyloop-packed-min-v1"   # int4's min form: X.mins in place of X.zeros
+METHODS = ("rtn", "gptq", "gguf")        # gguf: a GGUF's blocks as they are (tools/gguf.py)
 _BLOCK_PREFIXES = ("prelude.", "core.", "coda.")
 _SUFFIXES = ("qweight", "scales", "zeros")
 
@@ -58,9 +64,17 @@ def check_quant(quant: dict[str, Any]) -> tuple[int, int | None]:
     bits = quant.get("bits")
     if bits not in SUPPORTED_BITS:
         raise QuantError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    if quant.get("layout", LAYOUT) != LAYOUT:
-        raise QuantError(f"unknown packed layout {quant.get('layout')!r} (this version reads {LAYOUT})")
+    if quant.get("layout", LAYOUT) not in (LAYOUT, MIN_LAYOUT):
+        raise QuantError(f"unknown packed layout {quant.get('layout')!r} (this version reads {LAYOUT} and "
+                         f"{MIN_LAYOUT})")
+    if quant.get("layout") == MIN_LAYOUT and bits != 4:
+        raise QuantError(f"layout {MIN_LAYOUT} (float minimums) is int4's, not int{bits}'s")
     return bits, quant.get("group_size")
+
+
+def offset_suffix(quant: dict[str, Any]) -> str:
+    """The block weights' offset tensor: "mins" (int4's min form) or "zeros" (the zero-point form)."""
+    return "mins" if quant.get("layout") == MIN_LAYOUT else "zeros"
 
 
 HEAD = "head"   # the quantized LM head's tensors: head.qweight, head.scales, head.zeros
@@ -76,11 +90,12 @@ def head_quant(quant: dict[str, Any]) -> tuple[int, int | None] | None:
     return head["bits"], head.get("group_size")
 
 
-def portable_shapes(shape: tuple[int, int], bits: int, group_size: int | None, name: str) -> dict[str, tuple]:
+def portable_shapes(shape: tuple[int, int], bits: int, group_size: int | None, name: str,
+                    offset: str = "zeros") -> dict[str, tuple]:
     N, K = shape
     G = resolve_group_size(bits, group_size, K, name)
     return {"qweight": ((N, K * bits // 8), "uint8"), "scales": ((N, K // G), "float16"),
-            "zeros": ((N, K // G), "uint8")}
+            offset: ((N, K // G), "float16" if offset == "mins" else "uint8")}
 
 
 def expected_quantized_tensors(expected: dict[str, tuple[tuple[int, ...], str]],
@@ -94,7 +109,7 @@ def expected_quantized_tensors(expected: dict[str, tuple[tuple[int, ...], str]],
             out[name] = (tuple(shape), dtype)
             continue
         base = name[: -len(".weight")]
-        for suffix, spec in portable_shapes(tuple(shape), bits, group_size, name).items():
+        for suffix, spec in portable_shapes(tuple(shape), bits, group_size, name, offset_suffix(quant)).items():
             out[f"{base}.{suffix}"] = spec
     head = head_quant(quant)
     if head is not None:
@@ -122,10 +137,17 @@ def portable_tensors(base: str, q: torch.Tensor, scales: torch.Tensor, zeros: to
             f"{base}.zeros": zeros.to(torch.uint8).contiguous().cpu()}
 
 
+def portable_min_tensors(base: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """int4 codes q (N, K) + float16 scales/mins (N, K/G) -> the min form's tensors for module `base`."""
+    return {f"{base}.qweight": pack(q, 4).contiguous().cpu(),
+            f"{base}.scales": scales.to(torch.float16).contiguous().cpu(),
+            f"{base}.mins": mins.to(torch.float16).contiguous().cpu()}
+
+
 def quant_header(method: str, bits: int, group_size: int | None, *, act_order: bool = False,
-                 high_precision: list[str], **extra: Any) -> dict[str, Any]:
+                 high_precision: list[str], layout: str = LAYOUT, **extra: Any) -> dict[str, Any]:
     quant = {"method": method, "bits": bits, "group_size": None if bits == 8 else group_size,
-             "act_order": bool(act_order), "layout": LAYOUT, "high_precision": sorted(high_precision), **extra}
+             "act_order": bool(act_order), "layout": layout, "high_precision": sorted(high_precision), **extra}
     check_quant(quant)
     return quant
 
@@ -137,11 +159,16 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def install_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], bits: int, *,
                       device: torch.device | str = "cpu", kernel: str = "auto") -> list[str]:
-    """Swap in a `QuantLinear` for every `X.qweight` in `tensors` (consumed from the dict); returns X's."""
+    """Swap in a `QuantLinear` for every `X.qweight` in `tensors` (consumed from the dict); returns X's.
+    A layer with `X.mins` (int4's min form) in place of `X.zeros` gets that form."""
     bases = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     for base in bases:
-        qw, sc, zr = (tensors.pop(f"{base}.{s}") for s in _SUFFIXES)
-        _set_module(model, base, QuantLinear.from_portable(qw, sc, zr, bits, device, kernel=kernel))
+        qw, sc = tensors.pop(f"{base}.qweight"), tensors.pop(f"{base}.scales")
+        if f"{base}.mins" in tensors:
+            mod = QuantLinear.from_portable(qw, sc, None, bits, device, kernel=kernel, mins=tensors.pop(f"{base}.mins"))
+        else:
+            mod = QuantLinear.from_portable(qw, sc, tensors.pop(f"{base}.zeros"), bits, device, kernel=kernel)
+        _set_module(model, base, mod)
     return bases
 
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..torch_threads import torch_threads
-from .packing import dequantize, unpack
+from .packing import dequantize_any, unpack
 
 KERNEL_DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 2e-2  # relative max error of a kernel against the dequantized reference (bf16 inputs)
@@ -42,11 +42,16 @@ def _int4_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     return q.to(torch.int32) + (6 if bits == 2 else 0)
 
 
-def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """Portable (N, K/G) scale + integer zero -> torch's (K/G, N, 2) [scale, offset] for w = (q4 - 8) * s + o."""
+def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                       mins: torch.Tensor | None = None) -> torch.Tensor:
+    """Portable (N, K/G) scale + integer zero (or float minimum) -> torch's (K/G, N, 2) [scale, offset] for
+    w = (q4 - 8) * s + o."""
     s = scales.float()
     shift = 6 if bits == 2 else 0
-    offset = (8.0 - shift - zeros.float()) * s    # (q - z) s = (q + shift - 8) s + (8 - shift - z) s
+    if mins is not None:   # q s + m = (q - 8) s + (8 s + m)
+        offset = 8.0 * s + mins.float()
+    else:
+        offset = (8.0 - shift - zeros.float()) * s    # (q - z) s = (q + shift - 8) s + (8 - shift - z) s
     return torch.stack([s.t(), offset.t()], dim=-1).contiguous()  # (K/G, N, 2)
 
 
@@ -79,16 +84,20 @@ def _native_executor() -> bool:
     return native_wanted()
 
 
-def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                      device: torch.device | str = "cpu", *, kernel: str = "auto",
-                     check: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
+                     check: bool = True, mins: torch.Tensor | None = None) -> tuple[str, dict[str, torch.Tensor]]:
     """Portable tensors -> (kind, buffers) for `QuantLinear`. THE torch-version-specific repacking.
+    `mins` (int4 only, `zeros` None): the min form, w = q * scale + min (quant/packing.py `dequantize_min`).
 
     kernel: "auto" (the native kernels where the native executor runs, else the device's torch kernel),
     "torch" (the device's torch kernel), "native", or "dense" (dequantized float32 weight: a reference path).
     """
     device = torch.device(device)
+    if mins is not None and bits != 4:
+        raise ValueError(f"float minimums are int4's form, not int{bits}'s")
     N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
+    offsets = {"mins": mins.contiguous()} if mins is not None else {"zeros": zeros.contiguous()}
     group_size = K // scales.shape[1]
     kind, bufs = "dense", {}
     if kernel == "auto" and device.type == "cpu" and _native_executor():
@@ -99,15 +108,16 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         # the portable tensors as they lie (views of a mapped file: nothing is copied), checked on their
         # first rows: every output row is computed from its own codes alone, so a slice catches a wrong
         # layout or instruction path without unpacking the whole layer at every load
-        kind, bufs = "native", {"qweight": qweight.contiguous(), "scales": scales.contiguous(),
-                                "zeros": zeros.contiguous()}
+        kind, bufs = "native", {"qweight": qweight.contiguous(), "scales": scales.contiguous(), **offsets}
         if check:
             # on one torch thread: a few small tensors, next to the native pool's spinning workers (a 4B
             # model's 180 checks took 16 s on two threads of a loaded two-core host, 0.6 s on one)
             rows = min(N, NATIVE_CHECK_ROWS)
             with torch_threads(1):
                 ok = _check_kernel(kind, {k: v[:rows] for k, v in bufs.items()}, group_size,
-                                   dequantize(unpack(qweight[:rows], bits), scales[:rows], zeros[:rows]), device)
+                                   dequantize_any(unpack(qweight[:rows], bits), scales[:rows],
+                                                  None if zeros is None else zeros[:rows],
+                                                  None if mins is None else mins[:rows]), device)
             if not ok:
                 kind, bufs = "dense", {}
         check = False
@@ -117,13 +127,13 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
             if bits in (2, 4) and device.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_int4_codes(q, bits), 1)
                 kind, bufs = "int4pack_cpu", {"packed": packed,
-                                              "sz": _int4_scales_zeros(scales, zeros, bits).to(KERNEL_DTYPE)}
+                                              "sz": _int4_scales_zeros(scales, zeros, bits, mins).to(KERNEL_DTYPE)}
             elif bits in (2, 4) and device.type == "cuda":
                 q8 = _int4_codes(q, bits).to(torch.uint8)
                 u8 = (q8[:, ::2] << 4 | q8[:, 1::2]).to(device)    # tinygemm's input: high nibble first
                 packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
                 kind, bufs = "int4pack_cuda", {"packed": packed,
-                                               "sz": _int4_scales_zeros(scales, zeros, bits).to(device, KERNEL_DTYPE)}
+                                               "sz": _int4_scales_zeros(scales, zeros, bits, mins).to(device, KERNEL_DTYPE)}
             elif bits == 8:
                 w8 = (q.to(torch.int16) - zeros.to(torch.int16)).to(torch.int8)  # symmetric: zero point 128
                 kind, bufs = "int8pack", {"w8": w8.to(device),
@@ -131,11 +141,12 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         except (RuntimeError, NotImplementedError) as exc:
             warnings.warn(f"no {bits}-bit kernel for {N}x{K} on {device.type} ({exc}); using a dense weight")
             kind, bufs = "dense", {}
-    if kind != "dense" and check and not _check_kernel(kind, bufs, group_size, dequantize(q, scales, zeros), device):
+    if kind != "dense" and check and not _check_kernel(kind, bufs, group_size, dequantize_any(q, scales, zeros, mins),
+                                                       device):
         kind, bufs = "dense", {}
     if kind == "dense":
         q = unpack(qweight, bits) if q is None else q
-        bufs = {"w": dequantize(q, scales, zeros, torch.float32).to(device)}
+        bufs = {"w": dequantize_any(q, scales, zeros, mins, torch.float32).to(device)}
     return kind, bufs
 
 
@@ -173,19 +184,21 @@ class QuantLinear(nn.Module):
         self._names = tuple(bufs)
 
     @classmethod
-    def from_portable(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                      device: torch.device | str = "cpu", *, kernel: str = "auto") -> "QuantLinear":
+    def from_portable(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                      device: torch.device | str = "cpu", *, kernel: str = "auto",
+                      mins: torch.Tensor | None = None) -> "QuantLinear":
         N = qweight.shape[0]
         K = qweight.shape[1] * 8 // bits
-        kind, bufs = to_kernel_layout(qweight, scales, zeros, bits, device, kernel=kernel)
+        kind, bufs = to_kernel_layout(qweight, scales, zeros, bits, device, kernel=kernel, mins=mins)
         return cls(K, N, bits, K // scales.shape[1], kind, bufs)
 
     def native_weights(self) -> dict | None:
         """What the native executor (`kernels/`) reads for this layer (kind "native"; None otherwise)."""
         if self.kind != "native":
             return None
+        offset = "mins" if "mins" in self._names else "zeros"   # (int4's min form: GGUF Q4_1)
         return {"bits": self.bits, "group_size": self.group_size, "qweight": self.qweight, "scales": self.scales,
-                "zeros": self.zeros}
+                offset: getattr(self, offset)}
 
     @property
     def weight_bytes(self) -> int:

@@ -10,7 +10,15 @@ A quantized linear weight W (N out, K in) is stored as three tensors:
     W[n, k] ~= (q[n, k] - zeros[n, k // G]) * scales[n, k // G]
 
 8-bit weights are symmetric and per output channel (G = K, zero point 128) so that they map onto int8
-kernels directly. Nothing here depends on a torch version or kernel: repacking for a kernel happens at
+kernels directly.
+
+int4's min form (GGUF's Q4_1 blocks, imported as they are: `tools/gguf.py`) keeps a float16 minimum per group
+in place of the integer zero point:
+
+    mins     float16 (N, K / G)         W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]   (fp32)
+
+the dequantization llama.cpp computes for Q4_1 (d * q + m, d and m float16: d * q is exact in fp32, one rounding
+for the sum). Nothing here depends on a torch version or kernel: repacking for a kernel happens at
 load time in `quant.linear.to_kernel_layout`.
 """
 
@@ -88,6 +96,37 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     qg = q.float().reshape(N, -1, G)
     w = (qg - zeros.float()[..., None]) * scales.float()[..., None]
     return w.reshape(N, K).to(dtype)
+
+
+def quantize_min(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 in the min form, as llama.cpp's quantize_row_q4_1 does it: per group m = min, d = (max - min) / 15
+    (both float16), q = round((w - m) / d) in 0..15. w (N, K) -> (q uint8 (N, K), scales, mins float16 (N, K/G)).
+    (TinyLoop's files get this form from GGUF imports; here for tests and for quantizing a float file alike.)"""
+    N, K = w.shape
+    G = resolve_group_size(4, group_size, K)
+    wg = w.float().reshape(N, K // G, G)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    q = torch.clamp(torch.round((wg - m.float()) * inv), 0, 15).reshape(N, K)
+    return q.to(torch.uint8), d[..., 0], m[..., 0]
+
+
+def dequantize_min(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale + min, group-wise (int4's min form, GGUF Q4_1): q (N, K) codes, scales/mins (N, K/G) float16 ->
+    (N, K) in `dtype`, computed in fp32 as llama.cpp's dequantize_row_q4_1 does."""
+    N, K = q.shape
+    G = K // scales.shape[1]
+    w = q.float().reshape(N, -1, G) * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(N, K).to(dtype)
+
+
+def dequantize_any(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, mins: torch.Tensor | None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`dequantize_min` where `mins` is given, else `dequantize` (the zero-point form)."""
+    return dequantize_min(q, scales, mins, dtype) if mins is not None else dequantize(q, scales, zeros, dtype)
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -195,7 +195,8 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
     const char* ncodes = (const char*)(codes + 16 * row_bytes);
     for (int w = 0; lines && w < 16 && n0 + 16 + w < L->n; ++w) {
         _mm_prefetch((const char*)(L->scales + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
-        _mm_prefetch((const char*)(L->zeros + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
+        _mm_prefetch(L->mins ? (const char*)(L->mins + (int64_t)(n0 + 16 + w) * NG)
+                             : (const char*)(L->zeros + (int64_t)(n0 + 16 + w) * NG), _MM_HINT_T0);
     }
     int64_t fetched = 0;
     // chunk c's blocks, scaled into the totals in block order: t = fma(float(I), d * s, t)
@@ -252,7 +253,8 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
             _mm_prefetch(ncodes + 64 * fetched, _MM_HINT_T1);
     }
     scale(nchunks - 1);
-    const uint8_t* zp = L->zeros + (int64_t)n0 * NG;
+    const uint8_t* zp = L->mins ? nullptr : L->zeros + (int64_t)n0 * NG;
+    const uint16_t* mp = L->mins ? L->mins + (int64_t)n0 * NG : nullptr;   // the min form: s z' is -min
     for (int b = 0; b < P.MB; ++b) {
         const float* tb = totbuf.data() + (size_t)b * 256;
         // the zero points (qq_zero_corr's order, the 16 input rows side by side), then the outputs
@@ -264,27 +266,32 @@ void strip(const tl_linear* L, const Prep& P, int n0, float* y, int ldy, int m) 
         float* yb = y + (int64_t)16 * b * ldy + n0;
         for (int w = 0; w < nr; ++w) {
             const float* sj = sf + (size_t)w * NG;
-            const uint8_t* zj = zp + (int64_t)w * NG;
+            const uint8_t* zj = zp ? zp + (int64_t)w * NG : nullptr;
+            const uint16_t* mj = mp ? mp + (int64_t)w * NG : nullptr;
+            auto szg = [&](int g) { return mj ? -f16_to_f32(mj[g]) : sj[g] * (float)zj[g]; };   // (group_sz)
             alignas(64) float sz[16];
             __m512 cv[8];
             for (int l = 0; l < 8; ++l) cv[l] = _mm512_setzero_ps();
             int g = 0;
-            for (; g + 16 <= NG; g += 16) {   // s_g z'_g for 16 groups, then one product a group
-                const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zj + g))));
-                _mm512_store_ps(sz, _mm512_mul_ps(_mm512_loadu_ps(sj + g), z));
+            for (; g + 16 <= NG; g += 16) {   // s_g z'_g (or -min_g) for 16 groups, then one product a group
+                if (mj) {
+                    _mm512_store_ps(sz, _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mj + g))),
+                                                      _mm512_set1_ps(-0.f)));
+                } else {
+                    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zj + g))));
+                    _mm512_store_ps(sz, _mm512_mul_ps(_mm512_loadu_ps(sj + g), z));
+                }
 #pragma GCC unroll 16
                 for (int l = 0; l < 16; ++l)
                     cv[l & 7] = _mm512_fmadd_ps(_mm512_set1_ps(sz[l]), _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l & 7]);
             }
             for (; g + 8 <= NG; g += 8)
                 for (int l = 0; l < 8; ++l)
-                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(sj[g + l] * (float)zj[g + l]),
-                                            _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l]);
+                    cv[l] = _mm512_fmadd_ps(_mm512_set1_ps(szg(g + l)), _mm512_loadu_ps(XT + (size_t)(g + l) * 16), cv[l]);
             __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cv[0], cv[4]), _mm512_add_ps(cv[2], cv[6])),
                                         _mm512_add_ps(_mm512_add_ps(cv[1], cv[5]), _mm512_add_ps(cv[3], cv[7])));
             for (; g < NG; ++g)
-                corr = _mm512_fmadd_ps(_mm512_set1_ps(sj[g] * (float)zj[g]),
-                                       _mm512_loadu_ps(XT + (size_t)g * 16), corr);
+                corr = _mm512_fmadd_ps(_mm512_set1_ps(szg(g)), _mm512_loadu_ps(XT + (size_t)g * 16), corr);
             _mm512_mask_i32scatter_ps(yb + w, live, rowoff, _mm512_sub_ps(_mm512_loadu_ps(tb + 16 * w), corr), 4);
         }
     }

@@ -88,10 +88,19 @@ static inline int32_t qq_tail32(const uint8_t* codes16, const int8_t* x32) {
 //   t = fma(float(I_a), d_a * s_g(a), t)   (fp32, t = 0 before the first block),
 // and y = t - qq_zero_corr(...), the zero points' correction summed eight groups at a time in this fixed
 // order. Integer sums are exact whatever order forms them (no overflow: |I_a| <= 256 * 128 * 127 < 2^31).
+// With mins (int4's min form, mn non-null) each group's s z' is -min (intdot.h group_sz), in the same order.
 template <int BITS>
-static inline float qq_zero_corr(const float* sj, const uint8_t* zp, const float* Xr, int NG) {
+static inline float qq_zero_corr(const float* sj, const uint8_t* zp, const uint16_t* mn, const float* Xr, int NG) {
     __m256 cv = _mm256_setzero_ps();
     int g = 0;
+    if (mn) {
+        const __m256 neg = _mm256_set1_ps(-0.f);
+        for (; g + 8 <= NG; g += 8)
+            cv = _mm256_fmadd_ps(_mm256_xor_ps(vload_f16(mn + g), neg), _mm256_loadu_ps(Xr + g), cv);
+        float corr = vsum(cv);
+        for (; g < NG; ++g) corr = fmaf(-f16_to_f32(mn[g]), Xr[g], corr);
+        return corr;
+    }
     for (; g + 8 <= NG; g += 8) {
         __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zp + g))));
         if (BITS == 8) z = _mm256_sub_ps(z, _mm256_set1_ps(128.f));
@@ -258,7 +267,8 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j)
                 y[(int64_t)r * ldy + n + j] = tv[r * NR + j] - qq_zero_corr<BITS>(&sf[(size_t)j * NG],
-                    L->zeros + (int64_t)(n + j) * NG, X + (int64_t)r * NG, NG);
+                    L->mins ? nullptr : L->zeros + (int64_t)(n + j) * NG,
+                    L->mins ? L->mins + (int64_t)(n + j) * NG : nullptr, X + (int64_t)r * NG, NG);
     }
     if (NR > 1 && n < n1) qq_tile<BITS, MR, 1, SPLIT>(L, xq, P, xd, X, y, ldy, n, n1);
 }
@@ -378,7 +388,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
 #endif
     const int* const g0 = P.g0.data();
     const int* const g1 = P.g1.data();
-    thread_local std::vector<float> tb;   // (NG, 8) twice: the block's weight scales, its zero points (- 128)
+    thread_local std::vector<float> tb;   // (NG, 8) twice: the block's weight scales, s z' (or -min: group_sz)
     tb.resize((size_t)16 * NG);
     float* const sT = tb.data();
     float* const zT = sT + (size_t)8 * NG;
@@ -402,8 +412,13 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
             __m256 sv[8], zv[8];
             for (int j = 0; j < 8; ++j) {
                 sv[j] = vload_f16(L->scales + (int64_t)(n + j) * NG + g);
-                zv[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + (int64_t)(n + j) * NG + g))));
-                if (BITS == 8) zv[j] = _mm256_sub_ps(zv[j], _mm256_set1_ps(128.f));
+                if (L->mins) {
+                    zv[j] = _mm256_xor_ps(vload_f16(L->mins + (int64_t)(n + j) * NG + g), _mm256_set1_ps(-0.f));
+                } else {
+                    zv[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + (int64_t)(n + j) * NG + g))));
+                    if (BITS == 8) zv[j] = _mm256_sub_ps(zv[j], _mm256_set1_ps(128.f));
+                    zv[j] = _mm256_mul_ps(sv[j], zv[j]);   // s z' (one multiply, as at its use before)
+                }
             }
             transpose8(sv);
             transpose8(zv);
@@ -412,16 +427,17 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 _mm256_storeu_ps(zT + (g + l) * 8, zv[l]);
             }
         }
-        if (NG == 1) {   // one group a row (the int8 head): the eight rows' scales and zero points side by side
-            _mm256_storeu_ps(sT, vload_f16(L->scales + n));
+        if (NG == 1 && !L->mins) {   // one group a row (the int8 head): the eight rows' scales and s z' side by side
+            const __m256 s8 = vload_f16(L->scales + n);
+            _mm256_storeu_ps(sT, s8);
             __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(L->zeros + n))));
-            _mm256_storeu_ps(zT, BITS == 8 ? _mm256_sub_ps(z, _mm256_set1_ps(128.f)) : z);
+            _mm256_storeu_ps(zT, _mm256_mul_ps(s8, BITS == 8 ? _mm256_sub_ps(z, _mm256_set1_ps(128.f)) : z));
             g = 1;
         }
         for (; g < NG; ++g)
             for (int j = 0; j < 8; ++j) {
                 sT[g * 8 + j] = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                zT[g * 8 + j] = (float)L->zeros[(int64_t)(n + j) * NG + g] - (BITS == 8 ? 128.f : 0.f);
+                zT[g * 8 + j] = group_sz(L, n + j, g, sT[g * 8 + j], BITS == 8 ? 128.f : 0.f);
             }
         const uint8_t* w = codes + (int64_t)n * row_bytes;
         for (int cb = 0; cb == 0 || cb < NS; cb += SPC) {   // (without UB: one chunk, every span)
@@ -549,14 +565,12 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 for (int l = 0; l < 8; ++l) part[l] = _mm256_setzero_ps();
                 for (int g = 0; g < NG8; g += 8)
                     for (int l = 0; l < 8; ++l)
-                        part[l] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + (g + l) * 8), _mm256_loadu_ps(zT + (g + l) * 8)),
-                                                  _mm256_set1_ps(Xr[g + l]), part[l]);
+                        part[l] = _mm256_fmadd_ps(_mm256_loadu_ps(zT + (g + l) * 8), _mm256_set1_ps(Xr[g + l]), part[l]);
                 // vsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
                 __m256 corr = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
                                             _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
                 for (int g = NG8; g < NG; ++g)
-                    corr = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sT + g * 8), _mm256_loadu_ps(zT + g * 8)),
-                                           _mm256_set1_ps(Xr[g]), corr);
+                    corr = _mm256_fmadd_ps(_mm256_loadu_ps(zT + g * 8), _mm256_set1_ps(Xr[g]), corr);
                 _mm256_storeu_ps(y + (int64_t)r * ldy + n, _mm256_sub_ps(t, corr));
             }
         }
@@ -776,7 +790,7 @@ extern "C" int32_t tl_pack_int4(const tl_linear* L, uint8_t* out) {
                 const int row = 16 * s + wr;
                 const float sc = row < L->n ? f16_to_f32(L->scales[(int64_t)row * NG + g]) : 0.f;
                 sv[g * 16 + wr] = sc;
-                szv[g * 16 + wr] = row < L->n ? sc * (float)L->zeros[(int64_t)row * NG + g] : 0.f;   // (qq_zero_corr's s z')
+                szv[g * 16 + wr] = row < L->n ? group_sz(L, row, g, sc, 0.f) : 0.f;   // (qq_zero_corr's s z', or -min)
             }
     }
     return 0;

@@ -4,6 +4,15 @@
 #include "tinyloop.h"
 #include "vec.h"
 
+// A quantized layer's per-group offset as every kernel subtracts it, y = sum_g (s_g sum_{k in g} c x - sz_g X_g)
+// with X_g the group's activation sum: sz = s (z - zbias) in the zero-point form (zbias 128 for int8 codes
+// taken as c - 128, else 0), -min in the min form (L->mins, int4 only: w = c s + min). The product s (z - zbias)
+// is one fp32 multiply wherever it is formed (scalar or vector), so precomputing it changes no bit.
+static inline float group_sz(const tl_linear* L, int64_t row, int g, float s, float zbias) {
+    const int64_t i = row * (L->k / L->group) + g;
+    return L->mins ? -f16_to_f32(L->mins[i]) : s * ((float)L->zeros[i] - zbias);
+}
+
 // the layers the integer kernels take (the executor sets act_q8 where these hold): rows of whole 64s, or for
 // int4 in activation blocks of 32 (groups not whole 64s) whole 32s, the last 32 columns a block of their own
 // (Huginn's width, 5280 = 82 x 64 + 32)

@@ -268,7 +268,7 @@ void quant_tile(const tl_linear* L, const float* xp, const float* xs, float* y, 
             }
             for (int j = 0; j < NR; ++j) {
                 const float s = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-                const float sz = s * (float)L->zeros[(int64_t)(n + j) * NG + g];
+                const float sz = group_sz(L, n + j, g, s, 0.f);   // s z, or -min (intdot.h)
                 vf vs = vset1(s);
                 for (int r = 0; r < MR; ++r) {
                     tot[r][j] = vfma(vs, vadd(ga[r][j], gb[r][j]), tot[r][j]);
@@ -352,7 +352,7 @@ void weights_fp32(const tl_linear* L, int n, int nr, float* wb) {
         float* out = wb + (int64_t)j * K;
         for (int g = 0; g < NG; ++g) {
             const float s = f16_to_f32(L->scales[(int64_t)(n + j) * NG + g]);
-            const vf vs = vset1(s), vzs = vset1(-s * (float)L->zeros[(int64_t)(n + j) * NG + g]);
+            const vf vs = vset1(s), vzs = vset1(-group_sz(L, n + j, g, s, 0.f));   // -s z, or +min
             for (int c = g * G; c < (g + 1) * G; c += TL_W * PER) {
                 const vi b = vload_u8(row + (int64_t)c * BITS / 8);
                 for (int i = 0; i < PER; ++i) vstore(out + c + i * TL_W, vfma(vcodes(b, BITS * i, MASK), vs, vzs));
@@ -556,6 +556,7 @@ extern "C" int32_t tl_set_panel_min_rows(int32_t rows) {
 
 extern "C" int tl_linear_forward(const tl_linear* L, const float* x, int32_t m, float* y, float* scratch) {
     if (L->k % TL_W) return 1;
+    if (L->mins && L->kind != TL_Q4) return 2;   // the min form is int4's alone
     tl_linear_rows(L, x, m, y, L->n, scratch);
     return 0;
 }

@@ -22,7 +22,11 @@ typedef struct {
     int32_t streamed;        // the model's weights do not stay in cache: one row is read after the other
     const uint8_t* packed;   // int4 with int8 activations: the codes repacked 16 rows a vector (tl_pack_int4), or null
     const float* out_scale;  // (n) or null: output j is then y[j] * out_scale[j] (Dory's per-token logit scale)
+    const uint16_t* mins;    // TL_Q4 only: float16 (n, k / group) or null. Non-null: w = q * scale + min (GGUF's
+                             // Q4_1 blocks, quant/packing.py dequantize_min) and `zeros` is unread; every int4 path
+                             // forms the zero-point form's correction s z X_g as -min X_g (intdot.h group_sz)
 } tl_linear;
+
 
 typedef struct {
     tl_linear qkv[3]; int32_t n_qkv;   // outputs concatenated: q (H*D), k (Hkv*D), v (Hkv*D)
