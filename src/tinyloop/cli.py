@@ -9,9 +9,12 @@ import sys
 import threading
 
 # Only torch-free modules at the top: --help, info, list and refused flag values answer without torch.
+from .engine.knobs import PARAM, SERVER_ONLY, DepthKnobs, RequestKnobs, SpeculationKnobs, TreeKnobs, add_flags
 from .engine.params import MODES, param_default
 from .config import PRESETS
 from .quant.kv_formats import KV_FORMATS
+
+GENERATE_KNOBS = (DepthKnobs, SpeculationKnobs, TreeKnobs, RequestKnobs)   # `tinyloop generate`'s knob flags
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -64,15 +67,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .modelfile.header import header_config, resolve_model_path
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                seed=args.seed, stop=args.stop or [], cache_window=args.cache_window,
-                                mode=args.mode, draft_loops=args.draft_loops, verify_loops=args.verify_loops,
-                                draft_ahead=args.draft_ahead, k_branches=args.k_branches,
-                                exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
-                                min_loops=args.min_loops, max_loops=args.max_loops,
-                                kv_loops=args.kv_loops)
+        knobs = {PARAM[name]: getattr(args, PARAM[name]) for group in GENERATE_KNOBS for name in group.model_fields
+                 if name not in SERVER_ONLY}
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop or [],
+                                mode=args.mode, **knobs)
         path = resolve_model_path(args.model)
         cfg = header_config(path)  # the model's limits from its header: flags are checked before torch loads
         params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
@@ -422,28 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", help="a .tinyloop file, a packaged model's name or a pulled hf: name (default: "
                    "$TINYLOOP_MODEL_PATH or the shipped model)")
-    # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py
-    g.add_argument("--loops", type=_loops_arg, help='an integer, or "auto" (adaptive depth: docs/adaptive.md); '
-                   "default: the model's default_loops")
-    g.add_argument("--exit-criterion", default=param_default("exit_criterion"), choices=["latent", "kl", "gate"],
-                   help="loops auto: default %(default)s")
-    g.add_argument("--exit-threshold", type=float, help="loops auto: the criterion's threshold (default: its own)")
-    g.add_argument("--min-loops", type=int, default=param_default("min_loops"), help="loops auto: default %(default)s")
-    g.add_argument("--max-loops", type=int, help="loops auto: the ceiling (default: the model's default_loops)")
-    g.add_argument("--kv-loops", type=lambda v: v if v in ("all", "last") else int(v), default="all",
-                   help='core KV slots kept per layer: all, last or k (docs/adaptive.md); default: all')
+    # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py; the looped-model knobs'
+    # flags are made from their declaration (engine/knobs.py), as every HTTP route's fields are
+    add_flags(g, *GENERATE_KNOBS)
     for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-k", int), ("--top-p", float),
-                       ("--repetition-penalty", float), ("--presence-penalty", float),
-                       ("--frequency-penalty", float)):
+                       ("--presence-penalty", float), ("--frequency-penalty", float)):
         g.add_argument(flag, type=kind, default=param_default(flag[2:].replace("-", "_")), help="default: %(default)s")
     g.add_argument("--seed", type=int, help="sampling seed (default: fresh entropy)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--cache-window", type=int, default=param_default("cache_window"), help="default: %(default)s")
     g.add_argument("--mode", default=param_default("mode"), choices=MODES, help="default: %(default)s")
-    g.add_argument("--draft-loops", type=int, help="default: a quarter of the verify loops, at least 1 (2 at 8)")
-    g.add_argument("--verify-loops", type=int, help="default: --loops, else the model's default_loops")
-    g.add_argument("--draft-ahead", type=int, default=param_default("draft_ahead"), help="default: %(default)s")
-    g.add_argument("--k-branches", type=int, default=param_default("k_branches"), help="default: %(default)s")
     g.add_argument("--kv", default="fp16", choices=list(KV_FORMATS), help="KV cache format (default: %(default)s)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--stats", action="store_true", help="print generation stats as JSON on stderr")

@@ -1,14 +1,7 @@
-"""The request knobs every API shares, declared once (pydantic: shapes and types -> 422): the depth and
-speculation knobs (`LoopKnobs`), their types, ranges and docs, `logit_bias`, seeds, time limits, chat messages.
-Each API's request bodies (openai/, anthropic/, responses/, native/ `schemas.py`) build on these and map them onto
-SamplingParams.
-
-Types are strict (no "5" for 5, no `true` for 1): the OpenAPI document says what is accepted, and the
-schema fuzzer (tests/server/test_fuzz.py) holds the server to it. Ranges are not checked by pydantic:
-`SamplingParams.validate` and `Engine.plan` do that in one place and raise `ValidationError` (-> 400), as
-the spec asks (out-of-range values are 400, wrong types 422). The ranges are still written into the JSON
-schema (`rng`), so the document is exactly as tight as the validation; limits that depend on the model or
-the settings (`x-limit`) are filled in when the document is served (server/openapi.py).
+"""The request fields the HTTP APIs share beyond TinyLoop's knobs (those are engine/knobs.py's, declared once
+for every route and the command line): OpenAI's refused fields, `logit_bias`, seeds, stop lists, chat
+messages, a model name's `@loops=K`. Each API's request bodies (openai/, anthropic/, responses/, native/
+`schemas.py`) build on these and on the knob groups, and map them onto SamplingParams.
 """
 
 from __future__ import annotations
@@ -16,15 +9,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.json_schema import WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine import param_default
-from ..engine.params import MODES
 from ..chat import Chat
+from ..engine import param_default
+from ..engine.knobs import Int, doc
 from ..errors import ValidationError
 from .structured import ToolCall, generic_conversation, message_for_template
-from .settings import KEEP_ALIVE_PATTERN
 
 # Request defaults are SamplingParams' (one place: the CLI, Engine and native /generate share them); only
 # OpenAI's temperature 1.0, where its own spec says otherwise, is a default written here.
@@ -40,56 +31,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # torch.Generator.manual_seed's range
 MAX_STOP = 16  # SamplingParams.validate's limit
-MAX_WINDOW = 2**31 - 1  # cache_window: any window past the context is the full context; past this, a 400
-STRICT = ConfigDict(strict=True)
 
 
-def doc(**schema: Any) -> Any:
-    """JSON-schema-only constraints (checked by the engine, so a violation is a 400 naming the field)."""
-    return Field(json_schema_extra=schema)
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 1.0 as an integer, so the server does too (not "1", not true)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-# a depth, or "auto": adaptive depth per token. Any JSON value is taken here and checked by the engine
-# (SamplingParams.validate), so `"fast"`, 2.5 or true get the same clean 400 naming `loops` as 0 does,
-# not a union type error
-Loops = Annotated[Any, BeforeValidator(_integral),
-                  WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["auto"]}]})]
-ExitCriterion = Literal["latent", "kl", "gate"]  # model/exits.py CRITERIA
-KVLoops = Int | Literal["all", "last"]  # the loop-shared KV budget
-KV_LOOPS_DOC = ('core KV slots kept per layer: "all" (one per loop, the default), "last" (1: every loop reads earlier '
-                'tokens at their last loop) or k (loop r uses slot r mod k); memory per token drops accordingly '
-                '(docs/adaptive.md). Mode generate only: the speculative modes take "all"')
-LOOPS_DOC = ('core loops per token, 1..max_loops (default: the model\'s default_loops), or "auto": each generated '
-             'token exits by exit_criterion between min_loops and max_loops (mode generate only; min_loops must '
-             'not exceed max_loops, whose default is the model\'s default_loops; exit_criterion "gate" needs a '
-             'model with an exit gate and an exit_threshold of at most 1)')
 NonEmptyStr = Annotated[str, doc(minLength=1)]
 TokenId = Annotated[Int, doc(minimum=0, **{"x-limit": "vocab_max"})]  # 0..vocab_size-1
 TokenIds = list[TokenId]
 PromptIds = Annotated[list[TokenId], doc(minItems=1)]
 StopStrings = Annotated[list[NonEmptyStr], doc(maxItems=16)]
-
-
-def rng(default: Any = None, *, lo: float | None = None, hi: float | None = None, gt: float | None = None,
-        hi_limit: str | None = None, **schema: Any) -> Any:
-    """A field whose range is documented in the JSON schema but checked by the engine (400, not 422).
-    `hi_limit` names a limit filled in when the document is served (server/openapi.py)."""
-    extra: dict[str, Any] = dict(schema)
-    if lo is not None:
-        extra["minimum"] = lo
-    if gt is not None:
-        extra["exclusiveMinimum"] = gt
-    if hi is not None:
-        extra["maximum"] = hi
-    if hi_limit is not None:
-        extra["x-limit"] = hi_limit
-    return Field(default, json_schema_extra=extra)
 
 
 def _json_equal(a: Any, b: Any) -> bool:
@@ -220,10 +168,6 @@ def render_chat(messages: list[ChatMessage], template: str | None = None) -> Cha
     return Chat(tuple(generic_conversation(out) if style == "generic" else out))
 
 
-def or_default(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
 def seed_of(value: int | None, param: str) -> int | None:
     """Seeds go to torch.Generator.manual_seed, which takes [-2**63, 2**64); any other integer is taken
     modulo 2**64 (JSON numbers that large are not exact in most clients anyway)."""
@@ -244,15 +188,6 @@ def model_loops(model: str) -> int | str | None:
     return "auto" if m.group(1) == "auto" else int(m.group(1))
 
 
-MIN_TIMEOUT_S = 0.001  # a limit shorter than this cannot cover one engine step: refused rather than sure to expire
-
-
-def check_timeout(value: float | None) -> None:
-    if value is not None and not MIN_TIMEOUT_S <= value <= 86400:
-        raise ValidationError(f"timeout_s: must be in {MIN_TIMEOUT_S}..86400 seconds (a shorter limit cannot cover "
-                              f"one engine step), got {value}", param="timeout_s")
-
-
 def requested_loops(loops: Any, model: str) -> Any:
     """`loops`, else the depth the model name asks for (`name@loops=K`); both given must agree."""
     suffix = model_loops(model)
@@ -264,50 +199,3 @@ def requested_loops(loops: Any, model: str) -> Any:
     return suffix
 
 
-def check_knobs(draft_loops: int | None, verify_loops: int | None, draft_ahead: int | None,
-                k_branches: int | None, cache_window: int | None, max_loops: int | None = None) -> None:
-    """The speculative knobs' own ranges, checked whenever they are given (the engine checks them only
-    in the modes that use them; a value the document calls invalid is never accepted silently), and
-    cache_window's upper bound (a number too large for the engine's int64 tensors was a 500)."""
-    for name, value, lo, hi in (("draft_loops", draft_loops, 1, 32), ("verify_loops", verify_loops, 1, max_loops),
-                                ("draft_ahead", draft_ahead, 1, 16), ("K_branches", k_branches, 1, 16),
-                                ("cache_window", cache_window, 0, MAX_WINDOW)):
-        if value is not None and not (lo <= value and (hi is None or value <= hi)):
-            raise ValidationError(f"{name}: must be in {lo}..{hi if hi is not None else 'max_loops'}, got {value}",
-                                  param=name)
-
-
-KeepAlive = float | Annotated[str, doc(pattern=KEEP_ALIVE_PATTERN)]   # checked by server/models.py: a 400 naming it
-KEEP_ALIVE_DOC = ("Ollama's: how long the model stays loaded after this request (seconds, or a duration such as "
-                  '"5m"; negative: pinned; 0: unloaded once answered); default the model\'s (server/models.py)')
-
-
-class LoopKnobs(BaseModel):
-    """TinyLoop's own knobs, declared once and taken by every generating route (/v1 chat and completions,
-    /api/v0, Messages, Responses; as vLLM takes its sampling extras on /v1): the depth (`loops`, adaptive
-    depth's exit criteria, `kv_loops`), the request's time limit, the generation mode, the speculative knobs,
-    the cache window and the repetition penalty."""
-
-    loops: Loops | None = rng(lo=1, hi_limit="max_loops", description=LOOPS_DOC)  # extension: 1..max_loops or "auto"
-    exit_criterion: ExitCriterion | None = None                 # loops "auto" (adaptive depth, docs/adaptive.md)
-    exit_threshold: float | None = rng(gt=0, hi=10)
-    min_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    max_loops: Int | None = rng(lo=1, hi_limit="max_loops")    # the ceiling; default the model's default_loops
-    kv_loops: KVLoops | None = rng(lo=1, hi_limit="max_loops", description=KV_LOOPS_DOC)
-    timeout_s: float | None = rng(lo=MIN_TIMEOUT_S, hi=86400)  # TinyLoop extension: this request's time limit
-    mode: str | None = rng(enum=[*MODES, None])  # checked by the engine: an unknown mode is a 400
-    draft_loops: Int | None = rng(lo=1, hi=32)
-    verify_loops: Int | None = rng(lo=1, hi_limit="max_loops")
-    draft_ahead: Int | None = rng(lo=1, hi=16)
-    K_branches: Int | None = rng(lo=1, hi=16)
-    cache_window: Int | None = rng(lo=0, hi=MAX_WINDOW)
-    repetition_penalty: float | None = rng(lo=0.5, hi=2)
-    ignore_eos: bool | None = Field(None, description="vLLM's: keep generating past end-of-text (benchmarks)")
-    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_DOC)   # server/models.py
-
-    def extension_params(self) -> dict[str, Any]:
-        check_knobs(self.draft_loops, self.verify_loops, self.draft_ahead, self.K_branches, self.cache_window)
-        given = {"mode": self.mode, "draft_loops": self.draft_loops, "verify_loops": self.verify_loops,
-                 "draft_ahead": self.draft_ahead, "k_branches": self.K_branches, "cache_window": self.cache_window,
-                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
-        return {name: or_default(value, param_default(name)) for name, value in given.items()}

@@ -58,14 +58,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.knobs import DECIMAL, KEEP_ALIVE_PATTERN
 from ..errors import ValidationError
 
 # -- keep_alive and sizes (the model pool's, server/models.py; the request schemas show the pattern) ----------
 PINNED = math.inf           # keep_alive < 0: never unloaded
-_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-_DURATION = re.compile(f"({_NUMBER})(ns|us|µs|ms|s|m|h)")
-# a keep_alive string: seconds, or a Go duration ("5m", "1h30m", "300ms"), signed (the schema's pattern too)
-KEEP_ALIVE_PATTERN = f"^[+-]?(?:{_NUMBER}|(?:{_NUMBER}(?:ns|us|µs|ms|s|m|h))+)$"
+_DURATION = re.compile(f"({DECIMAL})(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..knobs import Int, LoopKnobs, rng
+from ...engine.knobs import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 CacheControl = dict[str, Any] | None   # {"type": "ephemeral", "ttl": ...}: accepted; the prefix cache is automatic

@@ -30,7 +30,8 @@ from ..access import note
 from ..errors import OpenAIFieldErrors, register_shape
 from ..generation import gather
 from ..generation import state_of
-from ..knobs import KEEP_ALIVE_DOC, Int, KeepAlive, check_timeout, requested_loops
+from ...engine.knobs import KEEP_ALIVE_DOC, Int, KeepAlive, check_timeout
+from ..knobs import requested_loops
 
 router = APIRouter()
 PATH = "/v1/embeddings"

@@ -12,10 +12,10 @@ from ...engine import SamplingParams, param_default
 from ...engine.constraint import Constraint
 from ...engine.plan import MAX_N
 from ...errors import ValidationError
-from ..knobs import (ChatMessage, DEFAULT_MAX_TOKENS, EFFORT_DOC, Int, LoopKnobs, MAX_STOP, NO_EFFECT, NonEmptyStr,
-                     OPENAI_TEMPERATURE, Prediction, PromptIds, ReasoningEffort, StopStrings, StreamOptions,
-                     UNSUPPORTED, closed_schema, or_default, seed_of, check_timeout, doc, is_default, logit_bias_field,
-                     logit_bias_of, render_chat, requested_loops, rng)
+from ...engine.knobs import Int, LoopKnobs, or_default, doc, knob_params, rng
+from ..knobs import (ChatMessage, DEFAULT_MAX_TOKENS, EFFORT_DOC, MAX_STOP, NO_EFFECT, NonEmptyStr,
+                     OPENAI_TEMPERATURE, Prediction, PromptIds, ReasoningEffort, StopStrings, StreamOptions, UNSUPPORTED, closed_schema,
+                     seed_of, is_default, logit_bias_field, logit_bias_of, render_chat, requested_loops)
 from ..structured import ResponseFormat, Tool, ToolChoice, ToolPlan
 
 
@@ -91,22 +91,18 @@ class OpenAIRequest(LoopKnobs):
     def sampling_params(self, temperature: float | None = None) -> SamplingParams:
         """`temperature`: the server's for a request that gives none (`serve --temperature`; None: OpenAI's 1.0)."""
         self.check_unsupported()
-        check_timeout(self.timeout_s)
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options: only allowed when stream is true", param="stream_options")
         return SamplingParams(
-            max_tokens=self.requested_max_tokens(), loops=self.requested_loops(),
+            max_tokens=self.requested_max_tokens(),
             temperature=or_default(self.temperature, or_default(temperature, OPENAI_TEMPERATURE)),
             top_p=or_default(self.top_p, param_default("top_p")),
             top_k=or_default(self.top_k, param_default("top_k")),
             presence_penalty=or_default(self.presence_penalty, param_default("presence_penalty")),
             frequency_penalty=or_default(self.frequency_penalty, param_default("frequency_penalty")),
             seed=seed_of(self.seed, "seed"), stop=self.stop_list(),
-            exit_criterion=or_default(self.exit_criterion, param_default("exit_criterion")),
-            exit_threshold=self.exit_threshold, min_loops=or_default(self.min_loops, param_default("min_loops")),
-            max_loops=self.max_loops, kv_loops=or_default(self.kv_loops, param_default("kv_loops")),
             logprobs=self.logprobs_param(), constraint=self.constraint(), logit_bias=logit_bias_of(self.logit_bias),
-            reasoning_effort=self.reasoning_effort, **self.extension_params())
+            reasoning_effort=self.reasoning_effort, **knob_params(self, loops=self.requested_loops()))
 
     def constraint(self) -> Constraint | None:
         """What the output must match (`response_format`; chat's `tools` add theirs: server/tools.py)."""

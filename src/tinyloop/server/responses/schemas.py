@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from ..knobs import Int, LoopKnobs, rng
+from ...engine.knobs import Int, LoopKnobs, rng
 
 CLOSED = ConfigDict(strict=True, extra="forbid")
 OPEN = ConfigDict(strict=True, extra="allow")
