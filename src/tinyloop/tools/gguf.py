@@ -7,10 +7,18 @@ Read with the `gguf` package (llama.cpp's own Python reader): the metadata, each
   F32, F16 and BF16 tensors are read exactly; Q8_0 exactly too (`d * q` is exact in float32: an 11-bit scale
   times an 8-bit code); Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants (Q2_K..Q6_K), and whatever else
   `gguf.quants.dequantize` knows, are dequantized to the float32 values llama.cpp computes with. They are
-  then written in `dtype` (default float16: a float16 weight is within 2^-11 relative of the float32 one,
+  then written in `dtype` (float16 by default: a float16 weight is within 2^-11 relative of the float32 one,
   well inside any 4- or 8-bit code's step; float32 keeps every value exact). `quant="int4"` then runs
   TinyLoop's own RTN int4 (`tinyloop quantize`'s streamed path) on that file and reports the logit difference
   between the two files.
+- `quant="q4_1"` keeps a Q4_1 file's block matrices as they are: each Q4_1 block (32 weights: float16 d and m,
+  4-bit codes, w = d * q + m) becomes 32 codes, a scale and a minimum of TinyLoop's int4 min form (group 32,
+  `quant.formats` layout tinyloop-packed-min-v1), bit for bit, no re-quantization; llama.cpp's q/k row
+  permutation moves whole rows of codes, scales and minimums. The LM head (SmolLM2: the tied `token_embd`, Q8_0)
+  is kept as an int8 head per output channel, round-to-nearest from the file's exact values (TinyLoop's int8
+  kernels take whole rows, not Q8_0's blocks of 32: `head_note` says so in the file's provenance), beside the
+  float embedding for lookups; a float16/float32 head stays float. It is what `convert` writes by default for a GGUF
+  whose block matrices are all Q4_1 (`default_quant`); `--dtype` asks for the float conversion instead.
 - The tokenizer is rebuilt from `tokenizer.ggml.*` (a `gpt2` byte-level BPE vocabulary: tokens, merges, token
   types, BOS/EOS/EOT ids, `add_bos_token`; `tokenizer.ggml.pre` picks the pre-tokenizer, as llama.cpp does; or a
   `llama` SentencePiece BPE one: pieces, scores, byte-fallback tokens, `add_space_prefix`) as a Hugging Face
@@ -40,6 +48,7 @@ from ..config import ConfigError, ModelConfig
 from ..modelfile.loader import DTYPES, expected_tensors, make_header, tokenizer_blob
 from ..modelfile.writer import ModelFileWriter
 from ..modelfile.layout import SEPARATE_VERSION
+from ..quant.formats import MIN_LAYOUT, is_quantizable, portable_min_tensors, portable_tensors, quant_header
 from ..tokenizer import HFTokenizer, TokenizerError
 from ..version import __version__
 from ..model.families import ConvertError
@@ -386,18 +395,22 @@ def gguf_config(g: GGUFFile, eos: list[int]) -> ModelConfig:
 def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, progress: bool = True,
                  provenance: dict[str, Any] | None = None, quant: str | None = None) -> Path:
     """Convert the GGUF file `src` (or `pkg:NAME`) into the model file `out`, atomically. `dtype`: float16
-    (default), bfloat16 or float32. `quant="int4"`: then RTN int4 (group 32 where the widths allow, the GGUF
+    (default), bfloat16 or float32 for the float tensors. `quant`: "q4_1" keeps the file's Q4_1 block matrices
+    as they are (int4's min form; the default where every block matrix is Q4_1 and no `dtype` is asked for:
+    `default_quant`); "int4": the float conversion, then RTN int4 (group 32 where the widths allow, the GGUF
     block size) through `tinyloop quantize`'s path, the head int8 where the GGUF's is quantized (`gguf_head_bits`),
-    with the logit difference against the float file printed."""
+    with the logit difference against the float file printed; "none": the float conversion."""
     label = str(src)
     path = resolve_gguf(src)
     out = Path(out)
-    dtype = dtype or "float16"
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if (dtype or "float16") not in ("float32", "bfloat16", "float16"):
         raise ConvertError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if quant not in (None, "int4"):
-        raise ConvertError(f"quant must be int4 or none, got {quant!r}")
+    if quant not in (None, "none", "int4", "q4_1"):
+        raise ConvertError(f"quant must be q4_1, int4 or none, got {quant!r}")
     g = GGUFFile(path)
+    if quant is None:
+        quant = default_quant(g) if dtype is None else "none"
+    dtype = dtype or "float16"
     if g.arch not in _families():
         gguf_config(g, [0])   # the architecture is refused before the tokenizer is read
     tokenizer = gguf_tokenizer(g)
@@ -405,6 +418,13 @@ def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, 
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConvertError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                            f"{cfg.vocab_size}")
+    if quant == "q4_1":
+        blocks = block_matrices(g)
+        other = sorted({g.tensors[n].tensor_type.name for n in blocks} - {"Q4_1"})
+        if not blocks or other:
+            raise ConvertError(f"{g.path}: keeping Q4_1 blocks needs every block matrix in Q4_1; this file's are "
+                               f"{', '.join(other) or 'none'} (convert it with --dtype, or --int4)")
+        return _write(g, cfg, tokenizer, out, dtype, progress, label, provenance, q4_1=True)
     if quant == "int4":
         float_out = out.with_name(f".{out.name}.float.tmp")
         try:
@@ -417,23 +437,97 @@ def convert_gguf(src: str | Path, out: str | Path, *, dtype: str | None = None, 
     return _write(g, cfg, tokenizer, out, dtype, progress, label, provenance)
 
 
+def block_matrices(g: GGUFFile) -> list[str]:
+    """The GGUF's block matrices: every 2-D tensor of a layer (`blk.N.*`; a llama's projections)."""
+    return [n for n, t in g.tensors.items() if n.startswith("blk.") and len(t.shape) == 2]
+
+
+def default_quant(g: GGUFFile) -> str:
+    """What `convert` writes for this GGUF when asked for nothing: "q4_1" (its blocks as they are: the file's
+    model, at int4 speed) where every block matrix is Q4_1, else "none" (the float conversion)."""
+    blocks = block_matrices(g)
+    return "q4_1" if blocks and all(g.tensors[n].tensor_type.name == "Q4_1" for n in blocks) else "none"
+
+
+Q4_1_BLOCK = 32        # weights a Q4_1 block holds: ggml's block_q4_1 {f16 d; f16 m; u8 qs[16]}, 20 bytes
+_Q4_1_BYTES = 20
+
+
+def q4_1_parts(g: GGUFFile, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's blocks as they are: codes (N, K) uint8 (element i of a block in the low nibble of its
+    byte i, element i + 16 in the high one), d and m (N, K / 32) float16."""
+    t = g.tensors[name]
+    N, K = g.shape(name)
+    if t.tensor_type.name != "Q4_1" or K % Q4_1_BLOCK or t.n_bytes != N * K // Q4_1_BLOCK * _Q4_1_BYTES:
+        raise ConvertError(f"{g.path}: tensor {name!r} ({t.tensor_type.name}, shape {[N, K]}) is not whole Q4_1 blocks")
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(N, K // Q4_1_BLOCK, _Q4_1_BYTES)
+    dm = np.ascontiguousarray(raw[..., :4]).view(np.float16)            # (N, K/32, 2): d, m
+    qs = raw[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(N, K)
+    return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(dm[..., 0])),
+            torch.from_numpy(np.ascontiguousarray(dm[..., 1])))
+
+
+HEAD_NOTE = ("the LM head is int8 per output channel (round-to-nearest of the file's exact head values): TinyLoop's "
+             "int8 kernels take whole rows, not Q8_0's blocks of 32")
+_SPEC_DTYPES = {"uint8": torch.uint8, "float16": torch.float16}
+
+
+def _q4_1_quant(g: GGUFFile, cfg: ModelConfig, dtype: str) -> tuple[dict[str, Any], bool]:
+    """The quant section of a Q4_1 import and whether the head is an int8 one (`gguf_head_bits`)."""
+    floats = expected_tensors(cfg, {"dtype": dtype})
+    high = [n for n, (shape, _) in floats.items() if not is_quantizable(n, tuple(shape))]
+    head8 = gguf_head_bits(g) == 8
+    extra = {"head": {"method": "rtn", "bits": 8, "group_size": None}, "head_note": HEAD_NOTE} if head8 else {}
+    return quant_header("gguf", 4, Q4_1_BLOCK, high_precision=high, layout=MIN_LAYOUT, source="gguf Q4_1 blocks, "
+                        "bit for bit (codes, d, m)", **extra), head8
+
+
 def _write(g: GGUFFile, cfg: ModelConfig, tokenizer: HFTokenizer, out: Path, dtype: str, progress: bool,
-           label: str, provenance: dict[str, Any] | None) -> Path:
+           label: str, provenance: dict[str, Any] | None, q4_1: bool = False) -> Path:
+    """The GGUF's tensors into `out`, one at a time: float ones in `dtype`; with `q4_1`, the Q4_1 block matrices
+    as int4 min-form codes, scales and minimums, and a quantized head's int8 one (`_q4_1_quant`)."""
     from tqdm import tqdm
 
     torch_dtype = DTYPES[dtype]
-    expected = expected_tensors(cfg, {"dtype": dtype}, SEPARATE_VERSION)
-    layout = expected_tensors(cfg, {"dtype": dtype})
+    quant, head8 = _q4_1_quant(g, cfg, dtype) if q4_1 else (None, False)
+    weights = {"dtype": dtype, **({"quant": quant} if quant else {})}
+    expected = expected_tensors(cfg, weights, SEPARATE_VERSION)
+    layout = expected_tensors(cfg, weights)
+    floats = expected_tensors(cfg, {"dtype": dtype}, SEPARATE_VERSION)   # (the float names: shapes checked first)
     prov = {"converted_from": str(g.path.resolve()), "family": g.arch, "source_format": "gguf",
             "source": label, "gguf": {"name": g.get("general.name"), "file_type": g.get("general.file_type"),
                                       "tensor_types": g.type_counts()},
             "converter_version": __version__, **(provenance or {})}
-    header = make_header(cfg, torch_dtype, tokenizer, prov)
+    header = make_header(cfg, torch_dtype, tokenizer, prov, quant=quant)
     map_tensor = _families()[g.arch][1]
     finite = torch.finfo(torch_dtype).max
-    with ModelFileWriter(out, {k: (shape, torch_dtype) for k, (shape, _) in layout.items()}, header,
-                         tokenizer_blob(tokenizer)) as writer:
+    specs = {k: (shape, _SPEC_DTYPES.get(dt, torch_dtype)) for k, (shape, dt) in layout.items()}
+    blocks = set(block_matrices(g)) if q4_1 else set()
+    head_src = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    with ModelFileWriter(out, specs, header, tokenizer_blob(tokenizer)) as writer:
+        def emit_q4_1(name: str, t: torch.Tensor, src_name: str) -> None:
+            # t: (N, K + 2 K/32) float32 = [codes | d | m] of each row (moved as rows by the family's mapping)
+            base = name[: -len(".weight")]
+            if name not in floats or not is_quantizable(name, floats[name][0]):
+                raise ConvertError(f"{g.path}: Q4_1 tensor {src_name!r} maps to {name!r}, not a block projection")
+            N, K = floats[name][0]
+            ng = K // Q4_1_BLOCK
+            if tuple(t.shape) != (N, K + 2 * ng):
+                raise ConvertError(f"{g.path}: tensor {src_name!r} has shape {[t.shape[0], t.shape[1] - 2 * ng]}, "
+                                   f"the config needs {[N, K]} for {name}")
+            parts = portable_min_tensors(base, t[:, :K].to(torch.uint8), t[:, K:K + ng].half(), t[:, K + ng:].half())
+            for n, x in parts.items():
+                writer.add(n, x)
+
         def emit(name: str, t: torch.Tensor, src_name: str) -> None:
+            if src_name in blocks:
+                return emit_q4_1(name, t, src_name)
+            if head8 and src_name == head_src:   # the int8 head, from the exact head values
+                from ..quant.packing import quantize_rtn
+                q, sc, z = quantize_rtn(t.float(), 8, None)
+                for n, x in portable_tensors("head", q, sc, z, 8).items():
+                    writer.add(n, x)   # (beside the float embedding or head, as quant.formats stores one)
             if name not in expected:
                 raise ConvertError(f"{g.path}: tensor {src_name!r} maps to {name!r}, which this config does not have")
             if tuple(t.shape) != expected[name][0]:
@@ -446,7 +540,11 @@ def _write(g: GGUFFile, cfg: ModelConfig, tokenizer: HFTokenizer, out: Path, dty
 
         bar = tqdm(total=len(g.tensors), desc="convert", unit="tensor", disable=not progress)
         for name in g.tensors:   # one tensor dequantized at a time
-            t = g.tensor(name)
+            if name in blocks:   # the blocks as they are: codes, d, m side by side as exact float32 columns
+                q, d, m = q4_1_parts(g, name)
+                t = torch.cat([q.float(), d.float(), m.float()], dim=1)
+            else:
+                t = g.tensor(name)
             if not map_tensor(cfg, g, name, t, lambda n, x, s=name: emit(n, x, s)):
                 raise ConvertError(f"{g.path}: unexpected tensor {name!r} ({g.tensors[name].tensor_type.name}, "
                                    f"shape {list(t.shape)}) for architecture {g.arch!r}")
