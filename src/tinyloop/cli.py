@@ -363,10 +363,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tinyloop: error: cannot load the model: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     scaled = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None, None, None, None)
-    if scaled and len(specs) > 1:
-        return _fail("several models are not served on Ray Serve (--replicas): run one `tinyloop serve MODEL "
-                     "--replicas N` per model (docs/server.md, \"Several models\")")
-    if scaled and specs:
+    if scaled:   # several models: a deployment each (docs/scale-out.md); what cannot apply there is refused now
+        from .scaleout import refusal
+
+        why = refusal(settings, args.min_replicas)
+        if why:
+            return _fail(why)
+    if scaled and len(specs) == 1:
         settings = _one_model(settings, specs[0])
     if not scaled:  # single process: Ray is never imported
         from .server.app import serve

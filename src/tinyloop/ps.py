@@ -32,6 +32,8 @@ def _until(status: dict[str, Any]) -> str:
     if status.get("unloading_when_idle"):
         return "when idle (making room)"
     left = status.get("expires_in_s")
+    if left is None and status.get("replicas") is not None:   # Ray Serve: its deployment scales to zero
+        return f"about {status.get('keep_alive')} after the last request"
     if left is None:
         return "until room is needed" if status.get("running", 0) == 0 or status.get("keep_alive") is None \
             else f"{status['keep_alive']} after the last request"

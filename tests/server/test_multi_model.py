@@ -265,11 +265,24 @@ def test_a_pinned_model_is_never_unloaded(paths):
         assert cards(srv)["a"]["tinyloop"]["state"] == "loaded"
 
 
-def test_serve_refuses_several_models_on_ray_and_a_missing_file(paths, capsys):
+def test_serve_refuses_the_pool_bounds_on_ray_and_a_missing_file(paths, capsys, monkeypatch):
+    import os
+
     from tinyloop.cli import main
 
-    assert main(["serve", str(paths["a"]), str(paths["b"]), "--replicas", "2"]) == 2   # (_fail: a usage error)
-    assert "several models are not served on Ray Serve" in capsys.readouterr().err
+    flags = ("TINYLOOP_MAX_LOADED_MODELS", "TINYLOOP_MAX_MEMORY", "TINYLOOP_KEEP_ALIVE")
+    for env in flags:   # (serve sets them in os.environ: monkeypatch puts back what was there before)
+        monkeypatch.setenv(env, "")
+        monkeypatch.delenv(env)
+    for flag, value in (("--max-loaded-models", "1"), ("--max-memory", "1G")):   # on Ray: a deployment each
+        assert main(["serve", str(paths["a"]), str(paths["b"]), "--replicas", "2", flag, value]) == 2   # (_fail)
+        assert "do not apply on Ray Serve" in capsys.readouterr().err
+        for env in flags:
+            os.environ.pop(env, None)
+    assert main(["serve", str(paths["a"]), "--keep-alive", "5m", "--min-replicas", "1"]) == 2
+    assert "--min-replicas keeps some" in capsys.readouterr().err
+    for env in flags:
+        os.environ.pop(env, None)
     assert main(["serve", str(paths["a"]), str(paths["broken"])]) == 1   # every header checked before the port
     err = capsys.readouterr().err
     assert "cannot load the model" in err and "missing.tinyloop" in err

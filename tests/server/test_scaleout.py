@@ -51,17 +51,18 @@ def reference(model64):
 
 
 class Cluster:
-    """`tinyloop serve --replicas 2` in its own process group, Ray's files in a temporary directory."""
+    """`tinyloop serve --replicas 2` (or `tinyloop serve ARGS`) in its own process group, Ray's files in a
+    temporary directory."""
 
-    def __init__(self, model: Path):
+    def __init__(self, model: Path | None, args: tuple[str, ...] = ("--replicas", "2"), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tempfile.mkdtemp(prefix="tlray-", dir="/tmp")  # Ray's socket paths must stay short
         self.log = open(Path(self.tmp) / "serve.log", "wb")
-        env = {**os.environ, "TINYLOOP_MODEL_PATH": str(model), "TINYLOOP_API_KEY": KEY, "OMP_NUM_THREADS": "1",
-               "RAY_TMPDIR": self.tmp, "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, "TINYLOOP_API_KEY": KEY, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": self.tmp,
+               "RAY_AUTH_MODE": "disabled", **({"TINYLOOP_MODEL_PATH": str(model)} if model else {}), **(env or {})}
         exe = Path(sys.executable).with_name("tinyloop")
-        self.proc = subprocess.Popen([str(exe), "serve", "--replicas", "2", "--port", str(self.port),
+        self.proc = subprocess.Popen([str(exe), "serve", *args, "--port", str(self.port),
                                       "--log-level", "warning"], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()

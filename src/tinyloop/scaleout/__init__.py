@@ -25,3 +25,20 @@ def local_cluster_env() -> None:
     No token auth for a cluster nothing outside this machine can reach, unless the caller set a mode."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def refusal(settings, min_replicas: int | None = None) -> str | None:
+    """Why `settings` cannot be served on Ray Serve, in one line (None: they can). Torch- and Ray-free: `tinyloop
+    serve` asks before it starts anything. On Ray each model is its own deployment: its replicas load at start
+    (keep_alive none or -1) or scale between 0 and N (keep_alive T: the replicas go T s after the last request;
+    the next request waits for one); nothing chooses between models, so the pool's bounds do not apply."""
+    from ..server.settings import PINNED
+
+    if settings.max_loaded_models is not None or settings.max_memory is not None:
+        return ("--max-loaded-models and --max-memory do not apply on Ray Serve (--replicas): each model has its "
+                "own deployment, its replicas placed by the CPUs they reserve (--replica-cpus) and gone when its "
+                "keep_alive runs out (docs/scale-out.md, \"Several models\")")
+    if min_replicas and settings.keep_alive is not None and settings.keep_alive != PINNED:
+        return ("--keep-alive scales every model's replicas to zero on Ray Serve, --min-replicas keeps some: give one "
+                "of them (a model's own keep_alive in a models config file wins over --min-replicas)")
+    return None

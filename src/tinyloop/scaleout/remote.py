@@ -10,6 +10,11 @@ replica through the deployment handle and pushes each item into it. Faults: a re
 refuses with 429/503) before the request produced anything is retried on another replica, invisibly to
 the client; one that dies after that ends the request with a 503 `replica_failed` error, which a stream
 sends as an error event followed by `[DONE]`, like any other engine failure.
+
+Several models (scaleout/app.py): the ingress's pool has one `RemoteWorker` per model, each streaming from its
+own model's deployment. `model_status` is what /v1/models and `tinyloop ps` show of the model (its replicas'
+state and memory, its keep_alive), and a watcher counts the model's loads and unloads as its replicas come
+and go (a deployment that scales to zero by keep_alive loads again when a request waits for it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 
 from ..engine import Engine, RequestPlan
 from ..server.errors import APIError
-from ..server.settings import Settings
+from ..server.settings import Settings, show_keep_alive
 from ..server.worker import EngineWorker, RequestHandle, load_engine
 from . import router
 from .wire import decode
@@ -33,6 +38,7 @@ log = logging.getLogger("tinyloop.server")
 ATTEMPTS = 3          # sends of one request before its failure is the client's
 RETRY_PAUSE_S = 0.2   # between them (Ray notices a dead replica and routes around it)
 RETRYABLE = {429, 503}
+WATCH_PERIOD_S = 1.0  # the model's replica set is compared with the last one this often (loads, unloads)
 
 
 def load_planning_engine(settings: Settings) -> tuple[Engine, list[str]]:
@@ -56,16 +62,83 @@ class RemoteWorker(EngineWorker):
     """`EngineWorker`'s interface, with requests served by the replicas of `deployment` (a Serve handle)."""
 
     def __init__(self, settings: Settings, metrics, engines, *, deployment: str, target_replicas: int,
-                 loader=None):
+                 loader=None, model=None, name: str = ""):
         super().__init__(settings, metrics, loader=loader or load_planning_engine)
         self.engines = engines.options(stream=True)
         self.deployment = deployment
-        self.target_replicas = target_replicas   # the fixed count, or the autoscaling minimum
+        self.target_replicas = target_replicas   # the fixed count, or the autoscaling minimum (0: scales to zero)
+        self.model = model                       # app.ModelDeployment (None: one model, sized by target_replicas)
+        self.name = name                         # the model's id (its metrics' label)
+        self.in_flight = 0                       # requests sent to the deployment, not ended yet
+        self._seen: dict[str, dict[str, Any]] = {}   # replica id -> its last report (loads and unloads)
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def to_zero(self) -> bool:
+        return self.model is not None and self.model.to_zero
 
     def start(self) -> "RemoteWorker":
         super().start()
-        self._warm = asyncio.get_running_loop().create_task(self._warm_up())
+        loop = asyncio.get_running_loop()
+        if self.model is None or self.model.warm:   # (a model at zero replicas: a ping would load it)
+            self._tasks.append(loop.create_task(self._warm_up()))
+        self._tasks.append(loop.create_task(self._watch()))
         return self
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        super().stop()
+
+    async def _watch(self) -> None:
+        """A replica that appears is a load of the model (its load seconds as it reported them), one that goes
+        (scaled down, or died) an unload; the model's memory is its replicas'."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            try:
+                self._count(self.replicas())
+            except Exception:  # noqa: BLE001 - metrics only
+                log.exception("watching the replicas of %s failed", self.deployment)
+
+    def _count(self, replicas: list[dict[str, Any]]) -> None:
+        """(the event loop) Loads and unloads since the last look (also on each /v1/models: the two agree)."""
+        m = self.metrics
+        reps = {r["id"]: r for r in replicas if "load_seconds" in r}
+        for rid in reps.keys() - self._seen.keys():
+            m.model_loads.labels(self.name, "ok" if reps[rid].get("state") != "failed" else "failed").inc()
+            m.model_load_seconds.labels(self.name).observe(reps[rid]["load_seconds"])
+        for rid in self._seen.keys() - reps.keys():
+            m.model_unloads.labels(self.name, "replica_gone").inc()
+        self._seen = reps
+        m.model_memory.labels(self.name).set(sum(r.get("memory_bytes", 0) for r in reps.values()))
+
+    def model_status(self) -> dict[str, Any]:
+        """The model's state as its replicas make it (what the pool's /v1/models card shows on Ray Serve)."""
+        reps = self.replicas()
+        self._count(reps)
+        # (a replica that has not reported yet is loaded: Ray routes to one once its constructor, the load, ended)
+        ready = [r for r in reps if r.get("state", "ready") == "ready"]
+        failed = [r for r in reps if r.get("state") == "failed"]
+        if ready:
+            state = "loaded"
+        elif failed and not self.in_flight:
+            state = "failed"
+        elif self.in_flight or not self.to_zero:
+            state = "loading"   # (a request waits for a replica of a model at zero, or they are starting)
+        else:
+            state = "unloaded"
+        keep = self.model.keep_alive if self.model is not None else None
+        out: dict[str, Any] = {"state": state, "memory_bytes": sum(r.get("memory_bytes", 0) for r in ready),
+                               "pinned": not self.to_zero, "keep_alive": show_keep_alive(keep), "expires_in_s": None,
+                               "replicas": {"deployment": self.deployment, "ready": len(ready),
+                                            "min": self.target_replicas,
+                                            "max": self.model.most if self.model is not None else None}}
+        loads = [r["load_seconds"] for r in ready if r.get("load_seconds") is not None]
+        if loads:
+            out["load_seconds"] = round(max(loads), 3)
+        if state == "failed":
+            out["error"] = failed[0].get("error") or "the model failed to load on its replicas"
+        return out
 
     async def _warm_up(self) -> None:
         """One call through the handle makes its router (and so the replica list /health reads) exist
@@ -98,6 +171,9 @@ class RemoteWorker(EngineWorker):
         `starting` (503) while none is ready."""
         reps = self.replicas()
         ready = sum(r.get("state") == "ready" for r in reps)
+        if not ready and self.to_zero:   # at zero by its keep_alive: it serves (its next request loads it)
+            return {"queue_depth": 0, "model_state": self.model_status()["state"],
+                    "replicas": {"ready": 0, "target": 0, "each": []}}
         out: dict[str, Any] = {
             "queue_depth": sum(r.get("waiting", 0) for r in reps),
             "replicas": {"ready": ready, "target": self.target_replicas,
@@ -120,6 +196,7 @@ class RemoteWorker(EngineWorker):
 
     async def _pump(self, handle: RemoteHandle) -> None:
         """Stream the request from a replica into `handle`; whatever goes wrong, the handle gets an end."""
+        self.in_flight += 1
         try:
             await self._stream(handle)
         except asyncio.CancelledError:
@@ -129,6 +206,8 @@ class RemoteWorker(EngineWorker):
             handle._push(APIError(500, f"the ingress failed on this request: {type(exc).__name__}: {exc}",
                                   code="engine_error"))
             handle._push(None)
+        finally:
+            self.in_flight -= 1
 
     async def _stream(self, handle: RemoteHandle) -> None:
         """Send the request to a replica and feed its items to `handle`, sending it again (to another

@@ -6,6 +6,7 @@ Serve deployment. The ingress streams each planned request through `generate`; t
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -25,8 +26,15 @@ class EngineReplica:
             torch.set_num_threads(threads)
         setup_logging(settings.log_format, "info")
         self.metrics = Metrics()
+        began = time.monotonic()
         self.worker = EngineWorker(settings, self.metrics).start()
         self.worker.ready.wait()  # Ray routes to a replica once its constructor returns: the model is loaded
+        self.load_seconds = time.monotonic() - began
+        self.memory_bytes = 0
+        if self.worker.state == "ready":
+            from ..server.model_memory import measure_bytes
+
+            self.memory_bytes = measure_bytes(self.worker)
 
     async def generate(self, plan: RequestPlan, timeout_s: float | None, request_id: str | None):
         """The request's worker items in wire form, in lists of whatever was ready at once; the list
@@ -59,7 +67,10 @@ class EngineReplica:
         w = self.worker
         stats: dict[str, Any] = {"pid": os.getpid(), "threads": torch.get_num_threads(), "state": w.state,
                                  "waiting": w.queue_depth, "active": len(w._active),
+                                 "load_seconds": round(self.load_seconds, 3), "memory_bytes": self.memory_bytes,
                                  "metrics": self.metrics.render().decode()}
+        if w.error:
+            stats["error"] = w.error
         if w.batch is not None:
             pool = w.batch.sched.pool
             stats.update(running=w.batch.num_running, kv_pages_free=pool.num_free, kv_pages=pool.n_pages,

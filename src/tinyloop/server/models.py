@@ -158,6 +158,10 @@ class ModelPool:
         self._reaper: asyncio.Task | None = None
         self.max_loaded = settings.max_loaded_models
         self.max_memory = settings.max_memory
+        # On Ray Serve (scaleout/app.py) each model's replicas load and go in its own deployment (autoscaled to
+        # zero by its keep_alive): this pool, the ingress's, holds every model's planning engine, ignores a
+        # request's keep_alive, leaves the model metrics to the workers and shows their state (`model_status`).
+        self.replicated = False
 
     # one model served: the pool reads as its ServerState (routes, openapi, tests)
     def __getattr__(self, name: str):
@@ -216,6 +220,8 @@ class ModelPool:
         the server's request timeout); held until this request's response has gone out."""
         entry = self.lookup(name)
         keep = parse_keep_alive(keep_alive)
+        if self.replicated:
+            keep = None
         if self.single and entry.served is not None and not entry.evicting and not entry.unloading \
                 and not (entry.on_demand and entry.served.worker.state == "loading"):
             return self._lease(entry, keep)   # one model: today's path (loading at start: 503 as before)
@@ -366,7 +372,9 @@ class ModelPool:
         await anyio.to_thread.run_sync(worker.ready.wait)
         seconds = time.monotonic() - entry.load_started
         m = self.metrics
-        if worker.state == "ready":
+        if worker.state == "ready" and self.replicated:   # (the planning engine: its replicas count the loads)
+            entry.load_seconds = seconds
+        elif worker.state == "ready":
             entry.load_seconds = seconds
             entry.last_used = max(entry.last_used, time.monotonic())
             entry.memory = measure_bytes(worker)
@@ -410,6 +418,8 @@ class ModelPool:
         self._notify()
 
     def _gauges(self) -> None:
+        if self.replicated:
+            return
         loaded = sum(1 for e in self.entries if e.ready)
         self.metrics.models_loaded.set(loaded)
         if not self.single:
@@ -472,6 +482,8 @@ class ModelPool:
             out["unloading_when_idle"] = True
         if entry.state == "failed":
             out["error"] = entry.error or (entry.served.worker.error if entry.served is not None else None)
+        if self.replicated and entry.ready:   # its replicas' state, memory and keep_alive (RemoteWorker)
+            out.update(entry.served.worker.model_status())
         return out
 
     def card(self, entry: ModelEntry, card: Callable[[Any], dict[str, Any]], lmstudio: bool = False) -> dict[str, Any]:
