@@ -208,3 +208,75 @@ def test_the_newest_sequence_gives_way_even_when_it_is_the_one_asking():
         preempted += run_step(s).preempted
     # b (newer) needed a block when the pool was empty: it is preempted, not the older a
     assert preempted == [b] and a.status == RUNNING and a.preemptions == 0
+
+
+# -- sliding-window rings ---------------------------------------------------------------------------
+def ring_columns(q: Sequence) -> list[set[int]]:
+    return [{blk[c] for blk in q.block_table} for c in range(q.n_slots)]
+
+
+def test_a_sliding_window_column_keeps_its_ring_of_pages():
+    """Column 1 is a sliding-window layer's: past R blocks, each block takes the pages of the block R back
+    (one reference each), so the column holds R pages while the full column holds one a block; everything
+    goes back to the pool at the end, and the budget counts the pages the ring saves."""
+    s = Scheduler(n_pages=100, page_size=4, max_batched_tokens=64)
+    q = seq(s, 40, max_tokens=30, slots=2, ring_cols=(1,), ring_blocks=3)
+    assert s.max_pages(q) == 18 + 3     # 18 blocks in the full column, 3 in the ring
+    s.add(q)
+    while q.n_generated < 30:
+        run_step(s)
+    full, ring = ring_columns(q)
+    assert len(q.block_table) == 18 and len(full) == 18 and len(ring) == 3
+    assert all(q.block_table[b][1] == q.block_table[b - 3][1] for b in range(3, 18))
+    assert all(s.pool.refcount(p) == 6 for p in ring)   # 18 blocks / 3
+    assert s.pool.num_free == 100 - 21
+    s.finish(q, "length")
+    assert s.pool.num_free == 100
+
+
+def test_a_ring_never_takes_over_a_page_another_holds():
+    """Siblings share their prompt's pages: neither may write a shared page's positions, so each takes fresh
+    pages for its ring (and copies the last block on write, as without one); a named block whose pages the
+    ring takes over leaves the prefix cache."""
+    s = Scheduler(n_pages=200, page_size=4, max_batched_tokens=64, prefix_caching=True)
+    p = seq(s, 8, max_tokens=20, slots=2, n=2, ring_cols=(1,), ring_blocks=2, prefix_salt="x")
+    s.add(p)
+    out = s.schedule()
+    group = s.complete(out.chunks[0])
+    assert len(s.prefix) == 2
+    for q in group:
+        s.append_token(q, 9)
+    for _ in range(12):
+        run_step(s)
+    a, b = group
+    shared = {blk[1] for blk in a.block_table[:2]}
+    assert shared == {blk[1] for blk in b.block_table[:2]}
+    for q in group:   # the shared prompt pages were never taken over
+        assert all(blk[1] not in shared for blk in q.block_table[2:])
+        assert len(ring_columns(q)[1] - shared) == 2
+    for q in group:
+        s.finish(q, "stop")
+    assert s.pool.num_free == 200
+
+    s = Scheduler(n_pages=200, page_size=4, max_batched_tokens=64, prefix_caching=True)
+    q = seq(s, 8, max_tokens=20, slots=2, ring_cols=(1,), ring_blocks=2, prefix_salt="x")
+    s.add(q)
+    run_step(s)
+    assert len(s.prefix) == 2      # the prompt's two blocks, named
+    for _ in range(4):
+        run_step(s)                # positions 8..11: block 2 takes block 0's ring page, and is named
+    assert len(q.block_table) == 3 and q.block_table[2][1] == q.block_table[0][1]
+    assert s.prefix.peek(q.prefix_names[:1]) == [] and len(s.prefix) == 2   # block 0 is gone from the cache
+    s.finish(q, "stop")
+    assert s.pool.num_free == 200
+
+
+def test_reserved_blocks_of_an_external_sequence_ring_too():
+    s = Scheduler(n_pages=30, page_size=4, max_num_seqs=4)
+    ext = Sequence(s.new_seq_id(), [1, 2, 3], 4, 3, reserve_positions=40, ring_cols=(0, 2), ring_blocks=2)
+    s.add(ext)
+    out = s.schedule()
+    assert out.admitted_external == [ext]
+    assert s.pool.num_free == 30 - (10 + 2 + 2) and [len(c) for c in ring_columns(ext)] == [2, 10, 2]
+    s.finish(ext, "length")
+    assert s.pool.num_free == 30

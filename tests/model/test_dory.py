@@ -539,3 +539,36 @@ def test_a_dory_gguf_converts_to_the_same_model(tmp_path, weights, mode, qtype):
     want, _ = reference_greedy(held, hf, PROMPT, 2, 6)
     assert engine.generate(PROMPT, SamplingParams(max_tokens=6, loops=2, temperature=0, ignore_eos=True)).token_ids \
         == want
+
+
+def test_sliding_window_layers_keep_a_ring_of_pages(dory, engines, weights, monkeypatch):
+    """A sequence longer than its ring (pages of 4, steps of at most 16 positions: the S columns keep 28
+    blocks): the S layers' columns reuse their pages, the pool holds fewer pages than without the ring, and
+    greedy decoding is unchanged: bitwise the same logprobs as the same core without the ring, and the
+    reference's tokens (chunked as the core chunks the prompt)."""
+    mode, hf, path = dory
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 500, 60)]
+    params = SamplingParams(max_tokens=60, loops=2, temperature=0, ignore_eos=True, logprobs=0)
+    runs, real = {}, BatchEngine._ring
+    for ring in (True, False):
+        rings = []
+        monkeypatch.setattr(BatchEngine, "_ring", lambda self, *a: rings.append(real(self, *a)) or
+                            (rings[-1] if ring else {}))
+        core = BatchEngine(engines, max_num_seqs=1, page_size=4, max_batched_tokens=16, prefix_caching=False)
+        events, fewest = [], core.sched.pool.num_free
+        core.add(engines.plan(prompt, params), lambda ev: ev is not None and events.append(ev))
+        while core.has_work:
+            core.step()
+            fewest = min(fewest, core.sched.pool.num_free)
+        assert rings[-1]["ring_blocks"] == 28 and rings[-1]["ring_cols"]
+        runs[ring] = ([t for e in events for t in e.token_ids], [lp for e in events for lp in (e.logprobs or [])],
+                      core.sched.pool.n_pages - fewest)
+        assert core.sched.pool.num_free == core.sched.pool.n_pages
+    (got, lps, used), (plain, plain_lps, plain_used) = runs[True], runs[False]
+    assert got == plain and lps == plain_lps
+    assert used < plain_used
+    toks = list(prompt)
+    for _ in range(len(got)):
+        calls = [16, 16, 16, 12] + [1] * (len(toks) - len(prompt))
+        toks.append(int(reference(weights, hf, toks, 2, calls)[-1].argmax()))
+    assert got == toks[len(prompt):], mode

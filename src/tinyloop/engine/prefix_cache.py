@@ -52,7 +52,7 @@ class PrefixCache:
 
     def __init__(self, pool):
         self.pool = pool
-        pool.on_reuse = self._forget
+        pool.on_reuse = self.forget_page
         self._blocks: dict[bytes, list[int]] = {}
         self._page_name: dict[int, bytes] = {}
         self.hit_tokens = 0            # prompt tokens admitted sequences found in the cache, so far
@@ -112,8 +112,9 @@ class PrefixCache:
                 self.pool.free(blk)
         return hit + got
 
-    def _forget(self, page: int) -> None:
-        """The pool is reusing `page`: the block it belonged to is gone."""
+    def forget_page(self, page: int) -> None:
+        """`page` is being reused (the pool gives it out again, or a sliding-window ring takes it over for a
+        later block): the block it belonged to is gone."""
         name = self._page_name.pop(page, None)
         if name is None:
             return

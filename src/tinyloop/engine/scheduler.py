@@ -11,6 +11,15 @@ pages are grouped per logical block: `block_table[b]` lists one page per slot fo
 b*page_size .. (b+1)*page_size - 1. Pages are reference-counted so that `n` > 1 siblings share their
 prompt's full blocks; the partly filled last block is copied for each sibling (copy-on-fork).
 
+Sliding-window slots keep their window, not the context (`ring_cols`, `ring_blocks` R): the columns of layers
+that see only the last W keys take block b - R's pages over for block b (the same page ids again, one
+reference each), so such a column holds at most R pages however long the sequence grows. R pages cover the
+window, the longest chunk a step writes at once and a speculative round's rollback (`ring_blocks_for`): every
+key a query can still see is intact, and the older entries a read may touch lie outside every window (the
+masks drop them). A page is taken over only when this sequence alone holds it (a forked sibling's or another
+sequence's shared page is not: a fresh one then); a block the prefix cache named loses its name when its
+pages are taken over (the prompt cache on disk still holds it).
+
 Each `schedule()` call:
   1. decode: every running sequence whose prompt is in the cache gets its one next token, oldest first;
      if its next position needs a new block and the pool is empty, the newest running sequence is
@@ -41,6 +50,13 @@ from typing import Any, Callable
 from .prefix_cache import PrefixCache, block_name
 
 FORCED_TAIL = 16   # tokens a grammar may force after a pick that go in with the next decode chunk (`forced_tail`)
+RING_SLACK = 72    # positions past the window a speculative round may write, then roll back (64 drafted, + 8)
+
+
+def ring_blocks_for(window: int, page_size: int, longest_write: int) -> int:
+    """Blocks a sliding-window column keeps: its window, the most positions one step writes at once
+    (`longest_write`) and a speculative round's rollback, rounded up, and the block being written."""
+    return -(-(window + longest_write + RING_SLACK) // page_size) + 1
 
 
 class SchedulerError(RuntimeError):
@@ -126,6 +142,8 @@ class Sequence:
     parent: "Sequence | None" = None   # set on forked siblings
     exit_rule: Any = None              # adaptive depth: generated tokens may exit before `loops`
     slot_cols: list[int] | None = None  # loop-shared KV: the table column of each per-loop slot
+    ring_cols: tuple[int, ...] = ()     # sliding-window columns: block b takes block b - ring_blocks's pages
+    ring_blocks: int = 0
     # prefix caching (engine.prefix_cache): None -> this sequence neither reads nor names cached blocks
     prefix_salt: Any = None
     prefix_reads: bool = True           # False: name its blocks, never read them (prompt scoring)
@@ -211,7 +229,15 @@ class Scheduler:
     def max_pages(self, seq: Sequence) -> int:
         """Pages the sequence holds at its longest (prompt + max_tokens), siblings not counted."""
         n = seq.reserve_positions if seq.external else len(seq.prompt) + seq.max_tokens
-        return self.blocks_for(n) * seq.n_slots
+        return self.block_pages(seq, 0, self.blocks_for(n))
+
+    @staticmethod
+    def block_pages(seq: Sequence, first: int, end: int) -> int:
+        """Fresh pages blocks first .. end - 1 of `seq` take (a sliding-window column's none past its ring)."""
+        n = max(0, end - first) * seq.n_slots
+        if seq.ring_cols:
+            n -= max(0, end - max(first, seq.ring_blocks)) * len(seq.ring_cols)
+        return n
 
     def fits_ever(self, seq: Sequence) -> bool:
         return self.max_pages(seq) * (1 if seq.external else max(1, seq.n)) <= self.pool.n_pages
@@ -279,12 +305,16 @@ class Scheduler:
             if seq.external:
                 hit = self._cached_prefix(seq, len(seq.prompt))
                 reclaimed = sum(len(b) for b in hit if self.pool.refcount(b[0]) == 0)
-                if self.pool.num_free < self.max_pages(seq) - len(hit) * seq.n_slots + reclaimed:
+                end = self.blocks_for(seq.reserve_positions)
+                if self.pool.num_free < self.block_pages(seq, len(hit), end) + reclaimed:
                     break
                 self.waiting.popleft()
                 self._take_prefix(seq, hit)
-                seq.block_table += [self.pool.allocate(seq.n_slots)
-                                    for _ in range(self.blocks_for(seq.reserve_positions) - len(hit))]
+                if not self._grow(seq, end):   # a ring page it shares: fresh pages after all, and too few
+                    self._release(seq)
+                    seq.n_cached = seq.n_named = 0
+                    self.waiting.appendleft(seq)
+                    break
                 seq.status = RUNNING
                 self.running.append(seq)
                 out.admitted_external.append(seq)
@@ -300,7 +330,7 @@ class Scheduler:
             # blocks that sit on the free list count as pages taken
             blocks = min(self.blocks_for(hit_pos + first) + 1, self.blocks_for(len(seq.prompt) + seq.max_tokens))
             reclaimed = sum(len(b) for b in hit if self.pool.refcount(b[0]) == 0)
-            if self.pool.num_free < (blocks - len(hit)) * seq.n_slots + reclaimed:
+            if self.pool.num_free < self.block_pages(seq, len(hit), blocks) + reclaimed:
                 break
             self.waiting.popleft()
             seq.status = RUNNING
@@ -420,33 +450,67 @@ class Scheduler:
     def reserve(self, seq: Sequence, n_positions: int) -> bool:
         """Blocks for n_positions of a running sequence from free pages only (no preemption, no copy): False,
         and nothing taken, where they are not all free."""
-        need = self.blocks_for(n_positions) - len(seq.block_table)
-        if need <= 0:
+        end, had = self.blocks_for(n_positions), len(seq.block_table)
+        if end <= had:
             return True
-        if self.pool.num_free < need * seq.n_slots:
+        if self.pool.num_free < self.block_pages(seq, had, end) or not self._grow(seq, end):
+            self._shrink(seq, had)
             return False
-        for _ in range(need):
-            seq.block_table.append(self.pool.allocate(seq.n_slots))
         return True
 
     def _ensure_blocks(self, seq: Sequence, n_positions: int, out: SchedulerOutput) -> bool:
         """Give `seq` blocks for n_positions, preempting newer sequences if needed. False if `seq` itself
         had to go (it was the newest running sequence)."""
-        need = self.blocks_for(n_positions) - len(seq.block_table)
-        while need > 0:
-            if self.pool.num_free >= seq.n_slots:
-                seq.block_table.append(self.pool.allocate(seq.n_slots))
-                need -= 1
-            elif not self._preempt_newest(seq, out):
+        end = self.blocks_for(n_positions)
+        while len(seq.block_table) < end:
+            if not self._grow(seq, len(seq.block_table) + 1) and not self._preempt_newest(seq, out):
                 return False
         return self._unshare_last(seq, out)
+
+    def _grow(self, seq: Sequence, end: int) -> bool:
+        """Blocks up to `end` for `seq` from free pages, a block at a time; False where the pool runs dry
+        (the blocks taken so far stay)."""
+        while len(seq.block_table) < end:
+            b = len(seq.block_table)
+            kept = self._ring_pages(seq, b)
+            if self.pool.num_free < seq.n_slots - len(kept):
+                return False
+            fresh = iter(self.pool.allocate(seq.n_slots - len(kept)))
+            if kept:
+                self.pool.share(list(kept.values()))
+                if self.prefix is not None:   # the block they held is gone from the cache
+                    for page in kept.values():
+                        self.prefix.forget_page(page)
+            seq.block_table.append([kept[s] if s in kept else next(fresh) for s in range(seq.n_slots)])
+        return True
+
+    def _shrink(self, seq: Sequence, n_blocks: int) -> None:
+        while len(seq.block_table) > n_blocks:
+            self.pool.free(seq.block_table.pop())
+
+    def _ring_pages(self, seq: Sequence, b: int) -> dict[int, int]:
+        """Block b's sliding-window columns' pages taken over from block b - R: those this sequence alone holds."""
+        R = seq.ring_blocks
+        if not seq.ring_cols or b < R:
+            return {}
+        return {s: seq.block_table[b - R][s] for s in seq.ring_cols if self._alone(seq, b - R, s)}
+
+    def _alone(self, seq: Sequence, b: int, s: int) -> bool:
+        """Whether the page of block b, column s is held by `seq` alone: once for each of its blocks that
+        hold it (in a sliding-window column, blocks b - R, b - 2R, ... may hold it too)."""
+        page, n = seq.block_table[b][s], 1
+        if seq.ring_cols and s in seq.ring_cols:
+            x = b - seq.ring_blocks
+            while x >= 0 and seq.block_table[x][s] == page:
+                n, x = n + 1, x - seq.ring_blocks
+        return self.pool.refcount(page) == n
 
     def _unshare_last(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Copy-on-write: a block still shared with a sibling is copied before this sequence writes into it."""
         if not seq.block_table:
             return True
-        last = seq.block_table[-1]
-        if all(self.pool.refcount(p) == 1 for p in last):
+        last, b = seq.block_table[-1], len(seq.block_table) - 1
+        if all(self._alone(seq, b, s) for s in range(len(last))):
             return True
         while self.pool.num_free < len(last):
             if not self._preempt_newest(seq, out):
@@ -494,7 +558,8 @@ class Scheduler:
         for _ in range(parent.n - 1):
             kid = Sequence(self.new_seq_id(), parent.prompt, parent.max_tokens, parent.n_slots,
                            loops=parent.loops, window=parent.window, tokens=list(parent.tokens), n_cached=parent.n_cached,
-                           exit_rule=parent.exit_rule, slot_cols=parent.slot_cols,
+                           exit_rule=parent.exit_rule, slot_cols=parent.slot_cols, ring_cols=parent.ring_cols,
+                           ring_blocks=parent.ring_blocks,
                            prefix_salt=parent.prefix_salt, prefix_reads=parent.prefix_reads,
                            prefix_upto=parent.prefix_upto, prefix_names=list(parent.prefix_names),
                            n_named=parent.n_named, prompt_cached=parent.prompt_cached,

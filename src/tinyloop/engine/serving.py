@@ -38,11 +38,11 @@ from .params import SamplingParams
 from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps
-from .scheduler import Scheduler, SchedulerError, Sequence
+from .scheduler import FORCED_TAIL, Scheduler, SchedulerError, Sequence, ring_blocks_for
 from .native import native, one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .requests import Emit, Output, Request
-from .speculative import Speculator, speculative_layout
+from .speculative import PREFILL_CHUNK, Speculator, speculative_layout
 from .text import StreamEvent
 
 log = logging.getLogger("tinyloop.engine")
@@ -141,19 +141,21 @@ class BatchEngine(FastSteps):
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
         self._next_id += 1
-        slots = self.layout(plan).n_slots
+        layout = self.layout(plan)
+        slots = layout.n_slots
         seqs = []
         if not plan.speculative:
             seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
                            loops=plan.loops, window=plan.window, n=n, exit_rule=plan.exit_rule,
-                           slot_cols=self.layout(plan).columns(), **self._prefix_rules(plan))
+                           slot_cols=layout.columns(), **self._ring(plan, layout, len(prompt) + params.max_tokens),
+                           **self._prefix_rules(plan))
             outputs[0].seq = seq
             seqs.append(seq)
         else:  # n independent sequences, each with every block it can reach
             for o in outputs:
                 o.seq = Sequence(self.sched.new_seq_id(), prompt, params.max_tokens, slots,
                                  loops=plan.loops, window=plan.window, reserve_positions=plan.max_positions,
-                                 **self._prefix_rules(plan))
+                                 **self._ring(plan, layout, plan.max_positions), **self._prefix_rules(plan))
                 seqs.append(o.seq)
         return self._admit(req, outputs, seqs, "max_tokens", "lower max_tokens, loops or n")
 
@@ -191,6 +193,20 @@ class BatchEngine(FastSteps):
                 self._outputs[o.seq.seq_id] = (req, o)
         self.requests[req.req_id] = req
         return req
+
+    def _ring(self, plan: RequestPlan, layout: SlotLayout, n_positions: int) -> dict[str, Any]:
+        """A sequence's sliding-window ring (engine/scheduler.py): its windowed columns keep R blocks of pages
+        when it can grow past R blocks (shorter ones keep every page, as before)."""
+        windows = layout.windows(plan.window)
+        if not any(windows):
+            return {}
+        longest = self.sched.max_batched_tokens + FORCED_TAIL   # a step's chunk (a speculative prefill's)
+        if plan.speculative:
+            longest = max(longest, PREFILL_CHUNK)
+        R = ring_blocks_for(max(windows), self.sched.page_size, longest)
+        if self.sched.blocks_for(n_positions) <= R:
+            return {}
+        return {"ring_cols": tuple(s for s, w in enumerate(windows) if w), "ring_blocks": R}
 
     @staticmethod
     def _prefix_rules(plan: RequestPlan) -> dict[str, Any]:

@@ -98,6 +98,24 @@ class SlotLayout:
             raise CacheError(f"cache has {self.extra} extra slots; slot {i} does not exist")
         return self._base + self.ring * len(self._core) + i
 
+    def windows(self, window: int = 0) -> list[int]:
+        """Each slot's attention window (0: the whole context) for a request with its own `window`: a
+        sliding-window layer's (`S`, `cfg.sliding_window`) or the request's, the narrower; the extra slots
+        (a draft exit's) the request's alone."""
+        kinds = self.cfg.layer_pattern
+        out = [window] * self.n_slots
+        if not kinds or "S" not in kinds:
+            return out
+        P, C, own = self.cfg.n_prelude, self.cfg.n_core, self.cfg.sliding_window
+        layers = {**{slot: i for i, slot in self._pre.items()},
+                  **{len(self._pre) + slot: P + C + i for i, slot in self._coda.items()}}
+        for r in range(self.ring):
+            layers.update({self._base + r * len(self._core) + slot: P + j for j, slot in self._core.items()})
+        for slot, layer in layers.items():
+            if kinds[layer] == "S":
+                out[slot] = min(window, own) if window else own
+        return out
+
     def columns(self) -> list[int] | None:
         """For a shared layout: this layout's slot for each slot of the one-slot-per-loop layout of the same
         depth (prelude, coda, then core loop by loop); None when there is nothing to map (a last_loop
