@@ -60,6 +60,23 @@ def sequence_layout(model, plan: RequestPlan, draft_exit: bool = True) -> SlotLa
     return SlotLayout(model.cfg, plan.loops, kv_loops=plan.kv_loops)
 
 
+def sequence_ring(layout: SlotLayout, window: int, n_positions: int, *, page_size: int, max_batched_tokens: int,
+                  speculative: bool = False) -> dict[str, Any]:
+    """A sequence's sliding-window ring (engine/scheduler.py), as `Sequence` fields: its windowed columns keep R
+    blocks of pages when it can grow past R blocks (shorter ones keep every page). A step writes at most a
+    chunk (`max_batched_tokens`, a grammar's forced tail after it; a speculative prefill `PREFILL_CHUNK`)."""
+    windows = layout.windows(window)
+    if not any(windows):
+        return {}
+    longest = max_batched_tokens + FORCED_TAIL
+    if speculative:
+        longest = max(longest, PREFILL_CHUNK)
+    R = ring_blocks_for(max(windows), page_size, longest)
+    if -(-n_positions // page_size) <= R:
+        return {}
+    return {"ring_cols": tuple(s for s, w in enumerate(windows) if w), "ring_blocks": R}
+
+
 def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit: bool = True) -> int:
     """Bytes of a pool that holds exactly `plan` (every choice, at its longest)."""
     page = PagedKV.page_bytes(engine.model.cfg, page_size, engine.kv_format, cache_dtype(engine.model))
@@ -195,18 +212,8 @@ class BatchEngine(FastSteps):
         return req
 
     def _ring(self, plan: RequestPlan, layout: SlotLayout, n_positions: int) -> dict[str, Any]:
-        """A sequence's sliding-window ring (engine/scheduler.py): its windowed columns keep R blocks of pages
-        when it can grow past R blocks (shorter ones keep every page, as before)."""
-        windows = layout.windows(plan.window)
-        if not any(windows):
-            return {}
-        longest = self.sched.max_batched_tokens + FORCED_TAIL   # a step's chunk (a speculative prefill's)
-        if plan.speculative:
-            longest = max(longest, PREFILL_CHUNK)
-        R = ring_blocks_for(max(windows), self.sched.page_size, longest)
-        if self.sched.blocks_for(n_positions) <= R:
-            return {}
-        return {"ring_cols": tuple(s for s, w in enumerate(windows) if w), "ring_blocks": R}
+        return sequence_ring(layout, plan.window, n_positions, page_size=self.sched.page_size,
+                             max_batched_tokens=self.sched.max_batched_tokens, speculative=plan.speculative)
 
     @staticmethod
     def _prefix_rules(plan: RequestPlan) -> dict[str, Any]:
