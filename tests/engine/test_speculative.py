@@ -433,7 +433,7 @@ def test_tree_or_chain_learns_across_requests_and_settles():
     what earlier ones measured (no untimed round of each shape again); a shape far slower than the other is
     tried every 32nd round instead of every 8th (rounds counted over the model's requests), one within FAR of
     the other every 8th."""
-    from tinyloop.engine.draft_policy import ShapeRates, TreeOrChain
+    from tinyloop.engine.round_shape import ShapeRates, TreeOrChain
 
     def drive(rates, tree_ms, rounds):
         t = TreeOrChain(rates)

@@ -65,7 +65,8 @@ from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
-from .draft_policy import DraftPolicy, TreeOrChain, round_costs, shape_rates, tested
+from .draft_policy import DraftPolicy, round_costs, tested
+from .round_shape import TreeOrChain, shape_rates
 from .sampling import Sampler, head_tokens, penalized, processed_logits
 from .native import native as native_of
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
