@@ -195,6 +195,10 @@ def test_an_idle_keep_alive_model_scales_to_zero_and_loads_again(cluster, single
     assert metric(cluster.url, "tinyloop_model_unloads_total", model="a") == 0
     assert cards(cluster.url)["a"]["tinyloop"]["state"] == "loaded"   # no keep_alive: its replica stays
     assert httpx.get(cluster.url + "/metrics", headers=AUTH).text.count("tinyloop_models_loaded 1.0") == 1
+    r = post(cluster.url, "/v1/completions", {"model": "b", "prompt": " gamma", "max_tokens": 2, "timeout_s": 0.5})
+    err = r.json()["error"]   # its wait for a replica is bounded by its timeout_s, as a load's is in one process
+    assert r.status_code == 408 and (err["code"], err["param"]) == ("timeout", "timeout_s"), r.text
+    assert "model 'b' was not loaded within 0.5 s" in err["message"], err
     began = time.monotonic()
     assert greedy(cluster.url, "b", " gamma") == greedy(singles["b"], "b", " gamma")
     print(f"b loaded again and answered in {time.monotonic() - began:.1f} s")  # noqa: T201

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,7 +218,7 @@ class RemoteWorker(EngineWorker):
             gen = None
             try:
                 gen = self.engines.generate.remote(handle.plan, handle.timeout_s, handle.request_id)
-                async for batch in gen:
+                async for batch in self._batches(gen, handle):
                     items = [decode(item) for item in batch]
                     first = items[0]
                     if not received and isinstance(first, APIError) and first.status in RETRYABLE \
@@ -231,6 +232,12 @@ class RemoteWorker(EngineWorker):
                 if gen is not None:
                     gen.cancel()
                 raise
+            except _NoReplica as late:   # (its model at zero replicas, none started in time)
+                gen.cancel()
+                handle._push(APIError(504, f"model {self.name!r} was not loaded within {late.limit:g} s "
+                                           f"({self.model_status()['state']})", code="timeout"))
+                handle._push(None)   # (the request's own timeout_s: the route answers the client's 408)
+                return
             except _Refused as refused:
                 log.info("replica refused the request (%s); sending it again", refused.err.code,
                          extra={"request_id": handle.request_id})
@@ -251,6 +258,40 @@ class RemoteWorker(EngineWorker):
                 log.info("replica failed before the request started (%s); sending it again", type(exc).__name__,
                          extra={"request_id": handle.request_id})
             await asyncio.sleep(RETRY_PAUSE_S)
+
+    def _serving(self) -> bool:
+        """A replica of this model is ready (one that has not reported yet is: Ray routes to it once loaded)."""
+        return any(r.get("state", "ready") == "ready" for r in self.replicas())
+
+    async def _batches(self, gen, handle: RemoteHandle):
+        """`gen`'s batches. While the model has no replica ready (scaled to zero, or starting) the wait for the
+        first is bounded by the request's timeout, as a load's is in one process; once a replica serves, the
+        replica's engine bounds it (its queue wait)."""
+        nxt = asyncio.ensure_future(gen.__anext__())
+        limit = handle.timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        try:
+            while deadline is not None and not self._serving():
+                done, _ = await asyncio.wait({nxt}, timeout=0.25)
+                if done:
+                    break
+                if time.monotonic() >= deadline:
+                    raise _NoReplica(limit)
+            first = await nxt
+        except StopAsyncIteration:
+            return
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+        yield first
+        async for batch in gen:
+            yield batch
+
+
+class _NoReplica(Exception):
+    def __init__(self, limit: float):
+        super().__init__(f"no replica within {limit:g} s")
+        self.limit = limit
 
 
 class _Refused(Exception):
