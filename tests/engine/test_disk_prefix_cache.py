@@ -17,8 +17,8 @@ import pytest
 from conftest import varied_model
 from tinyloop.config import preset
 from tinyloop.engine import Engine, SamplingParams
-from tinyloop.engine.disk_cache import (SUFFIX, CacheNameError, check_name, file_hash, open_prompt_cache,
-                                        read_manifest)
+from tinyloop.engine.cache_dir import SUFFIX, CacheNameError, check_name, file_hash, read_manifest
+from tinyloop.engine.disk_cache import open_prompt_cache
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.modelfile.loader import write_model
 
@@ -274,3 +274,27 @@ def test_the_model_hash_is_memoized(model_path, tmp_path, monkeypatch):
 
     monkeypatch.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed again"))
     assert file_hash(model_path, tmp_path) == first
+
+
+def test_replicas_sharing_one_directory(engine, tmp_path, cold):
+    """Ray Serve replicas (docs/scale-out.md): two engine cores on one directory at once, each its own writer,
+    both writing the same blocks (the same prompt) and then another's: every file whole, each core reads what
+    the other wrote, and a third (a replica started later) reads them all, never a bad file."""
+    (a, disk_a), (b, disk_b) = core(engine, tmp_path), core(engine, tmp_path)
+    other = [(t + 211) % 500 + 3 for t in PROMPT]
+    assert run(a)[0] == cold and run(b)[0] == cold          # the same blocks written by both, concurrently
+    disk_a.flush(10)
+    disk_b.flush(10)
+    run(a, other)                                          # a prompt only `a` computed
+    disk_a.flush(10)
+    ids, cached = run(b, other)                            # `b` reads `a`'s files
+    assert cached == 96 and disk_b.hits == 6 and ids == run(core(engine)[0], other)[0]
+    disk_a.close(a.sched.prefix)
+    disk_b.close(b.sched.prefix)
+    assert not list(disk_a.dir.glob(".tmp.*"))
+    c, disk_c = core(engine, tmp_path)
+    for prompt in (PROMPT, other):
+        ids, cached = run(c, prompt)
+        assert cached == 96
+    assert disk_c.ignored == 0 and run(c)[0] == cold
+    disk_c.close(c.sched.prefix)

@@ -27,12 +27,9 @@ written at shutdown if it is still in memory (`close`). Reads: lazily, at admiss
 the blocks past the in-memory hit are read in chain order until the first one missing, each verified and
 copied into free pool pages, then named in the in-memory prefix cache as if computed there.
 
-Bounded in bytes: least recently used files first, over the whole directory (every namespace). A file's
-mtime is its last use (written, read, or its block hit in memory), less its depth in microseconds, so
-that a chain's tail goes before its head. Files that a saved conversation names (`saved/<name>.json`,
-`save_manifest`) go last. Several processes may share one directory (Ray Serve replicas): files are
-immutable once renamed, names are content addresses, and each writer re-scans the directory before it
-evicts (a file another process removed is a miss, never an error).
+The directory's files (names, atomic writes, the size bound, saved conversations' manifests) are
+engine/cache_dir.py's: bounded in bytes, least recently used first; a file's mtime is its last use (written,
+read, or its block hit in memory), less its depth in microseconds, so that a chain's tail goes before its head.
 """
 
 from __future__ import annotations
@@ -42,9 +39,6 @@ import json
 import logging
 import os
 import queue
-import re
-import secrets
-import socket
 import struct
 import threading
 import time
@@ -58,72 +52,21 @@ import numpy as np
 import torch
 
 from ..version import __version__
+from .cache_dir import SAVED_DIR, SUFFIX, atomic_write, check_name, file_hash, fsync_dir, scan
 from .prefix_cache import block_name
 
 log = logging.getLogger("tinyloop.engine")
 
 DISK_VERSION = 1
 MAGIC = b"TLKVBLK1"
-SUFFIX = ".kvb"
-TMP_PREFIX = ".tmp."
-SAVED_DIR = "saved"
-HASHES_FILE = "model-hashes.json"
 DEFAULT_MAX_BYTES = 4 << 30
-EVICT_TO = 0.9                  # eviction goes down to this fraction of the bound (not one file per write)
-STALE_TMP_S = 3600.0            # a temporary file this old is a dead write whoever made it
 _STAMPS_KEPT = 65536            # chain stamps remembered (a new block inherits its parent's)
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEAD = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 READERS = 2                     # threads reading a chain's files at admission (reads and CRCs release the GIL)
 
 
-class CacheNameError(ValueError):
-    pass
-
-
-def check_name(name: str) -> str:
-    """A saved conversation's name: letters, digits, '.', '_', '-', at most 128, not starting with a dot and
-    without '..': it cannot leave the cache directory (no separator, no absolute path, no parent)."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
-        raise CacheNameError(f"name {name!r} must be 1 to 128 letters, digits, '.', '_' or '-', not start with "
-                             "'.' or '-' and hold no '..' (it names a file inside the cache directory)")
-    return name
-
-
 # -- the model's identity -------------------------------------------------------------------------
-def file_hash(path: str | Path, memo_dir: str | Path | None = None) -> str:
-    """sha256 of a file's bytes, memoized in `memo_dir/model-hashes.json` by (real path, size, mtime_ns,
-    inode): a model file is hashed once, not at every start (a 4 GB file takes seconds)."""
-    path = Path(path).resolve()
-    st = path.stat()
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    memo_path = Path(memo_dir) / HASHES_FILE if memo_dir is not None else None
-    memo: dict[str, str] = {}
-    if memo_path is not None:
-        try:
-            memo = json.loads(memo_path.read_text())
-            if not isinstance(memo, dict):
-                memo = {}
-        except (OSError, ValueError):
-            memo = {}
-        if isinstance(memo.get(key), str):
-            return memo[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
-    if memo_path is not None:
-        live = {k: v for k, v in memo.items() if isinstance(v, str) and Path(k.split("|")[0]).exists()}
-        live[key] = digest
-        try:
-            _atomic_write(memo_path, json.dumps(live, indent=0).encode())
-        except OSError as exc:
-            log.warning("prompt cache: cannot memoize the model's hash in %s: %s", memo_path, exc)
-    return digest
-
-
 def engine_identity(engine, kv, memo_dir: str | Path | None = None) -> dict[str, Any]:
     """What a block's keys and values depend on besides its name (tokens, salt): the model's bytes and
     everything the engine adds. Two engines with the same identity compute the same KV for a block."""
@@ -145,76 +88,6 @@ def engine_identity(engine, kv, memo_dir: str | Path | None = None) -> dict[str,
 
 def namespace(identity: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
-
-
-# -- files ----------------------------------------------------------------------------------------
-def _tmp_name(directory: Path, suffix: str = "") -> Path:
-    return directory / f"{TMP_PREFIX}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(6)}{suffix}"
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes | list, mtime_ns: int | None = None) -> int:
-    """Write `data` (bytes, or a list of buffers) to `path` through a temporary name, fsync, rename."""
-    tmp = _tmp_name(path.parent)
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for buf in data if isinstance(data, list) else [data]:
-                size += f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        if mtime_ns is not None:
-            os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    return size
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:   # (EPERM: someone else's, alive)
-        return True
-    return True
-
-
-_STARTED = time.time()
-
-
-def _dead_tmp(entry: os.DirEntry, now: float) -> bool:
-    """A temporary file no live writer owns: a write cut short (SIGKILL, a crash, power)."""
-    try:
-        mtime = entry.stat(follow_symlinks=False).st_mtime
-    except OSError:
-        return False
-    if now - mtime > STALE_TMP_S:
-        return True
-    parts = entry.name[len(TMP_PREFIX):].split(".")
-    if len(parts) < 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return False   # another host's: only its age says it is dead
-    pid = int(parts[1])
-    if pid == os.getpid():   # (a container's server is often pid 1 at every start)
-        return mtime < _STARTED
-    return not _pid_alive(pid)
 
 
 @dataclass
@@ -737,14 +610,14 @@ class DiskPrefixCache:
                     crc = zlib.crc32(buf, crc)
                 bufs.append(_CRC.pack(crc))
                 try:
-                    n = _atomic_write(path, bufs, mtime_ns=t)
+                    n = atomic_write(path, bufs, mtime_ns=t)
                 except OSError as exc:
                     log.warning("prompt cache: cannot write %s: %s", path, exc)
                     return
                 self.written += 1
                 wrote += n
             if wrote:
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 self.bytes_on_disk += wrote
                 if self.bytes_on_disk > self.max_bytes:
                     self._scan()
@@ -754,77 +627,19 @@ class DiskPrefixCache:
 
     def _write_manifest(self, label: str, manifest: dict[str, Any]) -> None:
         path = self.root / SAVED_DIR / f"{label}.json"
-        n = _atomic_write(path, json.dumps(manifest).encode())
+        n = atomic_write(path, json.dumps(manifest).encode())
         self.bytes_on_disk += n
         if self.bytes_on_disk > self.max_bytes:
             self._scan()
 
-    def _pinned(self) -> set[str]:
-        out = set()
-        try:
-            entries = list(os.scandir(self.root / SAVED_DIR))
-        except OSError:
-            return out
-        for e in entries:
-            if not e.name.endswith(".json"):
-                continue
-            try:
-                m = json.loads(Path(e.path).read_text())
-                out.update(f"{m['namespace']}/{h}{SUFFIX}" for h in m["blocks"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return out
-
     def _scan(self, start: bool = False) -> None:
-        """Sum the directory's bytes (every namespace, saved conversations) and evict past the bound; at
-        start also remove temporary files of writes that were cut short."""
-        now = time.time()
-        files: list[tuple[int, str, int]] = []   # (mtime_ns, relative path, size)
-        total = 0
-        try:
-            tops = list(os.scandir(self.root))
-        except OSError as exc:
-            log.warning("prompt cache: cannot list %s: %s", self.root, exc)
-            if start:
-                self._preload = deque()
-            return
-        for top in tops:
-            if not top.is_dir(follow_symlinks=False):
-                if top.name.startswith(TMP_PREFIX) and start and _dead_tmp(top, now):
-                    _unlink(top.path)
-                elif top.is_file(follow_symlinks=False):
-                    total += _size(top)
-                continue
-            try:
-                entries = list(os.scandir(top.path))
-            except OSError:
-                continue
-            for e in entries:
-                if e.name.startswith(TMP_PREFIX):
-                    if _dead_tmp(e, now):
-                        _unlink(e.path)
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += st.st_size
-                if e.name.endswith(SUFFIX):
-                    files.append((st.st_mtime_ns, f"{top.name}/{e.name}", st.st_size))
-        if start:   # this model's files, the most recently used first (a chain's head before its tail)
-            mine = sorted((f for f in files if f[1].startswith(self.ns + "/")), key=lambda f: -f[0])
-            self._preload = deque(self.root / rel for _, rel, _ in mine)
-        if total > self.max_bytes:
-            pinned = self._pinned()
-            files.sort(key=lambda f: (f[1] in pinned, f[0]))
-            goal = int(self.max_bytes * EVICT_TO)
-            for _, rel, size in files:
-                if total <= goal:
-                    break
-                if _unlink(os.path.join(self.root, rel)):
-                    self.evicted += 1
-                total -= size
-        self.bytes_on_disk = total
+        """Sum the directory's bytes and evict past the bound (`cache_dir.scan`); at start also list this
+        model's files for the read-back and remove temporary files of writes that were cut short."""
+        found = scan(self.root, self.max_bytes, mine=self.ns if start else None)
+        if start:
+            self._preload = deque(found.mine)
+        self.evicted += found.evicted
+        self.bytes_on_disk = found.total
 
 
 class _Salt:
@@ -835,58 +650,6 @@ class _Salt:
 
     def __repr__(self) -> str:
         return self.text
-
-
-def _size(entry: os.DirEntry) -> int:
-    try:
-        return entry.stat(follow_symlinks=False).st_size
-    except OSError:
-        return 0
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
-# -- saved conversations (the routes' side: files only, no engine) -------------------------------------
-def saved_path(root: str | Path, label: str) -> Path:
-    check_name(label)
-    base = (Path(root) / SAVED_DIR).resolve()
-    path = (base / f"{label}.json").resolve()
-    if path.parent != base:   # (check_name already refuses anything that could)
-        raise CacheNameError(f"name {label!r} leaves the cache directory")
-    return path
-
-
-def read_manifest(root: str | Path, label: str) -> dict[str, Any] | None:
-    path = saved_path(root, label)
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("prompt cache: ignored and removed %s: %s", path, exc)
-        _unlink(str(path))
-        return None
-    return m if isinstance(m, dict) else None
-
-
-def list_manifests(root: str | Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        entries = sorted(os.scandir(Path(root) / SAVED_DIR), key=lambda e: e.name)
-    except OSError:
-        return out
-    for e in entries:
-        if e.name.endswith(".json") and not e.name.startswith("."):
-            m = read_manifest(root, e.name[:-5]) if NAME_RE.fullmatch(e.name[:-5]) else None
-            if m is not None:
-                out.append(m)
-    return out
 
 
 def open_prompt_cache(batch, engine, directory: str | Path,

@@ -1,4 +1,4 @@
-"""Saved conversations in the prompt cache on disk (`--prompt-cache-dir`; engine/disk_cache.py): llama-server's
+"""Saved conversations in the prompt cache on disk (`--prompt-cache-dir`; engine/disk_cache.py, engine/cache_dir.py): llama-server's
 `/slots/{id}?action=save|restore`, in this server's own shape.
 
     POST   /v1/cache/save     {"name", "prompt" | "messages", "loops"?}  the prompt's KV kept on disk under `name`
@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import SamplingParams
-from ..engine.disk_cache import CacheNameError, check_name, file_hash, list_manifests, read_manifest, saved_path
+from ..engine.cache_dir import CacheNameError, check_name, file_hash, list_manifests, read_manifest, saved_path
 from .errors import APIError
 from .generation import collect
 from .generation import state_of
