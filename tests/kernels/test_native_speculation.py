@@ -186,7 +186,7 @@ def test_sampled_tree_speculation_is_plain_sampling():
     and its output is plain sampling's for the seed, with and without top-p, tree rounds only or chosen
     against chain rounds; more than one token is accepted in some round. Without the one-call rounds a
     sampled tree request drafts a chain (the stepwise tree walk is greedy only): the same output."""
-    from tinyloop.engine import SamplingParams, draft_policy
+    from tinyloop.engine import SamplingParams, round_shape
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     trees = []
@@ -202,7 +202,7 @@ def test_sampled_tree_speculation_is_plain_sampling():
             trees.clear()
             # (tree and chain rates are the model's, across requests: the second request would otherwise start
             # from the first one's and, the chain timed faster, might try no tree round in its few rounds)
-            draft_policy._SHAPE_RATES.pop(nat, None)
+            round_shape._SHAPE_RATES.pop(nat, None)
             got, st = _ids(nat, prompt, tree_p, True, draft_vocab=None, **kw)
             assert got == plain, (extra, kw)
             if kw.get("native_round", True):
