@@ -20,6 +20,14 @@ class ValidationError(ValueError):
         self.code = code
 
 
+class CommandError(Exception):
+    """A command line's failure, said in one line (`tinyloop: error: ...`); `status` is the exit status."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
 class RequestTimeout(RuntimeError):
     """A request ran out of its time (`timeout_s`) before producing anything."""
 
