@@ -1,8 +1,9 @@
-"""int4's min form (w = q * scale + min, a float16 minimum per group: GGUF's Q4_1 blocks as they are) through the
-native library against model/'s definition (quant/packing.py `dequantize_min`): one layer on every path the int4
-format runs on (fp32 activations: the portable build's and `TINYLOOP_NATIVE_Q8=0`; int8 activations: the vector
-tiles, qq_rows8, the 16-rows-a-vector packed kernel, the AMX tiles where the host has them), and whole decode steps
-of the test models. tests/kernels/test_every_build.py runs this file on the avx2 and portable builds too."""
+"""A GGUF's quantized blocks as they are, through the native library against model/'s definition: int4's min form
+(w = q * scale + min, a float16 minimum per group: Q4_1's blocks; quant/packing.py `dequantize_min`), one layer on
+every path the int4 format runs on (fp32 activations: the portable build's and `TINYLOOP_NATIVE_Q8=0`; int8
+activations: the vector tiles, qq_rows8, the 16-rows-a-vector packed kernel, the AMX tiles where the host has them)
+and whole decode steps of the test models; and int8 in groups of 32 (Q8_0's blocks: the head). tests/kernels/
+test_every_build.py runs this file on the avx2 and portable builds too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tinyloop.quant.linear import QuantLinear
-from tinyloop.quant.packing import dequantize_min, pack, quantize_min
+from tinyloop.quant.packing import dequantize, dequantize_min, pack, quantize_min
 
 kernels = pytest.importorskip("tinyloop.kernels.lib")
 try:
@@ -187,3 +188,70 @@ def test_native_step_with_min_form_weights_and_int8_activations(monkeypatch):
     err = (lr - ln).abs().max().item() / lr.abs().max().item()
     assert 0 < err < 5e-2, err
 
+
+
+def _q8_0_layer(n: int, k: int, seed: int = 6):
+    """int8 codes in groups of 32 with zero point 128, as a GGUF's Q8_0 blocks import (codes q + 128, d per 32);
+    codes at both ends of their range in the first rows."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(1, 256, (n, k), generator=g, dtype=torch.uint8)
+    c[0, :32], c[1, :32] = 255, 1
+    s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    z = torch.full((n, k // 32), 128, dtype=torch.uint8)
+    lin = QuantLinear.from_portable(c, s, z, 8, kernel="native")
+    assert lin.kind == "native" and lin.group_size == 32
+    return lin, dequantize(c, s, z, torch.float64)
+
+
+@pytest.mark.parametrize("k", [576, 1024])
+@torch.inference_mode()
+def test_q8_0_groups_with_fp32_activations(k):
+    """int8 in groups of 32 with fp32 activations (every build): within 1e-6 of the sum of |x w| of the exact
+    product (each of the ~2k fp32 roundings moves a partial sum by at most 2^-24 of it, as the min form's test
+    argues)."""
+    lin, w64 = _q8_0_layer(67, k)
+    desc = linear_desc(lin, [])
+    assert not desc.act_q8
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7))
+    got = torch.cat([_forward(desc, x[i:i + r], 2) for i, r in ((0, 1), (1, 3), (4, 5))]).double()
+    exact = x.double() @ w64.t()
+    assert ((got - exact).abs() <= 1e-6 * (x.double().abs() @ w64.abs().t())).all()
+
+
+@pytest.mark.skipif(PORTABLE, reason="the portable build has no int8 activations")
+@pytest.mark.parametrize("k", [576, 1024])
+@torch.inference_mode()
+def test_q8_0_groups_with_int8_activations(monkeypatch, k):
+    """int8 in groups of 32 with int8 activations (SmolLM2's Q8_0 head: 576 wide): the int8 tiles take its
+    32-column blocks as int4's groups of 32 (codes and activations in split8's order, intdot.cpp), exact int32 sums
+    per block, so the output is the exact product with the activations as rounded (`_q8`) up to the fp32 scaling
+    and summing (2 (k/32 + k/32) + 8 roundings of 2^-24 of the abs sum, as above); bitwise the same alone or in any
+    batch, on 1 or 2 threads, streamed, and with the AMX switch on or off (AMX takes int8 weights in whole 64s
+    only: the vector tiles run either way)."""
+    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "1")
+    lin, w64 = _q8_0_layer(71, k)
+    desc = linear_desc(lin, [])
+    assert desc.act_q8
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
+    x[:, 100] = 6.0
+    x[0, :32] = 50.0
+    alone = torch.cat([_forward(desc, x[i:i + 1], 1) for i in range(len(x))])
+    xq = _q8(x, 32)
+    replay = xq @ w64.t()
+    bound = (2 * (k // 32 + k // 32) + 8) * EPS32 * (xq.abs() @ w64.abs().t())
+    assert ((alone.double() - replay).abs() <= bound).all()
+    assert (alone.double() - x.double() @ w64.t()).abs().max() > 1e-4 * replay.abs().max()
+    lib = kernels.load()
+    old = lib.tl_set_amx(-1)
+    try:
+        for amx in (0, 1):
+            lib.tl_set_amx(amx)
+            for rows in (2, 3, 5, 8, 13, 16, 17, 40):
+                for threads in (1, 2):
+                    part = torch.cat([_forward(desc, x[i:i + rows], threads)
+                                      for i in range(0, len(x) - rows + 1, rows)])
+                    assert torch.equal(part, alone[:len(part)]), (amx, rows, threads)
+    finally:
+        lib.tl_set_amx(old)
+    desc.streamed = 1
+    assert torch.equal(torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(len(x))]), alone)

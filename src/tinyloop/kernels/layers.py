@@ -104,10 +104,10 @@ def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     else:
         d.zeros = w["zeros"].data_ptr()
     # int4 and int8 weights take int8 activations (integer dot products, scaled per group or 256 columns)
-    # where the rows are whole 64s and the groups whole 32s (int4) or 64s (int8), or (int4 in groups that are
-    # not whole 64s: activation blocks of 32) whole 32s; intdot.h says why
+    # where the rows are whole 64s and the groups whole 32s (int8 in groups of 32: a GGUF's Q8_0 head), or
+    # (int4 in groups that are not whole 64s: activation blocks of 32) whole 32s; intdot.h says why
     q4 = d.kind == L.TL_Q4 and d.group % 32 == 0 and (d.k % 64 == 0 or d.k % 32 == 0 and d.group % 64 != 0)
-    q8 = d.kind == L.TL_Q8 and d.group % 64 == 0 and d.k % 64 == 0
+    q8 = d.kind == L.TL_Q8 and d.group % 32 == 0 and d.k % 64 == 0
     d.act_q8 = int((q4 or q8) and q8_activations())
     keep.append(w)
     if d.k % 8:

@@ -215,5 +215,9 @@ def weights_format(header: dict) -> str:
         return dtype
     group = f" group {quant['group_size']}" if quant.get("group_size") else " per channel"
     head = quant.get("head")
-    head = f"int{head['bits']} head" if isinstance(head, dict) and head.get("bits") else f"{dtype} head"
-    return f"int{quant.get('bits')} {quant['method']}{group}, {head}, {dtype} embedding and norms"
+    if isinstance(head, dict) and head.get("bits"):
+        head = f"int{head['bits']} head" + (f" group {head['group_size']}" if head.get("group_size") else "")
+    else:
+        head = f"{dtype} head"
+    minimum = ", float16 minimums" if quant.get("layout") == "tinyloop-packed-min-v1" else ""   # (quant.formats)
+    return f"int{quant.get('bits')} {quant['method']}{group}{minimum}, {head}, {dtype} embedding and norms"

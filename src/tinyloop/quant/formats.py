@@ -14,7 +14,8 @@ tied) as `head.qweight`, `head.scales`, `head.zeros`, and loads as the model's `
 int4's min form (layout "tinyloop-packed-min-v1", method "gguf": a GGUF's Q4_1 blocks imported as they are,
 `tools/gguf.py`): each quantized linear is `X.qweight`, `X.scales` and `X.mins` (float16 (N, K/G): w = q * scale
 + min, `quant.packing.dequantize_min`) in place of `X.zeros`; the head, if quantized, keeps the zero-point form.
-A reader that predates the form refuses the file by its layout name.
+A reader that predates the form refuses the file by its layout name. A GGUF's Q8_0 head is kept as it is too: an
+int8 head (zero point 128) in groups of 32, its `head` entry's method "gguf".
 
 At load (`load_quantized`) the model built on the meta device gets a `QuantLinear` in place of each
 quantized `nn.Linear`, and the float tensors are assigned without copies.
@@ -91,9 +92,9 @@ def head_quant(quant: dict[str, Any]) -> tuple[int, int | None] | None:
 
 
 def portable_shapes(shape: tuple[int, int], bits: int, group_size: int | None, name: str,
-                    offset: str = "zeros") -> dict[str, tuple]:
+                    offset: str = "zeros", q8_0: bool = False) -> dict[str, tuple]:
     N, K = shape
-    G = resolve_group_size(bits, group_size, K, name)
+    G = resolve_group_size(bits, group_size, K, name, q8_0=q8_0)
     return {"qweight": ((N, K * bits // 8), "uint8"), "scales": ((N, K // G), "float16"),
             offset: ((N, K // G), "float16" if offset == "mins" else "uint8")}
 
@@ -114,7 +115,8 @@ def expected_quantized_tensors(expected: dict[str, tuple[tuple[int, ...], str]],
     head = head_quant(quant)
     if head is not None:
         shape = expected["lm_head.weight" if "lm_head.weight" in expected else "embed.weight"][0]
-        for suffix, spec in portable_shapes(tuple(shape), head[0], head[1], "the LM head").items():
+        q8_0 = quant["head"].get("method") == "gguf"   # (a GGUF's Q8_0 head as it is: int8 in groups of 32)
+        for suffix, spec in portable_shapes(tuple(shape), head[0], head[1], "the LM head", q8_0=q8_0).items():
             out[f"{HEAD}.{suffix}"] = spec
     return out
 

@@ -134,7 +134,7 @@ def to_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
                 packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
                 kind, bufs = "int4pack_cuda", {"packed": packed,
                                                "sz": _int4_scales_zeros(scales, zeros, bits, mins).to(device, KERNEL_DTYPE)}
-            elif bits == 8:
+            elif bits == 8 and scales.shape[1] == 1:   # (per channel; int8 in groups, a Q8_0 head: dense here)
                 w8 = (q.to(torch.int16) - zeros.to(torch.int16)).to(torch.int8)  # symmetric: zero point 128
                 kind, bufs = "int8pack", {"w8": w8.to(device),
                                           "s8": scales[:, 0].to(device, KERNEL_DTYPE).contiguous()}

@@ -34,10 +34,16 @@ class QuantError(ValueError):
     """A quantization request that cannot be honoured (bad bits, group size, shape...)."""
 
 
-def resolve_group_size(bits: int, group_size: int | None, in_features: int, name: str = "weight") -> int:
-    """The group size actually used for a weight with `in_features` columns; raises QuantError if invalid."""
+def resolve_group_size(bits: int, group_size: int | None, in_features: int, name: str = "weight",
+                       q8_0: bool = False) -> int:
+    """The group size actually used for a weight with `in_features` columns; raises QuantError if invalid.
+    `q8_0`: 8-bit weights may also come in groups of 32 (a GGUF's Q8_0 blocks as they are: `tools/gguf.py`)."""
     if bits not in SUPPORTED_BITS:
         raise QuantError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if bits == 8 and q8_0 and group_size == 32:
+        if in_features % 32:
+            raise QuantError(f"groups of 32 do not divide the {in_features} input features of {name}")
+        return 32
     if bits == 8:
         if group_size not in (None, 0, in_features):
             raise QuantError(f"8-bit weights are per output channel; group size must be 0 (per channel), "

@@ -14,10 +14,10 @@ Read with the `gguf` package (llama.cpp's own Python reader): the metadata, each
 - `quant="q4_1"` keeps a Q4_1 file's block matrices as they are: each Q4_1 block (32 weights: float16 d and m,
   4-bit codes, w = d * q + m) becomes 32 codes, a scale and a minimum of TinyLoop's int4 min form (group 32,
   `quant.formats` layout tinyloop-packed-min-v1), bit for bit, no re-quantization; llama.cpp's q/k row
-  permutation moves whole rows of codes, scales and minimums. The LM head (SmolLM2: the tied `token_embd`, Q8_0)
-  is kept as an int8 head per output channel, round-to-nearest from the file's exact values (TinyLoop's int8
-  kernels take whole rows, not Q8_0's blocks of 32: `head_note` says so in the file's provenance), beside the
-  float embedding for lookups; a float16/float32 head stays float. It is what `convert` writes by default for a GGUF
+  permutation moves whole rows of codes, scales and minimums. A Q8_0 LM head (SmolLM2's tied `token_embd`) is
+  kept as it is too: int8 codes q + 128 (zero point 128) with d as the scale of each group of 32 (the header's
+  `head` entry, method "gguf"), beside the float embedding for lookups; a head of another quantized type becomes
+  int8 per output row by round-to-nearest from its exact values (`head_note` says so); a float one stays float. It is what `convert` writes by default for a GGUF
   whose block matrices are all Q4_1 (`default_quant`); `--dtype` asks for the float conversion instead.
 - The tokenizer is rebuilt from `tokenizer.ggml.*` (a `gpt2` byte-level BPE vocabulary: tokens, merges, token
   types, BOS/EOS/EOT ids, `add_bos_token`; `tokenizer.ggml.pre` picks the pre-tokenizer, as llama.cpp does; or a
@@ -468,8 +468,24 @@ def q4_1_parts(g: GGUFFile, name: str) -> tuple[torch.Tensor, torch.Tensor, torc
             torch.from_numpy(np.ascontiguousarray(dm[..., 1])))
 
 
-HEAD_NOTE = ("the LM head is int8 per output channel (round-to-nearest of the file's exact head values): TinyLoop's "
-             "int8 kernels take whole rows, not Q8_0's blocks of 32")
+HEAD_NOTE = ("the LM head is int8 per output row, round-to-nearest of the file's exact head values (its GGUF type "
+             "is not Q8_0, whose blocks are kept as they are)")
+_Q8_0_BYTES = 34       # ggml's block_q8_0 {f16 d; i8 qs[32]}
+
+
+def q8_0_parts(g: GGUFFile, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's blocks as TinyLoop's int8 codes in groups of 32: codes q + 128 (N, K) uint8, d (N, K/32)
+    float16 as the scales, zero points 128: (c - 128) * d is Q8_0's d * q, bit for bit."""
+    t = g.tensors[name]
+    N, K = g.shape(name)
+    if t.tensor_type.name != "Q8_0" or K % 32 or t.n_bytes != N * K // 32 * _Q8_0_BYTES:
+        raise ConvertError(f"{g.path}: tensor {name!r} ({t.tensor_type.name}, shape {[N, K]}) is not whole Q8_0 blocks")
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(N, K // 32, _Q8_0_BYTES)
+    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
+    q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(N, K)
+    codes = (q.astype(np.int16) + 128).astype(np.uint8)
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(d)), torch.full((N, K // 32), 128,
+                                                                                         dtype=torch.uint8)
 _SPEC_DTYPES = {"uint8": torch.uint8, "float16": torch.float16}
 
 
@@ -478,7 +494,13 @@ def _q4_1_quant(g: GGUFFile, cfg: ModelConfig, dtype: str) -> tuple[dict[str, An
     floats = expected_tensors(cfg, {"dtype": dtype})
     high = [n for n, (shape, _) in floats.items() if not is_quantizable(n, tuple(shape))]
     head8 = gguf_head_bits(g) == 8
-    extra = {"head": {"method": "rtn", "bits": 8, "group_size": None}, "head_note": HEAD_NOTE} if head8 else {}
+    head = g.tensors.get("output.weight") or g.tensors.get("token_embd.weight")
+    if head8 and head.tensor_type.name == "Q8_0":   # kept as it is: int8 in groups of 32
+        extra = {"head": {"method": "gguf", "bits": 8, "group_size": 32}}
+    elif head8:
+        extra = {"head": {"method": "rtn", "bits": 8, "group_size": None}, "head_note": HEAD_NOTE}
+    else:
+        extra = {}
     return quant_header("gguf", 4, Q4_1_BLOCK, high_precision=high, layout=MIN_LAYOUT, source="gguf Q4_1 blocks, "
                         "bit for bit (codes, d, m)", **extra), head8
 
@@ -523,9 +545,10 @@ def _write(g: GGUFFile, cfg: ModelConfig, tokenizer: HFTokenizer, out: Path, dty
         def emit(name: str, t: torch.Tensor, src_name: str) -> None:
             if src_name in blocks:
                 return emit_q4_1(name, t, src_name)
-            if head8 and src_name == head_src:   # the int8 head, from the exact head values
+            if head8 and src_name == head_src:   # the int8 head: Q8_0's blocks, or from the exact head values
                 from ..quant.packing import quantize_rtn
-                q, sc, z = quantize_rtn(t.float(), 8, None)
+                q8_0 = g.tensors[head_src].tensor_type.name == "Q8_0"
+                q, sc, z = q8_0_parts(g, head_src) if q8_0 else quantize_rtn(t.float(), 8, None)
                 for n, x in portable_tensors("head", q, sc, z, 8).items():
                     writer.add(n, x)   # (beside the float embedding or head, as quant.formats stores one)
             if name not in expected:

@@ -24,8 +24,8 @@ constexpr int CHUNK = 32;   // output rows per unit of work the threads share (a
 //   moved onto it (a pair of products stays within int16: 128 * 127 * 2 < 32768), widened at once.
 // Then, with c' = c (int4) or c - 128 (int8) and z' = z (int4) or z - 128 (int8):
 //   sum_k (c - z) s x ~= sum_a s_a d_a (sum_{k in a} c' q) - sum_g s_g z'_g X_g,  X_g = sum_{a in g} d_a sum q.
-// With 32-column blocks (SPLIT, int4 only: int8 weights take int8 activations where their groups are whole
-// 64s) a 64-column step holds two of them: the low four int32 lanes of its sums are the first block's, the
+// With 32-column blocks (SPLIT: int4, and int8 in Q8_0's groups of 32 with its codes and activations in split8's
+// order; int8 takes int8 activations where its groups are whole 32s) a 64-column step holds two of them: the low four int32 lanes of its sums are the first block's, the
 // high four the second's, and the scales are applied as two halves. K is a multiple of 64, or (SPLIT) of 32: a
 // last 32 columns are a block of their own (qq_tail32).
 // (act_block: intdot.h)
@@ -53,8 +53,16 @@ static void qq_plan(const tl_linear* L, bool split, QQPlan& P) {
 }
 
 // a weight row's 64 columns at `at` as two vectors of unsigned codes: int4 the low and the high nibbles (the
-// even and the odd columns), int8 the two 32s
-template <int BITS>
+// even and the odd columns), int8 the two 32s; int8 in 32-column blocks (SPLIT: Q8_0's groups of 32) as
+// columns [0-15 32-47] and [16-31 48-63] (split8), the order quantize_q8 stores their activations in, so that
+// int32 lanes 0-3 sum the first block and lanes 4-7 the second, as int4's nibbles do
+static inline void split8(__m256i* wa, __m256i* wb) {
+    const __m256i a = *wa, b = *wb;
+    *wa = _mm256_permute2x128_si256(a, b, 0x20);
+    *wb = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+template <int BITS, bool SPLIT = false>
 static inline void load_codes(const uint8_t* at, __m256i low4, __m256i* wa, __m256i* wb) {
     if (BITS == 4) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)at);
@@ -63,6 +71,7 @@ static inline void load_codes(const uint8_t* at, __m256i low4, __m256i* wa, __m2
     } else {
         *wa = _mm256_loadu_si256((const __m256i*)at);
         *wb = _mm256_loadu_si256((const __m256i*)(at + 32));
+        if (SPLIT) split8(wa, wb);
     }
 }
 
@@ -183,7 +192,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #pragma GCC unroll 4
                 for (int j = 0; j < NR; ++j) {   // unsigned codes against signed activations, int32 sums
                     __m256i wa, wb;
-                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                    load_codes<BITS, SPLIT>(at + j * row_bytes, low4, &wa, &wb);
 #pragma GCC unroll 4
                     for (int r = 0; r < MR; ++r)
                         acc[r][j] = dpbusd(dpbusd(acc[r][j], wa, _mm256_loadu_si256((const __m256i*)(xq + (int64_t)r * K + c))),
@@ -200,6 +209,7 @@ void qq_tile(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
                     } else {
                         wa = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes)), flip);
                         wb = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(at + j * row_bytes + 32)), flip);
+                        if (SPLIT) split8(&wa, &wb);
                     }
 #pragma GCC unroll 4
                     for (int r = 0; r < MR; ++r) {
@@ -280,12 +290,13 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(t);
 }
 
-// x (m, K) -> int8 codes xq (m, K) (int4 weights: each 64 columns evens first, then odds; int8: in column
-// order), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB). Vectorized,
+// x (m, K) -> int8 codes xq (m, K) (layout 1, int4 weights: each 64 columns evens first, then odds; 0: in column
+// order; 2, int8 weights in groups of 32: each 64 columns as split8 orders them), and per block of AB columns its scale d and the sum of its codes, xd and xs (m, K / AB). Vectorized,
 // with what the scalar form computes: the block's max |x| (a max: in any order), q = round-to-nearest-even
 // of x * (1 / d) (_mm256_round_ps as nearbyintf), |q| <= 127 (packs never saturate); the int4 order is a
 // byte shuffle of the codes in column order.
-void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, bool nibbles) {
+void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, float* xs, int layout) {
+    const bool nibbles = layout == 1;
     const int K64 = K & ~63;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // packs' lanes back in column order
@@ -315,6 +326,15 @@ void quantize_q8(const float* x, int m, int K, int AB, int8_t* xq, float* xd, fl
             }
             xd[(int64_t)r * (K / AB) + a] = d;
             xs[(int64_t)r * (K / AB) + a] = (float)hsum_epi32(sum);
+        }
+        if (layout == 2) {   // int8 in 32-column blocks: each 64 columns as [0-15 32-47] [16-31 48-63] (split8)
+            for (int c = 0; c < K64; c += 64) {
+                const __m256i A = _mm256_loadu_si256((const __m256i*)(q + c));
+                const __m256i B = _mm256_loadu_si256((const __m256i*)(q + c + 32));
+                _mm256_storeu_si256((__m256i*)(q + c), _mm256_permute2x128_si256(A, B, 0x20));
+                _mm256_storeu_si256((__m256i*)(q + c + 32), _mm256_permute2x128_si256(A, B, 0x31));
+            }
+            continue;
         }
         if (!nibbles) continue;
         for (int c = 0; c < K64; c += 64) {   // each 64 columns: the 32 evens, then the 32 odds
@@ -449,7 +469,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                         for (int j = 0; j < 8; ++j) _mm_prefetch((const char*)(at + (32 + j) * row_bytes), _MM_HINT_T0);
                     for (int j = 0; j < 8; ++j) {
                         __m256i wa, wb;
-                        load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                        load_codes<BITS, SPLIT>(at + j * row_bytes, low4, &wa, &wb);
                         __m256i* u = (__m256i*)(ub + ((int64_t)((c - c_ub) / 64) * 8 + j) * UB_STEP);
 #if !TL_VNNI
                         if (BITS == 8) {
@@ -472,7 +492,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                 for (int s = cb; s < ce; ++s) {
                     __m256i acc[8];
 #if TL_VNNI512
-                    if (BITS == 8) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
+                    if (BITS == 8 && !SPLIT) {   // 64 columns of a weight row in one vpdpbusd on 512-bit vectors
                         __m512i a5[8];
                         for (int j = 0; j < 8; ++j) a5[j] = _mm512_setzero_si512();
                         for (int c = s * S; c < (s + 1) * S; c += 64) {
@@ -506,7 +526,7 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                                     wa = _mm256_load_si256(u + j * (UB_STEP / 32));
                                     wb = _mm256_load_si256(u + j * (UB_STEP / 32) + 1);
                                 } else {
-                                    load_codes<BITS>(at + j * row_bytes, low4, &wa, &wb);
+                                    load_codes<BITS, SPLIT>(at + j * row_bytes, low4, &wa, &wb);
                                 }
 #if TL_VNNI   // unsigned codes c against q (int8: less 128 sum q below)
                                 acc[j] = dpbusd(dpbusd(acc[j], wa, x0), wb, x1);
@@ -536,6 +556,12 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
                     __m256i lo, hi;
                     hsum8_halves(acc, &lo, &hi);
                     if (SPLIT) {   // two 32-column blocks: lanes 0-3 the first, 4-7 the second
+#if TL_VNNI   // int8 (VNNI: unsigned c against q): sum (c - 128) q = sum c q - 128 sum q, block by block
+                        if (BITS == 8) {
+                            lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + 2 * s]));
+                            hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(128 * (int32_t)xs[(int64_t)r * NA + 2 * s + 1]));
+                        }
+#endif
                         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s]),
                                             _mm256_loadu_ps(sT + g0[s] * 8)), t);
                         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(_mm256_set1_ps(dr[2 * s + 1]),
@@ -728,7 +754,8 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
 #else
     const bool packed = false;
 #endif
-    quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4 && !packed);   // (the packed kernel: column order)
+    // int4: evens then odds per 64 columns (the packed kernel: column order); int8 in 32-column blocks: split8's
+    quantize_q8(x, m, K, AB, xq, xd, xs, L->kind == TL_Q4 ? (packed ? 0 : 1) : AB == 32 ? 2 : 0);
     for (int r = 0; r < m; ++r)
         for (int g = 0; g < NG; ++g) {
             float t = 0.f;
@@ -751,7 +778,8 @@ void qq_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy
     const int chunk = L->n >= 16384 ? 8 * CHUNK : CHUNK;
     tl_parallel_for((L->n + chunk - 1) / chunk, [&](int c, int) {
         const int n0 = c * chunk, n1 = std::min(L->n, (c + 1) * chunk);
-        if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
+        if (L->kind == TL_Q8 && AB == 32) qq_rows<8, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);   // Q8_0's groups
+        else if (L->kind == TL_Q8) qq_rows<8, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
         else if (AB == 32) qq_rows<4, true>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
         else qq_rows<4, false>(L, xq, P, xd, xs, X, m, y, ldy, n0, n1);
     });

@@ -20,7 +20,7 @@ static inline bool int8_activations(const tl_linear* L) {
 #if TL_SIMD
     return L->act_q8 && L->group % 32 == 0
            && ((L->kind == TL_Q4 && (L->k % 64 == 0 || (L->k % 32 == 0 && L->group % 64 != 0)))
-               || (L->kind == TL_Q8 && L->group % 64 == 0 && L->k % 64 == 0));
+               || (L->kind == TL_Q8 && L->group % 32 == 0 && L->k % 64 == 0));   // (groups of 32: Q8_0's)
 #else
     (void)L;
     return false;
