@@ -521,3 +521,15 @@ def test_store_size_setting():
     assert Settings.from_env({"TINYLOOP_RESPONSES_STORE_SIZE": "0"}).responses_store_size == 0
     with pytest.raises(SystemExit, match="TINYLOOP_RESPONSES_STORE_SIZE"):
         Settings.from_env({"TINYLOOP_RESPONSES_STORE_SIZE": "-1"})
+
+
+def test_the_response_reports_the_temperature_it_was_sampled_at(model_path):
+    """A request with no temperature is sampled at the server's default (`serve --temperature`): the response
+    object says that one, not OpenAI's 1.0; a request's own wins."""
+    with ServerThread(Settings(model_path=model_path, api_key=KEY, temperature=0.3)) as srv:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for body, want in (({}, 0.3), ({"temperature": 0.7}, 0.7)):
+            r = httpx.post(srv.url + "/v1/responses", headers=headers, timeout=60,
+                           json={"model": MODEL, "input": HELLO, "max_output_tokens": 4, **body})
+            assert r.status_code == 200, r.text
+            assert r.json()["temperature"] == want, body

@@ -174,8 +174,9 @@ def usage(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def response_object(body: ResponsesRequest, *, id: str, model: str, created_at: int, tools_shown: list[dict],
-                    status: str = "in_progress") -> dict[str, Any]:
-    """The response object as it starts (no output yet): every field OpenAI's has, the request's echoed."""
+                    status: str = "in_progress", temperature: float | None = None) -> dict[str, Any]:
+    """The response object as it starts (no output yet): every field OpenAI's has, the request's echoed;
+    `temperature` the one the answer is sampled at (the request's, else the server's default, else 1.0)."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"},
             "verbosity": (body.text.verbosity if body.text is not None else None) or "medium"}
@@ -187,7 +188,8 @@ def response_object(body: ResponsesRequest, *, id: str, model: str, created_at: 
             "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "prompt_cache_key": body.prompt_cache_key,
             "reasoning": reasoning, "safety_identifier": body.safety_identifier, "service_tier": "default",
-            "store": body.store is not False, "temperature": 1.0 if body.temperature is None else body.temperature,
+            "store": body.store is not False, "temperature": temperature if temperature is not None else
+            1.0 if body.temperature is None else body.temperature,
             "text": text, "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": tools_shown, "top_logprobs": 0, "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled", "usage": None, "user": body.user,

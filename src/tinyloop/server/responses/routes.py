@@ -340,7 +340,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     tools_shown = [{**t.model_dump(), "strict": True if t.strict is None else t.strict}
                    if isinstance(t, FunctionTool) else t.model_dump() for t in body.tools or []]
     response = response_object(body, id=new_id("resp"), model=model, created_at=int(time.time()),
-                               tools_shown=tools_shown)
+                               tools_shown=tools_shown, temperature=params.temperature)
     context = tuple(item for _, item in items)
 
     def keep(final: dict[str, Any]) -> None:
