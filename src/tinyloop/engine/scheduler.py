@@ -491,7 +491,7 @@ class Scheduler:
     def _ring_pages(self, seq: Sequence, b: int) -> dict[int, int]:
         """Block b's sliding-window columns' pages taken over from block b - R: those this sequence alone holds."""
         R = seq.ring_blocks
-        if not seq.ring_cols or b < R:
+        if not seq.ring_cols or R <= 0 or b < R:
             return {}
         return {s: seq.block_table[b - R][s] for s in seq.ring_cols if self._alone(seq, b - R, s)}
 
@@ -499,7 +499,7 @@ class Scheduler:
         """Whether the page of block b, column s is held by `seq` alone: once for each of its blocks that
         hold it (in a sliding-window column, blocks b - R, b - 2R, ... may hold it too)."""
         page, n = seq.block_table[b][s], 1
-        if seq.ring_cols and s in seq.ring_cols:
+        if seq.ring_blocks > 0 and s in seq.ring_cols:
             x = b - seq.ring_blocks
             while x >= 0 and seq.block_table[x][s] == page:
                 n, x = n + 1, x - seq.ring_blocks
