@@ -235,7 +235,7 @@ class Scheduler:
     def block_pages(seq: Sequence, first: int, end: int) -> int:
         """Fresh pages blocks first .. end - 1 of `seq` take (a sliding-window column's none past its ring)."""
         n = max(0, end - first) * seq.n_slots
-        if seq.ring_cols:
+        if seq.ring_cols and seq.ring_blocks > 0:
             n -= max(0, end - max(first, seq.ring_blocks)) * len(seq.ring_cols)
         return n
 
