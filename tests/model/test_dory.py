@@ -555,14 +555,16 @@ def test_sliding_window_layers_keep_a_ring_of_pages(dory, engines, weights, monk
         monkeypatch.setattr(BatchEngine, "_ring", lambda self, *a: rings.append(real(self, *a)) or
                             (rings[-1] if ring else {}))
         core = BatchEngine(engines, max_num_seqs=1, page_size=4, max_batched_tokens=16, prefix_caching=False)
-        events, fewest = [], core.sched.pool.num_free
-        core.add(engines.plan(prompt, params), lambda ev: ev is not None and events.append(ev))
+        events, fewest, plan = [], core.sched.pool.num_free, engines.plan(prompt, params)
+        core.add(plan, lambda ev: ev is not None and events.append(ev))
+        needed = core.pages_needed(plan)
         while core.has_work:
             core.step()
             fewest = min(fewest, core.sched.pool.num_free)
         assert rings[-1]["ring_blocks"] == 28 and rings[-1]["ring_cols"]
         runs[ring] = ([t for e in events for t in e.token_ids], [lp for e in events for lp in (e.logprobs or [])],
                       core.sched.pool.n_pages - fewest)
+        assert runs[ring][2] <= needed or not ring   # the pool a request is sized for (Engine.core) holds it
         assert core.sched.pool.num_free == core.sched.pool.n_pages
     (got, lps, used), (plain, plain_lps, plain_used) = runs[True], runs[False]
     assert got == plain and lps == plain_lps

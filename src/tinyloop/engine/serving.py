@@ -77,10 +77,22 @@ def sequence_ring(layout: SlotLayout, window: int, n_positions: int, *, page_siz
     return {"ring_cols": tuple(s for s, w in enumerate(windows) if w), "ring_blocks": R}
 
 
+def plan_pages(model, plan: RequestPlan, *, page_size: int = 16, max_batched_tokens: int = 512,
+               draft_exit: bool = True) -> int:
+    """KV pages `plan` holds at its longest, every choice (a sliding-window column no more than its ring)."""
+    layout = sequence_layout(model, plan, draft_exit)
+    blocks = plan.blocks(page_size)
+    ring = sequence_ring(layout, plan.window, plan.max_positions, page_size=page_size,
+                         max_batched_tokens=max_batched_tokens, speculative=plan.speculative)
+    pages = blocks * layout.n_slots - (blocks - ring["ring_blocks"]) * len(ring["ring_cols"]) if ring else \
+        blocks * layout.n_slots
+    return pages * plan.n
+
+
 def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit: bool = True) -> int:
     """Bytes of a pool that holds exactly `plan` (every choice, at its longest)."""
     page = PagedKV.page_bytes(engine.model.cfg, page_size, engine.kv_format, cache_dtype(engine.model))
-    return plan.blocks(page_size) * sequence_layout(engine.model, plan, draft_exit).n_slots * plan.n * page
+    return plan_pages(engine.model, plan, page_size=page_size, draft_exit=draft_exit) * page
 
 
 class BatchEngine(FastSteps):
@@ -120,7 +132,9 @@ class BatchEngine(FastSteps):
 
     def pages_needed(self, plan: RequestPlan) -> int:
         """Pages the whole request holds at its longest (every choice)."""
-        return plan.blocks(self.sched.page_size) * self.layout(plan).n_slots * plan.n
+        return plan_pages(self.model, plan, page_size=self.sched.page_size,
+                          max_batched_tokens=self.sched.max_batched_tokens,
+                          draft_exit=self.speculation.get("draft_exit", True))
 
     # -- requests in ------------------------------------------------------------------------
     def add(self, plan: RequestPlan, emit: Emit, *, timeout_s: float | None = None,
