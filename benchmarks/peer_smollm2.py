@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -507,7 +508,9 @@ def main() -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     gguf = Path(args.gguf) if args.gguf else find_gguf()
-    result: dict = {"gguf": str(gguf)}
+    from hostinfo import host
+    result: dict = {"gguf": str(gguf), "host": host(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_average_start": os.getloadavg()}
     if not args.skip_equality:
         eq = equality(args, work, gguf)
         result["equality"] = eq
@@ -559,6 +562,7 @@ def main() -> int:
             print(f"{what}: llama.cpp {ll:.2f}; " + "; ".join(
                 f"TinyLoop {n} {m[f'TinyLoop {n}|{what}']:.2f} ({ll / m[f'TinyLoop {n}|{what}']:.2f}x)"
                 for n in args.conversions.split(",")))
+    result["load_average_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
