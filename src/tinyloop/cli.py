@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("src", help="the snapshot directory, a .gguf file, or pkg:NAME")
     cv.add_argument("out", help="the .tinyloop file to write")
     cv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="default: bfloat16 (a GGUF: float16)")
+                    help="default: bfloat16 (a GGUF: float16, or with every block matrix Q4_1 its blocks kept as they are)")
     cv.add_argument("--int4", action="store_true", help="a GGUF: then quantize to TinyLoop's int4 (RTN) and "
                     "report its logit difference from the dequantized model")
     cv.add_argument("--quiet", action="store_true", help="no progress bar")
