@@ -150,7 +150,7 @@ def write_gguf(path: Path, *, types: dict[str, object] | None = None, default=Q.
     for i, (name, arr) in enumerate(w.items()):
         if name in drop:
             continue
-        qtype = (types or {}).get(name.split(".", 2)[-2] if name.startswith("blk.") else name.split(".")[0], default)
+        qtype = (types or {}).get(name.split(".")[2] if name.startswith("blk.") else name.split(".")[0], default)
         if arr.ndim == 1:
             qtype = Q.F32    # norms stay F32 (as llama.cpp writes them)
         if qtype == Q.F32:
