@@ -31,6 +31,7 @@ _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
 
 STREAMED_BYTES = 64 << 20
+PACK_STREAMED_BYTES = 512 << 20   # a streamed model's int4 codes up to this are packed too (TINYLOOP_NATIVE_PACK)
 _BITS = {L.TL_F32: 32, L.TL_F16: 16, L.TL_BF16: 16, L.TL_Q8: 8, L.TL_Q4: 4, L.TL_Q2: 2}
 
 
@@ -103,17 +104,29 @@ class NativeExecutor(RequestCalls):
         for d in descs:
             d.streamed = streamed
         self.streamed = bool(streamed)
+        self._marked = descs
 
     def _pack(self, descs) -> None:
-        """int4 layers of a model that stays in cache (not `streamed`) take the packed kernel (16 weight rows a
-        vector, `layers.pack_int4`: a copy of their codes, ~1.7 MB for the shipped model) where the build has
-        it; TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise the same either way
-        (both form the canonical reduction); what changes is the speed of a few rows (benchmarks/pass_cost.py)."""
-        if self.streamed or os.environ.get("TINYLOOP_NATIVE_PACK", "1") == "0":
+        """int4 layers take the packed kernel (16 weight rows a vector, `layers.pack_int4`: a copy of their codes,
+        ~1.7 MB for the shipped model) where the build has it (AVX-512 VNNI). A model that stays in cache always;
+        a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too (SmolLM2's 53 MB: 1.08-1.20x its
+        decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19), and
+        a larger one with TINYLOOP_NATIVE_PACK=all (Dory's 4B shape: 1.3x decode for 2.4 s more load and its
+        1.65 GB of codes copied; docs/decode.md). A packed model's kernels run as from cache (its descriptors not
+        `streamed`). TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise the same
+        either way (both form the canonical reduction); what changes is the speed (benchmarks/pass_cost.py)."""
+        setting = os.environ.get("TINYLOOP_NATIVE_PACK", "1").strip().lower()
+        if setting not in ("0", "1", "all"):
+            raise ValueError(f"TINYLOOP_NATIVE_PACK must be 1, 0 or all, got {setting!r}")
+        todo = [d for d in descs if d.kind == L.TL_Q4 and d.act_q8 and not d.packed]
+        if setting == "0" or (self.streamed and setting != "all"
+                              and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES):
             return
-        for d in descs:
-            if d.kind == L.TL_Q4 and d.act_q8 and not d.packed:
-                pack_int4(d, self.keep)
+        packed = [pack_int4(d, self.keep) for d in todo]
+        if self.streamed and any(packed):
+            for d in self._marked:
+                d.streamed = 0
+            self.streamed = False
 
     @property
     def name(self) -> str:
