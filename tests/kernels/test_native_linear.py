@@ -318,3 +318,36 @@ def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k):
         x[0, :32] = 40.0
         for threads in (1, 2):
             assert torch.equal(_forward(packed, x, threads), _forward(plain, x, threads)), (m, threads)
+
+
+@torch.inference_mode()
+def test_which_models_pack_their_int4_codes(monkeypatch):
+    """`Executor._pack`: a model that stays in cache packs its int4 codes where the build has the kernel; a streamed
+    one (here the shipped int4 model, made `streamed` by a lower cut) packs them when they are at most
+    PACK_STREAMED_BYTES, or with TINYLOOP_NATIVE_PACK=all, and then runs as from cache (no descriptor `streamed`);
+    TINYLOOP_NATIVE_PACK=0 packs nothing; any other value is refused by name. The logits are bitwise the same in
+    every case (one canonical reduction)."""
+    import tinyloop.kernels.executor as X
+    from tinyloop.engine import Engine
+    from tinyloop.modelfile.header import DEFAULT_MODEL_NAME
+
+    monkeypatch.setattr(X, "STREAMED_BYTES", 1 << 10)
+    can_pack = None
+    runs = {}
+    for name, setting, cut in (("small", "1", 1 << 40), ("large", "1", 0), ("all", "all", 0), ("off", "0", 1 << 40)):
+        monkeypatch.setenv("TINYLOOP_NATIVE_PACK", setting)
+        monkeypatch.setattr(X, "PACK_STREAMED_BYTES", cut)
+        engine = Engine.load(DEFAULT_MODEL_NAME, executor="native")
+        ex = engine.model.executor
+        packed = [bool(d.packed) for d in ex.linears()]
+        can_pack = any(packed) if can_pack is None else can_pack
+        runs[name] = (ex.streamed, any(packed), engine.logits(engine.tokenizer.encode("The king said")))
+    if not can_pack:   # a build without the packed kernel (AVX2, portable): everything stays streamed
+        assert all(streamed and not packed for streamed, packed, _ in runs.values())
+    else:
+        assert [runs[n][:2] for n in ("small", "large", "all", "off")] == [(False, True), (True, False), (False, True),
+                                                                        (True, False)]
+    assert all(torch.equal(r[2], runs["off"][2]) for r in runs.values())
+    monkeypatch.setenv("TINYLOOP_NATIVE_PACK", "sometimes")
+    with pytest.raises(ValueError, match="TINYLOOP_NATIVE_PACK"):
+        Engine.load(DEFAULT_MODEL_NAME, executor="native")
