@@ -26,7 +26,7 @@ from ..errors import ValidationError
 from ..model.fast import executor_name
 from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
-from .native import detach
+from .native import detach, loading_for
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
@@ -121,8 +121,7 @@ class Engine:
 
         executor: who runs decode rows with `fast=True`: "native" (the C++ executor, `kernels/`), "torch", or
         None (`TINYLOOP_EXECUTOR`, default: native where its library builds; see docs/decode.md)."""
-        from ..kernels.lib import choose
-        with choose(executor if fast else "torch"):   # quantized layers are built for the executor that runs them
+        with loading_for(executor if fast else "torch"):   # quantized layers are built for the executor that runs them
             loaded = load_model(path, device=device, dtype=dtype)
         if state_seed is not None:
             if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":

@@ -3,6 +3,9 @@
 through `native(model)` here, never through the model's attribute. None means the PyTorch path serves
 (no compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses).
 
+Nothing else in engine/ imports `kernels/`: the library's row draw (`draw`, for `sampling.draw_row`) and the
+choice of executor a model is loaded for (`loading_for`, `Engine.load`) come through here too.
+
 What passes through the door (`kernels.executor.NativeExecutor`): whole serving steps' one-token rows
 (the model's own `run`, inside `model/`), the LM head's fused argmax and draws (`sampling.head_tokens`,
 `Speculator`), whole speculation rounds and lone decode calls (`native_rounds`, `fast_steps`), the draft
@@ -14,12 +17,36 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+
 from ..torch_threads import torch_threads
 
 
 def native(model: Any):
     """The model's native executor, or None where PyTorch runs it."""
     return getattr(model, "executor", None)
+
+
+def draw(x, ids, key: int, inv_temp: float, top_k: int, top_p: float) -> int | None:
+    """Row x's draw by the native library (`tl_draw`: the PyTorch definition's noise bit for bit, ~20x faster), or
+    None where the library is not loaded. `ids`: the row's token ids, or None (0..n-1)."""
+    from ..kernels.lib import TlSampling, loaded
+
+    lib = loaded()
+    if lib is None:
+        return None
+    row = x.to("cpu", torch.float32).contiguous().clone()   # (the library reads host memory: a GPU row comes over)
+    ids64 = None if ids is None else ids.to("cpu", torch.int64).contiguous()
+    return int(lib.tl_draw(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
+                           TlSampling(key, inv_temp, top_k, top_p)))
+
+
+def loading_for(executor: str | None):
+    """The context a model is loaded in for `executor` ("native", "torch", None: the setting): its quantized
+    layers are built for the executor that runs them."""
+    from ..kernels.lib import choose
+
+    return choose(executor)
 
 
 def detach(model: Any) -> None:

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .native import native
+from .native import draw, native
 from .params import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
@@ -226,14 +226,9 @@ def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: 
     """The entry of row x (its tokens `ids`, None: 0..n-1) drawn under `key` at 1 / T, after top-k and top-p
     (`truncate`; 0 and 1: off). Where the native library is loaded it computes the draw (`tl_draw`: the same
     noise bit for bit, ~20x faster); the PyTorch definition serves hosts without it."""
-    from ..kernels.lib import TlSampling, loaded
-
-    lib = loaded()
-    if lib is not None:
-        row = x.to("cpu", torch.float32).contiguous().clone()   # (the library reads host memory: a GPU row comes over)
-        ids64 = None if ids is None else ids.to("cpu", torch.int64).contiguous()
-        return int(lib.tl_draw(row.data_ptr(), row.shape[-1], None if ids64 is None else ids64.data_ptr(),
-                               TlSampling(key, inv_temp, top_k, top_p)))
+    got = draw(x, ids, key, inv_temp, top_k, top_p)
+    if got is not None:
+        return got
     if (0 < top_k < x.shape[-1]) or top_p < 1.0:
         x = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
         inv_temp = 1.0
