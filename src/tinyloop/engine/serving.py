@@ -84,9 +84,7 @@ def plan_pages(model, plan: RequestPlan, *, page_size: int = 16, max_batched_tok
     blocks = plan.blocks(page_size)
     ring = sequence_ring(layout, plan.window, plan.max_positions, page_size=page_size,
                          max_batched_tokens=max_batched_tokens, speculative=plan.speculative)
-    pages = blocks * layout.n_slots - (blocks - ring["ring_blocks"]) * len(ring["ring_cols"]) if ring else \
-        blocks * layout.n_slots
-    return pages * plan.n
+    return Scheduler.block_pages(Sequence(0, [], 0, layout.n_slots, **ring), 0, blocks) * plan.n
 
 
 def pool_bytes_for(engine, plan: RequestPlan, *, page_size: int = 16, draft_exit: bool = True) -> int:
