@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from .draft_vocab import frequency_ranking, has_ranking
-from .native import native
+from . import native
 
 DRAFT_VOCAB = 2048      # draft head rows (most frequent tokens); None or >= vocab -> the full head. 2,048 rows
                         # and the request's own tokens (CONTEXT_ROWS) yielded 3.99 tokens a d=2 k=4 round on 32
@@ -93,9 +93,8 @@ class DraftHead:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
         xn = self.norm(x)
-        executor = native(self.model)
-        if executor is not None:
-            return executor.project(xn, self.native_rows())
+        if native.runs_natively(self.model):
+            return native.project(self.model, xn, self.native_rows())
         return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
 
     def token(self, col: int) -> int:
@@ -126,7 +125,7 @@ class _QuantRows:
     @classmethod
     def of(cls, model: LoopedTransformer, ids: torch.Tensor, size: int) -> "_QuantRows | None":
         head = getattr(model, "head_linear", None)
-        if native(model) is None or head is None or not hasattr(head, "native_weights"):
+        if not native.runs_natively(model) or head is None or not hasattr(head, "native_weights"):
             return None
         src = head.native_weights()
         if not isinstance(src, dict) or src["bits"] != 8:
@@ -166,7 +165,7 @@ def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
     if cached is None or cached[0] != key:
         weight = w.detach()
         if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
-                and native(model) is None:   # (the native executor reads 16 bits as stored)
+                and not native.runs_natively(model):   # (the native executor reads 16 bits as stored)
             weight = weight.float()
         scale = getattr(model, "logit_scale", None)
         if scale is not None:   # nGPT (Dory): each token's logit scale folded into its row, for drafting

@@ -1,15 +1,25 @@
 """The engine's one door to the native executor (`kernels/`, attached to the model by
-`model.fast.prepare_for_decode`): every engine module that runs native code, and the server, reach it
-through `native(model)` here, never through the model's attribute. None means the PyTorch path serves
-(no compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses).
+`model.fast.prepare_for_decode`): this module is the only one in engine/ that imports `kernels/` or names the
+model's executor. Every engine module that runs native code, and the server (through `BatchEngine.runs_natively`),
+call the functions here with the model; none receives the executor object. Where the PyTorch path serves (no
+compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False, and the
+callers take their PyTorch path instead of calling the pass-throughs (which expect an executor).
 
-Nothing else in engine/ imports `kernels/`: the library's row draw (`draw`, for `sampling.draw_row`) and the
-choice of executor a model is loaded for (`loading_for`, `Engine.load`) come through here too.
+What passes through (each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments as
+given: no copies, nothing allocated here; they run on the decode path):
 
-What passes through the door (`kernels.executor.NativeExecutor`): whole serving steps' one-token rows
-(the model's own `run`, inside `model/`), the LM head's fused argmax and draws (`sampling.head_tokens`,
-`Speculator`), whole speculation rounds and lone decode calls (`native_rounds`, `fast_steps`), the draft
-head's projection (`draft_head`), and the head's cost table (`draft_policy` via `native_rounds`).
+- `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
+  (`Speculator`: the pipeline shape; `BatchEngine.warm_up`: not for a streamed model);
+- `supports`, `generate`: a lone sequence's plain tokens in one call (`fast_steps`, `native_rounds.NativeSteps`);
+- `spec_round`, `tree_round`: whole speculation rounds (`native_rounds.NativeRound`, `NativeTreeRound`);
+- `head_costs`: the head's cost by rows (`draft_policy.head_chunk` via `native_rounds.chunk`, `Speculator`);
+- `head_argmax`: the LM head's fused argmax and draws (`sampling.head_tokens`; `NativeExecutor.argmax`);
+- `project`: the draft head's projection (`DraftHead.logits`).
+
+The model's own `run`, `logits` and `greedy_tokens` (whole serving steps' one-token rows, the head) reach the
+executor inside `model/`, not through here. Nothing else in engine/ imports `kernels/`: the library's row draw
+(`draw`, for `sampling.draw_row`) and the choice of executor a model is loaded for (`loading_for`, `Engine.load`)
+come through here too.
 """
 
 from __future__ import annotations
@@ -22,9 +32,65 @@ import torch
 from ..torch_threads import torch_threads
 
 
-def native(model: Any):
-    """The model's native executor, or None where PyTorch runs it."""
-    return getattr(model, "executor", None)
+def runs_natively(model: Any) -> bool:
+    """Whether the native executor runs `model` (False: the PyTorch path serves it)."""
+    return getattr(model, "executor", None) is not None
+
+
+def streamed(model: Any) -> bool:
+    """Whether the executor reads the model's weights from memory each pass (larger than the cache:
+    `NativeExecutor.streamed`); only where `runs_natively`."""
+    return model.executor.streamed
+
+
+def supports(model: Any, rows) -> bool:
+    """Whether the executor runs these rows (a `model.paged.Rows`): `NativeExecutor.supports`."""
+    return model.executor.supports(rows)
+
+
+def generate(model: Any, kv, table: torch.Tensor, window: int, token: int, pos: int, loops: int, exit_rule,
+             steps: int, noise: tuple | None, stop: list[int], grammar=None) -> tuple[list[int], list[int]]:
+    """`steps` plain tokens of one sequence in one call (`tl_generate`): `NativeExecutor.generate`, which
+    documents the arguments. Returns the tokens and the core loops each step ran."""
+    return model.executor.generate(kv, table, window, token, pos, loops, exit_rule, steps, noise, stop, grammar)
+
+
+def spec_round(model: Any, kv, table: torch.Tensor, window: int, pending: int, pos: int, k: int, d: int, V: int,
+               draft_readout, draft_weight, draft_ids: torch.Tensor | None, draft_norm, backlog: torch.Tensor | None,
+               want_state: bool = True, pipeline: bool = False, noise: tuple | None = None, ahead: int = 0,
+               head_rows: int = 2, rounds: int = 1, stop: list[int] | tuple = ()) -> dict:
+    """A whole chain (or pipeline) speculation round in one call (`tl_spec_round`): `NativeExecutor.spec_round`,
+    which documents the arguments and the result."""
+    return model.executor.spec_round(kv, table, window, pending, pos, k, d, V, draft_readout, draft_weight, draft_ids,
+                                     draft_norm, backlog, want_state=want_state, pipeline=pipeline, noise=noise,
+                                     ahead=ahead, head_rows=head_rows, rounds=rounds, stop=stop)
+
+
+def tree_round(model: Any, kv, table: torch.Tensor, window: int, pending: int, pos: int, depth: int, K: int, d: int,
+               V: int, draft_readout, last_readout, draft_weight, draft_ids: torch.Tensor | None, draft_norm,
+               noise: tuple | None = None, head_rows: int = 2) -> dict:
+    """A whole tree speculation round in one call (`tl_tree_round`, K > 1): `NativeExecutor.tree_round`, which
+    documents the arguments and the result."""
+    return model.executor.tree_round(kv, table, window, pending, pos, depth, K, d, V, draft_readout, last_readout,
+                                     draft_weight, draft_ids, draft_norm, noise=noise, head_rows=head_rows)
+
+
+def head_costs(model: Any, rows: int = 9) -> list[float]:
+    """Milliseconds of the LM head at 1..rows input rows on this host, measured once per model:
+    `NativeExecutor.head_costs`."""
+    return model.executor.head_costs(rows)
+
+
+def head_argmax(model: Any, x: torch.Tensor, noise: list | None = None) -> list[int]:
+    """Each row of x (T, dim) through the LM head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p[,
+    matcher]) its draw, fused into the head call (the logits stay inside): `NativeExecutor.argmax`."""
+    return model.executor.argmax(x, noise)
+
+
+def project(model: Any, x: torch.Tensor, w) -> torch.Tensor:
+    """A draft head's logits: x (..., k) @ w (n, k)^T, w float rows read as stored or the int8 rows of the head
+    (`draft_head._QuantRows`): `NativeExecutor.project`; fp32 (..., n)."""
+    return model.executor.project(x, w)
 
 
 def draw(x, ids, key: int, inv_temp: float, top_k: int, top_p: float) -> int | None:
@@ -52,7 +118,7 @@ def loading_for(executor: str | None):
 def detach(model: Any) -> None:
     """Let go of the model's native executor (the executor and its model refer to each other: without this an
     unloaded model waits for a full garbage collection to free its memory)."""
-    if native(model) is not None:
+    if runs_natively(model):
         model.executor = None
 
 
@@ -61,7 +127,7 @@ def python_between_calls(model: Any):
     only: one torch thread, no OpenMP wake-ups beside the native pool's spinning workers (a draft head's
     per-request rows took 0.13 ms at the median, up to 7 ms with a wake-up). On the PyTorch path the same
     Python also runs the heads: the thread count stays."""
-    return one_thread() if native(model) is not None else contextlib.nullcontext()
+    return one_thread() if runs_natively(model) else contextlib.nullcontext()
 
 
 def one_thread():

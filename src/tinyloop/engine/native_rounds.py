@@ -5,7 +5,7 @@ round's tokens and times when the generator resumes (engine/speculative.py, engi
 from __future__ import annotations
 
 from .draft_policy import head_chunk
-from .native import native
+from . import native
 
 ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
                         # plain row in the shared batched step costs less than a round of its own
@@ -39,8 +39,8 @@ class NativeRound:
     def run(self, kv) -> None:
         sp, head = self.spec, self.spec.head
         norm = draft_norm(sp)
-        self.result = native(sp.model).spec_round(
-            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
+        self.result = native.spec_round(
+            sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
             head.native_rows() if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
@@ -62,14 +62,14 @@ class NativeSteps(NativeRound):
 
     def run(self, kv) -> None:
         sp = self.spec
-        self.result, _ = native(sp.model).generate(kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
-                                                   self.k, noise(sp), stop_ids(sp))
+        self.result, _ = native.generate(sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
+                                         self.k, noise(sp), stop_ids(sp))
 
 
 def chunk(sp, n: int) -> int:
     """Verification rows per head call among n, for the request's acceptance and what the head costs by rows on
     this host (measured once per model): draft_policy.head_chunk."""
-    return head_chunk(native(sp.model).head_costs(n), sp.policy.acceptance, n)
+    return head_chunk(native.head_costs(sp.model, n), sp.policy.acceptance, n)
 
 
 def stop_ids(sp) -> list[int]:
@@ -95,8 +95,8 @@ class NativeTreeRound(NativeRound):
     def run(self, kv) -> None:
         sp, head = self.spec, self.spec.head
         norm = draft_norm(sp)
-        self.result = native(sp.model).tree_round(
-            kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
+        self.result = native.tree_round(
+            sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
             sp.exit_readout, head.native_rows() if head.ids is not None else None,
             None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp), head_rows=self.head_rows())
 

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .native import draw, native
+from .native import draw, head_argmax, runs_natively
 from .params import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
@@ -242,9 +242,8 @@ def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
     the PyTorch path draws with `draw_row` over the (masked) logits."""
     if noise is None or all(z is None for z in noise):
         return model.greedy_tokens(x)
-    ex = native(model)
-    if ex is not None:
-        return ex.argmax(x, noise)
+    if runs_natively(model):
+        return head_argmax(model, x, noise)
     lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
     out = []
     for i, z in enumerate(noise):

@@ -39,7 +39,8 @@ from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps
 from .scheduler import FORCED_TAIL, Scheduler, SchedulerError, Sequence, ring_blocks_for
-from .native import native, one_thread, python_between_calls
+from . import native
+from .native import one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .requests import Emit, Output, Request
 from .speculative import PREFILL_CHUNK, Speculator, speculative_layout
@@ -267,8 +268,8 @@ class BatchEngine(FastSteps):
         had made a process's first speculative request 0.8x plain) is then not a user's. Nothing of it stays: the
         prefix cache is off for it and the step counters are left as they were. Only for a model that stays in
         cache (not `streamed`): a larger one's first request takes seconds, and its 144 warm-up tokens would too."""
-        ex = native(self.engine.model)
-        if ex is None or ex.streamed or self.requests:
+        model = self.engine.model
+        if not native.runs_natively(model) or native.streamed(model) or self.requests:
             return
         ids = [1, 2, 3, 4]
         n = max(1, min(WARM_UP_TOKENS, self.engine.max_seq_len - len(ids) - 1))
@@ -286,7 +287,7 @@ class BatchEngine(FastSteps):
     @property
     def runs_natively(self) -> bool:
         """Whether the native executor runs this core's steps (its forward is then one call without the GIL)."""
-        return native(self.model) is not None
+        return native.runs_natively(self.model)
 
     @property
     def num_running(self) -> int:

@@ -68,7 +68,7 @@ from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, round_costs, tested
 from .round_shape import TreeOrChain, shape_rates
 from .sampling import Sampler, head_tokens, penalized, processed_logits
-from .native import native as native_of
+from .native import head_costs, runs_natively, streamed as streams_weights
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
@@ -120,14 +120,14 @@ class Speculator(TreeRounds):
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
-        ex = native_of(model)
+        natively = runs_natively(model)
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
-            self.argmax = model.greedy_tokens if ex is not None else \
+            self.argmax = model.greedy_tokens if natively else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # sampling from the raw rows (temperature, top-k, top-p): the native head draws the tokens itself (tl_draw)
-        self.sampled_native = ex is not None and fast_head and sampler.plain_sampled and params.logprobs is None
+        self.sampled_native = natively and fast_head and sampler.plain_sampled and params.logprobs is None
         # a round in one native call: the fused head argmax (or draw), no grammar or early stop
-        native = (native_round and ex is not None and (self.argmax is not None or self.sampled_native)
+        native = (native_round and natively and (self.argmax is not None or self.sampled_native)
                   and sampler.matcher is None and draft_stop <= 0
                   and not model.random_start)   # (one-call rounds start loop 0 from zeros or e)
         if not params.greedy and not (native and self.sampled_native):
@@ -144,7 +144,7 @@ class Speculator(TreeRounds):
         self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds, verify ms) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
-        self.pipeline = self.native and (ex.streamed if pipeline is None else pipeline)
+        self.pipeline = self.native and (streams_weights(model) if pipeline is None else pipeline)
         both = self.native and pipeline is None
         # (greedy and sampled requests keep costs and an acceptance prior apart: a sampled round draws every
         # row, and its drafts agree less often)
@@ -158,7 +158,7 @@ class Speculator(TreeRounds):
             # the head's cost by rows (chain rounds' verification chunk, native_rounds.head_rows), measured
             # once per model here, before any round is timed: inside a round it made that round's cost (by
             # which the policy ranks draft lengths) tens of ms too high
-            ex.head_costs(plan.draft_ahead + 1)
+            head_costs(model, plan.draft_ahead + 1)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
