@@ -8,7 +8,7 @@ In one process, on `dory_4b.py`'s int4 file, natively, `--threads` threads:
 - **kernel peak**: each distinct matrix shape of the recurrent block through `tl_linear_forward` at one row, 20
   times in a row (its ~10 MB stay in the last-level cache: what the same kernels compute when memory is not what
   waits), best of 5, as bytes of weights (codes, scales, zero points) per second; the slowest shape is the peak;
-- **decode**: greedy tokens after the first at loops 1, 2 and 4 (`Engine.generate`, 2 tokens of warm-up first),
+- **decode** (once a large model's background packing is done: its time is reported): greedy tokens after the first at loops 1, 2 and 4 (`Engine.generate`, 2 tokens of warm-up first),
   as bytes of weights read per token (every block matrix once, the recurrent ones once a loop, and the head: from
   the executor's own descriptors) times tokens per second.
 
@@ -61,8 +61,14 @@ def main() -> None:
     del buf
     print(f"read ceiling ({args.threads} threads): {ceiling / 1e9:.1f} GB/s", flush=True)
 
+    t0 = time.perf_counter()
     engine = Engine.load(args.model, draft_exit=False)
     ex = engine.model.executor
+    loaded = time.perf_counter() - t0
+    ex.packing_done()   # (a large model's int4 codes packed in the background after the load: executor._pack)
+    packed = time.perf_counter() - t0
+    print(f"loaded in {loaded:.1f} s; int4 codes packed {sum(bool(d.packed) for d in ex.linears())} of "
+          f"{len(ex.linears())} layers, {packed:.1f} s after the start", flush=True)
     lib = native.load()
     lib.tl_set_threads(args.threads)
     core, every = ex.linears("core"), ex.linears("all")
@@ -101,6 +107,8 @@ def main() -> None:
               f"{rate / ceiling:.2f} of the read ceiling, {rate / peak:.2f} of the kernel peak, "
               f"{rate / binding:.2f} of the binding limit", flush=True)
     out = {"host": host(), "executor": ex.name, "threads": args.threads, "load_average_start": load0,
+           "load_s": round(loaded, 2), "packed_after_s": round(packed, 2),
+           "packed_layers": sum(bool(d.packed) for d in ex.linears()),
            "load_average_end": os.getloadavg(), "read_ceiling_gb_s": round(ceiling / 1e9, 2),
            "kernel_peak_gb_s": {k: round(v / 1e9, 2) for k, v in peaks.items()},
            "binding": "read ceiling" if ceiling <= peak else "kernel peak", "decode": decode}

@@ -323,10 +323,12 @@ def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k):
 @torch.inference_mode()
 def test_which_models_pack_their_int4_codes(monkeypatch):
     """`Executor._pack`: a model that stays in cache packs its int4 codes where the build has the kernel; a streamed
-    one (here the shipped int4 model, made `streamed` by a lower cut) packs them when they are at most
+    one (here the shipped int4 model, made `streamed` by a lower cut) packs them at load when they are at most
     PACK_STREAMED_BYTES, or with TINYLOOP_NATIVE_PACK=all, and then runs as from cache (no descriptor `streamed`);
-    TINYLOOP_NATIVE_PACK=0 packs nothing; any other value is refused by name. The logits are bitwise the same in
-    every case (one canonical reduction)."""
+    a larger one packs its layers in groups of 32 (the shipped model's) on a background thread after the load,
+    serving from the mapped codes meanwhile, and ends the same; TINYLOOP_NATIVE_PACK=0 packs nothing; any other
+    value is refused by name. The logits are bitwise the same in every case (one canonical reduction), also while
+    the background packing runs."""
     import tinyloop.kernels.executor as X
     from tinyloop.engine import Engine
     from tinyloop.modelfile.header import DEFAULT_MODEL_NAME
@@ -339,15 +341,42 @@ def test_which_models_pack_their_int4_codes(monkeypatch):
         monkeypatch.setattr(X, "PACK_STREAMED_BYTES", cut)
         engine = Engine.load(DEFAULT_MODEL_NAME, executor="native")
         ex = engine.model.executor
+        if name == "large":   # packing in the background: the model answers meanwhile, the same
+            during = engine.logits(engine.tokenizer.encode("The king said"))
+            assert ex.packing_done(timeout=120)
         packed = [bool(d.packed) for d in ex.linears()]
         can_pack = any(packed) if can_pack is None else can_pack
         runs[name] = (ex.streamed, any(packed), engine.logits(engine.tokenizer.encode("The king said")))
     if not can_pack:   # a build without the packed kernel (AVX2, portable): everything stays streamed
         assert all(streamed and not packed for streamed, packed, _ in runs.values())
     else:
-        assert [runs[n][:2] for n in ("small", "large", "all", "off")] == [(False, True), (True, False), (False, True),
+        assert [runs[n][:2] for n in ("small", "large", "all", "off")] == [(False, True), (False, True), (False, True),
                                                                         (True, False)]
-    assert all(torch.equal(r[2], runs["off"][2]) for r in runs.values())
+    assert all(torch.equal(r[2], runs["off"][2]) for r in runs.values()) and torch.equal(during, runs["off"][2])
     monkeypatch.setenv("TINYLOOP_NATIVE_PACK", "sometimes")
     with pytest.raises(ValueError, match="TINYLOOP_NATIVE_PACK"):
         Engine.load(DEFAULT_MODEL_NAME, executor="native")
+
+
+@torch.inference_mode()
+def test_background_packing_ends_with_its_model(monkeypatch):
+    """A model unloaded while its codes are packed in the background: the packing thread holds it only while it
+    packs a layer (a weak reference between layers), so the model's memory goes and the thread ends."""
+    import gc
+    import weakref
+
+    import tinyloop.kernels.executor as X
+    from tinyloop.engine import Engine
+    from tinyloop.modelfile.header import DEFAULT_MODEL_NAME
+
+    monkeypatch.setattr(X, "STREAMED_BYTES", 1 << 10)
+    monkeypatch.setattr(X, "PACK_STREAMED_BYTES", 0)
+    monkeypatch.setenv("TINYLOOP_NATIVE_PACK", "1")
+    engine = Engine.load(DEFAULT_MODEL_NAME, executor="native")
+    packer, model = engine.model.executor._packer, weakref.ref(engine.model)
+    if packer is None:   # a build without the packed kernel
+        return
+    del engine
+    packer.join(timeout=120)
+    gc.collect()
+    assert not packer.is_alive() and model() is None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import weakref
 
 import torch
 import torch.nn as nn
@@ -22,7 +24,7 @@ import torch.nn as nn
 from . import lib as L
 from .lib import _INJECTIONS, _LOOP_STARTS, _PLACEMENTS, config_refusal, unsupported_features  # noqa: F401
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
-                     linear_desc, pack_int4, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+                     linear_desc, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
 from .dory import dory_block_desc, dory_desc, logit_scale_desc
 from .parcae import parcae_desc, value_embed_desc
@@ -109,24 +111,45 @@ class NativeExecutor(RequestCalls):
     def _pack(self, descs) -> None:
         """int4 layers take the packed kernel (16 weight rows a vector, `layers.pack_int4`: a copy of their codes,
         ~1.7 MB for the shipped model) where the build has it (AVX-512 VNNI). A model that stays in cache always;
-        a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too (SmolLM2's 53 MB: 1.08-1.20x its
-        decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19), and
-        a larger one with TINYLOOP_NATIVE_PACK=all (Dory's 4B shape: 1.3x decode for 2.4 s more load and its
-        1.65 GB of codes copied; docs/decode.md). A packed model's kernels run as from cache (its descriptors not
-        `streamed`). TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise the same
-        either way (both form the canonical reduction); what changes is the speed (benchmarks/pass_cost.py)."""
+        a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too, at load (SmolLM2's 53 MB: 1.08-1.20x
+        its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
+        a larger one's layers in groups of 32 after the load, on a background thread (`_pack_later`: Dory's 4B
+        shape, 1.65 GB of codes, ~1.3x decode once packed; the model serves from its mapped codes meanwhile, so
+        the start stays as fast); TINYLOOP_NATIVE_PACK=all packs every one at load. A packed model's kernels run
+        as from cache (its descriptors not `streamed`). Larger groups of a large model stay as mapped: there the
+        row kernels scale once per 128 columns, and packed codes read from memory were measured slower on the
+        AMX host (docs/decode.md). TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise
+        the same either way (both form the canonical reduction), so a layer may change kernels between two
+        calls; what changes is the speed (benchmarks/pass_cost.py, benchmarks/dory_4b_limits.py)."""
         setting = os.environ.get("TINYLOOP_NATIVE_PACK", "1").strip().lower()
         if setting not in ("0", "1", "all"):
             raise ValueError(f"TINYLOOP_NATIVE_PACK must be 1, 0 or all, got {setting!r}")
         todo = [d for d in descs if d.kind == L.TL_Q4 and d.act_q8 and not d.packed]
-        if setting == "0" or (self.streamed and setting != "all"
-                              and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES):
+        self._packer = None
+        if setting == "0" or not todo:
+            return
+        if self.streamed and setting != "all" and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES:
+            later = [d for d in todo if d.group == 32]
+            if later and self.lib.tl_pack_int4_size(later[0]) > 0:
+                self._packer = threading.Thread(target=_pack_later, args=(weakref.ref(self), later),
+                                                name="tinyloop-pack", daemon=True)
+                self._packer.start()
             return
         packed = [pack_int4(d, self.keep) for d in todo]
         if self.streamed and any(packed):
-            for d in self._marked:
-                d.streamed = 0
-            self.streamed = False
+            self._stop_streaming()
+
+    def _stop_streaming(self) -> None:
+        for d in self._marked:
+            d.streamed = 0
+        self.streamed = False
+
+    def packing_done(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: until done) for the background packing of a large model's int4
+        codes (`_pack`); True once none is running."""
+        if self._packer is not None:
+            self._packer.join(timeout)
+        return self._packer is None or not self._packer.is_alive()
 
     @property
     def name(self) -> str:
@@ -421,3 +444,30 @@ def _linears(blocks) -> list:
     """The linear layers' descriptors of block descriptors, in order (references into them; a Dory layer's
     output gate after its q, k, v, and none of the sublayer it does not have)."""
     return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wg, b.wo, *b.up[:b.n_up], b.down) if d.n]
+
+
+def _pack_later(ref, todo: list) -> None:
+    """`NativeExecutor._pack`'s background packing: each layer's packed copy is made outside the call lock
+    (the model serves from the mapped codes meanwhile), then pointed at under it, between two native calls; the
+    mapped codes are advised cold (`layers.cold`: reclaimable first, never dropped). The thread runs at a lower
+    priority than serving; it stops if the executor goes (the model unloaded)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):   # (not Linux, or not allowed: at the same priority)
+        pass
+    for d in todo:
+        ex = ref()
+        if ex is None:
+            return
+        buf = packed_int4(d)
+        if buf is None:
+            return
+        with _CALL:
+            ex.keep.append(buf)
+            d.packed = buf.data_ptr()
+        cold(d.w, d.n * d.k // 2)
+        del ex
+    ex = ref()
+    if ex is not None:
+        with _CALL:
+            ex._stop_streaming()

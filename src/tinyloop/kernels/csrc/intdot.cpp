@@ -802,15 +802,26 @@ extern "C" int32_t tl_pack_int4(const tl_linear* L, uint8_t* out) {
     const int K = L->k, NG = K / L->group, strips = (L->n + 15) / 16;
     const int64_t SB = packed_strip_bytes(L), row_bytes = K / 2;
     const uint8_t* w = (const uint8_t*)L->w;
-    auto code = [&](int row, int col) -> uint8_t { return (w[row * row_bytes + col / 2] >> (4 * (col & 1))) & 15; };
     for (int s = 0; s < strips; ++s) {
         uint8_t* P = out + s * SB;
-        for (int o = 0; o < K / 8; ++o)
-            for (int wr = 0; wr < 16; ++wr)
-                for (int i = 0; i < 4; ++i) {
-                    const int row = 16 * s + wr;
-                    P[64 * o + 4 * wr + i] = row < L->n ? (uint8_t)(code(row, 8 * o + i) | code(row, 8 * o + 4 + i) << 4) : 0;
+        for (int wr = 0; wr < 16; ++wr) {
+            // a row's 4 code bytes b0-b3 of columns 8 o .. 8 o + 7 (column 2 i in b_i's low nibble, 2 i + 1 in its
+            // high one) -> byte i: column 8 o + i low, 8 o + 4 + i high
+            const int row = 16 * s + wr;
+            const uint8_t* src = w + (int64_t)row * row_bytes;
+            for (int o = 0; o < K / 8; ++o) {
+                uint8_t* dst = P + 64 * o + 4 * wr;
+                if (row >= L->n) {
+                    memset(dst, 0, 4);
+                    continue;
                 }
+                const uint8_t b0 = src[4 * o], b1 = src[4 * o + 1], b2 = src[4 * o + 2], b3 = src[4 * o + 3];
+                dst[0] = (uint8_t)((b0 & 15) | (b2 & 15) << 4);
+                dst[1] = (uint8_t)((b0 >> 4) | (b2 & 0xF0));
+                dst[2] = (uint8_t)((b1 & 15) | (b3 & 15) << 4);
+                dst[3] = (uint8_t)((b1 >> 4) | (b3 & 0xF0));
+            }
+        }
         float* sv = (float*)(P + (int64_t)K * 8);
         float* szv = sv + (int64_t)NG * 16;
         for (int g = 0; g < NG; ++g)
