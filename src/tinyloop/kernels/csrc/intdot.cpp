@@ -647,8 +647,10 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 // ---- int4 codes repacked 16 weight rows a vector (small models: the executor packs layers whose model stays
 // in cache, tl_pack_int4) ----
 // A strip of 16 weight rows lies as (K / 8) octets of 64 bytes, byte 4 w + i holding column 8 o + i of row w
-// in its low nibble and column 8 o + 4 + i in its high one; then the 16 rows' scales (fp32, NG x 16) and
-// scale x zero point (NG x 16). Against an input row's int8 codes in column order, a 512-bit vpdpbusd takes
+// in its low nibble and column 8 o + 4 + i in its high one; then the 16 rows' scales as stored (float16, NG x 16)
+// and their zero points (uint8, NG x 16) or, int4's min form, minimums (float16, NG x 16): the bytes the portable
+// layout holds, so a packed layer reads no more than its file's (fp32 scales and s z' took 8 bytes a group and
+// row, against 3: 1.26x the bytes of an int4 layer in groups of 32). Against an input row's int8 codes in column order, a 512-bit vpdpbusd takes
 // 4 columns of all 16 rows at once (the row's 4 codes broadcast), so an activation block's sums come out one
 // per lane with no horizontal reduction, and the unpacked codes serve every input row of the call (up to 8 at
 // a time). Lane w
@@ -659,7 +661,7 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #if TL_VNNI512
 
 static inline int64_t packed_strip_bytes(const tl_linear* L) {
-    return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * 128;
+    return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * (L->mins ? 64 : 48);
 }
 
 template <int MR>
@@ -668,10 +670,22 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
     const int K = L->k, NG = K / L->group, AB = act_block(L->group), NA = K / AB, opb = AB / 8, NG8 = NG / 8 * 8;
     const int64_t SB = packed_strip_bytes(L);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    thread_local std::vector<float> szb;   // (NG, 16) the strip's s z' (or -min) for several input rows
+    if (MR > 1) szb.resize((size_t)NG * 16);
     for (int s = s0; s < s1; ++s) {
         const uint8_t* P = L->packed + s * SB;
-        const float* sv = (const float*)(P + (int64_t)K * 8);
-        const float* szv = sv + (int64_t)NG * 16;
+        const uint16_t* sv = (const uint16_t*)(P + (int64_t)K * 8);
+        const uint8_t* zs = (const uint8_t*)(sv + (int64_t)NG * 16);   // zero points, or (mins) float16 minimums
+        auto sz = [&](int g) -> __m512 {   // group_sz: s * z (fp32, as the other kernels), or -min (exact)
+            return L->mins
+                ? _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)zs + g * 16))),
+                                _mm512_set1_ps(-0.f))
+                : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + g * 16))),
+                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zs + g * 16)))));
+        };
+        if (MR > 1)   // (one input row: formed where the correction reads it, below)
+            for (int g = 0; g < NG; ++g) _mm512_storeu_ps(szb.data() + (int64_t)g * 16, sz(g));
+        auto szg = [&](int g) -> __m512 { return MR > 1 ? _mm512_loadu_ps(szb.data() + (int64_t)g * 16) : sz(g); };
         __m512 t[MR];
         for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
         for (int a = 0; a < NA; ++a) {
@@ -690,7 +704,7 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
                     acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(x1));
                 }
             }
-            const __m512 s_g = _mm512_loadu_ps(sv + (int64_t)(a * AB / L->group) * 16);
+            const __m512 s_g = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + (int64_t)(a * AB / L->group) * 16)));
             for (int r = 0; r < MR; ++r)
                 t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xd[(int64_t)r * NA + a]), s_g), t[r]);
         }
@@ -702,11 +716,11 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
             for (int l = 0; l < 8; ++l) part[l] = _mm512_setzero_ps();
             for (int g = 0; g < NG8; g += 8)
                 for (int l = 0; l < 8; ++l)
-                    part[l] = _mm512_fmadd_ps(_mm512_loadu_ps(szv + (int64_t)(g + l) * 16), _mm512_set1_ps(Xr[g + l]), part[l]);
+                    part[l] = _mm512_fmadd_ps(szg(g + l), _mm512_set1_ps(Xr[g + l]), part[l]);
             __m512 corr = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
                                         _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
             for (int g = NG8; g < NG; ++g)
-                corr = _mm512_fmadd_ps(_mm512_loadu_ps(szv + (int64_t)g * 16), _mm512_set1_ps(Xr[g]), corr);
+                corr = _mm512_fmadd_ps(szg(g), _mm512_set1_ps(Xr[g]), corr);
             _mm512_mask_storeu_ps(y + (int64_t)r * ldy + n0, live, _mm512_sub_ps(t[r], corr));
         }
     }
@@ -822,14 +836,15 @@ extern "C" int32_t tl_pack_int4(const tl_linear* L, uint8_t* out) {
                 dst[3] = (uint8_t)((b1 >> 4) | (b3 & 0xF0));
             }
         }
-        float* sv = (float*)(P + (int64_t)K * 8);
-        float* szv = sv + (int64_t)NG * 16;
+        uint16_t* sv = (uint16_t*)(P + (int64_t)K * 8);
+        uint8_t* zs = (uint8_t*)(sv + (int64_t)NG * 16);
         for (int g = 0; g < NG; ++g)
-            for (int wr = 0; wr < 16; ++wr) {
+            for (int wr = 0; wr < 16; ++wr) {   // (rows past n: scale 0, zero point 0 or min 0)
                 const int row = 16 * s + wr;
-                const float sc = row < L->n ? f16_to_f32(L->scales[(int64_t)row * NG + g]) : 0.f;
-                sv[g * 16 + wr] = sc;
-                szv[g * 16 + wr] = row < L->n ? group_sz(L, row, g, sc, 0.f) : 0.f;   // (qq_zero_corr's s z', or -min)
+                const int64_t i = (int64_t)row * NG + g;
+                sv[g * 16 + wr] = row < L->n ? L->scales[i] : 0;
+                if (L->mins) ((uint16_t*)zs)[g * 16 + wr] = row < L->n ? L->mins[i] : 0;
+                else zs[g * 16 + wr] = row < L->n ? L->zeros[i] : 0;
             }
     }
     return 0;
