@@ -43,7 +43,7 @@ def main() -> None:
         for blk in engine.model.core:
             blk.alpha.mul_(args.damp)
     executor = attach_executor(engine.model)
-    executor.packing_done()   # (a large model's int4 codes are packed in the background after the load)
+    engine.model.executor.packing_done()   # (a large model's int4 codes are packed in the background after the load)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     runs = {"plain loops 4": dict(loops=4), "plain loops 1": dict(loops=1),
             "speculative (default)": dict(mode="speculative", verify_loops=4),
