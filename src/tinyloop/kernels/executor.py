@@ -114,7 +114,7 @@ class NativeExecutor(RequestCalls):
         a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too, at load (SmolLM2's 53 MB: 1.08-1.20x
         its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
         a larger one's layers in groups of 32 after the load, on a background thread (`_pack_later`: Dory's 4B
-        shape, 1.65 GB of codes, ~1.3x decode once packed; the model serves from its mapped codes meanwhile, so
+        shape, 1.65 GB of codes, 1.56-1.60x decode once packed; the model serves from its mapped codes meanwhile, so
         the start stays as fast); TINYLOOP_NATIVE_PACK=all packs every one at load. A packed model's kernels run
         as from cache (its descriptors not `streamed`). Larger groups of a large model stay as mapped: there the
         row kernels scale once per 128 columns, and packed codes read from memory were measured slower on the
