@@ -325,8 +325,8 @@ def test_which_models_pack_their_int4_codes(monkeypatch):
     """`Executor._pack`: a model that stays in cache packs its int4 codes where the build has the kernel; a streamed
     one (here the shipped int4 model, made `streamed` by a lower cut) packs them at load when they are at most
     PACK_STREAMED_BYTES, or with TINYLOOP_NATIVE_PACK=all, and then runs as from cache (no descriptor `streamed`);
-    a larger one packs its layers in groups of 32 (the shipped model's) on a background thread after the load,
-    serving from the mapped codes meanwhile, and ends the same; TINYLOOP_NATIVE_PACK=0 packs nothing; any other
+    a larger one packs its layers on a background thread after the load, serving from the mapped codes meanwhile,
+    and ends the same; TINYLOOP_NATIVE_PACK=0 packs nothing; any other
     value is refused by name. The logits are bitwise the same in every case (one canonical reduction), also while
     the background packing runs."""
     import tinyloop.kernels.executor as X

@@ -113,14 +113,14 @@ class NativeExecutor(RequestCalls):
         ~1.7 MB for the shipped model) where the build has it (AVX-512 VNNI). A model that stays in cache always;
         a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too, at load (SmolLM2's 53 MB: 1.08-1.20x
         its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
-        a larger one's layers in groups of 32 after the load, on a background thread (`_pack_later`: Dory's 4B
-        shape, 1.65 GB of codes, 1.56-1.60x decode once packed; the model serves from its mapped codes meanwhile, so
-        the start stays as fast); TINYLOOP_NATIVE_PACK=all packs every one at load. A packed model's kernels run
-        as from cache (its descriptors not `streamed`). Larger groups of a large model stay as mapped: there the
-        row kernels scale once per 128 columns, and packed codes read from memory were measured slower on the
-        AMX host (docs/decode.md). TINYLOOP_NATIVE_PACK=0 keeps the portable codes. A layer's outputs are bitwise
-        the same either way (both form the canonical reduction), so a layer may change kernels between two
-        calls; what changes is the speed (benchmarks/pass_cost.py, benchmarks/dory_4b_limits.py)."""
+        a larger one's after the load, on a background thread (`_pack_later`; the model serves from its mapped
+        codes meanwhile, so the start stays as fast): on the AVX-512 EPYC, Dory's 4B shape (1.65 GB of codes, group
+        32) decodes 1.56-1.60x faster once packed, the Ouro-1.4B shape (group 128) 1.4-1.6x (0.85-0.93 of the read
+        ceiling against 0.51-0.63; docs/decode.md). TINYLOOP_NATIVE_PACK=all packs every one at load, =0 none (the
+        portable codes, shared by every process that maps the file). A packed model's kernels run as from cache
+        (its descriptors not `streamed`). A layer's outputs are bitwise the same either way (both form the
+        canonical reduction), so a layer may change kernels between two calls; what changes is the speed
+        (benchmarks/pass_cost.py, benchmarks/dory_4b_limits.py)."""
         setting = os.environ.get("TINYLOOP_NATIVE_PACK", "1").strip().lower()
         if setting not in ("0", "1", "all"):
             raise ValueError(f"TINYLOOP_NATIVE_PACK must be 1, 0 or all, got {setting!r}")
@@ -129,9 +129,8 @@ class NativeExecutor(RequestCalls):
         if setting == "0" or not todo:
             return
         if self.streamed and setting != "all" and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES:
-            later = [d for d in todo if d.group == 32]
-            if later and self.lib.tl_pack_int4_size(later[0]) > 0:
-                self._packer = threading.Thread(target=_pack_later, args=(weakref.ref(self), later),
+            if self.lib.tl_pack_int4_size(todo[0]) > 0:
+                self._packer = threading.Thread(target=_pack_later, args=(weakref.ref(self), todo),
                                                 name="tinyloop-pack", daemon=True)
                 self._packer.start()
             return
