@@ -143,6 +143,8 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executo
     t0 = time.perf_counter()
     engine = Engine.load(path, draft_exit=False, executor=executor)
     t_load = time.perf_counter() - t0
+    if engine.model.executor is not None:   # (a large model's int4 codes are packed in the background after the load)
+        engine.model.executor.packing_done()
     rss1 = rss_gib()
     decode = {}
     loops = loops or cfg.default_loops
