@@ -331,6 +331,7 @@ def test_which_models_pack_their_int4_codes(monkeypatch):
     the background packing runs."""
     import tinyloop.kernels.executor as X
     from tinyloop.engine import Engine
+    from tinyloop.engine.native import copy_bytes
     from tinyloop.modelfile.header import DEFAULT_MODEL_NAME
 
     monkeypatch.setattr(X, "STREAMED_BYTES", 1 << 10)
@@ -347,6 +348,9 @@ def test_which_models_pack_their_int4_codes(monkeypatch):
         packed = [bool(d.packed) for d in ex.linears()]
         can_pack = any(packed) if can_pack is None else can_pack
         runs[name] = (ex.streamed, any(packed), engine.logits(engine.tokenizer.encode("The king said")))
+        # the copies' memory, as the server counts a model's (server/model_memory.py): every packed strip's bytes
+        sizes = [kernels.load().tl_pack_int4_size(d) for d in ex.linears() if d.packed]
+        assert copy_bytes(engine.model) == sum(sizes) and (sum(sizes) > 0) == any(packed)
     if not can_pack:   # a build without the packed kernel (AVX2, portable): everything stays streamed
         assert all(streamed and not packed for streamed, packed, _ in runs.values())
     else:

@@ -10,6 +10,8 @@ given: no copies, nothing allocated here; they run on the decode path):
 
 - `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
   (`Speculator`: the pipeline shape; `BatchEngine.warm_up`: not for a streamed model);
+- `copy_bytes`: the memory of the executor's copies of the weights (the server's model memory,
+  `server/model_memory.py`);
 - `supports`, `generate`: a lone sequence's plain tokens in one call (`fast_steps`, `native_rounds.NativeSteps`);
 - `spec_round`, `tree_round`: whole speculation rounds (`native_rounds.NativeRound`, `NativeTreeRound`);
 - `head_costs`: the head's cost by rows (`draft_policy.head_chunk` via `native_rounds.chunk`, `Speculator`);
@@ -41,6 +43,12 @@ def streamed(model: Any) -> bool:
     """Whether the executor reads the model's weights from memory each pass (larger than the cache:
     `NativeExecutor.streamed`); only where `runs_natively`."""
     return model.executor.streamed
+
+
+def copy_bytes(model: Any) -> int:
+    """Bytes of the weights' copies the executor holds beside the model's tensors (its packed int4 codes, those
+    still being packed in the background included: `NativeExecutor._pack`); 0 on the PyTorch path."""
+    return model.executor.copy_bytes if runs_natively(model) else 0
 
 
 def supports(model: Any, rows) -> bool:

@@ -75,6 +75,7 @@ class NativeExecutor(RequestCalls):
         if model.logit_scale is not None:
             logit_scale_desc(model, self.head, self.keep)
         self._mark_streamed(m)
+        self.copy_bytes = 0   # bytes of the weights' copies this executor holds (packed int4 codes: _pack)
         self._pack(self.linears())
         self.head_norm = _vec(model.norm.weight if cfg.head_norm else None, self.keep)   # model.final_norm
         self.head_eps = float(getattr(model.norm, "eps", cfg.norm_eps))
@@ -128,6 +129,7 @@ class NativeExecutor(RequestCalls):
         self._packer = None
         if setting == "0" or not todo:
             return
+        self.copy_bytes += sum(max(0, self.lib.tl_pack_int4_size(d)) for d in todo)   # (counted from the start)
         if self.streamed and setting != "all" and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES:
             if self.lib.tl_pack_int4_size(todo[0]) > 0:
                 self._packer = threading.Thread(target=_pack_later, args=(weakref.ref(self), todo),

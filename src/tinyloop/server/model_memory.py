@@ -31,8 +31,11 @@ def estimate_bytes(path: Path, settings) -> int:
 
 
 def measure_bytes(worker) -> int:
-    """Bytes a loaded model holds: its tensors (weights, buffers, packed forms; each storage once) and KV pool."""
+    """Bytes a loaded model holds: its tensors (weights, buffers, packed forms; each storage once), the native
+    executor's copies of the weights, and its KV pool."""
     import torch
+
+    from ..engine import native
 
     seen: set[int] = set()
     total = 0
@@ -58,6 +61,7 @@ def measure_bytes(worker) -> int:
     for module in model.modules():   # packed forms kept as plain attributes (native executor, quantized layers)
         for value in vars(module).values():
             add(value)
+    total += native.copy_bytes(model)   # the native executor's packed int4 codes (held apart from the modules)
     batch = worker.batch
     if batch is not None:
         try:
