@@ -11,7 +11,7 @@ from ..model.families import ConvertError
 from ..tokenizer import HFTokenizer, TokenizerError
 
 if TYPE_CHECKING:
-    from .gguf import GGUFFile
+    from .gguf_file import GGUFFile
 
 # tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
