@@ -473,46 +473,6 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
     return 0;
 }
 
-// index of the largest of x[0 .. n-1]: the first of equal maxima, or the first NaN (torch.argmax's rule)
-int32_t tl_step::argmax(const float* x, int n) {
-    // the first NaN if there is one, else the first index holding the maximum (-0 == +0, as the scalar rule)
-    int i = 0;
-    float best = -INFINITY;
-    bool nan = false;
-#if TL_SIMD
-    // four independent chains (the max of a max is exact: the order they meet in changes nothing), then
-    // the first lane equal to it, 8 at a time; a NaN seen anywhere: the scalar scan below finds the first
-    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0, un = _mm256_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-        const __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
-        un = _mm256_or_ps(un, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
-        m0 = _mm256_max_ps(a, m0), m1 = _mm256_max_ps(b, m1), m2 = _mm256_max_ps(c, m2), m3 = _mm256_max_ps(d, m3);
-    }
-    best = vhmax(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
-    nan = _mm256_movemask_ps(un) != 0;
-#endif
-    for (; i < n; ++i) {
-        nan = nan || x[i] != x[i];
-        best = x[i] > best ? x[i] : best;
-    }
-    if (nan) {
-        for (i = 0; i < n; ++i)
-            if (x[i] != x[i]) return i;
-    }
-    i = 0;
-#if TL_SIMD
-    const __m256 vb = _mm256_set1_ps(best);
-    for (; i + 8 <= n; i += 8) {
-        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vb, _CMP_EQ_OQ));
-        if (hit) return i + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; i < n; ++i)
-        if (x[i] == best) return i;
-    return 0;
-}
-
 // The LM head of m rows x (m, k): the final norm (norm_w; null: none), logits (m, n) = x W^T, and with
 // `argmax` non-null each row's argmax over its first `vocab` logits. scratch: m * k * 2 + m * k / 8 floats.
 extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const float* norm_w, float eps,

@@ -1,5 +1,6 @@
 // What one decode step shares with the one-call speculation rounds (spec.cpp, tree.cpp): the scratch
-// buffers of a step, the norm, one block over a batch of rows, and the argmax. step.cpp defines them.
+// buffers of a step, the norm, one block over a batch of rows, and the argmax. step.cpp defines them (the
+// argmax: sample.cpp, beside the draws that run it).
 #pragma once
 #include "tinyloop.h"
 
