@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import weakref
 from pathlib import Path
 
 
 def estimate_bytes(path: Path, settings) -> int:
-    """A model's memory before it was ever loaded: its file, and its KV pool (the setting, else what
-    BatchEngine sizes: max_num_seqs full contexts at the default depth, at most 1 GiB)."""
+    """A model's memory before it was ever loaded: its file, the native executor's packed copy of its int4
+    layers (`packed_copy_bytes`), and its KV pool (the setting, else what BatchEngine sizes: max_num_seqs full
+    contexts at the default depth, at most 1 GiB)."""
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
+    size += packed_copy_bytes(path)
     if settings.kv_pool_mb is not None:
         return size + (settings.kv_pool_mb << 20)
     try:
@@ -28,6 +31,32 @@ def estimate_bytes(path: Path, settings) -> int:
         return size + min(settings.max_num_seqs * context * per_token, 1 << 30)
     except Exception:  # noqa: BLE001 - an estimate
         return size
+
+
+def packed_copy_bytes(path: Path) -> int:
+    """The bytes the native executor's copy of an int4 file's block layers may take (their codes, scales and zero
+    points or minimums, repacked: kernels/executor.py `_pack`), counted wherever it may run (not with
+    TINYLOOP_EXECUTOR=torch or TINYLOOP_NATIVE_PACK=0): an estimate errs high rather than let a load overrun
+    `--max-memory`; once loaded, the model's memory is measured (`measure_bytes`)."""
+    if os.environ.get("TINYLOOP_EXECUTOR", "").strip().lower() == "torch" or \
+            os.environ.get("TINYLOOP_NATIVE_PACK", "1").strip() == "0":
+        return 0
+    try:
+        from ..modelfile.header import read_header
+
+        header, index = read_header(path)
+    except Exception:  # noqa: BLE001 - an estimate
+        return 0
+    quant = (header.get("weights") or {}).get("quant") or {}
+    if quant.get("bits") != 4:
+        return 0
+    total = 0
+    for name, t in index.items():
+        base, _, part = name.rpartition(".")
+        if part in ("qweight", "scales", "zeros", "mins") and f"{base}.qweight" in index and base != "head":
+            start, end = t["data_offsets"]
+            total += int(end) - int(start)
+    return total
 
 
 def measure_bytes(worker) -> int:
