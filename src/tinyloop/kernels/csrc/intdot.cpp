@@ -672,6 +672,7 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     thread_local std::vector<float> szb;   // (NG, 16) the strip's s z' (or -min) for several input rows
     if (MR > 1) szb.resize((size_t)NG * 16);
+    float* const szp = MR > 1 ? szb.data() : nullptr;   // (read once: a thread_local in a shared library is a call)
     for (int s = s0; s < s1; ++s) {
         const uint8_t* P = L->packed + s * SB;
         const uint16_t* sv = (const uint16_t*)(P + (int64_t)K * 8);
@@ -684,8 +685,8 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
                                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zs + g * 16)))));
         };
         if (MR > 1)   // (one input row: formed where the correction reads it, below)
-            for (int g = 0; g < NG; ++g) _mm512_storeu_ps(szb.data() + (int64_t)g * 16, sz(g));
-        auto szg = [&](int g) -> __m512 { return MR > 1 ? _mm512_loadu_ps(szb.data() + (int64_t)g * 16) : sz(g); };
+            for (int g = 0; g < NG; ++g) _mm512_storeu_ps(szp + (int64_t)g * 16, sz(g));
+        auto szg = [&](int g) -> __m512 { return MR > 1 ? _mm512_loadu_ps(szp + (int64_t)g * 16) : sz(g); };
         __m512 t[MR];
         for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
         for (int a = 0; a < NA; ++a) {
