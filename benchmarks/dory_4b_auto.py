@@ -21,11 +21,9 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
+from dory_4b_spec import load  # (benchmarks/)
 from hostinfo import host  # (benchmarks/)
-from tinyloop.engine import Engine, SamplingParams
-from tinyloop.model.fast import attach_executor
+from tinyloop.engine import SamplingParams
 
 
 def main() -> None:
@@ -40,15 +38,9 @@ def main() -> None:
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     rows = {}
     for variant, damp in (("random weights", None), ("depth-agreeing", args.damp)):
-        engine = Engine.load(args.model)
-        if damp is not None:
-            with torch.no_grad():
-                for blk in engine.model.core:
-                    blk.alpha.mul_(damp)
-            attach_executor(engine.model)
-        engine.model.executor.packing_done()   # (the int4 codes are packed in the background after the load)
+        engine, _ = load(args.model, damp)
 
-        def run(**kw):
+        def run(engine=engine, **kw):
             best, stats = math.inf, None
             for _ in range(args.repeats):
                 t0 = time.perf_counter()

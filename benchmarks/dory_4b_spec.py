@@ -28,6 +28,19 @@ from tinyloop.engine import Engine, SamplingParams
 from tinyloop.model.fast import attach_executor
 
 
+def load(model: str, damp: float | None):
+    """The int4 file on the native executor, its core layers' nGPT rate times `damp` (None: as they are), once its
+    codes are packed (in the background after the load); (engine, the executor's name)."""
+    engine = Engine.load(model)
+    if damp is not None:
+        with torch.no_grad():
+            for blk in engine.model.core:
+                blk.alpha.mul_(damp)
+        attach_executor(engine.model)   # (described again from the damped weights)
+    engine.model.executor.packing_done()
+    return engine, engine.model_info()["executor"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="dory_4b.py's int4 file")
@@ -38,12 +51,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     load0 = os.getloadavg()
-    engine = Engine.load(args.model)
-    with torch.no_grad():
-        for blk in engine.model.core:
-            blk.alpha.mul_(args.damp)
-    executor = attach_executor(engine.model)
-    engine.model.executor.packing_done()   # (a large model's int4 codes are packed in the background after the load)
+    engine, executor = load(args.model, args.damp)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     runs = {"plain loops 4": dict(loops=4), "plain loops 1": dict(loops=1),
             "speculative (default)": dict(mode="speculative", verify_loops=4),

@@ -60,6 +60,20 @@ def test_only_the_door_names_the_executor():
         + "; ".join(found)
 
 
+def _fast_executor_imports(path: Path) -> list[str]:
+    """Imports of model.fast's executor functions (who runs the model, attaching the executor): the door's too."""
+    wanted = {"executor_name", "prepare_for_decode", "attach_executor"}
+    return [f"{_where(path, node)} {a.name}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("fast")
+            for a in node.names if a.name in wanted]
+
+
+def test_only_the_door_attaches_and_names_the_executor():
+    found = [use for path in GUARDED if path != DOOR for use in _fast_executor_imports(path)]
+    assert not found, "use engine/native.py's attach and name: " + "; ".join(found)
+    assert _fast_executor_imports(DOOR), "the check above reads imports it can no longer see"
+
+
 def test_the_door_is_engines_only_import_of_kernels():
     found = [use for path in sorted((SRC / "engine").rglob("*.py")) if path != DOOR for use in _kernels_imports(path)]
     assert not found, found

@@ -54,6 +54,7 @@ import torch
 from ..version import __version__
 from .cache_dir import SAVED_DIR, SUFFIX, atomic_write, check_name, file_hash, fsync_dir, scan
 from .prefix_cache import block_name
+from .native import name as executor_name
 
 log = logging.getLogger("tinyloop.engine")
 
@@ -70,7 +71,6 @@ READERS = 2                     # threads reading a chain's files at admission (
 def engine_identity(engine, kv, memo_dir: str | Path | None = None) -> dict[str, Any]:
     """What a block's keys and values depend on besides its name (tokens, salt): the model's bytes and
     everything the engine adds. Two engines with the same identity compute the same KV for a block."""
-    from ..model.fast import executor_name
 
     loaded = engine.loaded
     draft = getattr(loaded, "draft_exit_path", None)

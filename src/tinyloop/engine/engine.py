@@ -23,9 +23,9 @@ import torch
 
 from ..chat import Chat, ChatTemplateError, render_plain, render_template
 from ..errors import ValidationError
-from ..model.fast import executor_name
 from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
+from . import native
 from .native import detach, loading_for
 from .params import SamplingParams
 from .plan import RequestPlan, plan_request
@@ -128,8 +128,7 @@ class Engine:
                 raise ValidationError("state_seed: this model has no random initial-state rule", param="state_seed")
             loaded.model.state_seed = int(state_seed)
         if fast:
-            from ..model.fast import prepare_for_decode
-            prepare_for_decode(loaded.model, executor=executor)
+            native.attach(loaded.model, executor=executor)
         attach_draft_exit_file(loaded, draft_exit)
         attach_gate_file(loaded, gate)
         # The model's thousands of long-lived objects leave the garbage collector's generations: a full
@@ -150,7 +149,7 @@ class Engine:
                 # [shallowest, deepest] depth the model was trained at (its family's declaration; null: none
                 # declared); loops up to max_loops are allowed all the same, reasoning_effort picks inside it
                 "trained_loops": list(self.config.trained_loops) or None,
-                "executor": executor_name(self.model),  # who runs decode rows: "native (...)" or "torch"
+                "executor": native.name(self.model),  # who runs decode rows: "native (...)" or "torch"
                 "kv_loops": "last (the model's: one cache per recurrent layer that every loop overwrites, "
                             "kv_mode last_loop)" if self.config.kv_mode == "last_loop" else
                             "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",

@@ -10,6 +10,8 @@ given: no copies, nothing allocated here; they run on the decode path):
 
 - `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
   (`Speculator`: the pipeline shape; `BatchEngine.warm_up`: not for a streamed model);
+- `name`, `attach`: who runs the model (`/health`, `model_info`, the prompt cache's key), and the executor attached
+  at load (`Engine.load`);
 - `copy_bytes`: the memory of the executor's copies of the weights (the server's model memory,
   `server/model_memory.py`);
 - `supports`, `generate`: a lone sequence's plain tokens in one call (`fast_steps`, `native_rounds.NativeSteps`);
@@ -43,6 +45,20 @@ def streamed(model: Any) -> bool:
     """Whether the executor reads the model's weights from memory each pass (larger than the cache:
     `NativeExecutor.streamed`); only where `runs_natively`."""
     return model.executor.streamed
+
+
+def name(model: Any) -> str:
+    """Who runs the model's decode rows, as `/health`, `model_info` and the prompt cache's key say it: "native
+    (<ISA, threads, mode>)" or "torch"."""
+    return model.executor.name if runs_natively(model) else "torch"
+
+
+def attach(model: Any, executor: str | None = None) -> None:
+    """Prepare a loaded model for decoding (`model.fast.prepare_for_decode`: fused projections, and the native
+    executor attached where `executor` ("native", "torch", None: the setting) and the library allow)."""
+    from ..model.fast import prepare_for_decode
+
+    prepare_for_decode(model, executor=executor)
 
 
 def copy_bytes(model: Any) -> int:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
-from ..model.fast import executor_name
+from ..engine.native import name as executor_name
 from ..modelfile.header import weights_format
 from . import access, docs_ui, errors, playground
 from .anthropic import routes as anthropic
