@@ -288,14 +288,16 @@ def test_int8_activations_with_more_groups_than_the_stack_holds(monkeypatch):
     assert (tiles - exact).abs().max().item() < 2e-2 * exact.abs().max().item()
 
 
+@pytest.mark.parametrize("f32", [0, 1])
 @pytest.mark.parametrize("group,k", [(32, 256), (32, 288), (128, 512), (256, 768)])
 @torch.inference_mode()
-def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k):
+def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k, f32):
     """int4 layers of models that stay in cache take codes repacked 16 weight rows a vector (`pack_int4`,
     AVX-512 VNNI builds); a row's outputs are bitwise those of the portable codes' kernels (one canonical
     reduction) at every row count the packed kernel takes and past it, for groups of 32 (a last block of 32
-    columns too), 128 and 256 and weight rows not a multiple of 16. Builds without the kernel say so
-    (`tl_pack_int4_size` < 0) and are not packed."""
+    columns too), 128 and 256 and weight rows not a multiple of 16, with the strips' scales as the file has them
+    (float16, a streamed model's) or in fp32 beside their s z' (`packed_f32`, a model in cache). Builds without
+    the kernel say so (`tl_pack_int4_size` < 0) and are not packed."""
     from tinyloop.kernels.executor import _forward, linear_desc, pack_int4
 
     kernels.load()
@@ -310,6 +312,7 @@ def test_packed_int4_kernel_equals_the_portable_codes(monkeypatch, group, k):
     plain = linear_desc(lin, keep)
     assert plain.act_q8
     packed = linear_desc(lin, keep)
+    packed.packed_f32 = f32
     if not pack_int4(packed, keep):
         assert kernels.load().tl_pack_int4_size(packed) < 0
         pytest.skip("this build has no packed int4 kernel (AVX-512 VNNI)")

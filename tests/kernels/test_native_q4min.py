@@ -126,10 +126,14 @@ def test_min_form_with_int8_activations(monkeypatch, k, group):
     desc.streamed = 1
     assert torch.equal(torch.cat([_forward(desc, x[i:i + 1], 2) for i in range(len(x))]), alone)
     desc.streamed = 0
-    if pack_int4(desc, keep):   # (AVX-512 VNNI builds: the packed strips, at every row count)
+    for f32 in (0, 1):   # (AVX-512 VNNI builds: the packed strips, at every row count, float16 or fp32 minimums)
+        desc = linear_desc(lin, keep)
+        desc.packed_f32 = f32
+        if not pack_int4(desc, keep):
+            break
         for rows in (1, 3, 8, 9, 40):
             part = torch.cat([_forward(desc, x[i:i + rows], 2) for i in range(0, len(x) - rows + 1, rows)])
-            assert torch.equal(part, alone[:len(part)]), ("packed", rows)
+            assert torch.equal(part, alone[:len(part)]), ("packed", f32, rows)
 
 
 @pytest.mark.skipif(PORTABLE, reason="the portable build has no int8 activations")

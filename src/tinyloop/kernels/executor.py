@@ -111,7 +111,8 @@ class NativeExecutor(RequestCalls):
 
     def _pack(self, descs) -> None:
         """int4 layers take the packed kernel (16 weight rows a vector, `layers.pack_int4`: a copy of their codes,
-        ~1.7 MB for the shipped model) where the build has it (AVX-512 VNNI). A model that stays in cache always;
+        ~2 MB for the shipped model) where the build has it (AVX-512 VNNI). A model that stays in cache always,
+        with fp32 scales and s z' (`packed_f32`: the 16-bit strips cost the shipped model's 8 and 16 rows 10-13%);
         a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too, at load (SmolLM2's 53 MB: 1.08-1.20x
         its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
         a larger one's after the load, on a background thread (`_pack_later`; the model serves from its mapped
@@ -129,6 +130,8 @@ class NativeExecutor(RequestCalls):
         self._packer = None
         if setting == "0" or not todo:
             return
+        for d in todo:   # in cache: fp32 scales and s z' (8 bytes a group and row, not 3; fewer operations a call)
+            d.packed_f32 = int(not self.streamed)
         self.copy_bytes += sum(max(0, self.lib.tl_pack_int4_size(d)) for d in todo)   # (counted from the start)
         if self.streamed and setting != "all" and sum(d.n * d.k // 2 for d in todo) > PACK_STREAMED_BYTES:
             if self.lib.tl_pack_int4_size(todo[0]) > 0:

@@ -27,7 +27,8 @@ _i = ctypes.c_int32
 
 class TlLinear(ctypes.Structure):
     _fields_ = [("kind", _i), ("n", _i), ("k", _i), ("group", _i), ("w", _p), ("scales", _p), ("zeros", _p),
-                ("act_q8", _i), ("streamed", _i), ("packed", _p), ("out_scale", _p), ("mins", _p)]
+                ("act_q8", _i), ("streamed", _i), ("packed", _p), ("out_scale", _p), ("mins", _p),
+                ("packed_f32", _i)]
 
 
 class TlBlock(ctypes.Structure):

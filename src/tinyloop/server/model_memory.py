@@ -50,13 +50,18 @@ def packed_copy_bytes(path: Path) -> int:
     quant = (header.get("weights") or {}).get("quant") or {}
     if quant.get("bits") != 4:
         return 0
-    total = 0
+    from ..kernels.executor import STREAMED_BYTES
+
+    parts: dict[str, int] = {}
     for name, t in index.items():
         base, _, part = name.rpartition(".")
-        if part in ("qweight", "scales", "zeros", "mins") and f"{base}.qweight" in index and base != "head":
+        if part in ("qweight", "scales", "zeros", "mins") and f"{base}.qweight" in index:
             start, end = t["data_offsets"]
-            total += int(end) - int(start)
-    return total
+            parts[part] = parts.get(part, 0) + (int(end) - int(start)) * (base != "head")
+            parts["read"] = parts.get("read", 0) + int(end) - int(start)
+    if parts.get("read", 0) <= STREAMED_BYTES:   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
+        return parts.get("qweight", 0) + 4 * parts.get("scales", 0)
+    return parts.get("qweight", 0) + parts.get("scales", 0) + parts.get("zeros", 0) + parts.get("mins", 0)
 
 
 def measure_bytes(worker) -> int:

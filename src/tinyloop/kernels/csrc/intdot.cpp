@@ -661,32 +661,38 @@ void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float*
 #if TL_VNNI512
 
 static inline int64_t packed_strip_bytes(const tl_linear* L) {
-    return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * (L->mins ? 64 : 48);
+    return (int64_t)L->k * 8 + (int64_t)(L->k / L->group) * (L->packed_f32 ? 128 : L->mins ? 64 : 48);
 }
 
-template <int MR>
+// group g's s z' (fp32, as the other kernels form it) or -min (exact) for strip P's 16 rows
+static inline __m512 packed_sz(const tl_linear* L, const uint8_t* P, int g) {
+    const int K = L->k, NG = K / L->group;
+    const uint16_t* sv = (const uint16_t*)(P + (int64_t)K * 8);
+    const uint8_t* zs = (const uint8_t*)(sv + (int64_t)NG * 16);   // zero points, or (mins) float16 minimums
+    return L->mins
+        ? _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)zs + g * 16))),
+                        _mm512_set1_ps(-0.f))
+        : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + g * 16))),
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zs + g * 16)))));
+}
+
+// MR input rows against strips s0..s1. F32 (packed_f32): the strips' fp32 scales and s z' are read as they lie;
+// else szp: (NG, 16) the strip's s z' formed once for all its input rows (qq_packed; one strip a call then), or
+// null: formed where the correction reads them (one input row)
+template <int MR, bool F32>
 static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y,
-                             int ldy, int s0, int s1) {
+                             int ldy, int s0, int s1, const float* szp) {
     const int K = L->k, NG = K / L->group, AB = act_block(L->group), NA = K / AB, opb = AB / 8, NG8 = NG / 8 * 8;
     const int64_t SB = packed_strip_bytes(L);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    thread_local std::vector<float> szb;   // (NG, 16) the strip's s z' (or -min) for several input rows
-    if (MR > 1) szb.resize((size_t)NG * 16);
-    float* const szp = MR > 1 ? szb.data() : nullptr;   // (read once: a thread_local in a shared library is a call)
     for (int s = s0; s < s1; ++s) {
         const uint8_t* P = L->packed + s * SB;
         const uint16_t* sv = (const uint16_t*)(P + (int64_t)K * 8);
-        const uint8_t* zs = (const uint8_t*)(sv + (int64_t)NG * 16);   // zero points, or (mins) float16 minimums
-        auto sz = [&](int g) -> __m512 {   // group_sz: s * z (fp32, as the other kernels), or -min (exact)
-            return L->mins
-                ? _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)zs + g * 16))),
-                                _mm512_set1_ps(-0.f))
-                : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + g * 16))),
-                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zs + g * 16)))));
+        const float* sf = (const float*)(P + (int64_t)K * 8);   // (F32: scales, then s z' or -min, NG x 16 each)
+        auto szg = [&](int g) -> __m512 {
+            return F32 ? _mm512_loadu_ps(sf + (int64_t)(NG + g) * 16)
+                       : szp ? _mm512_loadu_ps(szp + (int64_t)g * 16) : packed_sz(L, P, g);
         };
-        if (MR > 1)   // (one input row: formed where the correction reads it, below)
-            for (int g = 0; g < NG; ++g) _mm512_storeu_ps(szp + (int64_t)g * 16, sz(g));
-        auto szg = [&](int g) -> __m512 { return MR > 1 ? _mm512_loadu_ps(szp + (int64_t)g * 16) : sz(g); };
         __m512 t[MR];
         for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
         for (int a = 0; a < NA; ++a) {
@@ -713,7 +719,8 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
             }
             if (TWO)
                 for (int r = 0; r < MR; ++r) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
-            const __m512 s_g = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + (int64_t)(a * AB / L->group) * 16)));
+            const int64_t gi = (int64_t)(a * AB / L->group) * 16;
+            const __m512 s_g = F32 ? _mm512_loadu_ps(sf + gi) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sv + gi)));
             for (int r = 0; r < MR; ++r)
                 t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(xd[(int64_t)r * NA + a]), s_g), t[r]);
         }
@@ -735,28 +742,60 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
     }
 }
 
+// qq_packed_strips for mr (1-8) input rows
+template <bool F32>
+static void packed_rows(int mr, const tl_linear* L, const int8_t* xq, const float* xd, const float* X, float* y,
+                        int ldy, int s0, int s1, const float* szp) {
+    switch (mr) {
+        case 1: return qq_packed_strips<1, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 2: return qq_packed_strips<2, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 3: return qq_packed_strips<3, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 4: return qq_packed_strips<4, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 5: return qq_packed_strips<5, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 6: return qq_packed_strips<6, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        case 7: return qq_packed_strips<7, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+        default: return qq_packed_strips<8, F32>(L, xq, xd, X, y, ldy, s0, s1, szp);
+    }
+}
+
 // m input rows (codes in column order) against every strip: units of 8 strips over the threads, each unit's
 // input rows up to 8 at a time (its 16 KB of codes stay in L1 from the first row block on)
 static void qq_packed(const tl_linear* L, const int8_t* xq, const float* xd, const float* X, int m, float* y, int ldy) {
     const int K = L->k, NG = K / L->group, NA = K / act_block(L->group);
     const int strips = (L->n + 15) / 16;
     constexpr int UNIT = 8;
+    if (L->packed_f32) {   // (scales and s z' as they lie: each unit's input rows 8 at a time over its strips)
+        tl_parallel_for((strips + UNIT - 1) / UNIT, [&](int c, int) {
+            const int s0 = c * UNIT, s1 = std::min(strips, s0 + UNIT);
+            for (int r0 = 0; r0 < m; r0 += 8) {
+                const int8_t* xr = xq + (int64_t)r0 * K;
+                const float *dr = xd + (int64_t)r0 * NA, *Xr = X + (int64_t)r0 * NG;
+                float* yr = y + (int64_t)r0 * ldy;
+                packed_rows<true>(std::min(8, m - r0), L, xr, dr, Xr, yr, ldy, s0, s1, nullptr);
+            }
+        });
+        return;
+    }
+    if (m == 1) {   // (a lone row: its unit's strips in one call, s z' formed in the correction)
+        tl_parallel_for((strips + UNIT - 1) / UNIT, [&](int c, int) {
+            qq_packed_strips<1, false>(L, xq, xd, X, y, ldy, c * UNIT, std::min(strips, c * UNIT + UNIT), nullptr);
+        });
+        return;
+    }
+    const int NG16 = NG * 16;
     tl_parallel_for((strips + UNIT - 1) / UNIT, [&](int c, int) {
+        thread_local std::vector<float> szb;   // (NG, 16) the strip's s z' (or -min), formed once for every input row
+        if ((int)szb.size() < NG16) szb.resize(NG16);
+        float* const szp = szb.data();   // (read once: a thread_local in a shared library is a call)
         const int s0 = c * UNIT, s1 = std::min(strips, s0 + UNIT);
-        for (int r0 = 0; r0 < m; r0 += 8) {
-            const int mr = std::min(8, m - r0);
-            const int8_t* xr = xq + (int64_t)r0 * K;
-            const float *dr = xd + (int64_t)r0 * NA, *Xr = X + (int64_t)r0 * NG;
-            float* yr = y + (int64_t)r0 * ldy;
-            switch (mr) {
-                case 1: qq_packed_strips<1>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 2: qq_packed_strips<2>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 3: qq_packed_strips<3>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 4: qq_packed_strips<4>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 5: qq_packed_strips<5>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 6: qq_packed_strips<6>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                case 7: qq_packed_strips<7>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
-                default: qq_packed_strips<8>(L, xr, dr, Xr, yr, ldy, s0, s1); break;
+        for (int s = s0; s < s1; ++s) {
+            const uint8_t* P = L->packed + s * packed_strip_bytes(L);
+            for (int g = 0; g < NG; ++g) _mm512_storeu_ps(szp + (int64_t)g * 16, packed_sz(L, P, g));
+            for (int r0 = 0; r0 < m; r0 += 8) {   // (the strip's codes stay in L1 from the first row block on)
+                const int8_t* xr = xq + (int64_t)r0 * K;
+                const float *dr = xd + (int64_t)r0 * NA, *Xr = X + (int64_t)r0 * NG;
+                float* yr = y + (int64_t)r0 * ldy;
+                packed_rows<false>(std::min(8, m - r0), L, xr, dr, Xr, yr, ldy, s, s + 1, szp);
             }
         }
     });
@@ -847,10 +886,17 @@ extern "C" int32_t tl_pack_int4(const tl_linear* L, uint8_t* out) {
         }
         uint16_t* sv = (uint16_t*)(P + (int64_t)K * 8);
         uint8_t* zs = (uint8_t*)(sv + (int64_t)NG * 16);
+        float* sf = (float*)(P + (int64_t)K * 8);
         for (int g = 0; g < NG; ++g)
             for (int wr = 0; wr < 16; ++wr) {   // (rows past n: scale 0, zero point 0 or min 0)
                 const int row = 16 * s + wr;
                 const int64_t i = (int64_t)row * NG + g;
+                if (L->packed_f32) {   // s and s z' (or -min) in fp32, as packed_sz forms them
+                    const float sc = row < L->n ? f16_to_f32(L->scales[i]) : 0.f;
+                    sf[g * 16 + wr] = sc;
+                    sf[(NG + g) * 16 + wr] = row < L->n ? group_sz(L, row, g, sc, 0.f) : 0.f;
+                    continue;
+                }
                 sv[g * 16 + wr] = row < L->n ? L->scales[i] : 0;
                 if (L->mins) ((uint16_t*)zs)[g * 16 + wr] = row < L->n ? L->mins[i] : 0;
                 else zs[g * 16 + wr] = row < L->n ? L->zeros[i] : 0;

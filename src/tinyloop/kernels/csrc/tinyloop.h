@@ -25,6 +25,8 @@ typedef struct {
     const uint16_t* mins;    // TL_Q4 only: float16 (n, k / group) or null. Non-null: w = q * scale + min (GGUF's
                              // Q4_1 blocks, quant/packing.py dequantize_min) and `zeros` is unread; every int4 path
                              // forms the zero-point form's correction s z X_g as -min X_g (intdot.h group_sz)
+    int32_t packed_f32;      // set before tl_pack_int4: `packed` strips hold fp32 scales and s z' (or -min), formed
+                             // once (a model that stays in cache: fewer operations a call), else the file's bytes
 } tl_linear;
 
 
