@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from speculative import PROMPTS  # noqa: E402
 
 from tinyloop.engine import Engine  # noqa: E402
-from tinyloop.engine.params import SamplingParams  # noqa: E402
+from tinyloop.engine.knobs import SamplingParams  # noqa: E402
 from tinyloop.engine.serving import run_ids  # noqa: E402
 from tinyloop.train.data import read_text, split_text  # noqa: E402
 

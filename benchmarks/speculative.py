@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from tinyloop.engine import Engine
-from tinyloop.engine.params import SamplingParams
+from tinyloop.engine.knobs import SamplingParams
 from tinyloop.engine.serving import run_ids
 from tinyloop.engine.draft_head import DRAFT_VOCAB
 from tinyloop.engine.speculative import DRAFT_STOP

@@ -27,7 +27,7 @@ from structured import PROMPTS, SCHEMA  # noqa: E402
 
 from tinyloop.engine.constraint import Constraint  # noqa: E402
 from tinyloop.engine.engine import Engine  # noqa: E402
-from tinyloop.engine.params import SamplingParams  # noqa: E402
+from tinyloop.engine.knobs import SamplingParams  # noqa: E402
 from tinyloop.engine.sampling import Sampler, draw_row, processed_logits  # noqa: E402
 from tinyloop.engine.serving import BatchEngine  # noqa: E402
 

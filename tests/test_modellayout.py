@@ -12,7 +12,7 @@ from conftest import edit_header, varied_model, write_legacy
 from tinyloop.cli import main
 from tinyloop.config import preset
 from tinyloop.engine import Engine
-from tinyloop.engine.params import SamplingParams
+from tinyloop.engine.knobs import SamplingParams
 from tinyloop.model.fused import split_projections
 from tinyloop.modelfile.loader import FORMAT_VERSION, ModelFileError, load_model, make_header, map_tensors, read_header, \
     write_model

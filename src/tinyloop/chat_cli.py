@@ -246,7 +246,7 @@ class ChatREPL:
     # -- commands ------------------------------------------------------------------------------------------
     def _check(self, **kw) -> None:
         """A setting checked as a request's would be (SamplingParams.validate against the model's limits)."""
-        from .engine.params import SamplingParams
+        from .engine.knobs import SamplingParams
 
         cfg = self.engine.config
         try:
@@ -332,7 +332,7 @@ class ChatREPL:
 
     # -- a turn --------------------------------------------------------------------------------------------
     def params(self, max_tokens: int):
-        from .engine.params import SamplingParams
+        from .engine.knobs import SamplingParams
 
         s = self.settings
         budget = 0 if s.think is False and self.thinks and "enable_thinking" not in (self.template or "") else None
@@ -485,7 +485,7 @@ def run_chat(args) -> int:
     try:
         path = resolve_model_path(args.model)
         cfg = header_config(path)   # flags checked against the header before torch loads
-        from .engine.params import SamplingParams
+        from .engine.knobs import SamplingParams
         SamplingParams(max_tokens=args.max_tokens or 1, loops=args.loops, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed).validate(
             max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)

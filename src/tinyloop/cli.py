@@ -9,8 +9,8 @@ import sys
 import threading
 
 # Only torch-free modules at the top: --help, info, list and refused flag values answer without torch.
-from .engine.knobs import PARAM, SERVER_ONLY, DepthKnobs, RequestKnobs, SpeculationKnobs, TreeKnobs, add_flags
-from .engine.params import MODES, param_default
+from .engine.knobs import (MODES, PARAM, SERVER_ONLY, DepthKnobs, RequestKnobs, SpeculationKnobs, TreeKnobs, add_flags,
+                           param_default)
 from .errors import CommandError
 from .quant.kv_formats import KV_FORMATS
 
@@ -32,7 +32,7 @@ def _loops_arg(value: str) -> int | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine.params import SamplingParams
+    from .engine.knobs import SamplingParams
     from .errors import ModelFileError, ValidationError
     from .modelfile.header import header_config, resolve_model_path
 
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", help="a .tinyloop file, a packaged model's name or a pulled hf: name (default: "
                    "$TINYLOOP_MODEL_PATH or the shipped model)")
-    # sampling defaults are SamplingParams' (the HTTP API's too): engine/params.py; the looped-model knobs'
+    # sampling defaults are SamplingParams' (the HTTP API's too): engine/knobs.py; the looped-model knobs'
     # flags are made from their declaration (engine/knobs.py), as every HTTP route's fields are
     add_flags(g, *GENERATE_KNOBS)
     for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-k", int), ("--top-p", float),

@@ -6,9 +6,8 @@ import dataclasses
 import pytest
 
 from tinyloop.cli import build_parser
-from tinyloop.engine.knobs import (PARAM, SERVER_ONLY, DepthKnobs, LoopKnobs, RequestKnobs, SpeculationKnobs,
-                                   TreeKnobs, knob_params)
-from tinyloop.engine.params import SamplingParams, param_default
+from tinyloop.engine.knobs import (PARAM, SERVER_ONLY, DepthKnobs, LoopKnobs, RequestKnobs, SamplingParams,
+                                   SpeculationKnobs, TreeKnobs, knob_params, param_default)
 from tinyloop.errors import ValidationError
 from tinyloop.server.anthropic.schemas import MessagesRequest
 from tinyloop.server.native.schemas import GenerateRequest, SpeculativeRequest, TreeSpeculativeRequest

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tinyloop.engine.params import SamplingParams
+from tinyloop.engine.knobs import SamplingParams
 from tinyloop.engine.sampling import (Sampler, apply_presence_frequency, apply_repetition_penalty,
                                       distribution, gumbel, noise_key, top_k_filter, top_p_filter)
 from tinyloop.errors import ValidationError

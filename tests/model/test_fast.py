@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinyloop.config import preset
-from tinyloop.engine.params import SamplingParams
+from tinyloop.engine.knobs import SamplingParams
 from tinyloop.model import KVCache, build_model
 from tinyloop.model.fast import fuse_projections, prepare_for_decode, swap_linears
 from tinyloop.model.layers import MLP, Attention

@@ -1,13 +1,13 @@
 """The engine: per-request settings (`SamplingParams`, torch-free) and the model runner (`Engine`).
 
-Names are imported on first use (PEP 562): `from tinyloop.engine.params import ...` (the command line's
+Names are imported on first use (PEP 562): `from tinyloop.engine.knobs import ...` (the command line's
 flag checks) does not import torch.
 """
 
 from importlib import import_module
 
 _LAZY = {"Engine": ".engine", "GenerationResult": ".engine", "StreamEvent": ".engine",
-         "SamplingParams": ".params", "param_default": ".params",
+         "SamplingParams": ".knobs", "param_default": ".knobs",
          "RequestPlan": ".plan", "plan_request": ".plan"}
 
 __all__ = ["Engine", "GenerationResult", "RequestPlan", "SamplingParams", "StreamEvent", "param_default",

@@ -423,7 +423,7 @@ class DiskPrefixCache:
     def _replay(self, batch, tokens: list[int], salt: str | None) -> int:
         import ast
 
-        from .params import SamplingParams
+        from .knobs import SamplingParams
         from .serving import run_to_completion
 
         try:

@@ -29,7 +29,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ValidationError
-from .params import SamplingParams
+from .knobs import SamplingParams
 
 POOLINGS = ("mean", "last")
 DEFAULT_POOLING = "mean"

@@ -27,7 +27,7 @@ from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
 from . import native
 from .native import detach, loading_for
-from .params import SamplingParams
+from .knobs import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
 

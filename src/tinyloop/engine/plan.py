@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..errors import ValidationError
-from .params import SamplingParams
+from .knobs import SamplingParams
 
 MAX_N = 8  # choices per request
 

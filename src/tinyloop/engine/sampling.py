@@ -30,7 +30,7 @@ import os
 import torch
 
 from .native import draw, head_argmax, runs_natively
-from .params import SamplingParams
+from .knobs import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
 

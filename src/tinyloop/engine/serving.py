@@ -34,7 +34,7 @@ from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .batch import BatchRunner, cache_dtype
 from .embedding import EmbeddingPlan, EmbeddingStream
-from .params import SamplingParams
+from .knobs import SamplingParams
 from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps

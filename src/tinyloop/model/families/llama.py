@@ -1,7 +1,7 @@
 """Llama, imported from a llama.cpp GGUF file (`general.architecture` "llama": SmolLM2, TinyLlama-style
 and Llama-3 GGUFs) as a **one-loop** model: every layer in the core, run once (n_prelude 0, n_core L, n_coda
 0, `default_loops` = `max_loops` = 1, no injection, no loop norm, pre-norm blocks, the final norm before the
-head). A request's `loops` above 1, or speculation, is refused by name (`engine/params.py`): the model has
+head). A request's `loops` above 1, or speculation, is refused by name (`engine/knobs.py`): the model has
 no depth to choose.
 
 GGUF metadata -> ModelConfig (`gguf_config`) and GGUF tensor names -> TinyLoop's (`gguf_tensor`); the file

@@ -55,7 +55,7 @@ class OpenAIRequest(LoopKnobs):
     service_tier: str | None = Field(None, description=NO_EFFECT)
     safety_identifier: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_key: str | None = Field(None, description="accepted; no effect (the prefix cache is automatic)")
-    # OpenAI's (chat; taken by text completions too): the depth on a model with a trained range (engine/params.py
+    # OpenAI's (chat; taken by text completions too): the depth on a model with a trained range (engine/knobs.py
     # SamplingParams.with_effort), and chat's thinking budget (server/reasoning.py)
     reasoning_effort: ReasoningEffort | None = Field(None, description=EFFORT_DOC)
 
