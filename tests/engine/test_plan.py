@@ -60,6 +60,12 @@ def test_max_positions_and_blocks_per_mode():
     assert s.max_positions == len(PROMPT) + 16 + 5 + 1
     t = plan(SamplingParams(mode="tree_speculative", max_tokens=16, draft_loops=1, draft_ahead=3, k_branches=4))
     assert t.k_branches == 4 and t.max_positions == len(PROMPT) + 16 + 4 * 3 + 1
+    # a chain naming no draft_ahead drafts 4 a round and may run 8 (RequestPlan.draft_run): room for 8 + 1
+    d = plan(spec(draft_loops=2))
+    assert (d.draft_ahead, d.draft_run) == (4, 8) and d.max_positions == len(PROMPT) + 16 + 8 + 1
+    assert plan(spec(draft_loops=2, draft_ahead=5)).draft_run == 5
+    t = plan(SamplingParams(mode="tree_speculative", max_tokens=16, draft_loops=1, k_branches=4))
+    assert (t.draft_ahead, t.draft_run) == (4, 4) and t.max_positions == len(PROMPT) + 16 + 4 * 4 + 1
     # k_branches means nothing outside tree mode
     assert plan(spec(draft_loops=2, k_branches=4)).k_branches == 1
 

@@ -349,6 +349,26 @@ def test_draft_policy_follows_acceptance_and_costs():
     assert [fixed.choose(4) for _ in range(5)] + [fixed.choose(2)] == [4, 4, 4, 4, 4, 2]
 
 
+def test_draft_policy_weighs_a_long_chain_run_only_while_drafts_are_accepted():
+    """A request naming no draft_ahead (RequestPlan.draft_run 8): beside 1..draft_ahead, the policy weighs one
+    chain round of draft_run drafts, and takes it where drafts are always accepted and a long round's rate is the
+    best (Dory's depth-agreeing shape: 9 tokens for 1.6x a round of 4's time); while drafts mostly fail it never
+    drafts past draft_ahead; a request that names draft_ahead (k_run = draft_ahead) never does."""
+    from tinyloop.engine.draft_policy import DraftPolicy, RoundCosts
+
+    def drive(accept, k_run, rounds=120):
+        pol = DraftPolicy(4, costs=RoundCosts(), k_run=k_run)
+        for _ in range(rounds):
+            k = pol.choose(4, None, 8)
+            pol.update(k, k if accept else 0, 90.0 * k, 210.0 + 31.0 * k)   # (Dory 4B at loops 4: ms, measured)
+        return pol.chosen
+
+    long_run = drive(True, 8)
+    assert max(long_run) == 8 and long_run[-40:].count(8) >= 30
+    assert max(drive(False, 8)) <= 4
+    assert max(drive(True, 4)) == 4
+
+
 def test_draft_policy_explores_less_once_settled_and_ends_in_one_round():
     """Once the best draft length and every one near it are timed over a whole window, the policy explores
     SETTLED times less often (every 32nd round instead of every 8th); and at a request's last tokens (cap =

@@ -325,10 +325,11 @@ class DraftPolicy:
     TIE = 0.05
 
     def __init__(self, k_max: int, adaptive: bool = True, costs: RoundCosts | None = None,
-                 pipeline_costs: RoundCosts | None = None, prefer_pipeline: bool = False):
+                 pipeline_costs: RoundCosts | None = None, prefer_pipeline: bool = False, k_run: int = 0):
         """`pipeline_costs`: the pipeline's table where the executor has it (None: chain rounds only);
-        `prefer_pipeline`: the shape a fixed (non-adaptive) policy takes."""
-        self.k_max, self.adaptive = k_max, adaptive
+        `prefer_pipeline`: the shape a fixed (non-adaptive) policy takes; `k_run`: the longest chain round,
+        weighed beside 1..k_max while drafts are mostly accepted (RequestPlan.draft_run; <= k_max: none)."""
+        self.k_max, self.adaptive, self.k_run = k_max, adaptive, k_run
         self.rounds = 0
         self.tables = {False: costs or RoundCosts()}
         if pipeline_costs is not None:
@@ -379,10 +380,12 @@ class DraftPolicy:
     def _timed(c: RoundCosts) -> bool:
         return c.draft_ms is not None and any(s >= 1 for s in c.verify_ms)
 
-    def choose(self, cap: int, pipeline_cap: int | None = None) -> int:
-        """This round's k (and `pipeline`): chain rounds draft at most `cap` (within k_max); pipeline rounds,
-        whose drafts in flight the executor bounds by k_max, at most `pipeline_cap` in all (None: `cap`)."""
+    def choose(self, cap: int, pipeline_cap: int | None = None, run_cap: int = 0) -> int:
+        """This round's k (and `pipeline`): chain rounds draft at most `cap` (within k_max), or one run of
+        `run_cap` (within k_run) past it; pipeline rounds, whose drafts in flight the executor bounds by k_max,
+        at most `pipeline_cap` in all (None: `cap`)."""
         cap = max(0, min(cap, self.k_max))
+        run_cap = max(0, min(run_cap, self.k_run))
         pipeline_cap = cap if pipeline_cap is None else max(0, pipeline_cap)
         self._call = None
         if not self.adaptive:
@@ -414,6 +417,11 @@ class DraftPolicy:
                 ks = list(range(1, cap + 1))
                 if (pipe or self.pipeline_only) and pipeline_cap > cap and a >= self.LONG_RUN:
                     ks.append(pipeline_cap)
+                elif not pipe and not self.pipeline_only and run_cap > cap and a >= self.LONG_RUN:
+                    # a chain's long run likewise (a request naming no draft_ahead): on a depth-agreeing Dory 4B
+                    # shape a round of 8 drafts yields 9 tokens in 1.6x a round of 4's time (benchmarks/
+                    # dory_4b_spec.py), where drafting only 1..4 held speculation to 1.19-1.38x plain
+                    ks.append(run_cap)
                 # (a call's own cost, by the rounds a call of this shape holds: the same for every k, so that
                 # a length tried in a call of its own is not charged a whole call against a held one's share)
                 call = c.call_ms / (1 if pipe else self.held)
@@ -425,9 +433,10 @@ class DraftPolicy:
             # few decayed drafts, and a draft too long costs little (past the best length the rate falls slowly)
             # while one too short costs much (the shipped model at two threads, fixed k: 29.6 ms a 64-token
             # request at k = 2, 26.6 at 3, 25.7 at 4, 25.2 at 5, 25.6 at 6)
+            # (a pipeline's run past cap gives way to a near tie within it; a chain's long run, when best, stays)
             if best[1] > 0:
-                best = max((o for o, r in rates.items() if o[0] == best[0] and o[1] <= cap and
-                            r >= (1 - self.TIE) * best_rate), key=lambda o: o[1], default=best)
+                best = max((o for o, r in rates.items() if o[0] == best[0] and (o[1] <= cap or o == best and not o[0])
+                            and r >= (1 - self.TIE) * best_rate), key=lambda o: o[1], default=best)
             # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
             # it is taken only when it beats the best draft length clearly (by MARGIN at acceptance 1), not on
             # a near tie that one unlucky round produced; where they keep failing, on any lead

@@ -51,7 +51,7 @@ class EmbeddingPlan:
     kv_loops = None
     exit_rule = None
     draft_loops = None
-    draft_ahead = 0
+    draft_ahead = draft_run = 0
     k_branches = 1
     speculative = False
     mode = "embedding"

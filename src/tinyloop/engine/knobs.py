@@ -36,6 +36,12 @@ from ..errors import ValidationError
 
 # -- the engine's per-request settings ------------------------------------------------------------
 MODES = ("generate", "speculative", "tree_speculative")
+DRAFT_AHEAD = 4   # draft_ahead when a request names none: a chain round's drafts, a tree's depth
+# and then, in mode speculative, the longest run a greedy chain round may draft where its drafts are mostly
+# accepted (engine/draft_policy.py `DraftPolicy.choose`: weighed beside 1..DRAFT_AHEAD, not every length between):
+# rounds of at most 4 held a depth-agreeing Dory 4B shape to 1.19-1.38x plain at loops 4, where rounds of 8
+# made 1.48-1.51x (benchmarks/dory_4b_spec.py; docs/speculative.md)
+DRAFT_RUN = 8
 DEFAULT_LOOPS = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "default_loops")
 
 
@@ -57,7 +63,7 @@ class SamplingParams:
     mode: str = "generate"
     draft_loops: int | None = None       # None -> a quarter of the verifier's loops, at least 1 (2 at 8)
     verify_loops: int | None = None      # None -> loops, else the model's default_loops
-    draft_ahead: int = 4
+    draft_ahead: int | None = None       # None -> DRAFT_AHEAD (and a chain's long run, DRAFT_RUN)
     k_branches: int = 1
     # adaptive depth (loops="auto"): each generated token exits when its criterion holds (model/exits.py)
     exit_criterion: str = "latent"
@@ -128,6 +134,17 @@ class SamplingParams:
         if self.verify_loops is not None:
             return self.verify_loops
         return default_loops if self.loops is None else self.loops
+
+    def effective_draft_ahead(self) -> int:
+        """A round's drafts (a tree: its depth): draft_ahead, else DRAFT_AHEAD."""
+        return self.draft_ahead if self.draft_ahead is not None else DRAFT_AHEAD
+
+    def draft_run(self) -> int:
+        """The longest draft a chain round may make: DRAFT_RUN in mode speculative when the request names no
+        draft_ahead (the policy weighs it where drafts are mostly accepted), else the round's drafts."""
+        if self.mode == "speculative" and self.draft_ahead is None:
+            return max(DRAFT_RUN, DRAFT_AHEAD)
+        return self.effective_draft_ahead()
 
     def effective_draft_loops(self, default_loops: int) -> int:
         """The draft's loops: draft_loops, else a quarter of the verifier's (at least 1): 2 at 8 loops, 1 at
@@ -248,11 +265,13 @@ class SamplingParams:
                  f"must be in 1..32, got {d!r}")
             need(1 <= verify <= max_loops, "verify_loops", f"must be in 1..{max_loops}, got {verify}")
             need(d < verify, "draft_loops", f"draft_loops ({d}) must be smaller than verify_loops ({verify})")
-            need(1 <= self.draft_ahead <= 16, "draft_ahead", f"must be in 1..16, got {self.draft_ahead}")
+            ahead = self.effective_draft_ahead()
+            need(isinstance(ahead, int) and not isinstance(ahead, bool) and 1 <= ahead <= 16, "draft_ahead",
+                 f"must be in 1..16, got {ahead!r}")
         if self.mode == "tree_speculative":
             need(1 <= self.k_branches <= 16, "K_branches", f"must be in 1..16, got {self.k_branches}")
-            need(self.k_branches * self.draft_ahead <= 64, "K_branches",
-                 f"K_branches x draft_ahead must be <= 64, got {self.k_branches * self.draft_ahead}")
+            need(self.k_branches * self.effective_draft_ahead() <= 64, "K_branches",
+                 f"K_branches x draft_ahead must be <= 64, got {self.k_branches * self.effective_draft_ahead()}")
             need(self.cache_window == 0 or self.k_branches == 1, "cache_window",
                  "tree speculation with K_branches > 1 needs the full cache: set cache_window to 0")
         return self
@@ -362,8 +381,9 @@ class SpeculationKnobs(BaseModel):
                                   "of verify_loops, at least 1 (2 at 8 loops)")
     verify_loops: Int | None = rng(lo=1, hi_limit="max_loops", description="default: loops, else the model's "
                                    "default_loops")
-    draft_ahead: Int | None = knob("draft_ahead", lo=1, hi=16, description="tokens drafted a round (a tree: its "
-                                   "depth)")
+    draft_ahead: Int | None = rng(lo=1, hi=16, description="tokens drafted a round at most (a tree: its depth); "
+                                  "default: 4, and in mode speculative greedy rounds whose drafts are mostly "
+                                  "accepted may draft 8")
 
 
 class TreeKnobs(BaseModel):

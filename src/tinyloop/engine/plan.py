@@ -27,6 +27,7 @@ class RequestPlan:
     loops: int                    # depth of the output distribution: loops, or verify_loops when speculative
     draft_loops: int | None       # speculative modes only
     draft_ahead: int              # tokens drafted per round (0 for plain generation)
+    draft_run: int                # the longest a greedy chain round may draft (SamplingParams.draft_run; >= draft_ahead)
     k_branches: int               # draft tree branching; 1 unless tree_speculative
     window: int                   # params.cache_window (0: full context)
     max_positions: int            # positions the sequence can reach (see plan_request)
@@ -62,8 +63,8 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     """Check a request against the model and resolve its defaults. Raises ValidationError naming the field.
 
     `max_seq_len` is the context limit the engine serves (the model's, or lower). `max_positions` is
-    prompt + max_tokens, plus for the speculative modes room for one draft tree past the last accepted
-    token (k_branches * draft_ahead + 1 positions)."""
+    prompt + max_tokens, plus for the speculative modes room for one draft tree or chain run past the last
+    accepted token (k_branches * draft_ahead, or draft_run, + 1 positions)."""
     params = params.with_effort(cfg)   # the depth reasoning_effort picks (every route's requests pass here)
     params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
     if params.adaptive and params.exit_criterion == "gate" and not (cfg.exit_gate if exit_gate is None else exit_gate):
@@ -93,10 +94,12 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
                 '"generate"', param="mode")
         ring = 1 if params.effective_loops(cfg.default_loops) > 1 else None
     k_branches = params.k_branches if params.mode == "tree_speculative" else 1
-    draft_ahead = params.draft_ahead if speculative else 0
-    max_positions = need + (k_branches * draft_ahead + 1 if speculative else 0)
+    draft_ahead = params.effective_draft_ahead() if speculative else 0
+    draft_run = params.draft_run() if speculative else 0
+    max_positions = need + (max(k_branches * draft_ahead, draft_run) + 1 if speculative else 0)
     return RequestPlan(
         prompt_ids=tuple(prompt_ids), params=params, n=n, loops=params.effective_loops(cfg.default_loops),
-        draft_loops=params.effective_draft_loops(cfg.default_loops) if speculative else None, draft_ahead=draft_ahead, k_branches=k_branches,
+        draft_loops=params.effective_draft_loops(cfg.default_loops) if speculative else None,
+        draft_ahead=draft_ahead, draft_run=draft_run, k_branches=k_branches,
         window=params.cache_window, max_positions=max_positions, exit_rule=params.exit_rule(cfg.default_loops),
         kv_loops=ring)

@@ -150,7 +150,7 @@ class Speculator(TreeRounds):
         # row, and its drafts agree less often)
         key = (self.d, self.V, self.exit is not None)
         sampled = not params.greedy
-        self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive,
+        self.policy = DraftPolicy(plan.draft_ahead, adaptive=adaptive, k_run=plan.draft_run,
                                   costs=round_costs(model, *key, self.pipeline and not both, sampled),
                                   pipeline_costs=round_costs(model, *key, True, sampled) if both else None,
                                   prefer_pipeline=self.pipeline)
@@ -158,7 +158,7 @@ class Speculator(TreeRounds):
             # the head's cost by rows (chain rounds' verification chunk, native_rounds.head_rows), measured
             # once per model here, before any round is timed: inside a round it made that round's cost (by
             # which the policy ranks draft lengths) tens of ms too high
-            head_costs(model, plan.draft_ahead + 1)
+            head_costs(model, max(plan.draft_ahead, plan.draft_run) + 1)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
@@ -225,7 +225,7 @@ class Speculator(TreeRounds):
 
     def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
         """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
-        ahead = min(self.params.draft_ahead, remaining - 1)
+        ahead = min(self.plan.draft_ahead, remaining - 1)
         tree = self.native_tree and ahead > 0
         if tree and self.shapes is not None:
             now = time.perf_counter()
@@ -236,7 +236,8 @@ class Speculator(TreeRounds):
         if tree:
             out = yield from self._native_tree_round(ahead)
         elif self.native:
-            out = yield from self._native_round(ahead, min(PIPELINE_RUN, remaining - 1))
+            out = yield from self._native_round(ahead, min(PIPELINE_RUN, remaining - 1),
+                                                min(self.plan.draft_run, remaining - 1))
         else:
             out = yield from (self._tree_round(ahead) if self.tree else self._chain_round(ahead))
         if self.shapes is not None:
@@ -336,9 +337,10 @@ class Speculator(TreeRounds):
         st["accepted"] += len(out) - 1
         return out
 
-    def _native_round(self, cap: int, pipeline_cap: int):
+    def _native_round(self, cap: int, pipeline_cap: int, run_cap: int = 0):
         """A greedy round as one native call (chain or pipeline): the policy's k drafts, verification, head
-        argmax. A chain round drafts at most `cap` (draft_ahead); a pipeline round keeps at most that many
+        argmax. A chain round drafts at most `cap` (draft_ahead), or `run_cap` (draft_run: a request naming no
+        draft_ahead, its drafts mostly accepted); a pipeline round keeps at most that many
         drafts in flight and runs on while they are accepted, up to `pipeline_cap` drafts in all. In a
         crowded batch, one plain row of the shared step instead (its rows share the batch's weight passes;
         a round of its own would not). A draft exit's entries of such positions are not written: later
@@ -350,7 +352,7 @@ class Speculator(TreeRounds):
         # it may still make: the check of whether drafting pays probes plain calls at its tail)
         self.policy.held = CHAIN_ROUNDS if self.running is None or self.running() == 1 else 1
         self.policy.room = min(self.plan.params.max_tokens - self.sampler.n_out, self.plan.max_positions - self.length)
-        k = self.policy.choose(cap, pipeline_cap)
+        k = self.policy.choose(cap, pipeline_cap, run_cap)
         if len(self.policy.tables) == 2:   # the policy picks the shape too
             self.pipeline = self.policy.pipeline
         if k == 0:   # no draft: the plain row plain decoding runs (a round of one call of its own cost ~15% more)
@@ -484,7 +486,7 @@ class Speculator(TreeRounds):
             "verify_ms": round(st["verify_s"] * 1000, 2),
             "draft_loops": self.d,
             "verify_loops": self.V,
-            "draft_ahead": self.params.draft_ahead,
+            "draft_ahead": self.plan.draft_ahead,
             "K_branches": self.K,
             "draft_exit": self.exit is not None,
             "native_rounds": self.native or self.native_tree,
