@@ -1,5 +1,5 @@
 """Batch-1 decode speed of an NVIDIA Dory model (nGPT single-sublayer layers: model/families/dory.py) on the native
-executor (kernels/dory.py, csrc/dory.cpp) against the PyTorch path, at loops 1, 2 and 4.
+executor (csrc/dory.cpp, described from model/families/dory.py NGPTBlock.native_fields) against the PyTorch path, at loops 1, 2 and 4.
 
 A small random Dory shape (`init_ngpt`'s weights; no checkpoint needed): hidden 512, 16 query heads of 64 (q and
 the gate 1024 wide, twice the hidden size, as in the release), 4 kv heads, ffn 1536, vocabulary 32,000, layers

@@ -1,4 +1,4 @@
-"""NVIDIA Dory on the native executor (kernels/dory.py, csrc/dory.cpp) against the model's one definition
+"""NVIDIA Dory on the native executor (csrc/dory.cpp, described from model/families/dory.py NGPTBlock.native_fields) against the model's one definition
 (model/families/dory.py, the PyTorch path) and against tests/model/test_dory.py's independent numpy reference,
 on the hidden tiny checkpoints test_dory.py builds (the real Hugging Face layout, converted): nGPT
 single-sublayer layers "S-" "*S-" "*-", a window of 3 (prompts of 10), the sliding layers on RoPE profile 2

@@ -371,7 +371,7 @@ def test_speculative_decoding_equals_plain_greedy(dory, engines, weights):
 
 
 def test_the_native_executor_runs_dory(dory, engines):
-    """Dory runs on the native executor where its library builds (kernels/dory.py, csrc/dory.cpp; compared
+    """Dory runs on the native executor where its library builds (csrc/dory.cpp, described from model/families/dory.py NGPTBlock.native_fields; compared
     with model/ in tests/kernels/test_dory_native.py), so the engine tests above ran natively there."""
     from tinyloop.kernels.executor import unsupported_features
     from tinyloop.kernels.lib import native_wanted

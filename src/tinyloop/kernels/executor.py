@@ -24,9 +24,8 @@ import torch.nn as nn
 from . import lib as L
 from .lib import _INJECTIONS, _LOOP_STARTS, _PLACEMENTS, config_refusal, unsupported_features  # noqa: F401
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
-                     linear_desc, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+                     describe, linear_desc, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
-from .dory import dory_block_desc, dory_desc, logit_scale_desc
 from .parcae import parcae_desc, value_embed_desc
 
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
@@ -63,8 +62,8 @@ class NativeExecutor(RequestCalls):
         blocks = [*model.prelude, *model.core, *model.coda]
         self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
         parcae_desc(model, m, self.keep)
-        if cfg.ngpt:
-            dory_desc(model, m, self.keep)
+        m.ngpt = int(cfg.ngpt)   # nGPT's loop entry and state (justnorm; csrc/dory.cpp)
+        self._slot_map(model, m)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
         m.final_norm = _vec(model.norm.weight if cfg.post_loop_norm else None, self.keep)
@@ -72,8 +71,8 @@ class NativeExecutor(RequestCalls):
             m.adapter = linear_desc(model.adapter, self.keep)
         head = model.head_linear
         self.head = linear_desc(head, self.keep) if head is not None else tensor_desc(model.head_weight, self.keep)
-        if model.logit_scale is not None:
-            logit_scale_desc(model, self.head, self.keep)
+        if model.logit_scale is not None:   # the head's per-token scales (model/looped.py logits)
+            self.head.out_scale = _vec(model.logit_scales(self.head.n), self.keep)
         self._mark_streamed(m)
         self.copy_bytes = 0   # bytes of the weights' copies this executor holds (packed int4 codes: _pack)
         self._pack(self.linears())
@@ -160,14 +159,31 @@ class NativeExecutor(RequestCalls):
         mode = "batch-invariant" if L.batch_invariant_setting() else "panels from 6-12 rows (not batch-invariant)"
         return f"native ({self.isa}, {self.threads} thread{'s' if self.threads != 1 else ''}, {mode})"
 
+    def _slot_map(self, model, m: L.TlModel) -> None:
+        """The cache slot of each slot number the library forms (prelude i, n_prelude + coda i, n_prelude + n_coda
+        + loop * n_core + j), SlotLayout's at the deepest depth, where it is not that number itself: a model whose
+        layers do not each keep keys (an MLP-only layer: -1, none; Dory's) or whose loops share one slot a layer
+        (kv_mode last_loop). Else no map (the library takes the numbers as slots)."""
+        cfg, lay = model.cfg, model.slot_layout()
+        P, C, K = cfg.n_prelude, cfg.n_core, cfg.n_coda
+        slots = [lay.prelude(i) for i in range(P)] + [lay.coda(i) for i in range(K)]
+        slots += [lay.core(r, j) for r in range(cfg.max_loops) for j in range(C)]
+        slots = [-1 if s is None else s for s in slots]
+        if slots == list(range(len(slots))):
+            return
+        arr = (ctypes.c_int32 * len(slots))(*slots)
+        self.keep.append(arr)
+        m.slot_map, m.slot_loops = ctypes.cast(arr, ctypes.c_void_p), cfg.max_loops
+
     def _block(self, blk, index: int | None = None) -> L.TlBlock:
         """A block's descriptor; `index`: its number among the model's (prelude, core, coda) blocks, which
         says where its value embeddings come from (None: a draft exit's block, which has none)."""
         b, k = L.TlBlock(), self.keep
-        if getattr(blk, "kind", None) in ("S", "*", "-"):   # Dory's nGPT layers (model/families/dory.py NGPTBlock)
+        own = getattr(blk, "native_fields", None)   # a family's own layers say what the library reads (nGPT's)
+        if own is not None:
             if index is None:
-                raise Unsupported("a draft exit's nGPT blocks")
-            dory_block_desc(blk, b, k)
+                raise Unsupported(f"a draft exit's {type(blk).__name__} blocks")
+            describe(b, own(), k)
             return b
         a, mlp = blk.attn, blk.mlp
         qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]

@@ -128,6 +128,25 @@ def _libc():
         return None
 
 
+def describe(struct, fields: dict, keep: list) -> None:
+    """Fill a descriptor (`TlBlock`) from what a model module says the library reads of it (`native_fields`: a
+    family's layer, e.g. model/families/dory.py `NGPTBlock`; the block-level counterpart of `native_weights`): a
+    module -> its layer descriptor (`linear_desc`); a list of modules -> the array field's first entries and
+    `n_<name>` their count; a tensor -> an fp32 copy (`_vec`); a number -> as it is."""
+    for name, v in fields.items():
+        if isinstance(v, nn.Module):
+            setattr(struct, name, linear_desc(v, keep))
+        elif isinstance(v, (list, tuple)):
+            arr = getattr(struct, name)
+            for i, mod in enumerate(v):
+                arr[i] = linear_desc(mod, keep)
+            setattr(struct, f"n_{name}", len(v))
+        elif isinstance(v, torch.Tensor):
+            setattr(struct, name, _vec(v, keep))
+        else:
+            setattr(struct, name, v)
+
+
 def linear_desc(mod: nn.Module, keep: list) -> L.TlLinear:
     """A layer's weights as the library reads them (the module's own tensors): an `nn.Linear`, or a module
     that says what to read through `native_weights()` (quant.fp16.FP16Linear: its 16-bit weight tensor;

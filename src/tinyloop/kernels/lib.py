@@ -237,7 +237,7 @@ def unsupported_features(cfg) -> list[str]:
     PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
     injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) and Dory's (nGPT single-sublayer
     blocks, sliding-window layers, partial rotary and a second RoPE profile, the last_loop KV mode, the logit
-    scale: kernels/dory.py) run natively."""
+    scale: csrc/dory.cpp) run natively."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu", "relu2"):
         out.append(f"the {cfg.mlp} MLP")

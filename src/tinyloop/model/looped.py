@@ -246,6 +246,12 @@ class LoopedTransformer(nn.Module):
         c = self.cfg.logit_softcap
         return out if c == 0 else c * torch.tanh(out / c)
 
+    def logit_scales(self, rows: int) -> torch.Tensor:
+        """The per-token factors `logits` multiplies by (logit_scale / ngpt_std in fp32) for a head of `rows`
+        outputs, a padded head's extra rows 1 (kept as they are): what the native executor's head applies."""
+        s = self.logit_scale.detach().to(torch.float32) / self.cfg.ngpt_std
+        return torch.cat([s, torch.ones(rows - s.numel())]) if rows > s.numel() else s
+
     def greedy_tokens(self, x: torch.Tensor) -> list[int]:
         """The greedy token of each row of x (T, dim): the argmax of `logits` over the vocabulary (the first
         of equal maxima). The native executor fuses it into the head and keeps the logits to itself."""

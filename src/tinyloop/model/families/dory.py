@@ -24,7 +24,7 @@ r and earlier calls' tokens at the last loop they ran: `ModelConfig.kv_mode`, `c
 This module owns the mapping of config.json onto `ModelConfig` (refusing, by name, everything that is not
 Dory v1), of the checkpoint's tensor names onto TinyLoop's, and the math above (`NGPTBlock`, used by
 `model.looped.LoopedTransformer` for a config with a `layer_pattern`). Its native math beside the shared kernels:
-`kernels/csrc/dory.cpp` (described by `kernels/dory.py`; tests/kernels/test_dory_native.py holds it to this).
+`kernels/csrc/dory.cpp` (described from `NGPTBlock.native_fields`; tests/kernels/test_dory_native.py holds it to this).
 
 Partial rotary: the checkpoint rotates pairs (i, i + R/2) of the first R = head_dim * factor dims and leaves
 the rest; TinyLoop's RoPE turns pairs (j, j + D/2). The converter permutes each head's q and k rows (and sqk)
@@ -144,6 +144,27 @@ class NGPTBlock(nn.Module):
         a, b = justnorm(x), justnorm(out)
         rate = (self.alpha.to(a.dtype) * self.alpha_factor).abs()
         return justnorm(a + rate * (b - a)).to(x.dtype)
+
+    def native_fields(self) -> dict[str, Any]:
+        """What the native library's block descriptor holds for this layer (csrc/dory.cpp reads it; kernels/
+        executor.py fills it, as `native_weights` says what a layer's kernels read): its weights (modules), each
+        scale vector as the product `forward` forms, by the same torch expression in fp32 (so the library
+        multiplies by the very values the PyTorch path does), and its kind (1 attention, 2 MLP), window and RoPE
+        profile."""
+        f = torch.float32
+        fields: dict[str, Any] = {"alpha": (self.alpha.detach().to(f) * self.alpha_factor).abs()}
+        if self.mlp is not None:
+            m = self.mlp
+            fields.update(up=[m.w_gate_up] if m.w_gate_up is not None else [m.w_gate, m.w_up], down=m.w_down,
+                          suv_gate=m.suv_gate.detach().to(f) * m.suv_factor,
+                          suv_up=m.suv_up.detach().to(f) * m.suv_factor, ngpt=2)
+            return fields
+        a = self.attn
+        fields.update(qkv=[a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv], wo=a.wo, wg=a.wg,
+                      sqk=(a.sqk.detach().to(f) * a.sqk_factor).square(),
+                      s_gate=(a.s_gate.detach().to(f) * a.gate_factor).square(), ngpt=1, window=a.window,
+                      profile=a.profile)
+        return fields
 
 
 def init_ngpt(model: nn.Module, cfg: ModelConfig) -> None:
