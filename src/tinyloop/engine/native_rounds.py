@@ -44,7 +44,7 @@ class NativeRound:
             head.native_rows() if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
             None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=noise(sp), ahead=sp.params.draft_ahead, head_rows=self.head_rows(), rounds=self.rounds,
+            noise=noise(sp), ahead=sp.plan.draft_ahead, head_rows=self.head_rows(), rounds=self.rounds,
             stop=stop_ids(sp) if self.rounds > 1 else ())
 
     def head_rows(self) -> int:
