@@ -123,7 +123,7 @@ def test_a_speculative_request_holding_plain_rounds_runs_them_in_one_call(engine
     plain decoding's, greedy or sampled."""
     from tinyloop.engine.draft_policy import DraftPolicy
 
-    def hold_plain(self, cap, pipeline_cap=None):   # the policy's choice when plain rounds are faster: k = 0, counted idle
+    def hold_plain(self, cap, pipeline_cap=None, run_cap=0):   # the policy's choice when plain rounds are faster: k = 0, counted idle
         self.idle += 1
         self._chose(0)
         return 0

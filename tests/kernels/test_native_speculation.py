@@ -93,7 +93,7 @@ def test_speculation_native_equals_pytorch(mode, kw, name, with_exit):
     assert st_w["native_rounds"]
     # (the last round may draft fewer); a tree of K > 1 in one call too (tl_tree_round), its depth draft_ahead
     assert (rounds and max(rounds) == kw["draft_ahead"] and not trees) if chain else \
-        (not rounds and trees and max(trees) == params.draft_ahead)
+        (not rounds and trees and max(trees) == params.effective_draft_ahead())
     # a tree round verifies lazily: the greedy chain (depth + 1 nodes), and a chain below a sibling only where
     # the walk takes one; both happen here, and the output is still the verification of every node's
     assert chain or any(v == depth + 1 for depth, v, _ in verified)
@@ -132,7 +132,7 @@ def test_long_pipeline_rounds_are_exact(monkeypatch, ahead, with_exit, batch):
         attach_varied_exits(nat, {1: 1, 2: 2})
     runs = _record_spec_rounds(nat, lambda a, kw, res: (a[5], kw.get("ahead"), len(res["emitted"])))
 
-    def longest(self, cap, pipeline_cap=None):   # every round as long a pipeline as the request allows
+    def longest(self, cap, pipeline_cap=None, run_cap=0):   # every round as long a pipeline as the request allows
         self._chose(pipeline_cap)
         return pipeline_cap
     monkeypatch.setattr(DraftPolicy, "choose", longest)

@@ -433,9 +433,10 @@ class DraftPolicy:
             # few decayed drafts, and a draft too long costs little (past the best length the rate falls slowly)
             # while one too short costs much (the shipped model at two threads, fixed k: 29.6 ms a 64-token
             # request at k = 2, 26.6 at 3, 25.7 at 4, 25.2 at 5, 25.6 at 6)
-            # (a pipeline's run past cap gives way to a near tie within it; a chain's long run, when best, stays)
+            # (a pipeline's run past cap gives way to a near tie within it; a chain's long run is one of the ties:
+            # weighed only at acceptance >= LONG_RUN, where a run too long costs little)
             if best[1] > 0:
-                best = max((o for o, r in rates.items() if o[0] == best[0] and (o[1] <= cap or o == best and not o[0])
+                best = max((o for o, r in rates.items() if o[0] == best[0] and (o[1] <= cap or not o[0])
                             and r >= (1 - self.TIE) * best_rate), key=lambda o: o[1], default=best)
             # k = 0 (the chain's plain pass) teaches nothing about the drafts: where they have been accepted
             # it is taken only when it beats the best draft length clearly (by MARGIN at acceptance 1), not on
