@@ -58,7 +58,8 @@ def packed_copy_bytes(path: Path) -> int:
         if part in ("qweight", "scales", "zeros", "mins") and f"{base}.qweight" in index:
             start, end = t["data_offsets"]
             parts[part] = parts.get(part, 0) + (int(end) - int(start)) * (base != "head")
-            parts["read"] = parts.get("read", 0) + int(end) - int(start)
+            if part == "qweight":   # (codes only: at most what the executor counts a token reading, so that
+                parts["read"] = parts.get("read", 0) + int(end) - int(start)   # the estimate errs high)
     if parts.get("read", 0) <= STREAMED_BYTES:   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
         return parts.get("qweight", 0) + 4 * parts.get("scales", 0)
     return parts.get("qweight", 0) + parts.get("scales", 0) + parts.get("zeros", 0) + parts.get("mins", 0)
