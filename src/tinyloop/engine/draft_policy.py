@@ -321,6 +321,7 @@ class DraftPolicy:
     PRIOR = 16
     MARGIN = 1.1
     LONG_RUN = 0.8
+    RUN_ACCEPT = 0.95   # a chain's long run (draft_run) is weighed from this acceptance estimate on
     SETTLED = 4
     TIE = 0.05
 
@@ -417,7 +418,7 @@ class DraftPolicy:
                 ks = list(range(1, cap + 1))
                 if (pipe or self.pipeline_only) and pipeline_cap > cap and a >= self.LONG_RUN:
                     ks.append(pipeline_cap)
-                elif not pipe and not self.pipeline_only and run_cap > cap and a >= self.LONG_RUN:
+                elif not pipe and not self.pipeline_only and run_cap > cap and a >= self.RUN_ACCEPT:
                     # a chain's long run likewise (a request naming no draft_ahead): on a depth-agreeing Dory 4B
                     # shape a round of 8 drafts yields 9 tokens in 1.6x a round of 4's time (benchmarks/
                     # dory_4b_spec.py), where drafting only 1..4 held speculation to 1.19-1.38x plain
@@ -434,7 +435,7 @@ class DraftPolicy:
             # while one too short costs much (the shipped model at two threads, fixed k: 29.6 ms a 64-token
             # request at k = 2, 26.6 at 3, 25.7 at 4, 25.2 at 5, 25.6 at 6)
             # (a pipeline's run past cap gives way to a near tie within it; a chain's long run is one of the ties:
-            # weighed only at acceptance >= LONG_RUN, where a run too long costs little)
+            # weighed only at acceptance >= RUN_ACCEPT, where a run too long costs little)
             if best[1] > 0:
                 best = max((o for o, r in rates.items() if o[0] == best[0] and (o[1] <= cap or not o[0])
                             and r >= (1 - self.TIE) * best_rate), key=lambda o: o[1], default=best)

@@ -37,8 +37,9 @@ from ..errors import ValidationError
 # -- the engine's per-request settings ------------------------------------------------------------
 MODES = ("generate", "speculative", "tree_speculative")
 DRAFT_AHEAD = 4   # draft_ahead when a request names none: a chain round's drafts, a tree's depth
-# and then, in mode speculative, the longest run a greedy chain round may draft where its drafts are mostly
-# accepted (engine/draft_policy.py `DraftPolicy.choose`: weighed beside 1..DRAFT_AHEAD, not every length between):
+# and then, in mode speculative, the longest run a greedy chain round may draft where its drafts are nearly always
+# accepted (engine/draft_policy.py `DraftPolicy.choose`, RUN_ACCEPT: weighed beside 1..DRAFT_AHEAD, not every
+# length between):
 # rounds of at most 4 held a depth-agreeing Dory 4B shape to 1.19-1.38x plain at loops 4, where rounds of 8
 # made 1.48-1.51x (benchmarks/dory_4b_spec.py; docs/speculative.md)
 DRAFT_RUN = 8
