@@ -39,15 +39,17 @@ MODES = ("generate", "speculative", "tree_speculative")
 DRAFT_AHEAD = 4   # draft_ahead when a request names none: a chain round's drafts, a tree's depth
 # and then, in mode speculative, the longest run a greedy chain round may draft where its drafts are nearly always
 # accepted (engine/draft_policy.py `DraftPolicy.choose`, RUN_ACCEPT: weighed beside 1..DRAFT_AHEAD, not every
-# length between):
-# rounds of at most 4 held a depth-agreeing Dory 4B shape to 1.19-1.38x plain at loops 4, where rounds of 8
-# made 1.48-1.51x (benchmarks/dory_4b_spec.py; docs/speculative.md)
+# length between): rounds of at most 4 held a depth-agreeing Dory 4B shape to 1.19x plain at loops 4 over 128
+# tokens, with the run 1.40-1.48x (1.6x once the policy settled; benchmarks/dory_4b_spec.py, docs/speculative.md)
 DRAFT_RUN = 8
 DEFAULT_LOOPS = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "default_loops")
 
 
 @dataclass
 class SamplingParams:
+    """One request's generation settings as the engine takes them (every route's knobs map onto these:
+    `knob_params`), their defaults, and their range checks (`validate`: the one validation path)."""
+
     max_tokens: int = 128
     loops: int | str | None = None       # None -> the model's default_loops; "auto": adaptive depth
     temperature: float = 0.0             # 0 -> greedy
