@@ -12,8 +12,8 @@ given: no copies, nothing allocated here; they run on the decode path):
   (`Speculator`: the pipeline shape; `BatchEngine.warm_up`: not for a streamed model);
 - `name`, `attach`: who runs the model (`/health`, `model_info`, the prompt cache's key), and the executor attached
   at load (`Engine.load`);
-- `copy_bytes`: the memory of the executor's copies of the weights (the server's model memory,
-  `server/model_memory.py`);
+- `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
+  copy takes (the server's model memory, `server/model_memory.py`);
 - `supports`, `generate`: a lone sequence's plain tokens in one call (`fast_steps`, `native_rounds.NativeSteps`);
 - `spec_round`, `tree_round`: whole speculation rounds (`native_rounds.NativeRound`, `NativeTreeRound`);
 - `head_costs`: the head's cost by rows (`draft_policy.head_chunk` via `native_rounds.chunk`, `Speculator`);
@@ -65,6 +65,14 @@ def copy_bytes(model: Any) -> int:
     """Bytes of the weights' copies the executor holds beside the model's tensors (its packed int4 codes, those
     still being packed in the background included: `NativeExecutor._pack`); 0 on the PyTorch path."""
     return model.executor.copy_bytes if runs_natively(model) else 0
+
+
+def stays_in_cache(weight_bytes: int) -> bool:
+    """Whether a model whose decode reads `weight_bytes` of weights a token is served as staying in cache (not
+    streamed: `kernels/executor.py` STREAMED_BYTES), as the executor decides it at load."""
+    from ..kernels.executor import STREAMED_BYTES
+
+    return weight_bytes <= STREAMED_BYTES
 
 
 def supports(model: Any, rows) -> bool:

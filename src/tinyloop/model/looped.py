@@ -239,18 +239,17 @@ class LoopedTransformer(nn.Module):
         else:
             w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
             out = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-        if self.logit_scale is not None:   # nGPT (Dory): per-token scales (a padded head's extra rows: as they are)
-            s = self.logit_scale.to(torch.promote_types(out.dtype, torch.float32)) / self.cfg.ngpt_std
-            V = s.shape[0]
-            out = out.to(s.dtype) * s if out.shape[-1] == V else torch.cat([out[..., :V] * s, out[..., V:]], dim=-1)
+        if self.logit_scale is not None:   # nGPT (Dory): per-token scales
+            s = self.logit_scales(out.shape[-1], torch.promote_types(out.dtype, torch.float32))
+            out = out.to(s.dtype) * s
         c = self.cfg.logit_softcap
         return out if c == 0 else c * torch.tanh(out / c)
 
-    def logit_scales(self, rows: int) -> torch.Tensor:
-        """The per-token factors `logits` multiplies by (logit_scale / ngpt_std in fp32) for a head of `rows`
-        outputs, a padded head's extra rows 1 (kept as they are): what the native executor's head applies."""
-        s = self.logit_scale.detach().to(torch.float32) / self.cfg.ngpt_std
-        return torch.cat([s, torch.ones(rows - s.numel())]) if rows > s.numel() else s
+    def logit_scales(self, rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The per-token factors `logits` multiplies by (logit_scale / ngpt_std, in `dtype`) for a head of `rows`
+        outputs, a padded head's extra rows 1 (kept as they are); the native executor's head applies the same."""
+        s = self.logit_scale.to(dtype) / self.cfg.ngpt_std
+        return torch.cat([s, s.new_ones(rows - s.numel())]) if rows > s.numel() else s
 
     def greedy_tokens(self, x: torch.Tensor) -> list[int]:
         """The greedy token of each row of x (T, dim): the argmax of `logits` over the vocabulary (the first

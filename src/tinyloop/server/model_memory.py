@@ -50,7 +50,7 @@ def packed_copy_bytes(path: Path) -> int:
     quant = (header.get("weights") or {}).get("quant") or {}
     if quant.get("bits") != 4:
         return 0
-    from ..kernels.executor import STREAMED_BYTES
+    from ..engine import native
 
     parts: dict[str, int] = {}
     for name, t in index.items():
@@ -60,7 +60,7 @@ def packed_copy_bytes(path: Path) -> int:
             parts[part] = parts.get(part, 0) + (int(end) - int(start)) * (base != "head")
             if part == "qweight":   # (codes only: at most what the executor counts a token reading, so that
                 parts["read"] = parts.get("read", 0) + int(end) - int(start)   # the estimate errs high)
-    if parts.get("read", 0) <= STREAMED_BYTES:   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
+    if native.stays_in_cache(parts.get("read", 0)):   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
         return parts.get("qweight", 0) + 4 * parts.get("scales", 0)
     return parts.get("qweight", 0) + parts.get("scales", 0) + parts.get("zeros", 0) + parts.get("mins", 0)
 
