@@ -11,7 +11,7 @@ this file format's version and TinyLoop's. The loop/slot layout is the block nam
 draft depth) and its slot count; loop-shared KV (`kv_loops`) is never cached (a ring slot's keys depend on how
 the prompt was chunked), so it never reaches the disk either.
 
-A file: `MAGIC`, a 4-byte header length, a JSON header (that identity, the block's name, depth, parent name,
+A file (engine/kv_block_file.py): a magic, a JSON header (that identity, the block's name, depth, parent name,
 tokens, salt, slot count and storage parts), the payload (keys then values, each `KVTensor` part as the
 pool stores it: floats, or int8/int4 codes with their scales and offsets, `n_slots` pages each) and a
 CRC-32 of everything before it. Reading checks all of it: a file that does not match (another model, format
@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import zlib
@@ -53,17 +52,15 @@ import torch
 
 from ..version import __version__
 from .cache_dir import SAVED_DIR, SUFFIX, atomic_write, check_name, file_hash, fsync_dir, scan
+from .kv_block_file import CRC, HEAD, MAGIC, check, encode, meta_problem, read
 from .prefix_cache import block_name
 from .native import name as executor_name
 
 log = logging.getLogger("tinyloop.engine")
 
 DISK_VERSION = 1
-MAGIC = b"TLKVBLK1"
 DEFAULT_MAX_BYTES = 4 << 30
 _STAMPS_KEPT = 65536            # chain stamps remembered (a new block inherits its parent's)
-_HEAD = struct.Struct("<I")
-_CRC = struct.Struct("<I")
 READERS = 2                     # threads reading a chain's files at admission (reads and CRCs release the GIL)
 
 
@@ -274,17 +271,17 @@ class DiskPrefixCache:
         fd, pages, expect, _ = job
         try:
             size = os.fstat(fd).st_size
-            head = os.pread(fd, len(MAGIC) + _HEAD.size, 0)
-            if len(head) < len(MAGIC) + _HEAD.size:
+            head = os.pread(fd, len(MAGIC) + HEAD.size, 0)
+            if len(head) < len(MAGIC) + HEAD.size:
                 return f"truncated ({size} bytes)"
             if head[:len(MAGIC)] != MAGIC:
                 return "not a TinyLoop KV block file (bad magic)"
-            (hlen,) = _HEAD.unpack_from(head, len(MAGIC))
-            expected = len(head) + hlen + len(pages) * sum(self._page_bytes) + _CRC.size
+            (hlen,) = HEAD.unpack_from(head, len(MAGIC))
+            expected = len(head) + hlen + len(pages) * sum(self._page_bytes) + CRC.size
             if size != expected or hlen > size:
                 return f"truncated or padded: {size} bytes, {expected} expected for {len(pages)} slots"
             header = bytearray(hlen)
-            crc_buf = bytearray(_CRC.size)
+            crc_buf = bytearray(CRC.size)
             if self._np is not None:
                 dests = [a[p].reshape(-1) for a in self._np for p in pages]
                 bufs = [header, *dests, crc_buf]
@@ -295,18 +292,18 @@ class DiskPrefixCache:
                 for d in dests:
                     crc = zlib.crc32(d, crc)
             else:
-                payload = bytearray(size - len(head) - hlen - _CRC.size)
+                payload = bytearray(size - len(head) - hlen - CRC.size)
                 got = os.preadv(fd, [header, payload, crc_buf], len(head))
                 if got != size - len(head):
                     return f"truncated while read ({len(head) + got} of {size} bytes)"
                 crc = zlib.crc32(payload, zlib.crc32(header, zlib.crc32(head)))
-            if crc != _CRC.unpack(crc_buf)[0]:
+            if crc != CRC.unpack(crc_buf)[0]:
                 return "checksum mismatch"
             try:
                 meta = json.loads(header)
             except (ValueError, UnicodeDecodeError):
                 return "its header is not JSON"
-            why = self._meta_problem(meta, expect)
+            why = meta_problem(meta, self.identity, self._part_layout, expect)
             if why is None and self._np is None:
                 self.fill(memoryview(payload), pages)
             return why
@@ -314,31 +311,6 @@ class DiskPrefixCache:
             return f"unreadable ({exc})"
         finally:
             os.close(fd)
-
-    def _read_file(self, path: Path) -> memoryview | None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self.misses += 1
-            return None
-        except OSError as exc:
-            log.warning("prompt cache: cannot open %s: %s", path, exc)
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            view = memoryview(bytearray(size))
-            got = 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n <= 0:
-                    break
-                got += n
-        except OSError as exc:
-            log.warning("prompt cache: cannot read %s: %s", path, exc)
-            return None
-        finally:
-            os.close(fd)
-        return view[:got]
 
     # -- the engine thread, idle: reading the most recently used blocks back at start -----------------
     @property
@@ -368,11 +340,13 @@ class DiskPrefixCache:
             return None
         if name in prefix._blocks:
             return None
-        data = self._read_file(path)
-        if data is None:
-            self.misses -= 1   # (evicted since the scan: not a lookup's miss)
+        try:
+            data = read(path)
+        except FileNotFoundError:   # (evicted since the scan: not a lookup's miss)
             return None
-        why, start, meta = self._check(data, {"name": name.hex()})
+        if data is None:
+            return None
+        why, start, meta = check(data, self.identity, self._part_layout, sum(self._page_bytes), {"name": name.hex()})
         if why is None:
             parent = bytes.fromhex(meta["parent"]) if meta.get("parent") else None
             tokens = meta.get("tokens")
@@ -389,7 +363,7 @@ class DiskPrefixCache:
             todo.clear()
             return None
         pages = pool.allocate(n_slots)
-        self.fill(data[start:len(data) - _CRC.size], pages)
+        self.fill(data[start:len(data) - CRC.size], pages)
         prefix.insert(name, pages)
         pool.free(pages)
         self._preload_pages += n_slots
@@ -462,58 +436,6 @@ class DiskPrefixCache:
             src = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off).view(n_slots, -1)
             t.view(torch.uint8).view(t.shape[0], -1).index_copy_(0, idx, src.to(dev))
             off += n
-
-    def _check(self, data: memoryview, expect: dict[str, Any]) -> tuple[str | None, int, dict]:
-        """(None, payload offset, header) for a good file of this engine whose header says `expect`; else
-        (why, 0, header or {})."""
-        head = len(MAGIC) + _HEAD.size
-        if len(data) < head + _CRC.size:
-            return f"truncated ({len(data)} bytes)", 0, {}
-        if bytes(data[:len(MAGIC)]) != MAGIC:
-            return "not a TinyLoop KV block file (bad magic)", 0, {}
-        (hlen,) = _HEAD.unpack_from(data, len(MAGIC))
-        if head + hlen + _CRC.size > len(data):
-            return f"truncated ({len(data)} bytes, its header alone says {head + hlen})", 0, {}
-        try:
-            meta = json.loads(bytes(data[head:head + hlen]))
-        except (ValueError, UnicodeDecodeError):
-            return "its header is not JSON", 0, {}
-        if not isinstance(meta, dict):
-            return "its header is not an object", 0, {}
-        why = self._meta_problem(meta, {})
-        if why is not None:
-            return why, 0, meta
-        n_slots = meta.get("n_slots")
-        if meta.get("parts") != self._part_layout or not isinstance(n_slots, int) or n_slots < 1:
-            return f"another storage layout ({n_slots} slots, {meta.get('parts')})", 0, meta
-        expected = head + hlen + n_slots * sum(self._page_bytes) + _CRC.size
-        if len(data) != expected:
-            return f"truncated or padded: {len(data)} bytes, {expected} expected", 0, meta
-        (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-        if zlib.crc32(data[:len(data) - _CRC.size]) != crc:
-            return "checksum mismatch", 0, meta
-        why = self._meta_problem(meta, expect)
-        if why is not None:
-            return why, 0, meta
-        return None, head + hlen, meta
-
-    def _meta_problem(self, meta: Any, expect: dict[str, Any]) -> str | None:
-        """Why a block file's header is not this engine's block `expect` describes (None: it is)."""
-        if not isinstance(meta, dict):
-            return "its header is not an object"
-        ident = meta.get("identity")
-        if ident != self.identity:
-            if not isinstance(ident, dict):
-                return "no identity in its header"
-            diff = [k for k in sorted(set(ident) | set(self.identity)) if ident.get(k) != self.identity.get(k)]
-            return "written for another " + ", ".join(f"{k} ({ident.get(k)!r}, this engine's {self.identity.get(k)!r})"
-                                                        for k in diff[:3])
-        if meta.get("parts") != self._part_layout:
-            return f"another storage layout ({meta.get('parts')})"
-        wrong = [k for k, v in expect.items() if meta.get(k) != v]
-        if wrong:
-            return f"another block ({', '.join(wrong)} differ)"
-        return None
 
     def _reject(self, path: Path, why: str) -> None:
         log.warning("prompt cache: ignored and removed %s: %s", path, why)
@@ -597,18 +519,11 @@ class DiskPrefixCache:
                     except OSError:
                         pass
                     continue
-                header = json.dumps({"identity": self.identity, "name": b.name.hex(), "depth": b.depth,
-                                     "parent": b.parent.hex() if b.parent is not None else None,
-                                     "tokens": b.tokens, "salt": b.salt, "n_slots": b.n_slots,
-                                     "parts": self._part_layout}).encode()
-                bufs = [MAGIC + _HEAD.pack(len(header)) + header]
-                for part in cpu:
-                    piece = part[i * b.n_slots:(i + 1) * b.n_slots].contiguous()
-                    bufs.append(memoryview(piece.numpy()).cast("B"))
-                crc = 0
-                for buf in bufs:
-                    crc = zlib.crc32(buf, crc)
-                bufs.append(_CRC.pack(crc))
+                header = {"identity": self.identity, "name": b.name.hex(), "depth": b.depth,
+                          "parent": b.parent.hex() if b.parent is not None else None,
+                          "tokens": b.tokens, "salt": b.salt, "n_slots": b.n_slots, "parts": self._part_layout}
+                bufs = encode(header, [memoryview(part[i * b.n_slots:(i + 1) * b.n_slots].contiguous().numpy())
+                                       .cast("B") for part in cpu])
                 try:
                     n = atomic_write(path, bufs, mtime_ns=t)
                 except OSError as exc:
