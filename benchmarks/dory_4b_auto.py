@@ -14,26 +14,19 @@ reports it: `loops_used`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import time
 from pathlib import Path
 
-from dory_4b_spec import load  # (benchmarks/)
+from dory_4b_spec import arguments, load  # (benchmarks/)
 from hostinfo import host  # (benchmarks/)
 from tinyloop.engine import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="dory_4b.py's int4 file")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--damp", type=float, default=0.002)
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = arguments(__doc__).parse_args()
     load0 = os.getloadavg()
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     rows = {}

@@ -41,14 +41,20 @@ def load(model: str, damp: float | None):
     return engine, engine.model_info()["executor"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options this script and dory_4b_auto.py share: the int4 file, tokens, repeats, the damping, --json."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="dory_4b.py's int4 file")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--damp", type=float, default=0.002)
-    ap.add_argument("--ahead", type=int, default=8, help="a fixed draft length to time beside the default")
     ap.add_argument("--json")
+    return ap
+
+
+def main() -> None:
+    ap = arguments(__doc__)
+    ap.add_argument("--ahead", type=int, default=8, help="a fixed draft length to time beside the default")
     args = ap.parse_args()
     load0 = os.getloadavg()
     engine, executor = load(args.model, args.damp)
