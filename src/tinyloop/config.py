@@ -23,10 +23,10 @@ LOOP_STARTS = ("state", "embed", "skip")
 #   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
 #   post               x = x + n2(f(x))                  (OLMo-2: only the branch output is normed)
 NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual", "post")
-# nGPT single-sublayer blocks (NVIDIA Dory, `model.ngpt`): one character per block, prelude, core, coda:
+# nGPT single-sublayer blocks (`ModelConfig.ngpt`): one character per block, prelude, core, coda:
 #   S  sliding-window attention (`sliding_window`)    *  full attention    -  MLP
 LAYER_KINDS = "S*-"
-# Where a recurrent (core) layer's keys live across loops (Dory's `recurrent_kv_cache_mode`):
+# Where a recurrent (core) layer's keys live across loops:
 #   per_loop   one cache per loop: loop r attends to every token's loop-r keys
 #   last_loop  one cache per core layer that every loop overwrites with the current call's keys: loop r sees
 #              this call's tokens at loop r and earlier calls' tokens at the last loop they ran
@@ -96,15 +96,15 @@ class ModelConfig:
     # the gate per kv head, ve an Embedding(vocab, n_kv_heads * head_dim) of the block's own
     value_embeds: tuple[int, ...] = ()
     ve_gate_channels: int = 32
-    # RoPE beyond one base (Dory): `rotary_dim` (0: head_dim) rotates the pairs (j, j + D/2) for j <
+    # RoPE beyond one base: `rotary_dim` (0: head_dim) rotates the pairs (j, j + D/2) for j <
     # rotary_dim / 2 at theta^(-2j / rotary_dim) and leaves the others as they are (a checkpoint's partial
-    # rotary, its q/k rows permuted to that order at conversion: `model.families.dory`); a second profile
+    # rotary, its q/k rows permuted to that order at conversion by the family's module); a second profile
     # (`rope_theta_2`, `rotary_dim_2`) and one profile, 1 or 2, per block in `rope_profile` (() : all 1)
     rotary_dim: int = 0
     rope_theta_2: float = 0.0
     rotary_dim_2: int = 0
     rope_profile: tuple[int, ...] = ()
-    # nGPT blocks (NVIDIA Dory; `model.ngpt`): non-empty, one LAYER_KINDS character per block; each block is
+    # nGPT blocks (`ngpt`): non-empty, one LAYER_KINDS character per block; each block is
     # one sublayer on the unit sphere, loops enter as justnorm(state + e), end with justnorm, no final norm,
     # the head's logits scaled per token by the `logit_scale` vector / ngpt_std
     layer_pattern: str = ""
@@ -114,7 +114,7 @@ class ModelConfig:
     gate_logit_init: float = 0.0        # g0 of the attention output gate (0: sqrt(dim))
     kv_mode: str = "per_loop"           # KV_MODES
     # The depths the model was trained to be used at, (shallowest, deepest), as its family declares them
-    # (`model.families`: Dory every depth 1..n_recurrent_loops); () : none declared. `loops` beyond it is still
+    # (`model.families`: e.g. every depth 1..n the checkpoint was trained at); () : none declared. `loops` beyond it is still
     # allowed up to max_loops; `reasoning_effort` picks a depth inside it (`effort_loops`, docs/server.md)
     trained_loops: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -239,7 +239,7 @@ class ModelConfig:
 
     @property
     def ngpt(self) -> bool:
-        """nGPT single-sublayer blocks (Dory): `layer_pattern` says each block's kind."""
+        """nGPT single-sublayer blocks: `layer_pattern` says each block's kind."""
         return bool(self.layer_pattern)
 
     def effort_loops(self, effort: str) -> int | None:

@@ -345,3 +345,29 @@ def test_a_quantized_head_takes_the_logit_scale(isa, dory, bits):
     got, _ = chunked(nat, nat.cfg, 3, D.PROMPT, CHUNKS)
     want, _ = chunked(ref, ref.cfg, 3, D.PROMPT, CHUNKS)
     assert (got - want).abs().max().item() < TOL
+
+
+def test_a_family_block_kind_is_found_by_name_and_an_unknown_one_refused(isa, dory):
+    """The library's block kinds are registered by the families' csrc files under a name (step.h register_block):
+    "ngpt" is one in every build; a block naming a kind the library lacks is refused as Unsupported (the model is
+    then served by the PyTorch path), never run as the shared block; and every layer of a described nGPT block is
+    found, its own output gate among them (what the background packing and `linears` walk)."""
+    from tinyloop.kernels import layers
+
+    lib = kernels.load(isa)
+    assert lib.tl_block_kind(b"ngpt") >= 1
+    assert lib.tl_block_kind(b"no-such-kind") == 0
+    mode, hf, path = dory
+    _, nat = pair(path)
+    attn = next(b for b in nat.core if b.attn is not None)
+    fields = attn.native_fields()
+    (name, layout), values = fields["own"]
+    desc, keep = kernels.TlBlock(), []
+    with pytest.raises(layers.Unsupported, match="no-such-kind"):
+        layers.describe(desc, {"own": (("no-such-kind", layout), values)}, keep)
+    layers.describe(desc, fields, keep)
+    assert desc.own == lib.tl_block_kind(name.encode())
+    own = layers.own_linears(desc)
+    assert [(d.n, d.k) for d in own] == [(attn.attn.wg.weight.shape[0], attn.attn.wg.weight.shape[1])]
+    with pytest.raises(ValueError, match="f64"):
+        layers.own_struct((("x", "f64"),))

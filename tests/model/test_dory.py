@@ -247,6 +247,22 @@ def test_the_converted_config(dory):
     assert cfg.rope_profile == tuple(hf["rope_profile_layers"]) and cfg.default_loops == DEFAULT_LOOPS
 
 
+def test_the_model_takes_its_blocks_from_the_family_module(dory):
+    """The registry's `own_blocks` picks Dory's module for an nGPT config (and no family for the shared blocks'
+    configs): the model is built of its `NGPTBlock`s, one sublayer each by the layer pattern, on the sphere."""
+    from tinyloop.config import preset
+    from tinyloop.model.families import FAMILIES, own_blocks
+    from tinyloop.model.families.dory import NGPTBlock
+
+    mode, hf, path = dory
+    model = load_model(path).model
+    assert own_blocks(model.cfg) is FAMILIES["dory"] and model.sphere
+    blocks = [*model.prelude, *model.core, *model.coda]
+    assert all(type(b) is NGPTBlock for b in blocks)
+    assert "".join("-" if b.mlp is not None else b.kind for b in blocks) == PATTERN
+    assert own_blocks(preset("tiny")) is None
+
+
 @torch.inference_mode()
 def test_fp32_logits_match_the_reference_at_every_position(dory, weights):
     """Tolerance 1e-4 (absolute, on logits of magnitude ~10): both sides are fp32; every layer ends in a

@@ -167,9 +167,8 @@ def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
         if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
                 and not native.runs_natively(model):   # (the native executor reads 16 bits as stored)
             weight = weight.float()
-        scale = getattr(model, "logit_scale", None)
-        if scale is not None:   # nGPT (Dory): each token's logit scale folded into its row, for drafting
-            s = scale.detach().to(torch.promote_types(weight.dtype, torch.float32)) / model.cfg.ngpt_std
+        if getattr(model, "logit_scale", None) is not None:   # each token's logit scale folded into its row
+            s = model.logit_scales(weight.shape[0], torch.promote_types(weight.dtype, torch.float32)).detach()
             weight = (weight.to(s.dtype) * s[:, None]).to(weight.dtype)
         cached = _DRAFT_WEIGHTS[model] = (key, weight)
     return cached[1]

@@ -85,7 +85,7 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
             param="max_tokens", code="context_length_exceeded")
     speculative = params.mode != "generate"
     ring = params.kv_ring(cfg.default_loops)
-    if cfg.kv_mode == "last_loop":   # (Dory's recurrent_kv_cache_mode): one core slot per layer, whatever asked
+    if cfg.kv_mode == "last_loop":   # one core slot per layer, whatever asked
         if speculative:
             raise ValidationError(
                 f"mode: {params.mode!r} needs a model that keeps each loop's keys; this one keeps one cache per "

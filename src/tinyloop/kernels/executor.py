@@ -24,7 +24,7 @@ import torch.nn as nn
 from . import lib as L
 from .lib import _INJECTIONS, _LOOP_STARTS, _PLACEMENTS, config_refusal, unsupported_features  # noqa: F401
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
-                     describe, linear_desc, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
+                     describe, linear_desc, own_linears, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
 from .parcae import parcae_desc, value_embed_desc
 
@@ -62,7 +62,7 @@ class NativeExecutor(RequestCalls):
         blocks = [*model.prelude, *model.core, *model.coda]
         self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
         parcae_desc(model, m, self.keep)
-        m.ngpt = int(cfg.ngpt)   # nGPT's loop entry and state (justnorm; csrc/dory.cpp)
+        m.sphere = int(model.sphere)   # the state on the unit sphere (loop entry and end: l2norm)
         self._slot_map(model, m)
         m.blocks = self.blocks
         m.core_norm = _vec(model.core_norm.weight if model.core_norm is not None else None, self.keep)
@@ -115,7 +115,7 @@ class NativeExecutor(RequestCalls):
         a streamed one whose int4 codes are at most PACK_STREAMED_BYTES too, at load (SmolLM2's 53 MB: 1.08-1.20x
         its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
         a larger one's after the load, on a background thread (`_pack_later`; the model serves from its mapped
-        codes meanwhile, so the start stays as fast): on the AVX-512 EPYC, Dory's 4B shape (1.65 GB of codes, group
+        codes meanwhile, so the start stays as fast): on the AVX-512 EPYC, the 4B nGPT shape (1.65 GB of codes, group
         32) decodes 1.56-1.60x faster once packed, the Ouro-1.4B shape (group 128) 1.4-1.6x (0.85-0.93 of the read
         ceiling against 0.51-0.63; docs/decode.md). TINYLOOP_NATIVE_PACK=all packs every one at load, =0 none (the
         portable codes, shared by every process that maps the file). A packed model's kernels run as from cache
@@ -162,7 +162,7 @@ class NativeExecutor(RequestCalls):
     def _slot_map(self, model, m: L.TlModel) -> None:
         """The cache slot of each slot number the library forms (prelude i, n_prelude + coda i, n_prelude + n_coda
         + loop * n_core + j), SlotLayout's at the deepest depth, where it is not that number itself: a model whose
-        layers do not each keep keys (an MLP-only layer: -1, none; Dory's) or whose loops share one slot a layer
+        layers do not each keep keys (an MLP-only layer: -1, none) or whose loops share one slot a layer
         (kv_mode last_loop). Else no map (the library takes the numbers as slots)."""
         cfg, lay = model.cfg, model.slot_layout()
         P, C, K = cfg.n_prelude, cfg.n_core, cfg.n_coda
@@ -216,7 +216,7 @@ class NativeExecutor(RequestCalls):
         self.rope = (cos.contiguous(), sin.contiguous())
         self.desc.rope_cos, self.desc.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
         self.desc.rope_len = self.rope[0].shape[0]
-        if rot.alt is not None:   # the second profile's (Dory), as many rows
+        if rot.alt is not None:   # the second profile's, as many rows
             cos2, sin2 = (t[:self.desc.rope_len].contiguous() for t in rot.alt.table(self.desc.rope_len, torch.float32, "cpu"))
             self.rope += (cos2, sin2)
             self.desc.rope_cos2, self.desc.rope_sin2 = cos2.data_ptr(), sin2.data_ptr()
@@ -259,8 +259,8 @@ class NativeExecutor(RequestCalls):
         if not (ro is None or ro == "coda" or (isinstance(ro, tuple) and isinstance(getattr(ro[0], "coda", None),
                                                                                     nn.ModuleList))):
             return False
-        if isinstance(ro, tuple) and self.model.cfg.ngpt:   # (a draft exit's nGPT blocks: not described)
-            return False
+        if isinstance(ro, tuple) and hasattr(self.model.core[0], "native_fields"):
+            return False   # (a draft exit's copies of a family's own blocks: not described)
         if r.tokens is not None:
             return (r.first_loop == 0
                     and (rule is None or (r.n == 1 and rule.criterion in L.TL_EXIT and rule.max_loops == r.last_loop
@@ -461,9 +461,9 @@ def _tree_keys(r, keep: list) -> tuple[list[int], int, list[tuple[int, int, int]
 
 
 def _linears(blocks) -> list:
-    """The linear layers' descriptors of block descriptors, in order (references into them; a Dory layer's
-    output gate after its q, k, v, and none of the sublayer it does not have)."""
-    return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wg, b.wo, *b.up[:b.n_up], b.down) if d.n]
+    """The linear layers' descriptors of block descriptors, in order (references into them; a family's own
+    block's own layers after the shared fields, and none of a sublayer it does not have)."""
+    return [d for b in blocks for d in (*b.qkv[:b.n_qkv], b.wo, *b.up[:b.n_up], b.down, *own_linears(b)) if d.n]
 
 
 def _pack_later(ref, todo: list) -> None:

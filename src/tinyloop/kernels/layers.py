@@ -128,13 +128,48 @@ def _libc():
         return None
 
 
+_OWN_TYPES = {"i32": ctypes.c_int32, "f32": ctypes.c_float, "linear": L.TlLinear, "f32[]": ctypes.c_void_p}
+_OWN_LAYOUTS: dict[int, tuple] = {}   # block kind -> its struct's fields, as described
+
+
+def own_linears(b) -> list:
+    """The layer descriptors in a block descriptor's own struct (references into it), in its order."""
+    if not b.own:
+        return []
+    layout = _OWN_LAYOUTS[b.own]
+    own = own_struct(layout).from_address(b.own_fields)
+    return [getattr(own, n) for n, t in layout if t == "linear"]
+
+
+@functools.cache
+def own_struct(fields: tuple[tuple[str, str], ...]) -> type[ctypes.Structure]:
+    """The ctypes struct of a family's own block fields, laid out as the family's module declares them
+    ((name, type) in the order of its C++ struct; types: i32, f32, linear (a layer), f32[] (an fp32 vector))."""
+    bad = [t for _, t in fields if t not in _OWN_TYPES]
+    if bad:
+        raise ValueError(f"own block field types {bad}: not among {sorted(_OWN_TYPES)}")
+    return type("TlOwnFields", (ctypes.Structure,), {"_fields_": [(n, _OWN_TYPES[t]) for n, t in fields]})
+
+
 def describe(struct, fields: dict, keep: list) -> None:
     """Fill a descriptor (`TlBlock`) from what a model module says the library reads of it (`native_fields`: a
-    family's layer, e.g. model/families/dory.py `NGPTBlock`; the block-level counterpart of `native_weights`): a
-    module -> its layer descriptor (`linear_desc`); a list of modules -> the array field's first entries and
-    `n_<name>` their count; a tensor -> an fp32 copy (`_vec`); a number -> as it is."""
+    family's own layer, e.g. model/families/dory.py `NGPTBlock`; the block-level counterpart of
+    `native_weights`): a module -> its layer descriptor (`linear_desc`); a list of modules -> the array field's
+    first entries and `n_<name>` their count; a tensor -> an fp32 copy (`_vec`); a number -> as it is; and
+    "own": ((kind name, its struct's fields), values) -> the block kind the library registered under that name
+    (`tl_block_kind`; Unsupported where this library has none) and that struct, filled by the same rules."""
     for name, v in fields.items():
-        if isinstance(v, nn.Module):
+        if name == "own":
+            (kind, layout), values = v
+            b = L.load().tl_block_kind(kind.encode())
+            if b == 0:
+                raise Unsupported(f"{kind!r} blocks (this build of the native library has no such block kind)")
+            own = own_struct(tuple(layout))()
+            _OWN_LAYOUTS[b] = tuple(layout)
+            describe(own, values, keep)
+            keep.append(own)
+            struct.own, struct.own_fields = b, ctypes.addressof(own)
+        elif isinstance(v, nn.Module):
             setattr(struct, name, linear_desc(v, keep))
         elif isinstance(v, (list, tuple)):
             arr = getattr(struct, name)

@@ -35,8 +35,7 @@ class TlBlock(ctypes.Structure):
     _fields_ = [("qkv", TlLinear * 3), ("n_qkv", _i), ("wo", TlLinear), ("up", TlLinear * 2), ("n_up", _i),
                 ("down", TlLinear), ("attn_norm", _p), ("mlp_norm", _p), ("attn_out_norm", _p),
                 ("mlp_out_norm", _p), ("qk_bias", _p), ("q_norm", _p), ("k_norm", _p), ("ve_gate", _p),
-                ("ve_table", _p), ("ve_kind", _i), ("ve_col", _i), ("ngpt", _i), ("window", _i), ("profile", _i),
-                ("wg", TlLinear), ("sqk", _p), ("s_gate", _p), ("alpha", _p), ("suv_gate", _p), ("suv_up", _p)]
+                ("ve_table", _p), ("ve_kind", _i), ("ve_col", _i), ("own", _i), ("own_fields", _p)]
 
 
 class TlReadout(ctypes.Structure):
@@ -55,7 +54,7 @@ class TlModel(ctypes.Structure):
                 ("head_norm", _p), ("head_eps", ctypes.c_float), ("loop_start", _i), ("relu2", _i), ("inj_decay", _p),
                 ("inj_dt", _p), ("inj_B", TlLinear), ("prelude_norm", _p), ("state_proj", TlLinear), ("qk_norm", _i),
                 ("qk_eps", ctypes.c_float), ("ve_channels", _i), ("e_width", _i), ("logit_softcap", ctypes.c_float),
-                ("ngpt", _i), ("rope_cos2", _p), ("rope_sin2", _p), ("slot_map", _p), ("slot_loops", _i)]
+                ("sphere", _i), ("rope_cos2", _p), ("rope_sin2", _p), ("slot_map", _p), ("slot_loops", _i)]
 
 
 class TlKV(ctypes.Structure):
@@ -156,6 +155,8 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         lib.tl_generate.restype = ctypes.c_int
         lib.tl_generate_scratch_floats.argtypes = [P(TlModel), P(TlGen), _i]
         lib.tl_generate_scratch_floats.restype = ctypes.c_int64
+        lib.tl_block_kind.argtypes = [ctypes.c_char_p]
+        lib.tl_block_kind.restype = _i
         lib.tl_set_threads.argtypes = [_i]
         lib.tl_set_panel_min_rows.argtypes = [_i]
         lib.tl_set_panel_min_rows.restype = _i
@@ -234,10 +235,10 @@ _INJECTIONS = {"none": 0, "add": 1, "concat-adapter": 2, "diagonal": 3}
 
 def unsupported_features(cfg) -> list[str]:
     """The config's features the C++ code does not implement: a model with any of them is served by the
-    PyTorch path (`model.fast.attach_executor` warns once and falls back). Parcae's (ReLU^2, the diagonal
-    injection, the prelude norm, C, q/k norms, value embeddings, the soft-cap) and Dory's (nGPT single-sublayer
-    blocks, sliding-window layers, partial rotary and a second RoPE profile, the last_loop KV mode, the logit
-    scale: csrc/dory.cpp) run natively."""
+    PyTorch path (`model.fast.attach_executor` warns once and falls back). ReLU^2, the diagonal injection, the
+    prelude norm, C, q/k norms, value embeddings and the soft-cap run natively, and so do a family's own blocks
+    (a block kind its csrc file registers: nGPT's, with sliding-window layers, partial rotary and a second RoPE
+    profile), the last_loop KV mode and a per-token logit scale."""
     out = []
     if cfg.mlp not in ("swiglu", "gelu", "relu2"):
         out.append(f"the {cfg.mlp} MLP")
@@ -249,8 +250,8 @@ def unsupported_features(cfg) -> list[str]:
         out.append(f"loop 0 starting as {cfg.loop_start!r}")
     if cfg.value_embeds and cfg.head_dim > 1024:
         out.append("value embeddings on heads wider than 1024")
-    # partial rotary and the second profile: Dory's layers read them (the tables carry both); another family's
-    # blocks would read profile 1 only
+    # partial rotary and the second profile: nGPT's layers read them (the tables carry both); the shared blocks
+    # read profile 1 only
     if not getattr(cfg, "layer_pattern", "") and (getattr(cfg, "rotary_dim", 0) or getattr(cfg, "rope_theta_2", 0)
                                                   or getattr(cfg, "rope_profile", ())):
         out.append("partial rotary or a second RoPE profile outside nGPT blocks")

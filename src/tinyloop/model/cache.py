@@ -51,7 +51,7 @@ class SlotLayout:
     uses slot r mod k, so a position's slot holds its keys from the latest loop of that residue it ran
     (k = 1: its last loop). Attention at loop r then sees earlier steps' tokens at that loop, not at r.
 
-    A model whose `kv_mode` is "last_loop" (Dory's) is always laid out with k = 1, in this ring's own slot
+    A model whose `kv_mode` is "last_loop" is always laid out with k = 1, in this ring's own slot
     order everywhere (`columns` is None: the step's layout and each sequence's are the same), and an nGPT
     model's MLP blocks (`layer_pattern` "-") have no slot: `prelude`, `coda` and `core` return None for them."""
 

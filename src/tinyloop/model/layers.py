@@ -22,6 +22,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis (nGPT's justnorm: a state on the unit sphere), computed in
+    fp32 (or wider) and returned in that dtype."""
+    f = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return f * torch.rsqrt(f.square().sum(dim=-1, keepdim=True) + 1e-6)
+
+
 def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = (), rotary_dim: int = 0) -> torch.Tensor:
     """The D/2 rotary frequencies theta^(-2i/D), float64. With `llama3` = (factor, low, high, old_len), Llama-3's
     rescaling: a frequency whose wavelength 2 pi / f exceeds old_len / low is divided by `factor`, one whose
@@ -43,7 +50,7 @@ def rope_frequencies(head_dim: int, theta: float, llama3: tuple[float, ...] = ()
 
 class Rotary:
     """cos/sin tables for rotary position embeddings, grown on demand, one per dtype/device. `alt`: the
-    model's second RoPE profile (`ModelConfig.rope_profile` 2: Dory's sliding-window layers), or None."""
+    model's second RoPE profile (`ModelConfig.rope_profile` 2: e.g. an nGPT model's sliding-window layers), or None."""
 
     def __init__(self, head_dim: int, theta: float, llama3: tuple[float, ...] = (), rotary_dim: int = 0,
                  alt: "Rotary | None" = None):
@@ -142,7 +149,7 @@ class AttentionContext(Protocol):
                  the model's second RoPE profile, `Rotary.alt`)
     attend(slot, q, k, v, window=0): store the rows' new keys/values (k, v: (B, T, Hkv, D)) in `slot`, then
                  return attention of q (B, T, H, D) over every key each row may see: (B, T, H, D); a layer's
-                 `window` W > 0 (Dory's sliding-window layers) further limits each query at position t to keys
+                 `window` W > 0 (a sliding-window layer's) further limits each query at position t to keys
                  at t-W+1 .. t (with a row's own window too, the narrower one holds: `combine_windows`)
     """
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .cache import KVCache, SlotLayout
 from .paged import PagedStep, Rows
-from .layers import Block, DiagonalInjection, RMSNorm, Rotary, StepContext, init_weights, linear_as
+from .families import own_blocks
+from .layers import Block, DiagonalInjection, RMSNorm, Rotary, StepContext, init_weights, l2norm, linear_as
 
 
 class LoopedTransformer(nn.Module):
@@ -29,16 +30,12 @@ class LoopedTransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         ve = set(cfg.value_embeds)   # blocks numbered prelude, core, coda
         P, C = cfg.n_prelude, cfg.n_core
-        self.justnorm = None
-        if cfg.ngpt:   # NVIDIA Dory's one-sublayer nGPT blocks (`model.families.dory`)
-            from .families.dory import NGPTBlock, justnorm
-            self.justnorm = justnorm
+        own = own_blocks(cfg)   # a family whose blocks are its own (`model.families`), or None
+        # nGPT: the state lives on the unit sphere (loops enter as l2norm(state + e) and end with l2norm)
+        self.sphere = cfg.ngpt
 
-            def make(b: int) -> nn.Module:
-                return NGPTBlock(cfg, b)
-        else:
-            def make(b: int) -> nn.Module:
-                return Block(cfg, b in ve)
+        def make(b: int) -> nn.Module:
+            return own.block(cfg, b) if own is not None else Block(cfg, b in ve)
         self.prelude = nn.ModuleList(make(i) for i in range(P))
         self.core = nn.ModuleList(make(P + j) for j in range(C))
         self.coda = nn.ModuleList(make(P + C + i) for i in range(cfg.n_coda))
@@ -58,7 +55,7 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # nGPT (Dory): the logits are scaled per token by logit_scale / ngpt_std
+        # nGPT: the logits are scaled per token by logit_scale / ngpt_std
         self.logit_scale = nn.Parameter(torch.ones(cfg.vocab_size)) if cfg.ngpt else None
         alt = Rotary(cfg.head_dim, cfg.rope_theta_2, (), cfg.rotary_dim_2) if 2 in cfg.rope_profile else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3, cfg.rotary_dim, alt)
@@ -81,9 +78,9 @@ class LoopedTransformer(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         n_layers = self.cfg.n_prelude + self.cfg.n_coda + self.cfg.n_core * self.cfg.default_loops
-        if self.cfg.ngpt:
-            from .families.dory import init_ngpt
-            init_ngpt(self, self.cfg)
+        own = own_blocks(self.cfg)
+        if own is not None and own.init is not None:
+            own.init(self)
         else:
             init_weights(self, n_layers)
         if seed is not None:
@@ -186,8 +183,8 @@ class LoopedTransformer(nn.Module):
         full, e = e, e[..., :self.cfg.dim] if self.ve_cols else e
         if loop_idx == 0 and self.cfg.loop_start == "skip":
             x = e   # the first loop runs on the prelude output itself, without the injection
-        elif self.justnorm is not None:
-            x = self.justnorm(h + e).to(h.dtype)   # nGPT (Dory): the sum back on the sphere
+        elif self.sphere:
+            x = l2norm(h + e).to(h.dtype)   # the sum back on the sphere
         elif self.cfg.injection == "add":
             x = h + e
         elif self.cfg.injection == "concat-adapter":
@@ -201,8 +198,8 @@ class LoopedTransformer(nn.Module):
             ve = self._ve(full, P + j) if self.ve_cols else None
             x = blk(x, ctx, ctx.slots.core(loop_idx, j) if ctx.slots is not None else None, ve)
         self.core_loop_tokens += h.shape[0] * h.shape[1]
-        if self.justnorm is not None:
-            return self.justnorm(x).to(x.dtype)
+        if self.sphere:
+            return l2norm(x).to(x.dtype)
         return x if self.core_norm is None else self.core_norm(x)
 
     def run_coda(self, h: torch.Tensor, ctx, e: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +236,7 @@ class LoopedTransformer(nn.Module):
         else:
             w = self.head_weight   # 16-bit under fp32 activations when the native executor took the head: widened
             out = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-        if self.logit_scale is not None:   # nGPT (Dory): per-token scales
+        if self.logit_scale is not None:   # nGPT: per-token scales
             s = self.logit_scales(out.shape[-1], torch.promote_types(out.dtype, torch.float32))
             out = out.to(s.dtype) * s
         c = self.cfg.logit_softcap

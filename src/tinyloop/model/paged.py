@@ -349,7 +349,7 @@ class PagedStep:
         self.n = r0
         self._rotary, self._dtype = rotary, dtype
         self._rope_all: tuple[torch.Tensor, torch.Tensor] | None = None   # made when a view first needs it
-        self._rope_alt: tuple[torch.Tensor, torch.Tensor] | None = None   # the second RoPE profile's (Dory)
+        self._rope_alt: tuple[torch.Tensor, torch.Tensor] | None = None   # the second RoPE profile's (rope_profile 2)
         self._views: dict[tuple[int, ...], PagedView] = {}
 
     @property

@@ -28,7 +28,7 @@ SUFFIXES = ("weight", "qweight", "scales", "zeros", "mins")   # (mins: int4's mi
 def fused_modules(cfg: Any) -> dict[str, list[tuple[str, int]]]:
     """Fused module name -> [(part module name, its output rows)] in row order, for a `ModelConfig`."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    pattern = getattr(cfg, "layer_pattern", "")   # nGPT (Dory) blocks: an attention or an MLP each
+    pattern = getattr(cfg, "layer_pattern", "")   # nGPT blocks: an attention or an MLP each
     out: dict[str, list[tuple[str, int]]] = {}
     b = 0
     for stack, n in (("prelude", cfg.n_prelude), ("core", cfg.n_core), ("coda", cfg.n_coda)):

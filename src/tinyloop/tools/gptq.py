@@ -96,7 +96,7 @@ def units(model: nn.Module) -> list[list[str]]:
                 out.append([name])
         for i, _ in enumerate(blocks):
             p = f"{stack_name}.{i}"
-            # (attn.wg: an nGPT (Dory) block's output-gate projection, reading the same input as q, k and v)
+            # (attn.wg: an nGPT block's output-gate projection, reading the same input as q, k and v)
             for group in ([f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv", f"{p}.attn.wg"], [f"{p}.attn.wo"],
                           [f"{p}.mlp.w_gate", f"{p}.mlp.w_up"], [f"{p}.mlp.w_down"]):
                 group = [n for n in group if n in present]

@@ -697,7 +697,7 @@ static void qq_packed_strips(const tl_linear* L, const int8_t* xq, const float* 
         for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
         for (int a = 0; a < NA; ++a) {
             // up to 6 rows, two accumulators a row (the low nibbles' and the high ones'): two chains of vpdpbusd,
-            // not one of twice the length, whose latency bound a lone row (the Dory 4B shape's core from memory,
+            // not one of twice the length, whose latency bound a lone row (the 4B nGPT shape's core from memory,
             // two threads: 1.15-1.3x at one row, about the same at 2-5); integer sums, the same whichever order
             // forms them
             constexpr bool TWO = MR <= 6;

@@ -524,7 +524,7 @@ static void linear_rows(const tl_linear* L, const float* x, int m, float* y, int
 
 void tl_linear_rows(const tl_linear* L, const float* x, int m, float* y, int ldy, float* scratch) {
     linear_rows(L, x, m, y, ldy, scratch);
-    if (L->out_scale)   // (Dory's logit scale: y * s, the product model/looped.py logits forms)
+    if (L->out_scale)   // (a per-token logit scale: y * s, the product model/looped.py logits forms)
         for (int r = 0; r < m; ++r)
             for (int j = 0; j < L->n; ++j) y[(int64_t)r * ldy + j] *= L->out_scale[j];
 }

@@ -361,7 +361,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
         }
         if (m->injection == 2) tl_linear_rows(&m->adapter, B.a, M, B.x, dim, B.lin);
         if (m->injection == 3) diagonal_inject(m, hs + oldest * dim, es + oldest * W, W, B.x, M, B);
-        if (m->ngpt) justnorm(B.x, B.x, M, (int)dim);   // Dory: the sum back on the sphere
+        if (m->sphere) l2norm(B.x, B.x, M, (int)dim);   // the sum back on the sphere
         if (m->loop_start == 2)   // skip: a row at loop 0 runs on e (its h) itself, without the injection
             for (int r = 0; r < M; ++r)
                 if (loop[oldest + r] == 0) memcpy(B.x + r * dim, hs + (oldest + r) * dim, sizeof(float) * dim);
@@ -371,7 +371,7 @@ extern "C" int tl_spec_pipeline(const tl_model* m, const tl_kv* kv, const tl_row
             block(m, &core[jj], kv, pr, M, 0, B.x, B, slots.data());
         }
         if (m->loop_norm) rmsnorm(B.x, m->core_norm, hs + oldest * dim, M, (int)dim, m->norm_eps);
-        else if (m->ngpt) justnorm(B.x, hs + oldest * dim, M, (int)dim);
+        else if (m->sphere) l2norm(B.x, hs + oldest * dim, M, (int)dim);
         else memcpy(hs + oldest * dim, B.x, sizeof(float) * M * dim);
         for (int j = oldest; j <= newest; ++j) ++loop[j];
         row_loops += M;

@@ -36,6 +36,35 @@ void rmsnorm(const float* x, const float* w, float* y, int m, int n, float eps) 
 }
 
 
+// y = x / sqrt(sum(x^2) + 1e-6) per row of n (nGPT's justnorm, model/layers.py l2norm), any n
+void l2norm(const float* x, float* y, int m, int n) {
+    for (int r = 0; r < m; ++r) {
+        const float* xr = x + (int64_t)r * n;
+        float* yr = y + (int64_t)r * n;
+        vf s = vzero();
+        int i = 0;
+        for (; i + TL_W <= n; i += TL_W) s = vfma(vload(xr + i), vload(xr + i), s);
+        float t = vsum(s);
+        for (; i < n; ++i) t += xr[i] * xr[i];
+        const float c = 1.0f / sqrtf(t + 1e-6f);
+        const vf vc = vset1(c);
+        for (i = 0; i + TL_W <= n; i += TL_W) vstore(yr + i, vmul(vload(xr + i), vc));
+        for (; i < n; ++i) yr[i] = xr[i] * c;
+    }
+}
+
+// the families' own blocks, by kind number (1..): registered at load by their C++ files (register_block)
+namespace {
+struct OwnKind { const char* name; OwnBlock run; };
+std::vector<OwnKind>& own_kinds() { static std::vector<OwnKind> kinds; return kinds; }   // (any load order)
+}  // namespace
+
+int register_block(const char* name, OwnBlock run) {
+    own_kinds().push_back({name, run});
+    return (int)own_kinds().size();
+}
+
+
 int64_t max_k(const tl_model* m) {
     int64_t k = std::max<int64_t>(2 * m->dim, m->ffn_dim);
     return std::max<int64_t>(k, (int64_t)m->n_heads * m->head_dim);
@@ -133,7 +162,7 @@ void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int s
 // writing and reading its own loop's cache slot (depth-aligned passes: tl_spec_pipeline)
 void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
            float* x, Buffers& B, const int* slots) {
-    if (b->ngpt) return ngpt_block(m, b, kv, rows, M, slot, x, B, slots);   // Dory (dory.cpp)
+    if (b->own) return own_kinds()[b->own - 1].run(m, b, kv, rows, M, slot, x, B, slots);   // a family's own
     const int dim = m->dim, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, F = m->ffn_dim;
     const int QKV = (H + 2 * Hkv) * D;
     // attention: norm, q/k/v, bias, RoPE, keys into the pool, attention over the row's pages, output
@@ -217,7 +246,7 @@ void fill_skipped(const tl_model* m, const tl_kv* kv, const tl_row* r, int used,
     for (int l = used; l < upto; ++l)
         for (int j = 0; j < m->n_core; ++j) {
             const int a = map_slot(m, core0 + (used - 1) * m->n_core + j), b = map_slot(m, core0 + l * m->n_core + j);
-            if (a < 0 || a == b) continue;   // (Dory: an MLP layer keeps no keys; last_loop: one slot for every loop)
+            if (a < 0 || a == b) continue;   // (an MLP layer keeps no keys; last_loop: one slot for every loop)
             const int64_t src = (tab[a] * ps + r->pos % ps) * Hkv;
             const int64_t dst = (tab[b] * ps + r->pos % ps) * Hkv;
             tl_kv_copy(kv, src, dst, Hkv, m->head_dim);
@@ -322,7 +351,7 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             ++n_fresh;
         }
         if (rows[r].readout > m->n_readouts) return 5;
-        if (m->slot_map && rows[r].loops > m->slot_loops) return 8;   // (Dory: past the slots described)
+        if (m->slot_map && rows[r].loops > m->slot_loops) return 8;   // (past the slots described)
     }
     int64_t need;
     Buffers B = carve(m, M, max_ctx, scratch, &need);
@@ -413,12 +442,12 @@ extern "C" int tl_decode(const tl_model* m, const tl_kv* kv, tl_row* rows, int32
             }
             tl_linear_rows(&m->adapter, B.a, Ml, B.x, dim, B.lin);
         }
-        if (m->ngpt) justnorm(B.x, B.x, Ml, (int)dim);   // Dory: the sum back on the sphere
+        if (m->sphere) l2norm(B.x, B.x, Ml, (int)dim);   // the sum back on the sphere
         B.ve_e = W > dim ? B.e : nullptr;   // value embeddings of the core's blocks (packed with the rows)
         for (int j = 0; j < m->n_core; ++j)
             block(m, &core[j], kv, ph.data(), Ml, core_slot0 + loop * m->n_core + j, B.x, B);
         if (m->loop_norm) rmsnorm(B.x, m->core_norm, B.y, Ml, dim, m->norm_eps);
-        else if (m->ngpt) justnorm(B.x, B.y, Ml, (int)dim);   // Dory: the state is justnorm(h)
+        else if (m->sphere) l2norm(B.x, B.y, Ml, (int)dim);   // the state is l2norm(h)
         else memcpy(B.y, B.x, sizeof(float) * Ml * dim);
         if (any_kl) kl_readout(m, kv, ph.data(), orig.data(), Ml, loop, B, logp, have, kl.data());
         for (int p = 0; p < Ml; ++p)
@@ -490,6 +519,13 @@ extern "C" int tl_head(const tl_linear* L, const float* x, int32_t m, const floa
         for (int r = 0; r < m; ++r)
             argmax_out[r] = draws ? tl_draw(logits + (int64_t)r * L->n, vocab, nullptr, &draws[r])
                                   : argmax(logits + (int64_t)r * L->n, vocab);
+    return 0;
+}
+
+extern "C" int32_t tl_block_kind(const char* name) {
+    const auto& kinds = tl_step::own_kinds();
+    for (size_t i = 0; i < kinds.size(); ++i)
+        if (strcmp(kinds[i].name, name) == 0) return (int32_t)(i + 1);
     return 0;
 }
 

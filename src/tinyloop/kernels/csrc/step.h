@@ -51,12 +51,17 @@ void store_kv(const tl_kv* kv, const tl_row& row, int at, int slot, const float*
 void attend(const tl_model* m, const tl_kv* kv, const tl_row* rows, int M, int slot, Buffers& B,
             const int* slots = nullptr);
 
-// NVIDIA Dory's pieces (dory.cpp): y (m rows of n) = x / sqrt(sum(x^2) + 1e-6) (y may be x); one nGPT block
-// (block() hands it b->ngpt blocks); the cache slot of the step's slot number s (m->slot_map; -1: none)
-void justnorm(const float* x, float* y, int m, int n);
-void ngpt_block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
-                float* x, Buffers& B, const int* slots);
+// y (m rows of n) = x / sqrt(sum(x^2) + 1e-6) (y may be x): the unit sphere's normalisation (tl_model.sphere)
+void l2norm(const float* x, float* y, int m, int n);
+// the cache slot of the step's slot number s (m->slot_map; -1: the layer keeps no keys)
 inline int map_slot(const tl_model* m, int s) { return m->slot_map ? m->slot_map[s] : s; }
+
+// A family's own block (tl_block.own > 0), run by block() in place of the shared one. Its C++ file registers it
+// once, at load, by name: `static const int kind = register_block("name", run);` (the kind numbers are this
+// library's; Python asks tl_block_kind(name)). Returns the kind number.
+using OwnBlock = void (*)(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M,
+                          int slot, float* x, Buffers& B, const int* slots);
+int register_block(const char* name, OwnBlock run);
 
 // index of the largest of x[0 .. n-1]: the first of equal maxima, or the first NaN (torch.argmax's rule)
 int32_t argmax(const float* x, int n);

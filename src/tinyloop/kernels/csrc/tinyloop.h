@@ -21,7 +21,7 @@ typedef struct {
     int32_t act_q8;          // TL_Q8 / TL_Q4 with SIMD: activations quantized to int8 (integer dot products)
     int32_t streamed;        // the model's weights do not stay in cache: one row is read after the other
     const uint8_t* packed;   // int4 with int8 activations: the codes repacked 16 rows a vector (tl_pack_int4), or null
-    const float* out_scale;  // (n) or null: output j is then y[j] * out_scale[j] (Dory's per-token logit scale)
+    const float* out_scale;  // (n) or null: output j is then y[j] * out_scale[j] (a per-token logit scale)
     const uint16_t* mins;    // TL_Q4 only: float16 (n, k / group) or null. Non-null: w = q * scale + min (GGUF's
                              // Q4_1 blocks, quant/packing.py dequantize_min) and `zeros` is unread; every int4 path
                              // forms the zero-point form's correction s z X_g as -min X_g (intdot.h group_sz)
@@ -46,15 +46,12 @@ typedef struct {
     const float* ve_gate;              // (Hkv, ve_channels)
     const void* ve_table; int32_t ve_kind;   // (vocab, Hkv * D), TL_F32/F16/BF16
     int32_t ve_col;
-    // NVIDIA Dory's nGPT single-sublayer blocks (dory.cpp; model/families/dory.py). ngpt 0: not one; 1: an
-    // attention layer (qkv, wo, and wg the output gate's projection; `window` > 0: an S layer's sliding window;
-    // RoPE `profile` 1 or 2); 2: an MLP layer (up, down). The scales are the products the model forms, in fp32:
-    // sqk (H * D) = (sqk sqrt(D) / std)^2, s_gate (H * D) = (s_gate sqrt(g0) / std)^2, alpha (dim) = |alpha
-    // alpha_init / std|, suv_gate and suv_up (ffn) = suv * sqrt(dim)
-    int32_t ngpt, window, profile;
-    tl_linear wg;
-    const float* sqk; const float* s_gate; const float* alpha;
-    const float* suv_gate; const float* suv_up;
+    // A family's own block (own > 0; kernels/layers.py `describe`): the block kind its C++ file registered under
+    // a name (tl_block_kind; step.h register_block) runs this block instead of the code above, and reads the
+    // generic fields it wants (its projections in qkv, wo, up, down) and `own_fields`, a struct of that family's
+    // own that its C++ file declares and its model module lays out field by field (`native_fields`)
+    int32_t own;
+    const void* own_fields;
 } tl_block;
 
 typedef struct {
@@ -88,11 +85,12 @@ typedef struct {
     int32_t e_width;                        // the loop input's width: dim, then the core's and coda's
                                             // value embeddings (model/looped.py loop_input_width)
     float logit_softcap;                    // c > 0: logits -> c tanh(logits / c)
-    // Dory (dory.cpp; ngpt 0: off): blocks are nGPT single sublayers; loops enter as justnorm(h + e) and end
-    // with justnorm; the second RoPE profile's tables (rope_len rows, as rope_cos); slot_map: the cache slot
-    // of each slot number the step forms (prelude i, n_prelude + coda i, n_prelude + n_coda + loop * n_core + j
-    // for loop < slot_loops; -1: an MLP layer, none), model/cache.py SlotLayout (last_loop: one per layer)
-    int32_t ngpt;
+    // sphere 1: the state lives on the unit sphere (nGPT): loops enter as l2norm(h + e) and end with l2norm,
+    // y = x / sqrt(sum(x^2) + 1e-6) (step.h l2norm). A second RoPE profile's tables (rope_len rows, as
+    // rope_cos; null: none) for blocks that read it. slot_map: the cache slot of each slot number the step forms
+    // (prelude i, n_prelude + coda i, n_prelude + n_coda + loop * n_core + j for loop < slot_loops; -1: a layer
+    // that keeps no keys), model/cache.py SlotLayout (kv_mode last_loop: one per layer); null: the number itself
+    int32_t sphere;
     const float* rope_cos2; const float* rope_sin2;
     const int32_t* slot_map; int32_t slot_loops;
 } tl_model;
@@ -270,6 +268,9 @@ int64_t tl_generate_scratch_floats(const tl_model* m, const tl_gen* G, int32_t m
 // packing into out; the descriptor's `packed` then points at out (kept alive by the caller).
 int64_t tl_pack_int4_size(const tl_linear* L);
 int32_t tl_pack_int4(const tl_linear* L, uint8_t* out);
+
+// The block kind a family's C++ file registered under `name` (tl_block.own), or 0: this library has none.
+int32_t tl_block_kind(const char* name);
 
 void tl_set_threads(int32_t n);
 int32_t tl_threads(void);

@@ -4,7 +4,11 @@ A family module owns what is its own: how its `config.json` maps onto `ModelConf
 options are refused, by name), how its checkpoint's tensor names map onto TinyLoop's, its tokenizer's
 quirks (a tokenizer kept in a repository of its own, a default EOS token), and any math no other family
 has. Math several families share stays in `model/layers.py` and `model/looped.py`, switched by
-`ModelConfig` fields; a family's native math, if any, is one file in `kernels/csrc/`.
+`ModelConfig` fields. A family whose layers are its own (Dory's nGPT blocks) says so: `builds(cfg)` picks it for
+a config, `block(cfg, i)` makes block i (prelude, core, coda numbering) and `init(model)` draws random weights;
+`LoopedTransformer` asks `own_blocks(cfg)`. Such a block's `native_fields()` say what the native library reads
+of it; that math is one file in `kernels/csrc/` registering its block kind by name (csrc/step.h
+`register_block`), the executor's one door for it.
 
     tinyloop      TinyLoop's own format (the shipped model; nothing to convert)
     ouro          ByteDance Ouro                                                 `ouro.py`
@@ -60,6 +64,10 @@ class Family:
     weights: tuple[str, ...] = ()               # weight files besides safetensors (`pull` fetches them)
     tokenizer_repo: str | None = None           # where the tokenizer lives when the snapshot has none
     default_eos: str | None = None              # the EOS token when no config names one
+    # A family whose blocks are its own: whether a config is built from them, block i of it, random weights
+    builds: Callable[[ModelConfig], bool] | None = None
+    block: Callable[[ModelConfig, int], Any] | None = None
+    init: Callable[[Any], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -86,6 +94,14 @@ def family_of(hf: dict[str, Any]) -> Any:
     return hf.get("model_type")
 
 
+def own_blocks(cfg: ModelConfig) -> Family | None:
+    """The family whose own blocks make a model of this config (`Family.builds`), or None: the shared `Block`."""
+    for fam in FAMILIES.values():
+        if fam.builds is not None and fam.builds(cfg):
+            return fam
+    return None
+
+
 def get(name: str) -> Family:
     try:
         return FAMILIES[name]
@@ -109,4 +125,4 @@ def names_help() -> str:
 
 
 __all__ = ["CONVERTIBLE", "ConvertError", "Emit", "FAMILIES", "Family", "TensorMap", "family_of", "get", "lookup",
-           "names_help", "need"]
+           "names_help", "need", "own_blocks"]

@@ -45,15 +45,8 @@ import torch.nn.functional as F
 
 from ...config import ModelConfig
 from ..layers import MLP, Attention, apply_rope_full
+from ..layers import l2norm as justnorm   # x / sqrt(sum(x^2) + 1e-6), in fp32 (shared: the loops' sphere)
 from . import ConvertError, Emit, Family, need
-
-EPS = 1e-6   # justnorm's: inside the square root, added to the sum of squares (not the mean)
-
-
-def justnorm(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in fp32 (or wider), in that dtype."""
-    f = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    return f * torch.rsqrt(f.square().sum(dim=-1, keepdim=True) + EPS)
 
 
 # -- the math --------------------------------------------------------------------------------------------
@@ -146,31 +139,35 @@ class NGPTBlock(nn.Module):
         return justnorm(a + rate * (b - a)).to(x.dtype)
 
     def native_fields(self) -> dict[str, Any]:
-        """What the native library's block descriptor holds for this layer (csrc/dory.cpp reads it; kernels/
-        executor.py fills it, as `native_weights` says what a layer's kernels read): its weights (modules), each
-        scale vector as the product `forward` forms, by the same torch expression in fp32 (so the library
-        multiplies by the very values the PyTorch path does), and its kind (1 attention, 2 MLP), window and RoPE
-        profile."""
+        """What the native library reads of this layer (kernels/executor.py describes it; kernels/layers.py
+        `describe` says how): its projections in the shared block fields and, as block kind "ngpt"
+        (csrc/dory.cpp), the rest in that file's struct (`NATIVE`): its kind (1 attention, 2 MLP), window, RoPE
+        profile, output gate and each scale vector as the product `forward` forms, by the same torch expression
+        in fp32 (so the library multiplies by the very values the PyTorch path does)."""
         f = torch.float32
-        fields: dict[str, Any] = {"alpha": (self.alpha.detach().to(f) * self.alpha_factor).abs()}
+        own: dict[str, Any] = {"alpha": (self.alpha.detach().to(f) * self.alpha_factor).abs()}
         if self.mlp is not None:
             m = self.mlp
-            fields.update(up=[m.w_gate_up] if m.w_gate_up is not None else [m.w_gate, m.w_up], down=m.w_down,
-                          suv_gate=m.suv_gate.detach().to(f) * m.suv_factor,
-                          suv_up=m.suv_up.detach().to(f) * m.suv_factor, ngpt=2)
-            return fields
+            own.update(kind=2, suv_gate=m.suv_gate.detach().to(f) * m.suv_factor,
+                       suv_up=m.suv_up.detach().to(f) * m.suv_factor)
+            return {"up": [m.w_gate_up] if m.w_gate_up is not None else [m.w_gate, m.w_up], "down": m.w_down,
+                    "own": (NATIVE, own)}
         a = self.attn
-        fields.update(qkv=[a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv], wo=a.wo, wg=a.wg,
-                      sqk=(a.sqk.detach().to(f) * a.sqk_factor).square(),
-                      s_gate=(a.s_gate.detach().to(f) * a.gate_factor).square(), ngpt=1, window=a.window,
-                      profile=a.profile)
-        return fields
+        own.update(kind=1, window=a.window, profile=a.profile, wg=a.wg,
+                   sqk=(a.sqk.detach().to(f) * a.sqk_factor).square(),
+                   s_gate=(a.s_gate.detach().to(f) * a.gate_factor).square())
+        return {"qkv": [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv], "wo": a.wo, "own": (NATIVE, own)}
 
 
-def init_ngpt(model: nn.Module, cfg: ModelConfig) -> None:
+# csrc/dory.cpp's struct NGPT, field by field in its order (kernels/layers.py own_struct lays it out)
+NATIVE = ("ngpt", (("kind", "i32"), ("window", "i32"), ("profile", "i32"), ("wg", "linear"), ("sqk", "f32[]"),
+                   ("s_gate", "f32[]"), ("alpha", "f32[]"), ("suv_gate", "f32[]"), ("suv_up", "f32[]")))
+
+
+def init_ngpt(model: nn.Module) -> None:
     """Random weights for a model built from scratch (tests, benchmarks): projections N(0, std), every scale
     vector near std (so each learned scale / std is near 1, as after nGPT's init), the logit scale too."""
-    std = cfg.ngpt_std
+    std = model.cfg.ngpt_std
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -475,4 +472,5 @@ def gguf_tensor(cfg: ModelConfig, g: Any, name: str, t: torch.Tensor, emit: Emit
 
 
 FAMILY = Family(name="dory", summary="NVIDIA Nemotron-Labs Dory1.0 (DoryForCausalLM)", config=config,
-                tensors=lambda cfg, hf: tensor, extra={"gguf_config": gguf_config, "gguf_tensor": gguf_tensor})
+                tensors=lambda cfg, hf: tensor, builds=lambda cfg: cfg.ngpt, block=NGPTBlock, init=init_ngpt,
+                extra={"gguf_config": gguf_config, "gguf_tensor": gguf_tensor})
