@@ -49,7 +49,12 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..errors import ModelFileError
+from ..quant.fp16 import FP16Linear
+from ..quant.linear import QuantLinear
+from ..quant.packing import pack, quantize_rtn
 from .companion import DRAFT_SUFFIX, find_companion
+from .fast import fuse_projections, swap_linears
+from .fused import split_projections
 from .layers import Block, RMSNorm, linear_as
 
 FORMAT = "tinyloop-draft-exit"
@@ -77,8 +82,6 @@ class DraftExit(nn.Module):
         """A fresh exit initialised as a copy of `model`'s read-out after the loops (C, the coda blocks, the
         final norm; training starts here). The coda's value-embedding gates are not copied (the module's doc
         says why); a float model's, not a quantized one's (its codes are no trainable weights)."""
-        from .fused import split_projections
-
         ex = cls(model.cfg)
         coda = copy.deepcopy(model.coda)  # a loaded model's projections are fused, as its file stores them
         split_projections(coda)
@@ -172,9 +175,6 @@ def attach_draft_exits(model: nn.Module, exits: dict[int, DraftExit]) -> None:
     """Install exits on a loaded model (`model.draft_exits`), prepared like the model's own blocks: the
     model's float dtype, and on a decode-prepared model the same fusion and fp16 FBGEMM weights; on a CPU model
     whose blocks are int4 (or int2), int4 in their groups (round to nearest: `_coda_quant`)."""
-    from .fast import fuse_projections, swap_linears
-    from ..quant.fp16 import FP16Linear
-
     prepared = getattr(model, "decode_prepared", None) or {}
     weights = prepared.get("weights")
     embed_dtype = model.embed.weight.dtype
@@ -198,8 +198,6 @@ def _coda_quant(model: nn.Module) -> tuple[int, int] | None:
     """The format a quantized model's exits take: int4 in the coda's groups where its linears are int4 (int2
     blocks: int4 in groups of 32, as rounding a float exit to 2 bits would cost its drafts much of their
     agreement), None for float blocks."""
-    from ..quant.linear import QuantLinear
-
     for blk in model.coda:
         for mod in blk.modules():
             if isinstance(mod, QuantLinear) and mod.bits < 8:
@@ -211,8 +209,5 @@ def _rtn_linear(lin: nn.Linear, bits: int, group: int) -> nn.Module:
     """A draft exit's float linear rounded to the model's own format (RTN): the exit is a draft's read-out, so
     its rounding changes proposals only, never an output; a 16-bit exit block on a quantized model cost as
     much as two loops a draft (its float GEMVs against the packed int4 kernels)."""
-    from ..quant.linear import QuantLinear
-    from ..quant.packing import pack, quantize_rtn
-
     q, s, z = quantize_rtn(lin.weight.detach().float(), bits, group)
     return QuantLinear.from_portable(pack(q, bits), s, z, bits, device=lin.weight.device)

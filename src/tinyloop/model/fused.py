@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from .layers import MLP, Attention
+from .looped import LoopedTransformer
 
 # What modules' constructors run to initialise their weights: on the meta device they compute nothing,
 # but the first of them imports torch._dynamo (~1.5 s on an idle machine, several on a loaded one)
@@ -39,8 +40,6 @@ class _SkipMetaInit(TorchFunctionMode):
 def meta_model(cfg, *, fused: bool = True) -> nn.Module:
     """A `LoopedTransformer` of `cfg` on the meta device, no weight initialised; `fused`: with a file's
     fused projections (`fuse_structure`). What the loader binds a file's tensors to."""
-    from .looped import LoopedTransformer
-
     with torch.device("meta"), _SkipMetaInit():
         model = LoopedTransformer(cfg)
     if fused:

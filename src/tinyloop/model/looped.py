@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .cache import KVCache, SlotLayout
+from .exits import gate_survival, kl_divergence, should_exit
 from .paged import PagedStep, Rows
 from .families import own_blocks
 from .layers import Block, DiagonalInjection, RMSNorm, Rotary, StepContext, init_weights, l2norm, linear_as
@@ -289,8 +290,6 @@ class LoopedTransformer(nn.Module):
                         e_in: torch.Tensor | None = None) -> None:
         """Rows with an exit rule whose criterion holds after `loop` leave the step's later loops (their
         `last_loop` drops to loop + 1) and their skipped slots get the fallback keys (`model.exits`)."""
-        from .exits import gate_survival, kl_divergence, should_exit
-
         live = [(i, r) for i, r in enumerate(v.members)
                 if r.exit_rule is not None and r.n == 1 and r.last_loop > loop + 1]
         if not live:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...config import ModelConfig
+from ..layers import rope_frequencies
 from . import ConvertError, Emit, Family
 
 LAYER = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "mlp_norm.weight",
@@ -94,8 +95,6 @@ def _rope_llama3(g: Any, D: int, theta: float) -> tuple[float, ...]:
     """Llama-3's RoPE scaling, which llama.cpp stores as per-frequency divisors (`rope_freqs.weight`) rather
     than its four numbers: the factor is the largest divisor, the other three Llama-3.1's (or the metadata's,
     where given); accepted only if they reproduce every stored divisor (fp32: rel. 1e-5)."""
-    from ..layers import rope_frequencies
-
     stored = g.tensor("rope_freqs.weight").double().flatten()
     if stored.shape[0] != D // 2:
         raise ConvertError(f"{g.path}: rope_freqs.weight has {stored.shape[0]} values, the head width {D} needs "
