@@ -19,6 +19,7 @@ from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..engine.native import name as executor_name
+from ..errors import ModelFileError
 from ..modelfile.header import weights_format
 from . import access, docs_ui, errors, playground
 from .anthropic import routes as anthropic
@@ -268,8 +269,6 @@ def several_line(pool, url: str) -> str:
 
 def load_failure_line(path: str, exc: BaseException | None, reason: str | None) -> str:
     """One line naming the model file and why it did not load."""
-    from ..errors import ModelFileError
-
     if isinstance(exc, ModelFileError):   # it names the file itself
         why = str(exc)
     else:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import Chat
 from ..engine.constraint import JSON_OPTIONS, Constraint
+from ..engine.schema_rewrite import prepare
 from ..errors import ValidationError
 from .tool_stream import ToolCallParser, parse
 
@@ -259,8 +260,6 @@ def _held(schema: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
     llguidance lacks rewritten, unknown formats written as plain strings, with a warning). What it would
     leave loose is a 400: a call inside a block of text is not checked afterwards as response_format's
     answer is."""
-    from ..engine.schema_rewrite import prepare
-
     prepared = prepare(schema)
     if prepared.loose:
         raise ValidationError(f"tools: {prepared.loose[0]}: cannot be held while generating, and tool calls in this "

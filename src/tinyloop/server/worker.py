@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..engine import Engine, RequestPlan, StreamEvent
+from ..engine.disk_cache import open_prompt_cache
 from ..engine.requests import Request
 from ..engine.serving import BatchEngine
 from ..errors import ValidationError
@@ -272,8 +273,6 @@ class EngineWorker:
                                  "it off); serving without the prompt cache on disk")
             log.warning(self.warnings[-1])
             return
-        from ..engine.disk_cache import open_prompt_cache
-
         try:
             self.prompt_cache = open_prompt_cache(self.batch, self.engine, s.prompt_cache_dir, s.prompt_cache_bytes)
         except Exception as exc:  # noqa: BLE001 - served without it, and said so

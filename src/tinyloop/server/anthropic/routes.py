@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 
+from ...engine.thinking import MAX_THINKING_TOKENS, resolve
 from ...errors import ValidationError
 from ..errors import APIError, register_shape, request_id_var
 from ..fields import field_error
@@ -255,8 +256,6 @@ def thinking_of(body: CountTokensRequest, engine, params):
     """`thinking`: enabled -> its budget_tokens as the thinking budget, disabled -> no thinking (the template's
     enable_thinking false, and a budget of 0 in case the template has no such switch); no effect on a model
     that does not think."""
-    from ...engine.thinking import MAX_THINKING_TOKENS, resolve
-
     th = body.thinking
     if th is None or isinstance(th, ThinkingAdaptive) or resolve(params.thinking, engine.tokenizer) is None:
         return params

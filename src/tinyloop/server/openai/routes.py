@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from ...chat import Chat
 from ...engine import SamplingParams
+from ...engine.thinking import THINK, resolve
 from ...errors import ValidationError
 from ..access import note
 from ..errors import APIError
@@ -80,8 +81,6 @@ def chat_inputs(engine, body: ChatCompletionRequest, params: SamplingParams, *,
 def thinking_params(engine, body: ChatCompletionRequest, params: SamplingParams, reasoning: str) -> SamplingParams:
     """The thinking block's tags (the server's reasoning parser: auto, none, think) and budget
     (max_thinking_tokens, else reasoning_effort's); neither has an effect on a model that does not think."""
-    from ...engine.thinking import THINK, resolve
-
     thinking = {"none": False, "think": THINK}.get(reasoning)
     budget = thinking_budget(body.max_thinking_tokens, getattr(body, "reasoning_effort", None))
     if budget is not None and resolve(thinking, engine.tokenizer) is None:
