@@ -556,3 +556,36 @@ def test_speculation_decodes_plain_where_drafting_calls_lose_and_drafts_again_af
         assert min(request() for _ in range(3)) < 0.5
     finally:
         native_rounds.NativeRound.run, native_rounds.NativeSteps.run = run, run_steps
+
+
+def test_the_head_costs_are_measured_once_a_host_and_kept(tmp_path, monkeypatch):
+    """The head's cost by rows (what a chain round's lazy verification chunks by) is measured once and kept in
+    the library's cache directory: a later executor (another `tinyloop generate` process) reads it instead of
+    timing the head again; more rows than kept, or a damaged file, measure again."""
+    from tinyloop.engine import Engine
+    from tinyloop.kernels import calls
+
+    eng = Engine.load()
+    ex = getattr(eng.model, "executor", None)
+    if ex is None or ex.streamed:
+        pytest.skip("the shipped model runs without the native executor here")
+    monkeypatch.setattr(calls, "cache_dir", lambda: tmp_path)
+    timed = []
+    real = calls._forward
+    monkeypatch.setattr(calls, "_forward", lambda *a: timed.append(a[1].shape[0]) or real(*a))
+    ex._head_costs = []
+    first = ex.head_costs(5)
+    assert len(first) == 5 and all(c > 0 for c in first) and timed
+    assert sorted(set(timed)) == [1, 2, 3, 4, 5, 9]   # 1..5 and the most rows; the rest interpolated
+    kept = (tmp_path / "head_costs.json").read_text()
+    assert ex._head_key() in kept
+    timed.clear()
+    ex._head_costs = []
+    assert ex.head_costs(5) == pytest.approx(first, abs=1e-4) and not timed   # read back, nothing timed
+    ex._head_costs = []
+    assert len(ex.head_costs(12)) == 12 and 12 in timed   # more rows than kept: measured again
+    (tmp_path / "head_costs.json").write_text("{not json")
+    timed.clear()
+    ex._head_costs = []
+    assert len(ex.head_costs(5)) == 5 and timed   # a damaged file: measured, and written whole again
+    assert ex._head_key() in (tmp_path / "head_costs.json").read_text()

@@ -10,7 +10,9 @@ Rebuilt by `benchmarks/speculative.py --build-draft-vocab` (uint16 little-endian
 from __future__ import annotations
 
 import base64
+import sys
 import zlib
+from array import array
 from functools import lru_cache
 
 import torch
@@ -233,8 +235,10 @@ _GPT2_RANKED_B64 = (
 
 @lru_cache(maxsize=None)
 def _gpt2_ranked() -> tuple[int, ...]:
-    raw = zlib.decompress(base64.b64decode(_GPT2_RANKED_B64))
-    return tuple(int.from_bytes(raw[i:i + 2], "little") for i in range(0, len(raw), 2))
+    ids = array("H", zlib.decompress(base64.b64decode(_GPT2_RANKED_B64)))   # little-endian uint16s
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return tuple(ids)
 
 
 def has_ranking(vocab_size: int) -> bool:

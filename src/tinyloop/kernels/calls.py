@@ -8,13 +8,55 @@ each runs."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+import os
 import time
 
 import torch
 import torch.nn as nn
 
 from . import lib as L
+from .build import _cpu_flags, cache_dir
 from .layers import _CALL, _forward, _vec, linear_desc, tensor_desc
+
+
+_COSTS_FILE = "head_costs.json"
+
+
+def cpu_id() -> str:
+    """A short digest of this CPU's feature flags (what the library's own cache key hashes)."""
+    return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
+
+
+def stored_head_costs(key: str) -> list[float] | None:
+    """The head costs a process on this host measured for `key` (`RequestCalls.head_costs`), or None."""
+    try:
+        costs = json.loads((cache_dir() / _COSTS_FILE).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(costs, list) or not costs or not all(isinstance(c, (int, float)) and c > 0 for c in costs):
+        return None
+    return [float(c) for c in costs]
+
+
+def store_head_costs(key: str, costs: list[float]) -> None:
+    """Keep `costs` for later processes (written whole and renamed; an unwritable cache keeps nothing)."""
+    path = cache_dir() / _COSTS_FILE
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table[key] = [round(c, 4) for c in costs]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 class RequestCalls:
@@ -22,25 +64,44 @@ class RequestCalls:
 
     def head_costs(self, rows: int = 9) -> list[float]:
         """Milliseconds of the LM head (`tl_linear_forward` over the model's head) at 1..rows input rows on
-        this host, measured once (the best of 3 after a warm-up): what a chain round's lazy verification
-        weighs its calls by (draft_policy.head_chunk). A streamed model's head is read from memory whatever the
-        rows (and timing it would cost its first request seconds): flat, so one call scores every row."""
+        this host, measured once: what a chain round's lazy verification weighs its calls by
+        (draft_policy.head_chunk). Measured at 1..5 rows (what rounds of up to 4 drafts choose among; the row
+        tiles make those costs uneven) and at `rows`, the best of two passes after one warm-up call, the counts
+        between interpolated linearly: 13 calls where every count at best of 3 took 36, ~18 ms of a first speculative
+        request on the shipped model (more than its drafting saved over 64 tokens). Kept beside the library
+        (`head_costs.json` in its cache directory, by build, threads, head and CPU), so a later process (each
+        `tinyloop generate` is one) reads them instead of measuring again. A streamed model's head is
+        read from memory whatever the rows (and timing it would cost its first request seconds): flat, so one
+        call scores every row."""
         if self.streamed:
             return [1.0] * rows
         if len(self._head_costs) < rows:
+            stored = stored_head_costs(self._head_key())
+            if stored is not None and len(stored) >= rows:
+                self._head_costs = stored
+        if len(self._head_costs) < rows:
             most = max(rows, 9)   # (up to draft_ahead 8 at once: a longer draft re-measures)
             x = torch.randn(most, self.model.cfg.dim, generator=torch.Generator().manual_seed(0))
-            out = []
-            for m in range(1, most + 1):
-                _forward(self.head, x[:m], self.threads)
-                best = float("inf")
-                for _ in range(3):
+            _forward(self.head, x, self.threads)   # (warm-up: every row's buffers and the weights touched)
+            counts = sorted({*range(1, min(5, most) + 1), most})
+            measured = dict.fromkeys(counts, float("inf"))
+            for _ in range(2):   # two passes over the counts: the host warms up over the first (~2x on a row)
+                for m in counts:
                     t0 = time.perf_counter()
                     _forward(self.head, x[:m], self.threads)
-                    best = min(best, (time.perf_counter() - t0) * 1000)
-                out.append(best)
-            self._head_costs = out
+                    measured[m] = min(measured[m], (time.perf_counter() - t0) * 1000)
+            lo = max(m for m in measured if m < most) if most > 1 else most
+            self._head_costs = [measured[m] if m in measured else
+                                measured[lo] + (measured[most] - measured[lo]) * (m - lo) / (most - lo)
+                                for m in range(1, most + 1)]
+            store_head_costs(self._head_key(), self._head_costs)
         return self._head_costs[:rows]
+
+    def _head_key(self) -> str:
+        """What the head's cost by rows depends on: the build, threads, the head's format and shape, the CPU."""
+        h = self.head
+        return (f"{self.isa}|{self.threads}t|kind {h.kind} {h.n}x{h.k} g{h.group} q8 {h.act_q8} "
+                f"packed {int(bool(h.packed))}{h.packed_f32} min {int(bool(h.mins))}|{cpu_id()}")
 
     def _head_fields(self, S) -> None:
         """A round's verifier (tl_round / tl_tree): the model's head, the norm before it, the vocabulary."""
