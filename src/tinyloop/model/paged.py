@@ -15,7 +15,7 @@ rows of many sequences together in one padded call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
