@@ -38,7 +38,7 @@ class Chat:
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()   # OpenAI tool definitions, for templates that render them (`tools`)
     # More variables for the template, as transformers' apply_chat_template(**kwargs) passes them
-    # (`enable_thinking`: Nanbeige's and Qwen-style templates). The template's own variables win.
+    # (`enable_thinking`: Qwen-style templates). The template's own variables win.
     template_kwargs: dict | None = None
 
     def __post_init__(self):

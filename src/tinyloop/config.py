@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-MLP_KINDS = ("gelu", "swiglu", "relu2")   # relu2: w_down(relu(w_up(x))^2) (Parcae)
+MLP_KINDS = ("gelu", "swiglu", "relu2")   # relu2: w_down(relu(w_up(x))^2)
 INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
 # What loop 0 starts from (with an injection):
 #   state  the state is zeros (or, with a state seed, the family's random draw), injected as every loop's
@@ -19,8 +19,8 @@ INJECTIONS = ("none", "add", "concat-adapter", "diagonal")
 LOOP_STARTS = ("state", "embed", "skip")
 # Where a block's norms sit (f = attention or MLP, n1/n2 its two norms):
 #   pre                x = x + f(n1(x))                  (GPT-2/llama; one norm per branch)
-#   sandwich           x = x + n2(f(n1(x)))              (Ouro: the branch output is normed too)
-#   sandwich-residual  x = n2(x + f(n1(x)))              (Huginn: the residual stream is normed after the add)
+#   sandwich           x = x + n2(f(n1(x)))              (the branch output is normed too)
+#   sandwich-residual  x = n2(x + f(n1(x)))              (the residual stream is normed after the add)
 #   post               x = x + n2(f(x))                  (OLMo-2: only the branch output is normed)
 NORM_PLACEMENTS = ("pre", "sandwich", "sandwich-residual", "post")
 # nGPT single-sublayer blocks (`ModelConfig.ngpt`): one character per block, prelude, core, coda:
@@ -47,7 +47,7 @@ class ModelConfig:
     n_coda: int
     vocab_size: int = 50257
     n_kv_heads: int | None = None  # None -> n_heads (no GQA)
-    # Width of one attention head. None -> dim // n_heads; set where n_heads * head_dim != dim (Nanbeige:
+    # Width of one attention head. None -> dim // n_heads; set where n_heads * head_dim != dim (e.g.
     # 48 heads of 128 on a 3072 hidden, so q and the attention output are wider than the residual stream).
     head_dim: int | None = None
     default_loops: int = 8
@@ -63,9 +63,9 @@ class ModelConfig:
     # How each loop receives the prelude output e:
     #   none           - loop 0 starts from e, later loops see only the state
     #   add            - every loop's input is state + e (state starts at 0)
-    #   concat-adapter - every loop's input is Linear(2*dim -> dim)(cat(state, e)) (Huginn-style)
+    #   concat-adapter - every loop's input is Linear(2*dim -> dim)(cat(state, e))
     #   diagonal       - every loop's input is state * exp(-softplus(dt) * exp(A_log)) + softplus(dt) * (e B^T)
-    #                    (Parcae: per-channel decay and step dt, B (dim, dim); state starts at 0)
+    #                    (per-channel decay and step dt, B (dim, dim); state starts at 0)
     injection: str = "add"
     loop_start: str = "state"           # LOOP_STARTS
     # RMSNorm at the end of every loop (keeps the state's scale fixed). Without it the loops form a
@@ -75,15 +75,15 @@ class ModelConfig:
     # Architecture features of imported families (defaults: TinyLoop's own models; see docs/models.md)
     norm_placement: str = "pre"
     qk_bias: bool = False               # a learned bias on q and k (per head and dim), added before RoPE
-    embed_scale: float = 1.0            # the embedding is multiplied by this (Huginn: sqrt(dim))
-    post_loop_norm: bool = False        # the final norm also ends the recurrence, before the coda (Huginn)
-    head_norm: bool = True              # the final norm before the LM head (Ouro: the loop norm already did)
-    exit_gate: bool = False             # a learned per-loop exit gate Linear(dim -> 1) with bias (Ouro)
-    # Huginn's random initial state rule (used only when a model is given a state seed; the default
+    embed_scale: float = 1.0            # the embedding is multiplied by this (e.g. sqrt(dim))
+    post_loop_norm: bool = False        # the final norm also ends the recurrence, before the coda
+    head_norm: bool = True              # the final norm before the LM head (off where the loop norm already did)
+    exit_gate: bool = False             # a learned per-loop exit gate Linear(dim -> 1) with bias
+    # A family's random initial state rule (used only when a model is given a state seed; the default
     # state is zeros): N(0, std) truncated at +-3 std, times embed_scale. 0: the family has no such rule.
     state_init_std: float = 0.0
     eos_token_ids: tuple[int, ...] = ()  # more ids that end generation, besides eos_token_id
-    # Parcae's pieces (docs/models.md):
+    # Read-in and read-out pieces (docs/models.md):
     prelude_norm: bool = False          # an RMSNorm ends the prelude (its output is the loop input e)
     state_proj: bool = False            # Linear(dim -> dim) on the state after the last loop, before the coda (C)
     qk_norm: bool = False               # parameter-free RMSNorm of each q and k head after RoPE
@@ -210,7 +210,7 @@ class ModelConfig:
             del d["head_dim"]  # the default: headers of models with square attention stay as they were
         for name, default in _LEFT_OUT_WHEN_DEFAULT.items():
             if d[name] == default:
-                del d[name]  # (fields added for Parcae: other families' headers stay as they were)
+                del d[name]  # (fields added later: older headers stay as they were)
         for name in ("value_embeds", "rope_llama3", "rope_profile", "trained_loops"):
             if name in d:
                 d[name] = list(getattr(self, name))

@@ -170,7 +170,7 @@ class HFTokenizer:
         return table
 
     def pad_vocab(self, n: int) -> None:
-        """Extend to a model's padded vocabulary (Huginn pads to a multiple of 64): the padding ids,
+        """Extend to a model's padded vocabulary (e.g. padded to a multiple of 64): the padding ids,
         which no text encodes to, decode to nothing."""
         if n > self.vocab_size:
             self._bytes += [b""] * (n - self.vocab_size)

@@ -115,7 +115,7 @@ class Engine:
         gate of its own (`tinyloop train-gate`; the adaptive `gate` criterion reads it); a path - that file;
         False - none.
 
-        state_seed: for models whose family starts the recurrence from a random state (Huginn; the header's
+        state_seed: for models whose family starts the recurrence from a random state (the header's
         `state_init_std`), draw it by that rule, per position, from this seed; None (the default) starts
         from zeros, the deterministic state the authors evaluate with (docs/models.md).
 

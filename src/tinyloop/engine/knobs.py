@@ -151,7 +151,7 @@ class SamplingParams:
 
     def effective_draft_loops(self, default_loops: int) -> int:
         """The draft's loops: draft_loops, else a quarter of the verifier's (at least 1): 2 at 8 loops, 1 at
-        4 (Ouro) or 2 (Nanbeige), 8 at 32 (Huginn)."""
+        4 or 2, 8 at 32."""
         if self.draft_loops is not None:
             return self.draft_loops
         return max(1, self.effective_loops(default_loops) // 4)

@@ -68,7 +68,7 @@ def plan_request(prompt_ids: list[int], params: SamplingParams, cfg: ModelConfig
     params = params.with_effort(cfg)   # the depth reasoning_effort picks (every route's requests pass here)
     params.validate(max_loops=cfg.max_loops, vocab_size=cfg.vocab_size, default_loops=cfg.default_loops)
     if params.adaptive and params.exit_criterion == "gate" and not (cfg.exit_gate if exit_gate is None else exit_gate):
-        raise ValidationError('exit_criterion: "gate" needs a model with an exit gate (Ouro\'s, or one trained by '
+        raise ValidationError('exit_criterion: "gate" needs a model with an exit gate (its checkpoint\'s, or one trained by '
                               '`tinyloop train-gate`); this one has none: use "latent"', param="exit_criterion")
     if not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValidationError(f"n: must be in 1..{MAX_N}, got {n}", param="n")

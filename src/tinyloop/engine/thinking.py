@@ -5,8 +5,8 @@ The engine core knows three things about them, all resolved once in the request 
 - **whether a request's output has one**: the model thinks when its chat template writes a `</think>` tag, or its
   tokenizer has `<think>` and `</think>` as tokens of their own (`model_tags`); `SamplingParams.thinking` forces
   the tags on (a `ThinkTags`) or off (False). The output starts *inside* the block when the prompt left a
-  `<think>` open (Nanbeige's generation prompt, Qwen3-2507's); otherwise a block is the output's own, when its
-  first text is `<think>` (Qwen3's first templates, Ouro-Thinking).
+  `<think>` open (a generation prompt that ends in it, Qwen3-2507's); otherwise a block is the output's own, when its
+  first text is `<think>` (Qwen3's first templates, and models whose template knows no switch).
 - **a budget** (`SamplingParams.max_thinking_tokens`): once the block holds that many tokens, the closing tag's
   tokens are forced, one a step, so the answer starts.
 - **constraints** (`response_format`, `tools`) hold the answer only: inside the block the output is free.

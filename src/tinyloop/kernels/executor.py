@@ -26,7 +26,7 @@ from .lib import _INJECTIONS, _LOOP_STARTS, _PLACEMENTS, config_refusal, unsuppo
 from .layers import (_CALL, _FLOAT_KINDS, Unsupported, _forward, _vec, default_threads,  # noqa: F401
                      describe, linear_desc, own_linears, pack_int4, packed_int4, cold, tensor_desc)   # (_forward: tests and benchmarks take it from here)
 from .calls import RequestCalls, _draft_desc, _int64
-from .parcae import parcae_desc, value_embed_desc
+from .features import features_desc, value_embed_desc
 
 _KV_QUANT = {"int8": L.TL_KV_I8, "int4": L.TL_KV_I4, "int4-h": L.TL_KV_I4H}
 
@@ -61,7 +61,7 @@ class NativeExecutor(RequestCalls):
         m.embed, m.embed_kind = emb.data_ptr(), _FLOAT_KINDS[emb.dtype]
         blocks = [*model.prelude, *model.core, *model.coda]
         self.blocks = (L.TlBlock * len(blocks))(*(self._block(b, i) for i, b in enumerate(blocks)))
-        parcae_desc(model, m, self.keep)
+        features_desc(model, m, self.keep)
         m.sphere = int(model.sphere)   # the state on the unit sphere (loop entry and end: l2norm)
         self._slot_map(model, m)
         m.blocks = self.blocks
@@ -98,7 +98,7 @@ class NativeExecutor(RequestCalls):
         """Weights a token reads beyond STREAMED_BYTES come from memory every step: the integer kernels then
         read one row after the other (the order the prefetcher follows), else several rows side by side
         (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
-        the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the Ouro-1.4B
+        the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the 1.4B real shape
         shape (0.85 GB a token) does not."""
         descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n] + self.linears()
         total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
@@ -116,7 +116,7 @@ class NativeExecutor(RequestCalls):
         its decode on an AVX-512 EPYC, whose two threads read ~45 GB/s while the row-at-a-time kernel took ~19);
         a larger one's after the load, on a background thread (`_pack_later`; the model serves from its mapped
         codes meanwhile, so the start stays as fast): on the AVX-512 EPYC, the 4B nGPT shape (1.65 GB of codes, group
-        32) decodes 1.56-1.60x faster once packed, the Ouro-1.4B shape (group 128) 1.4-1.6x (0.85-0.93 of the read
+        32) decodes 1.56-1.60x faster once packed, the 1.4B real shape (group 128) 1.4-1.6x (0.85-0.93 of the read
         ceiling against 0.51-0.63; docs/decode.md). TINYLOOP_NATIVE_PACK=all packs every one at load, =0 none (the
         portable codes, shared by every process that maps the file). A packed model's kernels run as from cache
         (its descriptors not `streamed`). A layer's outputs are bitwise the same either way (both form the
@@ -287,7 +287,7 @@ class NativeExecutor(RequestCalls):
         if key not in table:
             blocks = self._exit_blocks.get(id(ro[0]))
             if blocks is None or blocks[0] is not ro[0]:
-                proj = getattr(ro[0], "state_proj", None)   # a Parcae exit's copy of C (none: a zero descriptor)
+                proj = getattr(ro[0], "state_proj", None)   # an exit's copy of C (none: a zero descriptor)
                 blocks = self._exit_blocks[id(ro[0])] = (ro[0], (L.TlBlock * len(ro[0].coda))(
                     *(self._block(b) for b in ro[0].coda)),
                     linear_desc(proj, self.keep) if proj is not None else L.TlLinear())

@@ -12,7 +12,7 @@ An exit's blocks attend over their own keys and values (one extra cache slot per
 `KVCache.slot_extra`), written from loop-d states at every position the draft covers and, in
 prefill, at every prompt position.
 
-Parcae (issue 35): the exit copies the whole read-out after the loops, the projection C (`state_proj`, its
+A model with a state projection (issue 35): the exit copies the whole read-out after the loops, the projection C (`state_proj`, its
 own trainable copy) included, so an untrained exit reads a state out exactly as the model's coda does,
 except for one thing by design: the exit's blocks have no value embeddings (the coda blocks' gates are
 left out of the copy). An exit is a function of the loop-d state alone: its entries are written from a
@@ -69,7 +69,7 @@ class DraftExitError(ModelFileError):
 
 class DraftExit(nn.Module):
     """Coda-shaped blocks (without value embeddings) + a final norm, after a copy of C where the model projects
-    its state before the coda (Parcae); the LM head is the model's. `blocks(h, ctx, slots)` -> hidden."""
+    its state before the coda (`state_proj`); the LM head is the model's. `blocks(h, ctx, slots)` -> hidden."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

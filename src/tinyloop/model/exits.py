@@ -9,13 +9,13 @@ states, so whether it exits never depends on the other rows of the batch:
     kl       KL(p_r || p_{r-1}) between the next-token distributions after successive loops, below the
              threshold: each check runs the read-out (coda, final norm, the full LM head) on the row's state,
              exact but costly (a coda pass and a head per loop; docs/adaptive.md measures it)
-    gate     a learned exit gate (Ouro's, kept by `tinyloop convert`): lambda_r = sigmoid(gate(h_r)) after
+    gate     a learned exit gate (a checkpoint's, kept by `tinyloop convert`): lambda_r = sigmoid(gate(h_r)) after
              every loop, and the token exits once the cumulative exit probability
-             1 - prod_{i<=r} (1 - lambda_i) reaches the threshold (Ouro's rule; its default 1.0 never exits early)
+             1 - prod_{i<=r} (1 - lambda_i) reaches the threshold (the gate's checkpoint's rule; a default 1.0 never exits early)
 
 A row that exits leaves the step's remaining loops (it costs nothing there) and goes to the read-out
 with its last state. Later tokens that run deeper attend, at loop r, to slots an exited token never
-wrote. The fallback the early-exit literature uses (CALM, Schuster et al. 2022; the Huginn reference's
+wrote. The fallback the early-exit literature uses (CALM, Schuster et al. 2022; a recurrent-depth reference's
 "latest" KV lookup) fills them with the token's last computed loop's keys and values: `PagedStep
 .fill_skipped` copies them into the deeper core slots as the token exits, so attention reads ordinary
 slots afterwards.

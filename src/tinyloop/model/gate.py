@@ -3,7 +3,7 @@
 File: `<model>.gate.safetensors` beside the model (a quantized model uses its source model's, as draft exits
 do), tensors `exit_gate.weight` (1, dim) and `exit_gate.bias` (1,), and a JSON header `tinyloop_gate` with
 the model shape it fits, the depth it was trained at, its figures and provenance. The gate is
-`Linear(dim -> 1)` on the core state after each loop, the form of Ouro's, read by adaptive depth's `gate`
+`Linear(dim -> 1)` on the core state after each loop, the form of a converted checkpoint's, read by adaptive depth's `gate`
 criterion (`model/exits.py`).
 """
 

@@ -168,7 +168,7 @@ def combine_windows(a: int, b: int) -> int:
 
 class Attention(nn.Module):
     """Projections, RoPE and the output projection; which keys each query sees (and where new keys are
-    stored) is the step context's business: `ctx.attend(slot, q, k, v)`. With `value_embed` (Parcae) the
+    stored) is the step context's business: `ctx.attend(slot, q, k, v)`. With `value_embed` the
     block's value embedding of each token `ve` (B, T, n_kv_heads * head_dim) is added to v through a gate
     read from the first `ve_gate_channels` of the block's (normed) input; with `cfg.qk_norm` q and k are
     RMS-normed per head after RoPE (no weights, torch's default epsilon); with `cfg.qk_norm_full` (OLMo-2)
@@ -287,7 +287,7 @@ class Block(nn.Module):
 
 
 class DiagonalInjection(nn.Module):
-    """Parcae's loop input: state * exp(-softplus(dt_bias) * exp(A_log)) + softplus(dt_bias) * (e B^T), a
+    """The diagonal injection's loop input: state * exp(-softplus(dt_bias) * exp(A_log)) + softplus(dt_bias) * (e B^T), a
     per-channel decay of the state plus the prelude output through B (dim, dim), scaled per channel."""
 
     def __init__(self, dim: int):
@@ -305,7 +305,7 @@ class DiagonalInjection(nn.Module):
 
 def linear_as(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A bias-free linear layer in x's dtype: a float `nn.Linear` (16-bit weights under fp32 activations are
-    widened), or a swapped module (a quantized file's `QuantLinear`: Parcae's B and C are quantized like the
+    widened), or a swapped module (a quantized file's `QuantLinear`: the injection's B and the read-out's C are quantized like the
     blocks' linears), which computes in x's dtype itself."""
     if type(lin) is not nn.Linear:
         return lin(x)

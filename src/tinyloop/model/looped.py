@@ -224,7 +224,7 @@ class LoopedTransformer(nn.Module):
         return self.logits(x)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm before the LM head (identity when the loop norm already ended the state: Ouro)."""
+        """The norm before the LM head (identity when the loop norm already ended the state)."""
         return self.norm(x) if self.cfg.head_norm else x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

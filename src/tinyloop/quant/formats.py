@@ -38,13 +38,13 @@ _BLOCK_PREFIXES = ("prelude.", "core.", "coda.")
 _SUFFIXES = ("qweight", "scales", "zeros")
 
 
-# the model-wide (dim, dim) linears quantized like the blocks': the injection adapter (Huginn, retrofits) and
-# Parcae's injection matrix B and its projection C after the loops (`state_proj`)
+# the model-wide (dim, dim) linears quantized like the blocks': the injection adapter and
+# the diagonal injection's matrix B and its projection C after the loops (`state_proj`)
 _MODEL_LINEARS = ("adapter.weight", "injection.B.weight", "state_proj.weight")
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear weights of the blocks (attention and MLP projections), the injection adapter and Parcae's B and
+    """Linear weights of the blocks (attention and MLP projections), the injection adapter and the diagonal injection's B and
     C (not the small value-embedding gates, Linear(32 -> kv heads), which stay as stored: 32 inputs are one
     quantization group, and a gate is read once per block, not per loop step's weights).
 

@@ -1,7 +1,7 @@
 """A linear layer whose weight is read from a file at each call: the streaming quantizer's model.
 
 `tinyloop quantize` calibrates GPTQ with forward passes through the whole model, once per block. Holding
-the model in fp32 for them costs 4 bytes per parameter (5.7 GiB at the Ouro-1.4B shape); a
+the model in fp32 for them costs 4 bytes per parameter (5.7 GiB at a 1.4B shape); a
 `StreamedLinear` instead reads its weight when it runs (the float source file's, then, once quantized, its
 codes from the output file) and computes in fp32 with a transient copy of that one layer. The values are
 those an fp32 model holding the same weights computes with, so the codes are the same.

@@ -204,7 +204,7 @@ class ToolPlan:
         return Constraint.json_schema(reply, param="tools")
 
     def _xml_grammar(self, warnings: list[str]) -> str:
-        """`required` / named calls in the XML format (Nanbeige's template): per function its `<function=NAME>`,
+        """`required` / named calls in the XML format (a template's): per function its `<function=NAME>`,
         then each declared parameter as `<parameter=P>\nvalue\n</parameter>\n` in the schema's order (the required
         ones always, the others optional). A string's value is free text up to `</parameter>` (its `enum`, `const`
         or `pattern`, if any, held too); any other value is JSON under its schema, as the template writes it."""
@@ -290,8 +290,8 @@ def _xml_value(fn: str, name: str, schema: dict[str, Any], rule: str, rules: lis
 
 
 def tool_style(template: str | None, template_kwargs: dict | None = None) -> str:
-    """The tool format a chat template speaks: "xml" (`<tool_call>` blocks of `<function=NAME>`: Nanbeige,
-    Qwen3-Coder; Nanbeige's `tool_call_format: "json"` template switch makes it "hermes"), "hermes" (JSON in
+    """The tool format a chat template speaks: "xml" (`<tool_call>` blocks of `<function=NAME>`: e.g.
+    Qwen3-Coder; a template's `tool_call_format: "json"` switch makes it "hermes"), "hermes" (JSON in
     `<tool_call>` blocks) or "generic" (no tool format: the JSON reply)."""
     if not template or "<tool_call>" not in template:
         return "generic"

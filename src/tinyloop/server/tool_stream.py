@@ -10,7 +10,7 @@ What is held back: a name until its string is complete; text that may be the sta
 whitespace that may turn out to lead up to a call (Hermes content is stripped); a JSON string escape that is
 not complete yet (the generic format's `response`).
 
-A `<tool_call>` block holds JSON (`{"name": ..., "arguments": {...}}`, Hermes) or XML, the format of Nanbeige's and
+A `<tool_call>` block holds JSON (`{"name": ..., "arguments": {...}}`, Hermes) or XML, the format of some templates' and
 Qwen3-Coder's templates (`<function=NAME>` then `<parameter=P>\nvalue\n</parameter>` per argument, then
 `</function>`): each block is read as what its first character says, whatever the template's style. An XML
 call's arguments go out as JSON, one parameter at a time once its `</parameter>` is read: a value is the raw

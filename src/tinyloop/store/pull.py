@@ -6,10 +6,10 @@ The download goes through `huggingface_hub` into the standard Hugging Face cache
 cached). `config.json` comes first and is checked by the converter (`tools/convert.model_config`): an
 unsupported architecture is refused before any weight is fetched. The converted file (and, for `:int4`,
 its RTN int4 quantization) is written atomically into `$TINYLOOP_HOME/models`, its header's provenance
-naming the repository, the commit and the converter's version. Parcae's weights are a pickle
-(`pytorch_model.bin`, read with `torch.load(weights_only=True)` only; fetched for that family alone) and its
-tokenizer a repository of its own (`SandyResearch/parcae-tokenizer`), fetched too where the model's has none
-and named in the provenance. Every failure is a `PullError` (a
+naming the repository, the commit and the converter's version. A family whose weights are a pickle
+(`pytorch_model.bin`, read with `torch.load(weights_only=True)` only: `Family.weights`) gets them fetched, and one
+whose tokenizer is a repository of its own (`Family.tokenizer_repo`) gets it too where the model's has none,
+named in the provenance. Every failure is a `PullError` (a
 `ModelFileError`, so every route that loads a model reports it the same way) that says what to do; no
 model file is left half-written.
 
@@ -85,7 +85,7 @@ def _explain(ref: HubRef, exc: BaseException, what: str) -> PullError:
                               f"{'@' + ref.revision if ref.revision else ''} is not in the Hugging Face cache; "
                               "unset HF_HUB_OFFLINE to download it")
     if isinstance(exc, hf_errors.EntryNotFoundError) and not isinstance(exc, hf_errors.LocalEntryNotFoundError):
-        return PullError(ref, f"{what} is not in {ref.repo_id} (a Hugging Face snapshot of Ouro or Huginn has "
+        return PullError(ref, f"{what} is not in {ref.repo_id} (a looped family's Hugging Face snapshot has "
                               "config.json, tokenizer.json and safetensors weights)")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return PullError(ref, f"disk full while downloading {what}: free some space (or set HF_HOME to a larger "
@@ -194,7 +194,7 @@ def pull(ref: HubRef, *, dtype: str = "bfloat16", force: bool = False, progress:
 
 
 def _separate_tokenizer(ref: HubRef, snapshot: Path, prov: dict, progress: bool) -> Path | None:
-    """A family whose tokenizer is a repository of its own (Parcae's) and a snapshot without one: that
+    """A family whose tokenizer is a repository of its own (`Family.tokenizer_repo`) and a snapshot without one: that
     repository's tokenizer files, downloaded (the default branch; its commit goes into `prov`); else None."""
     from huggingface_hub import HfApi, snapshot_download
 

@@ -4,7 +4,7 @@ The families and what each one's config and tensors become: `model/families/` (a
 registry this converter asks).
 
 Tensors stream shard by shard (`safetensors.safe_open`), each one cast to the target dtype as it is read,
-so the model is held once. Huginn's fused projections are split into TinyLoop's names and its
+so the model is held once. A checkpoint's fused projections are split into TinyLoop's names and its
 interleaved RoPE pairs (2i, 2i+1) are permuted to the half-split pairs (i, i + D/2) TinyLoop computes:
 the same permutation on the q and k rows (and their biases) leaves every attention score unchanged, so the
 model computes the same function. The tokenizer (`tokenizer.json`), its chat template and the union of the
@@ -62,7 +62,7 @@ def shard_files(src: Path) -> list[Path]:
                        "checkpoints are read; pickled .bin files are refused)")
 
 
-PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "model.pt")   # Parcae's (the reference's loaders' names)
+PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "model.pt")   # (a pickled checkpoint's names: `Family.weights`)
 
 
 def pickle_file(src: Path) -> Path | None:
@@ -205,7 +205,7 @@ def convert(src: str | Path, out: str | Path, *, dtype: str | None = None, progr
             quant: str | None = None) -> Path:
     """Convert the snapshot `src` into the model file `out` (atomically); `provenance` is added to the
     header's (`tinyloop pull` records the repository and commit there). `tokenizer`: a directory holding the
-    tokenizer when the snapshot has none of its own (Parcae's is a repository of its own). dtype None: bfloat16
+    tokenizer when the snapshot has none of its own (`Family.tokenizer_repo`). dtype None: bfloat16
     for a snapshot. A GGUF file (or
     `pkg:NAME`, the one an installed package ships) is read by `tools/gguf.py` (dtype None: float16 there;
     `quant="int4"`: then RTN int4, its logit difference reported)."""

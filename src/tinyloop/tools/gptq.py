@@ -67,7 +67,7 @@ def _float_weight(lin: nn.Module) -> torch.Tensor:
     return lin.float_weight() if isinstance(lin, StreamedLinear) else lin.weight.detach().float()
 
 
-# model-wide linears and the stage whose calibration pass reaches them: the injection (adapter, or Parcae's B)
+# model-wide linears and the stage whose calibration pass reaches them: the injection (adapter, or the diagonal injection's B)
 # enters every loop of the core; C (`state_proj`) projects the state before the coda
 _STAGE_OF = {"adapter": "core", "injection.B": "core", "state_proj": "coda"}
 

@@ -57,7 +57,7 @@ def teacher_pass(model, windows: torch.Tensor, draft_loops: tuple[int, ...], bat
 
 
 def softcap(logits: torch.Tensor, model) -> torch.Tensor:
-    """The model's logit soft-cap (Parcae: c tanh(logits / c)), as `LoopedTransformer.logits` applies it."""
+    """The model's logit soft-cap (c tanh(logits / c)), as `LoopedTransformer.logits` applies it."""
     c = model.cfg.logit_softcap
     return logits if c == 0 else c * torch.tanh(logits / c)
 

@@ -1,6 +1,6 @@
 """`tinyloop train-gate MODEL FILES...`: a learned exit gate for a model that has none (adaptive depth).
 
-The gate is `Linear(dim -> 1)` on the core state after each loop, the form of Ouro's gate, so the `gate`
+The gate is `Linear(dim -> 1)` on the core state after each loop, the form of a converted checkpoint's gate, so the `gate`
 criterion (`model/exits.py`: exit once the cumulative probability 1 - prod (1 - lambda_i) reaches the
 threshold) runs it unchanged. It is trained here, with the model frozen, as a logistic regression: after
 loop r, lambda_r = sigmoid(gate(h_r)) predicts whether the read-out of h_r already gives the same greedy
@@ -8,7 +8,7 @@ token as the full depth. Training text is the training split of the files (`--va
 train` split them), so the held-out tail stays unseen.
 
 The file format and loading are `model/gate.py`; `Engine.load(gate=True)` (the default) attaches the file
-beside the model; a model file with its own gate (converted Ouro) keeps that.
+beside the model; a model file with its own gate (converted from a checkpoint that has one) keeps that.
 """
 
 from __future__ import annotations

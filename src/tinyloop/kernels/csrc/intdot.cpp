@@ -606,14 +606,14 @@ static int qq_rows8(const tl_linear* L, const int8_t* xq, const QQPlan& P, const
 
 // qq_rows8 first for int8 weights and int4 ones in groups of 32 (SPLIT) at every row count, for int4 in
 // larger groups up to Q4_ROWS8_MAX rows: past it the 4 x 2 tiles, which unpack a weight row's codes once
-// for four input rows and scale once per group, were faster (Ouro-1.4B shape's 2048 x 2048 and 5632 x 2048,
+// for four input rows and scale once per group, were faster (the 1.4B real shape's 2048 x 2048 and 5632 x 2048,
 // group 128, one thread: qq_rows8 1.07-1.16x at 1-2 rows, 0.89-0.93x at 4; the shipped model's 768 x 256
 // group 32: 1.07x at 1 row to 1.22x at 7; the shipped head 1.66x at 5)
 constexpr int Q4_ROWS8_MAX = 2;
 // qq_rows8's buffer from these row counts (the shipped model, one thread, against the codes unpacked for each
 // input row: its int4 core layers 0.99x the time at 4 rows, 0.94 at 8, 0.89-0.91 at 16-64; its int8 head 1.1x
 // at 4, 0.99 at 8, 0.87-0.91 at 16-64: the multiplies, two ports' worth, bound both forms; the 4 x 2 tiles
-// stay faster for the Ouro-1.4B shape's int4 layers in groups of 128 at 3-8 rows: 1.13-1.42x with the buffer)
+// stay faster for the 1.4B real shape's int4 layers in groups of 128 at 3-8 rows: 1.13-1.42x with the buffer)
 constexpr int UB_MIN_ROWS_Q4 = 8, UB_MIN_ROWS_Q8 = 16;
 template <int BITS, bool SPLIT>
 void qq_rows(const tl_linear* L, const int8_t* xq, const QQPlan& P, const float* xd, const float* xs, const float* X,

@@ -15,7 +15,7 @@ static inline float group_sz(const tl_linear* L, int64_t row, int g, float s, fl
 
 // the layers the integer kernels take (the executor sets act_q8 where these hold): rows of whole 64s, or for
 // int4 in activation blocks of 32 (groups not whole 64s) whole 32s, the last 32 columns a block of their own
-// (Huginn's width, 5280 = 82 x 64 + 32)
+// (a real model's width, 5280 = 82 x 64 + 32)
 static inline bool int8_activations(const tl_linear* L) {
 #if TL_SIMD
     return L->act_q8 && L->group % 32 == 0

@@ -65,7 +65,7 @@ void float_tile(const tl_linear* L, const float* x, float* y, int ldy, int n0, i
 // in cache (a looped block's layers, re-read every loop), 32 KB on for weights streamed from memory (a head, a
 // big model's layers). (Until session 20 a streamed row was read alone with four accumulators, which made its
 // sums differ from the tiles' in the last bits; 1.0-1.15x its time on the shipped fp16 head, 1.03x on the
-// Ouro-1.4B shape's bf16 head, both noisy.)
+// 1.4B real shape's bf16 head, both noisy.)
 constexpr int64_t STREAM_BYTES = 4 << 20;
 
 template <int KIND>

@@ -24,7 +24,7 @@ void rmsnorm(const float* x, const float* w, float* y, int m, int n, float eps);
 void block(const tl_model* m, const tl_block* b, const tl_kv* kv, const tl_row* rows, int M, int slot,
            float* x, Buffers& B, const int* slots = nullptr);
 
-// Parcae's pieces (parcae.cpp), each a step only models that have it take
+// The optional pieces (features.cpp), each a step only models that have it take
 // q and k (`heads` of D) RMS-normed per head, no weights (model/layers.py Attention, qk_norm)
 void qk_norm(float* q, int heads, int D, float eps);
 // v (Hkv * D) += 2 sigmoid(ve_gate . xn[:ve_channels]) * ve per kv head; ve: row's token in the block's table

@@ -40,7 +40,7 @@ typedef struct {
     const float* qk_bias;              // (H + Hkv, D) or null
     const float* q_norm; const float* k_norm;   // (H * D), (Hkv * D): OLMo-2's q/k norms over all heads
                                                 // together, after the projection, before bias and RoPE
-    // value embeddings (Parcae; ve_gate null: none): v += 2 sigmoid(ve_gate . x[:ve_channels]) * ve per kv
+    // value embeddings (ve_gate null: none): v += 2 sigmoid(ve_gate . x[:ve_channels]) * ve per kv
     // head, x the normed block input; ve is row `token` of ve_table (ve_col < 0: prelude blocks) or the
     // loop input's columns ve_col .. ve_col + Hkv * D (core and coda blocks: tl_row.state_e, e_width wide)
     const float* ve_gate;              // (Hkv, ve_channels)
@@ -75,7 +75,7 @@ typedef struct {
     const float* head_norm; float head_eps; // read-out after a loop (tl_head)
     int32_t loop_start;      // with an injection, loop 0 starts from: 0 the state (zeros or state_h), 1 the
                              // prelude output e, 2 e itself run through the core without the injection
-    // Parcae's pieces (parcae.cpp; zero / null: off)
+    // the optional pieces (features.cpp; zero / null: off)
     int32_t relu2;                          // the MLP is down(relu(up x)^2) (swiglu 0)
     const float* inj_decay; const float* inj_dt; tl_linear inj_B;   // injection 3: h * decay + dt * (e B^T)
     const float* prelude_norm;              // an RMS norm ends the prelude
@@ -99,7 +99,7 @@ typedef struct tl_readout {                 // blocks that read a state out (a d
     int32_t n_blocks;
     const tl_block* blocks;
     const int32_t* slots;                   // the cache slot of each block
-    tl_linear state_proj;                   // n > 0: the state times the exit's C^T first (Parcae)
+    tl_linear state_proj;                   // n > 0: the state times the exit's C^T first
 } tl_readout;
 
 typedef struct {

@@ -3,7 +3,8 @@
 injection from a zero state, the projection C, coda; pre-norm ReLU^2 blocks, a prelude norm, q/k norms after
 interleaved RoPE, gated value embeddings, a logit soft-cap; weights in a pickled `pytorch_model.bin`, read
 with torch.load(weights_only=True) only; the tokenizer is a repository of its own (`TOKENIZER_REPO`).
-Its native math beside the shared kernels: `kernels/csrc/parcae.cpp` (described by `kernels/parcae.py`)."""
+Its pieces are `ModelConfig` switches any family may take; natively `kernels/csrc/features.cpp` runs them
+(described by `kernels/features.py`)."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     effort = body.output_config.effort if body.output_config is not None else None
     if effort is not None:   # chat's reasoning_effort (its deepest value, "xhigh", for Anthropic's "max")
         fields["reasoning_effort"] = "xhigh" if effort == "max" else effort
-    if isinstance(body.thinking, ThinkingDisabled):   # the template's switch (Nanbeige's, Qwen3's)
+    if isinstance(body.thinking, ThinkingDisabled):   # the template's switch (enable_thinking)
         fields["chat_template_kwargs"] = {"enable_thinking": False}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

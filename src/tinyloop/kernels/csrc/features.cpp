@@ -1,4 +1,4 @@
-// Parcae's pieces of the decode step (model/layers.py, model/looped.py): q/k norms, value embeddings, the
+// The optional pieces of the decode step (model/layers.py, model/looped.py): q/k norms, value embeddings, the
 // ReLU^2 MLP, the diagonal injection, the projection C after the loops and the logit soft-cap. A model
 // without them never calls these; each is a step of its own after the math the other families share.
 #include <cmath>

@@ -1,4 +1,5 @@
-"""Parcae's pieces described for the native library (`csrc/parcae.cpp`): what `NativeExecutor` adds to the
+"""The optional pieces of the shared step (config switches: the diagonal injection, the prelude norm, the
+state projection C, q/k norms, value embeddings, the soft-cap) described for the native library (`csrc/features.cpp`): what `NativeExecutor` adds to the
 model's and blocks' descriptors for them, from the same modules model/ computes with."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from . import lib as L
 from .layers import _FLOAT_KINDS, Unsupported, _vec, linear_desc
 
 
-def parcae_desc(model, m: L.TlModel, keep: list) -> None:
+def features_desc(model, m: L.TlModel, keep: list) -> None:
     """The model-wide pieces (zero / null where the model has none): the diagonal injection's per-channel
     decay and dt in fp32 as DiagonalInjection computes them, B, the prelude norm, C, the q/k norms' epsilon
     (torch's default for the activations' dtype), the value-embedding gates' width, the loop input's width
