@@ -420,8 +420,8 @@ class DraftPolicy:
                     ks.append(pipeline_cap)
                 elif not pipe and not self.pipeline_only and run_cap > cap and a >= self.RUN_ACCEPT:
                     # a chain's long run likewise (a request naming no draft_ahead): on a depth-agreeing 4B nGPT
-                    # shape a round of 8 drafts yields 9 tokens in 1.6x a round of 4's time (benchmarks/
-                    # dory_4b_spec.py), where drafting only 1..4 held speculation to 1.19-1.38x plain
+                    # shape a round of 8 drafts yields 9 tokens in 1.6x a round of 4's time (docs/
+                    # speculative.md), where drafting only 1..4 held speculation to 1.19-1.38x plain
                     ks.append(run_cap)
                 # (a call's own cost, by the rounds a call of this shape holds: the same for every k, so that
                 # a length tried in a call of its own is not charged a whole call against a held one's share)

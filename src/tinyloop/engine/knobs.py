@@ -40,7 +40,7 @@ DRAFT_AHEAD = 4   # draft_ahead when a request names none: a chain round's draft
 # and then, in mode speculative, the longest run a greedy chain round may draft where its drafts are nearly always
 # accepted (engine/draft_policy.py `DraftPolicy.choose`, RUN_ACCEPT: weighed beside 1..DRAFT_AHEAD, not every
 # length between): rounds of at most 4 held a depth-agreeing 4B nGPT shape to 1.19x plain at loops 4 over 128
-# tokens, with the run 1.40-1.48x (1.6x once the policy settled; benchmarks/dory_4b_spec.py, docs/speculative.md)
+# tokens, with the run 1.40-1.48x (1.6x once the policy settled; docs/speculative.md)
 DRAFT_RUN = 8
 DEFAULT_LOOPS = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "default_loops")
 

@@ -121,7 +121,7 @@ class NativeExecutor(RequestCalls):
         portable codes, shared by every process that maps the file). A packed model's kernels run as from cache
         (its descriptors not `streamed`). A layer's outputs are bitwise the same either way (both form the
         canonical reduction), so a layer may change kernels between two calls; what changes is the speed
-        (benchmarks/pass_cost.py, benchmarks/dory_4b_limits.py)."""
+        (benchmarks/pass_cost.py; docs/decode.md)."""
         setting = os.environ.get("TINYLOOP_NATIVE_PACK", "1").strip().lower()
         if setting not in ("0", "1", "all"):
             raise ValueError(f"TINYLOOP_NATIVE_PACK must be 1, 0 or all, got {setting!r}")

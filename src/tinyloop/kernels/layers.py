@@ -153,7 +153,7 @@ def own_struct(fields: tuple[tuple[str, str], ...]) -> type[ctypes.Structure]:
 
 def describe(struct, fields: dict, keep: list) -> None:
     """Fill a descriptor (`TlBlock`) from what a model module says the library reads of it (`native_fields`: a
-    family's own layer, e.g. model/families/dory.py `NGPTBlock`; the block-level counterpart of
+    family's own layer, e.g. an nGPT block's; the block-level counterpart of
     `native_weights`): a module -> its layer descriptor (`linear_desc`); a list of modules -> the array field's
     first entries and `n_<name>` their count; a tensor -> an fp32 copy (`_vec`); a number -> as it is; and
     "own": ((kind name, its struct's fields), values) -> the block kind the library registered under that name
