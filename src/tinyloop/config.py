@@ -114,8 +114,8 @@ class ModelConfig:
     gate_logit_init: float = 0.0        # g0 of the attention output gate (0: sqrt(dim))
     kv_mode: str = "per_loop"           # KV_MODES
     # The depths the model was trained to be used at, (shallowest, deepest), as its family declares them
-    # (`model.families`: e.g. every depth 1..n the checkpoint was trained at); () : none declared. `loops` beyond it is still
-    # allowed up to max_loops; `reasoning_effort` picks a depth inside it (`effort_loops`, docs/server.md)
+    # (`model.families`: e.g. every depth 1..n the checkpoint was trained at); () : none declared. `loops` beyond
+    # it is still allowed up to max_loops; `reasoning_effort` picks a depth inside it (`effort_loops`, docs/server.md)
     trained_loops: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

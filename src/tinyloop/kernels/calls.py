@@ -8,6 +8,7 @@ each runs."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from .layers import _CALL, _forward, _vec, linear_desc, tensor_desc
 _COSTS_FILE = "head_costs.json"
 
 
+@functools.cache
 def cpu_id() -> str:
     """A short digest of this CPU's feature flags (what the library's own cache key hashes)."""
     return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
@@ -66,13 +68,13 @@ class RequestCalls:
         """Milliseconds of the LM head (`tl_linear_forward` over the model's head) at 1..rows input rows on
         this host, measured once: what a chain round's lazy verification weighs its calls by
         (draft_policy.head_chunk). Measured at 1..5 rows (what rounds of up to 4 drafts choose among; the row
-        tiles make those costs uneven) and at `rows`, the best of two passes after one warm-up call, the counts
-        between interpolated linearly: 13 calls where every count at best of 3 took 36, ~18 ms of a first speculative
-        request on the shipped model (more than its drafting saved over 64 tokens). Kept beside the library
-        (`head_costs.json` in its cache directory, by build, threads, head and CPU), so a later process (each
-        `tinyloop generate` is one) reads them instead of measuring again. A streamed model's head is
-        read from memory whatever the rows (and timing it would cost its first request seconds): flat, so one
-        call scores every row."""
+        tiles make those costs uneven) and at the most rows, the best of two passes after one warm-up call, the
+        counts between interpolated linearly: 13 calls where every count at best of 3 took 36 (~18 ms of a first
+        speculative request on the shipped model, more than its drafting saved over 64 tokens). Kept beside the
+        library (`head_costs.json` in its cache directory, by build, threads, head and CPU), so a later process
+        (each `tinyloop generate` is one) reads them instead of measuring again. A streamed model's head is read
+        from memory whatever the rows (and timing it would cost its first request seconds): flat, so one call
+        scores every row."""
         if self.streamed:
             return [1.0] * rows
         if len(self._head_costs) < rows:
@@ -90,7 +92,7 @@ class RequestCalls:
                     t0 = time.perf_counter()
                     _forward(self.head, x[:m], self.threads)
                     measured[m] = min(measured[m], (time.perf_counter() - t0) * 1000)
-            lo = max(m for m in measured if m < most) if most > 1 else most
+            lo = max(m for m in counts if m < most)
             self._head_costs = [measured[m] if m in measured else
                                 measured[lo] + (measured[most] - measured[lo]) * (m - lo) / (most - lo)
                                 for m in range(1, most + 1)]

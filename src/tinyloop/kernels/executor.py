@@ -98,7 +98,7 @@ class NativeExecutor(RequestCalls):
         """Weights a token reads beyond STREAMED_BYTES come from memory every step: the integer kernels then
         read one row after the other (the order the prefetcher follows), else several rows side by side
         (faster from cache). The cut is fixed rather than read from the cache size, which a VM reports for
-        the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, the 1.4B real shape
+        the whole host: the shipped int4 model (~16 MB with its int8 head) stays in cache here, a 1.4B real
         shape (0.85 GB a token) does not."""
         descs = [self.head] + [d for d in (m.adapter, m.inj_B, m.state_proj) if d.n] + self.linears()
         total = sum(d.n * d.k * _BITS.get(d.kind, 8) // 8 for d in descs)
