@@ -73,20 +73,20 @@ def core_ids(model, prompt: list[int], params, stats: dict | None = None, kv_for
 
 
 def drive(model, kv, gen):
-    """Run a speculator's pass generator alone (each pass as a step of its own); its return value."""
-    from tinyloop.model.paged import PagedStep, Rows
+    """Run a speculator's pass generator alone (each pass, or whole native round, as a step of its own, by the
+    engine's batch runner: the draft head's logits and the head's picks included); its return value."""
+    from tinyloop.engine.batch import BatchRunner
+    from tinyloop.model.paged import Rows
 
-    dtype = model.act_dtype or model.embed.weight.dtype
-    device = model.embed.weight.device
-    with torch.inference_mode():
-        try:
+    runner = BatchRunner(model, kv)
+    try:
+        item = next(gen)
+        while True:
+            if isinstance(item, Rows) or hasattr(item, "spec"):
+                runner.execute([], extra=[item])
             item = next(gen)
-            while True:
-                if isinstance(item, Rows):
-                    model.run(PagedStep(kv, [item], model.rotary, dtype, device))
-                item = next(gen)
-        except StopIteration as stop:
-            return stop.value
+    except StopIteration as stop:
+        return stop.value
 
 
 def standalone(model, prompt, params, page_size=4, **kw):

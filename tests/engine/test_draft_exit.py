@@ -88,7 +88,7 @@ def test_exit_cache_entries_match_a_full_pass(tiny64, k):
     params = SamplingParams(max_tokens=30, verify_loops=V, mode="speculative", draft_loops=d, draft_ahead=k)
     sp, kv = standalone(tiny64, prompt, params, draft_vocab=None)
     sampler = sp.sampler
-    tok = sampler.sample(tiny64.logits(drive(tiny64, kv, sp.prefill())[None])[0, 0])   # (prefill: the last state)
+    tok = sampler.sample(tiny64.logits(drive(tiny64, kv, sp.prefill()).hidden[-1:][None])[0, 0])   # (prefill: the last state)
     sampler.accept(tok)
     sp.pending = tok
     out = [tok]

@@ -163,3 +163,35 @@ def test_runs_natively_and_streamed():
     assert native.runs_natively(model) and native.streamed(model) is True
     native.detach(model)
     assert model.executor is None and not native.runs_natively(model)
+
+
+WORK = {"supports", "generate", "spec_round", "tree_round", "head_costs", "head_argmax", "project"}
+RUNNER = SRC / "engine" / "batch.py"
+
+
+def _work_calls(path: Path) -> list[str]:
+    """Uses of the door's work functions in one file: `native.<work>` (the module imported under any name that
+    ends in native) and `from ...native import <work>`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in WORK and isinstance(node.value, ast.Name) \
+                and node.value.id.endswith("native"):
+            found.append(f"{_where(path, node)} {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "native":
+            found += [f"{_where(path, node)} import {a.name}" for a in node.names if a.name in WORK]
+    return found
+
+
+def test_only_the_batch_runner_runs_native_work():
+    """One runner: the step's rows, whole rounds, a lone sequence's calls, the head's picks, draft logits and the
+    head's costs all run in `BatchRunner`; the other engine and server modules hand it work."""
+    found = [use for path in GUARDED if path not in (DOOR, RUNNER) for use in _work_calls(path)]
+    assert not found, "hand native work to engine/batch.py's BatchRunner: " + "; ".join(found)
+    assert _work_calls(RUNNER), "the check above reads calls it can no longer see"
+
+
+def test_the_runner_check_sees_a_call(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from .native import generate, name\nfrom . import native\n"
+                   "def f(m):\n    return native.spec_round(m), native.name(m)\n")
+    assert len(_work_calls(bad)) == 2

@@ -173,7 +173,7 @@ def test_cache_after_rounds_equals_plain_cache(tiny64, mode, K, d):
     params = SamplingParams(max_tokens=40, mode=mode, verify_loops=V, draft_loops=d, draft_ahead=5, k_branches=K)
     sp, kv = standalone(tiny64, prompt, params, draft_vocab=None)
     sampler = sp.sampler
-    first = sampler.sample(tiny64.logits(drive(tiny64, kv, sp.prefill())[None])[0, 0])   # (prefill: the last state)
+    first = sampler.sample(tiny64.logits(drive(tiny64, kv, sp.prefill()).hidden[-1:][None])[0, 0])   # (prefill: the last state)
     sampler.accept(first)
     sp.pending, out = first, [first]
     while len(out) < 30:

@@ -125,7 +125,7 @@ def test_long_pipeline_rounds_are_exact(monkeypatch, ahead, with_exit, batch):
     from tinyloop.engine import SamplingParams, native_rounds
     from tinyloop.engine.draft_policy import DraftPolicy
 
-    monkeypatch.setattr(native_rounds.NativeRound, "head_rows", lambda self: batch)
+    monkeypatch.setattr(native_rounds.NativeRound, "head_rows", lambda self, chunk: batch)
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     if with_exit:
@@ -340,7 +340,7 @@ def test_chain_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
     from tinyloop.engine.native_rounds import NativeRound
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
-    monkeypatch.setattr(NativeRound, "head_rows", lambda self: head_rows)
+    monkeypatch.setattr(NativeRound, "head_rows", lambda self, chunk: head_rows)
     prompt = [5, 17, 300, 42, 7, 9]
     plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=40, loops=4, temperature=0), True)
     params = SamplingParams(max_tokens=40, mode="speculative", draft_loops=1, verify_loops=4, temperature=0,
@@ -374,7 +374,7 @@ def test_tree_rounds_verify_alike_at_any_head_chunk(monkeypatch, head_rows):
 
     _, nat = make_pair(CONFIGS["tiny"], "fp32")
     calls = []
-    monkeypatch.setattr(NativeTreeRound, "head_rows", lambda self: calls.append(1) or head_rows)
+    monkeypatch.setattr(NativeTreeRound, "head_rows", lambda self, chunk: calls.append(1) or head_rows)
     prompt = [5, 17, 300, 42, 7, 9]
     plain, _ = _ids(nat, prompt, SamplingParams(max_tokens=40, loops=4, temperature=0), True)
     params = SamplingParams(max_tokens=40, mode="tree_speculative", draft_loops=1, verify_loops=4, temperature=0,
@@ -500,6 +500,7 @@ def test_speculation_decodes_plain_where_drafting_calls_lose_and_drafts_again_af
 
     from tinyloop.engine import Engine, SamplingParams
     from tinyloop.engine import native_rounds
+    from tinyloop.engine.batch import BatchRunner
     from tinyloop.engine.draft_policy import _ROUND_COSTS, PlainCheck
     from tinyloop.engine.serving import BatchEngine, run_to_completion
 
@@ -515,25 +516,23 @@ def test_speculation_decodes_plain_where_drafting_calls_lose_and_drafts_again_af
              for t in e.token_ids]
     spec = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, mode="speculative")
     stall = {"on": None, "calls": 0}   # whose calls stall: "draft", "plain" or none
-    run, run_steps = native_rounds.NativeRound.run, native_rounds.NativeSteps.run
+    run = BatchRunner.run_round
 
-    def stalling(real):
-        def stalled(self, kv):
-            t0 = time.perf_counter()
-            real(self, kv)
-            drafting = type(self) is native_rounds.NativeRound and self.k > 0   # (NativeSteps: k plain steps)
-            if stall["on"] == ("draft" if drafting else "plain"):
-                stall["calls"] += 1
-                if stall["calls"] % 5 in (0, 2):
-                    time.sleep(3 * (time.perf_counter() - t0))
-        return stalled
+    def stalled(self, r):   # (the batch runner runs every whole round: BatchRunner.run_round)
+        t0 = time.perf_counter()
+        run(self, r)
+        drafting = type(r) is native_rounds.NativeRound and r.k > 0   # (NativeSteps: k plain steps)
+        if stall["on"] == ("draft" if drafting else "plain"):
+            stall["calls"] += 1
+            if stall["calls"] % 5 in (0, 2):
+                time.sleep(3 * (time.perf_counter() - t0))
 
     def request():
         events = run_to_completion(core, [(ids, spec)])[0]
         assert [t for e in events for t in e.token_ids] == plain
         return events[-1].stats["plain_rounds"] / 64   # (the share of its tokens made by plain rounds)
 
-    native_rounds.NativeRound.run, native_rounds.NativeSteps.run = stalling(run), stalling(run_steps)
+    monkeypatch.setattr(BatchRunner, "run_round", stalled)
     try:
         for _ in range(4):
             request()
@@ -555,7 +554,7 @@ def test_speculation_decodes_plain_where_drafting_calls_lose_and_drafts_again_af
         assert check.drafting, (check.ratio, check.probes, check.shifts)
         assert min(request() for _ in range(3)) < 0.5
     finally:
-        native_rounds.NativeRound.run, native_rounds.NativeSteps.run = run, run_steps
+        monkeypatch.undo()
 
 
 def test_the_head_costs_are_measured_once_a_host_and_kept(tmp_path, monkeypatch):

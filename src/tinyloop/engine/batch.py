@@ -1,19 +1,33 @@
-"""The batched runner: turn a scheduler step into the model's rows, run them, return logits.
+"""The batched runner: turn a scheduler step into the model's rows, run them, return logits; and the engine's
+one runner of native work.
 
 It builds step metadata only (which tokens, at which positions, through which pages, with how many
 loops) and calls `LoopedTransformer.run`; the model owns every piece of the forward pass and the paged
 pool (`model.paged`) owns where keys go and which keys each row sees. Speculative sequences add their
-own `Rows` (a draft step, a verification) to the same step, or a whole greedy round that the native
-executor runs in one call (`native_rounds.NativeRound`).
+own `Rows` (a draft step, a verification) to the same step, or a whole round that the native
+executor runs in one call (`native_rounds.NativeRound`, `NativeSteps`, `NativeTreeRound`: work items whose
+fields the speculator fills; `run_round` runs them).
+
+`BatchRunner` is the only engine object that runs native code (through `engine/native.py`, the one module that
+names the model's executor): the step's rows and head, the whole rounds, a lone sequence's tokens in one call
+(`lone_steps`, for `fast_steps`), the tokens the head picks itself (`head_tokens`), a draft head's logits over
+its rows (`Rows.draft`) and the head's cost by rows that a round's verification is chunked by. Other modules
+ask it whether native code runs (`natively`) and hand it work; none calls the executor.
 """
 
 from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from ..model import LoopedTransformer
 from ..model.paged import PagedKV, PagedStep, Rows
-from .sampling import head_tokens, score_tokens
+from . import native
+from .draft_policy import head_chunk
+from . import native_rounds as items
+from .native_rounds import NativeRound, NativeSteps, NativeTreeRound
+from .sampling import draw_row, score_tokens
 from .scheduler import ScheduledChunk
 
 SCORE_ROWS = 128  # prompt positions per LM-head call when scoring a prompt
@@ -83,7 +97,7 @@ class BatchRunner:
         if rounds and self.before_forward is not None and not everything:
             self.before_forward()
         for r in rounds:
-            r.run(self.kv)
+            self.run_round(r)
         if not everything:
             self.last_loops, self.last_argmax = {}, {}
             return {}
@@ -104,10 +118,13 @@ class BatchRunner:
         if quick or also:
             noise = [greedy.get(r.tag.seq.seq_id) if isinstance(greedy, dict) else None for r in quick] + \
                 [r.noise for r in also]
-            toks = head_tokens(m, torch.stack([r.hidden[-1] for r in quick + also]), noise)   # (k, dim) -> k tokens
+            toks = self.head_tokens(torch.stack([r.hidden[-1] for r in quick + also]), noise)   # (k, dim) -> k tokens
             self.last_argmax = {r.tag.seq.seq_id: t for r, t in zip(quick, toks)}
             for r, t in zip(also, toks[len(quick):]):
                 r.argmax = t
+        for r in everything[len(rows):]:
+            if r.draft is not None:
+                r.draft_logits = self.draft_logits(r.draft, r.hidden)
         want = [r for r in want if r.tag.seq.seq_id not in greedy]
         if want:
             hidden = torch.stack([r.hidden[-1] for r in want])                   # (k, dim)
@@ -134,3 +151,87 @@ class BatchRunner:
             logits = self.model.logits(hidden[None, i:min(n, i + SCORE_ROWS)])[0, :, :vocab]   # (t, V)
             entries += score_tokens(logits, targets[i:i + SCORE_ROWS], top)
         self.last_scores[chunk.seq.seq_id] = (chunk.start + 1, entries)
+
+    # -- native work ------------------------------------------------------------------------------------------
+    @property
+    def natively(self) -> bool:
+        """Whether the native executor runs the model (False: the PyTorch path serves it)."""
+        return native.runs_natively(self.model)
+
+    def head_tokens(self, x: torch.Tensor, noise: list | None) -> list[int]:
+        """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
+        its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher
+        (`Sampler.head_pick`). The native executor does all of it inside the head call (the logits stay there);
+        the PyTorch path draws with `draw_row` over the (masked) logits."""
+        m = self.model
+        if noise is None or all(z is None for z in noise):
+            return m.greedy_tokens(x)
+        if self.natively:
+            return native.head_argmax(m, x, noise)
+        lg = m.logits(x)[..., :m.cfg.vocab_size].reshape(-1, m.cfg.vocab_size)
+        out = []
+        for i, z in enumerate(noise):
+            row = lg[i] if z is None or len(z) < 5 else z[4].apply(lg[i])
+            out.append(int(row.argmax()) if z is None or not z[1] > 0 else draw_row(row, *z[:4]))
+        return out
+
+    def draft_logits(self, head, x: torch.Tensor) -> torch.Tensor:
+        """A draft head's logits (engine/draft_head.py `DraftHead`) for x (T, dim), the draft rows' coda output:
+        (T, n) over its draft vocabulary, through its rows as the executor reads them (`native_rows`: the int8
+        rows of the model's head where it has them) or, on the PyTorch path, its float rows."""
+        xn = head.norm(x)
+        if self.natively:
+            return native.project(self.model, xn, head.native_rows())
+        return F.linear(xn.to(head.weight.dtype), head.weight[: head.n])
+
+    def prepare(self, spec) -> None:
+        """Before a speculator's first round is timed: the head's cost by rows its chain rounds' verification is
+        chunked by (`chunk`), measured once per model and host (kept beside the library: `NativeExecutor.
+        head_costs`). Inside a round the measurement made that round's cost (by which the policy ranks draft
+        lengths) tens of ms too high."""
+        if spec.native and spec.plan.draft_ahead > 0:
+            native.head_costs(self.model, max(spec.plan.draft_ahead, spec.plan.draft_run) + 1)
+
+    def chunk(self, spec, n: int) -> int:
+        """Verification rows per head call among n, for the request's acceptance and what the head costs by rows on
+        this host: draft_policy.head_chunk."""
+        return head_chunk(native.head_costs(self.model, n), spec.policy.acceptance, n)
+
+    def run_round(self, r: NativeRound) -> None:
+        """A whole round in one native call; its `result` filled for the speculator: plain rounds back to back
+        (`NativeSteps`: `NativeExecutor.generate`), a tree round (`NativeTreeRound`: `tree_round`), or a chain or
+        pipeline round (`NativeRound`: `spec_round`)."""
+        sp, kv = r.spec, self.kv
+        if isinstance(r, NativeSteps):
+            r.result, _ = native.generate(self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
+                                          r.k, items.noise(sp), items.stop_ids(sp))
+            return
+        head = sp.head
+        rows = None if head.ids is None else head.native_rows()   # (full vocabulary: the model's head)
+        ids = None if head.ids is None else head.ids[: head.n]
+        if isinstance(r, NativeTreeRound):
+            r.result = native.tree_round(
+                self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, r.k, sp.K, sp.d, sp.V,
+                sp.draft_readout, sp.exit_readout, rows, ids, items.draft_norm(sp), noise=items.noise(sp),
+                head_rows=r.head_rows(self.chunk(sp, r.k + 1)))
+            return
+        drafts = r.k > 0
+        n = (min(r.k + 1, items.PIPELINE_HEAD) if sp.pipeline else r.k + 1) if drafts else 0
+        r.result = native.spec_round(
+            self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, r.k, sp.d, sp.V, sp.draft_readout,
+            rows if drafts else None, ids if drafts else None, items.draft_norm(sp) if drafts else None,
+            sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline, noise=items.noise(sp),
+            ahead=sp.plan.draft_ahead, head_rows=r.head_rows(self.chunk(sp, n) if drafts else 2), rounds=r.rounds,
+            stop=items.stop_ids(sp) if r.rounds > 1 else ())
+
+    def supports(self, row: Rows) -> bool:
+        """Whether the executor runs this row (a lone sequence's steps: `lone_steps`)."""
+        return self.natively and native.supports(self.model, row)
+
+    def lone_steps(self, seq, start: int, steps: int, noise: tuple | None, stop: list[int], grammar=None):
+        """A sequence decoding alone: `steps` plain tokens from position `start` in one native call
+        (`tl_generate`; engine/fast_steps.py says when). Returns the tokens and the core loops each step ran."""
+        if self.before_forward is not None:
+            self.before_forward()
+        return native.generate(self.model, self.kv, self.table(seq), seq.window, seq.tokens[start], start, seq.loops,
+                               seq.exit_rule, steps, noise, stop, grammar)

@@ -25,7 +25,8 @@ class DraftHead:
 
     Rows: the `size` most frequent tokens, then every prompt or output token outside them as it appears.
     `size` "auto": DRAFT_VOCAB rows where the vocabulary has a measured ranking (GPT-2's), else the full
-    head (`draft_vocab.has_ranking`).
+    head (`draft_vocab.has_ranking`). A draft's logits over these rows come from the batch runner, which runs the
+    draft's rows (`Rows.draft`, `BatchRunner.draft_logits`: `norm`, then `native_rows` or `weight`).
     """
 
     def __init__(self, model: LoopedTransformer, size: int | str | None, extra_rows: int = CONTEXT_ROWS,
@@ -89,13 +90,6 @@ class DraftHead:
                 if self.q is not None:
                     self.q.copy_row(self.n, t)
                 self.n += 1
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, dim) coda output -> (T, n) draft logits over the draft vocabulary."""
-        xn = self.norm(x)
-        if native.runs_natively(self.model):
-            return native.project(self.model, xn, self.native_rows())
-        return F.linear(xn.to(self.weight.dtype), self.weight[: self.n])
 
     def token(self, col: int) -> int:
         return col if self.ids is None else int(self.ids[col])

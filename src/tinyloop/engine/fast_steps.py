@@ -15,7 +15,6 @@ import contextlib
 import logging
 
 from ..model.paged import Rows
-from . import native
 from .requests import Output, Request
 from .scheduler import FORCED_TAIL, ScheduledChunk, Sequence
 
@@ -40,7 +39,7 @@ class FastSteps:
         The tokens are fed one by one as the steps would have fed them: stop ids, stop strings, max_tokens and
         an abort end the output at the same token (the steps after it computed keys past the sequence's
         length, which nothing reads). Returns whether it ran the step."""
-        if not native.runs_natively(self.model) or spec or len(out.chunks) != 1 or out.copies or out.admitted_external \
+        if not self.runner.natively or spec or len(out.chunks) != 1 or out.copies or out.admitted_external \
                 or len(self.sched.running) != 1 or self.sched.waiting or self.model.random_start:
             return False
         c = out.chunks[0]
@@ -58,7 +57,7 @@ class FastSteps:
             return False
         row = Rows(table=self.runner.table(seq), start=c.start, n=1, last_loop=seq.loops, tokens=[seq.tokens[c.start]],
                    window=seq.window, exit_rule=seq.exit_rule)
-        if not native.supports(self.model, row) or not self.sched.reserve(seq, c.start + steps):
+        if not self.runner.supports(row) or not self.sched.reserve(seq, c.start + steps):
             return False
         noise = None if params.greedy else (s.seed, s.n_out, *s.draw_params()[1:])
         failed: list[BaseException] = []
@@ -76,13 +75,9 @@ class FastSteps:
                 return None
 
         try:
-            if self.runner.before_forward is not None:
-                self.runner.before_forward()
             with grammar.lazily() if grammar is not None else contextlib.nullcontext():
-                toks, used = native.generate(self.model, self.kv, self.runner.table(seq), seq.window,
-                                             seq.tokens[c.start], c.start, seq.loops, seq.exit_rule, steps, noise,
-                                             o.stream.stop_ids,
-                                             None if grammar is None else (grammar.bitmask(), follow))
+                toks, used = self.runner.lone_steps(seq, c.start, steps, noise, o.stream.stop_ids,
+                                                    None if grammar is None else (grammar.bitmask(), follow))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             log.exception("batch step failed")
             self.fail(req, failed[0] if failed else exc)

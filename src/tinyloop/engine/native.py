@@ -1,29 +1,36 @@
 """The engine's one door to the native executor (`kernels/`, attached to the model by
 `model.fast.prepare_for_decode`): this module is the only one in engine/ that imports `kernels/` or names the
-model's executor. Every engine module that runs native code, and the server (through `BatchEngine.runs_natively`),
-call the functions here with the model; none receives the executor object. Where the PyTorch path serves (no
+model's executor, and one engine object runs native work through it: the batch runner (`engine/batch.py`
+`BatchRunner`), which runs the step's rows, the whole speculation rounds, a lone sequence's tokens in one call,
+the head's own picks, a draft head's logits and the head's cost by rows. Other modules ask the questions below
+(whether the executor runs a model, and how) and hand their work to the runner. Where the PyTorch path serves (no
 compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False, and the
-callers take their PyTorch path instead of calling the pass-throughs (which expect an executor).
+runner takes its PyTorch path instead of calling the work functions (which expect an executor).
 
-What passes through (each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments as
-given: no copies, nothing allocated here; they run on the decode path):
+Questions and the model's life (any module):
 
 - `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
-  (`Speculator`: the pipeline shape; `BatchEngine.warm_up`: not for a streamed model);
-- `name`, `attach`: who runs the model (`/health`, `model_info`, the prompt cache's key), and the executor attached
-  at load (`Engine.load`);
+  (`Speculator`: which rounds and shape; `BatchEngine.warm_up`: not for a streamed model);
+- `name`, `attach`, `detach`, `loading_for`: who runs the model (`/health`, `model_info`, the prompt cache's key),
+  the executor attached at load and let go at unload (`Engine.load`), the executor a model's layers are built for;
 - `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
   copy takes (the server's model memory, `server/model_memory.py`);
-- `supports`, `generate`: a lone sequence's plain tokens in one call (`fast_steps`, `native_rounds.NativeSteps`);
-- `spec_round`, `tree_round`: whole speculation rounds (`native_rounds.NativeRound`, `NativeTreeRound`);
-- `head_costs`: the head's cost by rows (`draft_policy.head_chunk` via `native_rounds.chunk`, `Speculator`);
-- `head_argmax`: the LM head's fused argmax and draws (`sampling.head_tokens`; `NativeExecutor.argmax`);
-- `project`: the draft head's projection (`DraftHead.logits`).
+- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls.
+
+Work (the batch runner only; each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments
+as given: no copies, nothing allocated here, they run on the decode path; tests/engine/test_native_door.py holds
+both rules):
+
+- `supports`, `generate`: a lone sequence's plain tokens in one call (`BatchRunner.lone_steps`, `NativeSteps`);
+- `spec_round`, `tree_round`: whole speculation rounds (`BatchRunner.run_round`);
+- `head_costs`: the head's cost by rows (`BatchRunner.prepare`, `chunk`: draft_policy.head_chunk);
+- `head_argmax`: the LM head's fused argmax and draws (`BatchRunner.head_tokens`; `NativeExecutor.argmax`);
+- `project`: a draft head's projection (`BatchRunner.draft_logits`).
 
 The model's own `run`, `logits` and `greedy_tokens` (whole serving steps' one-token rows, the head) reach the
-executor inside `model/`, not through here. Nothing else in engine/ imports `kernels/`: the library's row draw
-(`draw`, for `sampling.draw_row`) and the choice of executor a model is loaded for (`loading_for`, `Engine.load`)
-come through here too.
+executor inside `model/`, not through here. One more function reads the library but not the executor: `draw`,
+the library's row draw (no model, weights or pool: the sampling definition's noise computed natively), which
+`sampling.draw_row` calls for every sampled row.
 """
 
 from __future__ import annotations

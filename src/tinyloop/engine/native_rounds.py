@@ -1,11 +1,9 @@
-"""Greedy speculation rounds that the native executor runs whole, one call each: the speculator yields one
-like a `model.paged.Rows`, the batch runner runs it in the same engine step, and its `result` holds the
-round's tokens and times when the generator resumes (engine/speculative.py, engine/tree_rounds.py)."""
+"""Speculation rounds that the native executor runs whole, one call each: work items the speculator yields
+like a `model.paged.Rows`; the batch runner runs each in the same engine step (`BatchRunner.run_round`, which
+reads the speculator's state through the helpers here), and its `result` holds the round's tokens and times when
+the generator resumes (engine/speculative.py, engine/tree_rounds.py). Nothing here calls native code."""
 
 from __future__ import annotations
-
-from .draft_policy import head_chunk
-from . import native
 
 ALONE_UP_TO = 4         # greedy native rounds speculate while at most this many sequences run; beyond, a
                         # plain row in the shared batched step costs less than a round of its own
@@ -36,40 +34,18 @@ class NativeRound:
         self.rounds = 1   # (chain rounds back to back in the call: Speculator._native_round sets it)
         self.result: dict | None = None
 
-    def run(self, kv) -> None:
-        sp, head = self.spec, self.spec.head
-        norm = draft_norm(sp)
-        self.result = native.spec_round(
-            sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.d, sp.V, sp.draft_readout,
-            head.native_rows() if self.k and head.ids is not None else None,   # (full vocabulary: the model's head)
-            None if head.ids is None or not self.k else head.ids[: head.n], norm if self.k else None,
-            sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline,
-            noise=noise(sp), ahead=sp.plan.draft_ahead, head_rows=self.head_rows(), rounds=self.rounds,
-            stop=stop_ids(sp) if self.rounds > 1 else ())
-
-    def head_rows(self) -> int:
-        """Verification rows per head call (`chunk`): a chain round's among its k + 1 positions, lazily; a pipeline's
-        among up to PIPELINE_HEAD positions that wait for it (parked after the coda until that many are due)."""
-        if self.k == 0:
-            return 2
-        return chunk(self.spec, min(self.k + 1, PIPELINE_HEAD) if self.spec.pipeline else self.k + 1)
+    def head_rows(self, chunk: int) -> int:
+        """Verification rows per head call: `chunk` as the runner chooses it from the head's cost by rows
+        (`BatchRunner.chunk`): a chain round's among its k + 1 positions, lazily; a pipeline's among up to
+        PIPELINE_HEAD positions that wait for it (parked after the coda until that many are due). (A seam for
+        tests that fix it.)"""
+        return chunk
 
 
 class NativeSteps(NativeRound):
     """Plain rounds (k = 0) back to back in one native call (`NativeExecutor.generate`, as a lone plain
     request's steps: engine/serving.py): the policy's held plain rounds up to its next probe, while the
     request runs alone. `result`: their tokens (ending after a stop id)."""
-
-    def run(self, kv) -> None:
-        sp = self.spec
-        self.result, _ = native.generate(sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
-                                         self.k, noise(sp), stop_ids(sp))
-
-
-def chunk(sp, n: int) -> int:
-    """Verification rows per head call among n, for the request's acceptance and what the head costs by rows on
-    this host (measured once per model): draft_policy.head_chunk."""
-    return head_chunk(native.head_costs(sp.model, n), sp.policy.acceptance, n)
 
 
 def stop_ids(sp) -> list[int]:
@@ -90,16 +66,4 @@ def noise(sp):
 
 class NativeTreeRound(NativeRound):
     """A whole tree round (K > 1, greedy or sampled) for the native executor (`NativeExecutor.tree_round`),
-    run like a `NativeRound`."""
-
-    def run(self, kv) -> None:
-        sp, head = self.spec, self.spec.head
-        norm = draft_norm(sp)
-        self.result = native.tree_round(
-            sp.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, self.k, sp.K, sp.d, sp.V, sp.draft_readout,
-            sp.exit_readout, head.native_rows() if head.ids is not None else None,
-            None if head.ids is None else head.ids[: head.n], norm, noise=noise(sp), head_rows=self.head_rows())
-
-    def head_rows(self) -> int:
-        """Rows of a verified chain per head call (up to depth + 1), as a chain round chooses them."""
-        return chunk(self.spec, self.k + 1)
+    run like a `NativeRound` (`head_rows`: rows of a verified chain per head call, up to depth + 1)."""

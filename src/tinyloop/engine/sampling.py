@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .native import draw, head_argmax, runs_natively
+from .native import draw
 from .knobs import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
@@ -233,23 +233,6 @@ def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: 
         x = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
         inv_temp = 1.0
     return _choose(x, inv_temp, key, ids)
-
-
-def head_tokens(model, x: torch.Tensor, noise: list | None) -> list[int]:
-    """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
-    its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher
-    (`Sampler.head_pick`). The native executor does all of it inside the head call (the logits stay there);
-    the PyTorch path draws with `draw_row` over the (masked) logits."""
-    if noise is None or all(z is None for z in noise):
-        return model.greedy_tokens(x)
-    if runs_natively(model):
-        return head_argmax(model, x, noise)
-    lg = model.logits(x)[..., :model.cfg.vocab_size].reshape(-1, model.cfg.vocab_size)
-    out = []
-    for i, z in enumerate(noise):
-        row = lg[i] if z is None or len(z) < 5 else z[4].apply(lg[i])
-        out.append(int(row.argmax()) if z is None or not z[1] > 0 else draw_row(row, *z[:4]))
-    return out
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -478,6 +478,7 @@ class BatchEngine(FastSteps):
         table = torch.tensor(seq.block_table, device=self.kv.k.parts[0].device)
         o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, cached=seq.n_cached,
                             running=lambda: len(self.sched.running), **self.speculation)
+        self.runner.prepare(o.spec)
         o.passes = o.spec.passes()
         self._advance_speculative(req, o)
 

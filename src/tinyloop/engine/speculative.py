@@ -67,8 +67,8 @@ from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, round_costs, tested
 from .round_shape import TreeOrChain, shape_rates
-from .sampling import Sampler, head_tokens, penalized, processed_logits
-from .native import head_costs, runs_natively, streamed as streams_weights
+from .sampling import Sampler, penalized, processed_logits
+from .native import runs_natively, streamed as streams_weights
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
@@ -154,11 +154,6 @@ class Speculator(TreeRounds):
                                   costs=round_costs(model, *key, self.pipeline and not both, sampled),
                                   pipeline_costs=round_costs(model, *key, True, sampled) if both else None,
                                   prefer_pipeline=self.pipeline)
-        if self.native and plan.draft_ahead > 0:
-            # the head's cost by rows (chain rounds' verification chunk, native_rounds.head_rows), measured
-            # once per model here, before any round is timed: inside a round it made that round's cost (by
-            # which the policy ranks draft lengths) tens of ms too high
-            head_costs(model, max(plan.draft_ahead, plan.draft_run) + 1)
         self.logprobs: list = []              # with params.logprobs: one entry per token of the last list yielded
         self.pending = -1
         self.stats = {"rounds": 0, "draft_tokens": 0, "proposed": 0, "accepted": 0, "emitted": 0,
@@ -182,13 +177,13 @@ class Speculator(TreeRounds):
     def passes(self) -> Generator[Rows | list[int], None, None]:
         """The whole request: prefill, the first token, then rounds until max_tokens (stops are the
         caller's: it closes the generator)."""
-        h = yield from self.prefill()
-        self.logprobs = []
         pick = self.sampler.head_pick() if self.params.logprobs is None else False
-        if pick is not False:   # the head picks it itself (argmax, draw, grammar mask), as plain decoding's rows
-            tok = head_tokens(self.model, h, [pick])[0]
+        last = yield from self.prefill(pick)
+        self.logprobs = []
+        if pick is not False:   # the head picked it itself (argmax, draw, grammar mask), as plain decoding's rows
+            tok = last.argmax
         else:
-            logits = self.model.logits(h[None])[0, 0]
+            logits = self.model.logits(last.hidden[-1:][None])[0, 0]
             tok = self.sampler.sample(logits)
             self._logprob(logits, tok)
         self.sampler.accept(tok)
@@ -205,23 +200,27 @@ class Speculator(TreeRounds):
         finally:   # (the last call is timed as it ends: its request with it; a probe of plain calls is one)
             self._time_last_chain()
 
-    def prefill(self) -> Generator[Rows, None, torch.Tensor]:
+    def prefill(self, pick=False) -> Generator[Rows, None, Rows]:
         """The prompt through all V loops (and, with a draft exit, the exit's entries from the prompt's
-        loop-d states); returns the last position's final hidden state (1, dim)."""
+        loop-d states); returns the last rows run (their `hidden`: the final states). `pick`: unless False, the
+        head picks the next token from the last position in the step's head call (`Rows.greedy`, `noise`:
+        `Sampler.head_pick`), into the last rows' `argmax`."""
         prompt = list(self.plan.prompt_ids)
         last = None
         for s in range(self.cached, len(prompt), PREFILL_CHUNK):
             part = prompt[s:s + PREFILL_CHUNK]
+            ends = s + PREFILL_CHUNK >= len(prompt) and pick is not False
+            kw = {"greedy": True, "noise": pick} if ends else {}
             if self.exit is None:
-                last = self._rows(s, len(part), self.V, tokens=part)
+                last = self._rows(s, len(part), self.V, tokens=part, **kw)
                 yield last
             else:  # loops 0..d-1 and the exit, then loops d..V-1 from the loop-d states
                 a = self._draft(part, s, self.exit_readout)
                 yield a
-                last = self._verify(*a.out_state, s)
+                last = self._verify(*a.out_state, s, **kw)
                 yield last
         self.length = len(prompt)
-        return last.hidden[-1:]
+        return last
 
     def round(self, remaining: int) -> Generator[Rows, None, list[int]]:
         """One draft + verify round: returns the tokens it emits (1 .. min(remaining, draft_ahead + 1))."""
@@ -288,7 +287,7 @@ class Speculator(TreeRounds):
         backlog, self.exit_backlog = self.exit_backlog, None
         matcher, drafted = sampler.matcher, 0
         for j in range(k):
-            draft = self._draft([toks[-1]], L + j, self.draft_readout)
+            draft = self._draft([toks[-1]], L + j, self.draft_readout, draft=self.head)
             if j == 0 and backlog is not None:  # position L-1's exit entry rides along with position L's
                 # (the exit reads the state alone: the row's loop input, as wide as the model's, is not read)
                 e_b = backlog if backlog.shape[-1] == self.model.loop_input_width else \
@@ -303,7 +302,7 @@ class Speculator(TreeRounds):
             e, h = draft.out_state
             es.append(e)
             hs.append(h)
-            lg = self.head.logits(draft.hidden)[0]
+            lg = draft.draft_logits[0]
             x = self._draft_pick(lg, j)
             toks.append(x)
             if matcher is not None:  # the grammar follows the drafts (rolled back before verification)

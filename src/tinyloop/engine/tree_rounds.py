@@ -65,13 +65,14 @@ class TreeRounds:
                 kw["tree_mask"] = ancestor_mask(tree.parents, rows)
                 kw["tree_key_positions"] = torch.tensor([L + dd for dd in tree.depths])
             readout = self.draft_readout if t <= depth else self.exit_readout  # the exit's entries are due
-            draft = self._draft([tree.tokens[i] for i in frontier], L + first, readout, **kw)
+            draft = self._draft([tree.tokens[i] for i in frontier], L + first, readout,
+                                draft=self.head if t <= depth else None, **kw)
             yield draft
             es.append(draft.out_state[0])
             hs.append(draft.out_state[1])
             if t > depth:
                 break
-            lg = self.head.logits(draft.hidden)
+            lg = draft.draft_logits
             logp = torch.log_softmax(torch.stack([self._penalised(r) for r in lg]), dim=-1)
             if sampler.matcher is not None:  # each node's children: what the grammar allows after its path
                 paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in frontier]  # below the root

@@ -114,11 +114,14 @@ class Rows:
     greedy: bool = False                  # the batch runner takes the last row's greedy token (`argmax`) in the
                                           # step's one head call with the other sequences'
     noise: tuple | None = None            # with greedy: (key, 1 / T, top_k, top_p), the token drawn instead
+    draft: Any = None                     # a speculator's draft head: the batch runner sets `draft_logits` (its
+                                          # logits over the draft vocabulary for these rows' outputs)
     # filled by the step
     row0: int = 0
     hidden: torch.Tensor | None = None
     out_state: tuple[torch.Tensor, torch.Tensor] | None = None
     argmax: int | None = None
+    draft_logits: torch.Tensor | None = None
 
     def __post_init__(self):
         self.default_positions = self.positions is None   # start .. start+n-1 (no tensor read needed)
