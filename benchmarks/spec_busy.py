@@ -8,7 +8,7 @@ Phases alternate (`--phases`, default idle,busy,idle,busy); a busy phase runs `-
 another user's job beside the server. In each phase each route runs `--reps` pairs of passes over serving.py's eight
 prompts (greedy, `--tokens` each, ignore_eos), plain (the route's default: loops 8) and `mode: "speculative"` with
 every knob at its default, their order swapped every pair; a pair's ratio is plain time / speculative time, and a
-phase's figure the median of its pairs (`generate`: one pass a phase, the sum of the eight requests' wall_ms). Each
+phase's figure the median of its pairs (`generate`: a pass is the sum of the eight requests' wall_ms). Each
 speculative request's stats give the policy's mean k (`draft_ahead_chosen`), its plain rounds and the acceptance.
 
     .venv/bin/python benchmarks/spec_busy.py [--routes python,http,generate] [--phases idle,busy,idle,busy]
@@ -196,7 +196,7 @@ def main() -> int:
                 for r in routes:
                     load0 = os.getloadavg()[0]
                     ratios, sts, tp_all, ts_all = [], [], [], []
-                    for i in range(1 if r.name == "generate" else args.reps):
+                    for i in range(args.reps):
                         if i % 2 == 0:
                             tp, _ = r.run(False)
                             ts, st = r.run(True)

@@ -14,6 +14,15 @@ from tinyloop.tokenizer import Tokenizer
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _round_costs_start_empty(monkeypatch):
+    """Each test's speculation policy starts from what it measures itself: no round costs kept by an earlier
+    process on this host (engine/draft_policy.py `round_costs`; the test of keeping them turns it back on)."""
+    from tinyloop.engine import draft_policy
+
+    monkeypatch.setattr(draft_policy, "KEEP", False)
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -4,6 +4,7 @@ crowded batches (tests/kernels/native_pair.py builds the models)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -588,3 +589,50 @@ def test_the_head_costs_are_measured_once_a_host_and_kept(tmp_path, monkeypatch)
     ex._head_costs = []
     assert len(ex.head_costs(5)) == 5 and timed   # a damaged file: measured, and written whole again
     assert ex._head_key() in (tmp_path / "head_costs.json").read_text()
+
+
+def test_round_costs_are_kept_for_the_next_process(tmp_path, monkeypatch):
+    """A speculative request's end keeps the model's round costs beside the library (at most once per KEEP_EVERY
+    seconds a table); a new table (the next `tinyloop generate` process) starts from them: its costs measured, its
+    acceptance a bounded prior. Not the plain check's verdict; a damaged file, or another model's key, starts empty.
+    The output is plain decoding's either way."""
+    from tinyloop.engine import Engine, SamplingParams, draft_policy
+    from tinyloop.engine.draft_policy import _ROUND_COSTS, RoundCosts, round_costs
+    from tinyloop.kernels import calls
+
+    eng = Engine.load()
+    ex = getattr(eng.model, "executor", None)
+    if ex is None:
+        pytest.skip("the shipped model runs without the native executor here")
+    monkeypatch.setattr(calls, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(draft_policy, "KEEP", True)
+    _ROUND_COSTS.pop(eng.model, None)
+    plain = eng.generate("The king said", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)).text
+    spec = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, mode="speculative")
+    assert eng.generate("The king said", spec).text == plain
+    kept = json.loads((tmp_path / "round_costs.json").read_text())
+    keys = [k for k, v in kept.items() if v["verify"]]
+    assert keys and all(k.startswith(f"{ex.isa}|") and "sampled 0" in k for k in keys)
+    first = _ROUND_COSTS.pop(eng.model)
+    old = next(c for c in first.values() if c.verify_ms)
+    old.check.drafting = False   # (a verdict the next process must not inherit)
+    # the next process: a new table starts from the kept costs
+    new = round_costs(eng.model, *next(k for k, c in first.items() if c is old))
+    assert new.verify_ms and set(new.verify_ms) <= set(old.verify_ms)
+    assert all(new.samples(k) <= RoundCosts.KEPT for k in new.verify_ms)
+    assert new.check.drafting and new.proposed <= RoundCosts.PRIOR_DRAFTS
+    assert new.prior() == pytest.approx(old.prior(), abs=1e-9)
+    # kept again only after KEEP_EVERY seconds (a table first measured in a later request is kept then)
+    writes, real = [], draft_policy.native.keep_round_costs
+    monkeypatch.setattr(draft_policy.native, "keep_round_costs", lambda m, k, v: writes.append(k) or real(m, k, v))
+    for _ in range(3):
+        assert eng.generate("The king said", spec).text == plain
+    assert writes and len(writes) == len(set(writes)), writes
+    # damaged, or malformed entries: an empty table
+    (tmp_path / "round_costs.json").write_text("{not json")
+    _ROUND_COSTS.pop(eng.model)
+    assert not round_costs(eng.model, 1, 8, False).verify_ms
+    bad = RoundCosts()
+    bad.restore({"draft": [1.0], "verify": {"1": [-2.0]}, "calls": [], "accepted": 1, "proposed": 2, "yields": {}})
+    bad.restore({"draft": "x"})
+    assert not bad.verify_ms and bad.draft_ms is None and bad.prior() is None

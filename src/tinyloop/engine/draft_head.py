@@ -42,12 +42,12 @@ class DraftHead:
         if size is None or size <= 0 or size >= vocab:
             self._weight, self.n = weight, vocab
             return
-        ranked, self._ranked, block = _ranked_rows(model, weight, size)
+        ranked, self._ranked = _ranked_ids(model, weight, size)
         cap = min(vocab, size + extra_rows)
         self.ids = torch.zeros(cap, dtype=torch.long, device=weight.device)
         self.ids[:size] = ranked
         self._added: set[int] = set()   # (Python sets: a tensor lookup a token cost more than the rest of `add`)
-        self._source, self._block = weight, block
+        self._source, self._size = weight, size
         self.n = size
         # where the model's head is int8 (the shipped int4 file) and the native executor runs, the draft reads
         # those codes' rows (1 MB for 4,096 rows, against 2 MB of 16-bit embedding rows: the draft head's
@@ -59,8 +59,8 @@ class DraftHead:
     def _float_rows(self) -> torch.Tensor:
         """This request's 16-bit (or fp32) draft rows: the ranked block, then the rows `add` made draftable."""
         w = torch.empty(self.ids.shape[0], self._source.shape[1], dtype=self._source.dtype, device=self._source.device)
-        size = self._block.shape[0]
-        w[:size] = self._block
+        size = self._size
+        w[:size] = _ranked_block(self.model, self._source, size)
         if self.n > size:
             w[size:self.n] = self._source[self.ids[size:self.n]]
         return w
@@ -129,7 +129,7 @@ class _QuantRows:
         hit = per_model.get(size)
         if hit is None or hit[0] is not src["qweight"]:
             rows = ids[:size].cpu()
-            block = {k: src[k][rows].contiguous() for k in ("qweight", "scales", "zeros")}
+            block = {k: src[k].index_select(0, rows) for k in ("qweight", "scales", "zeros")}
             hit = per_model[size] = (src["qweight"], block)
         bufs = {}
         for k, block in hit[1].items():
@@ -172,16 +172,26 @@ _RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyD
 _QUANT_RANKED: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
-def _ranked_rows(model: LoopedTransformer, weight: torch.Tensor, size: int):
-    """The `size` most frequent tokens' ids, their set and their head rows, gathered once per model, head and
-    size (a request copies them: building them each time cost 10-60 ms a request, the ranking's tensor and
-    the 4,096-row gather); read only."""
+def _ranked_ids(model: LoopedTransformer, weight: torch.Tensor, size: int):
+    """The `size` most frequent tokens' ids and their set, made once per model, head and size (a request copies
+    them: building them each time cost 10-60 ms a request with the rows below); read only."""
     per_model = _RANKED.setdefault(model, {})
     hit = per_model.get(size)
     if hit is None or hit[0] is not weight:   # (`_draft_head_weight` makes a new tensor when the head changes)
-        ranked = frequency_ranking(model.cfg.vocab_size)[:size].to(weight.device)
-        hit = per_model[size] = (weight, ranked, frozenset(ranked.tolist()), weight[ranked].contiguous())
-    return hit[1:]
+        ranked = frequency_ranking(model.cfg.vocab_size, size).to(weight.device)
+        hit = per_model[size] = (weight, ranked, frozenset(ranked.tolist()), None)
+    return hit[1:3]
+
+
+def _ranked_block(model: LoopedTransformer, weight: torch.Tensor, size: int) -> torch.Tensor:
+    """Those tokens' float head rows, gathered once per model, head and size, on first use: the PyTorch path's
+    draft rows (where the native executor reads the head's int8 rows, never: the gather of 2,048 16-bit rows
+    was most of a draft head's first build, ~10 ms of a fresh process's first speculative request)."""
+    weight_, ranked, ids, block = _RANKED[model][size]
+    if block is None:
+        block = weight[ranked].contiguous()
+        _RANKED[model][size] = (weight_, ranked, ids, block)
+    return block
 
 
 class ExactArgmax:

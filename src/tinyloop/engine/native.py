@@ -15,7 +15,9 @@ Questions and the model's life (any module):
   the executor attached at load and let go at unload (`Engine.load`), the executor a model's layers are built for;
 - `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
   copy takes (the server's model memory, `server/model_memory.py`);
-- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls.
+- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls;
+- `kept_round_costs`, `keep_round_costs`: what speculation rounds cost on this host, kept beside the library for
+  the next process (`draft_policy.round_costs`, `keep_costs`).
 
 Work (the batch runner only; each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments
 as given: no copies, nothing allocated here, they run on the decode path; tests/engine/test_native_door.py holds
@@ -118,6 +120,18 @@ def head_costs(model: Any, rows: int = 9) -> list[float]:
     """Milliseconds of the LM head at 1..rows input rows on this host, measured once per model:
     `NativeExecutor.head_costs`."""
     return model.executor.head_costs(rows)
+
+
+def kept_round_costs(model: Any, setting: str) -> dict | None:
+    """What an earlier process on this host kept of the model's round costs for one speculation setting
+    (`NativeExecutor.kept_round_costs`); None on the PyTorch path (whose rounds are not the native ones)."""
+    return model.executor.kept_round_costs(setting) if runs_natively(model) else None
+
+
+def keep_round_costs(model: Any, setting: str, value: dict) -> None:
+    """Keep the model's round costs for one setting beside the library, for later processes."""
+    if runs_natively(model):
+        model.executor.keep_round_costs(setting, value)
 
 
 def head_argmax(model: Any, x: torch.Tensor, noise: list | None = None) -> list[int]:

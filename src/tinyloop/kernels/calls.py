@@ -23,6 +23,7 @@ from .layers import _CALL, _forward, _vec, linear_desc, tensor_desc
 
 
 _COSTS_FILE = "head_costs.json"
+_ROUNDS_FILE = "round_costs.json"
 
 
 @functools.cache
@@ -31,27 +32,27 @@ def cpu_id() -> str:
     return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
 
 
-def stored_head_costs(key: str) -> list[float] | None:
-    """The head costs a process on this host measured for `key` (`RequestCalls.head_costs`), or None."""
+def _stored(name: str, key: str):
+    """The entry `key` of the table `name` in the library's cache directory (what a process on this host kept),
+    or None."""
     try:
-        costs = json.loads((cache_dir() / _COSTS_FILE).read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+        table = json.loads((cache_dir() / name).read_text())
+    except (OSError, ValueError):
         return None
-    if not isinstance(costs, list) or not costs or not all(isinstance(c, (int, float)) and c > 0 for c in costs):
-        return None
-    return [float(c) for c in costs]
+    return table.get(key) if isinstance(table, dict) else None
 
 
-def store_head_costs(key: str, costs: list[float]) -> None:
-    """Keep `costs` for later processes (written whole and renamed; an unwritable cache keeps nothing)."""
-    path = cache_dir() / _COSTS_FILE
+def _store(name: str, key: str, value) -> None:
+    """Keep `value` as the entry `key` of the table `name` for later processes (the table written whole and
+    renamed: a reader sees the old table or the new one; an unwritable cache keeps nothing)."""
+    path = cache_dir() / name
     try:
         table = json.loads(path.read_text()) if path.exists() else {}
         if not isinstance(table, dict):
             table = {}
     except (OSError, ValueError):
         table = {}
-    table[key] = [round(c, 4) for c in costs]
+    table[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -59,6 +60,19 @@ def store_head_costs(key: str, costs: list[float]) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def stored_head_costs(key: str) -> list[float] | None:
+    """The head costs a process on this host measured for `key` (`RequestCalls.head_costs`), or None."""
+    costs = _stored(_COSTS_FILE, key)
+    if not isinstance(costs, list) or not costs or not all(isinstance(c, (int, float)) and c > 0 for c in costs):
+        return None
+    return [float(c) for c in costs]
+
+
+def store_head_costs(key: str, costs: list[float]) -> None:
+    """Keep `costs` for later processes."""
+    _store(_COSTS_FILE, key, [round(c, 4) for c in costs])
 
 
 class RequestCalls:
@@ -98,6 +112,25 @@ class RequestCalls:
                                 for m in range(1, most + 1)]
             store_head_costs(self._head_key(), self._head_costs)
         return self._head_costs[:rows]
+
+    def kept_round_costs(self, setting: str) -> dict | None:
+        """What an earlier process on this host kept of this model's round costs for one speculation setting
+        (engine/draft_policy.py `RoundCosts.kept`), or None."""
+        got = _stored(_ROUNDS_FILE, f"{self._model_key()}|{setting}")
+        return got if isinstance(got, dict) else None
+
+    def keep_round_costs(self, setting: str, value: dict) -> None:
+        """Keep this model's round costs for one setting for later processes (`tinyloop generate` is one a request)."""
+        _store(_ROUNDS_FILE, f"{self._model_key()}|{setting}", value)
+
+    def _model_key(self) -> str:
+        """What a round's cost depends on: the build, threads and CPU, and the model's shapes and formats (its
+        config, and each weight's name, dtype and shape: int4, int8 and 16-bit files of one config apart)."""
+        if self._model_digest is None:
+            m = self.model
+            parts = [repr(m.cfg)] + [f"{k}:{v.dtype}:{tuple(v.shape)}" for k, v in m.state_dict().items()]
+            self._model_digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        return f"{self.isa}|{self.threads}t|{cpu_id()}|{self._model_digest}"
 
     def _head_key(self) -> str:
         """What the head's cost by rows depends on: the build, threads, the head's format and shape, the CPU."""

@@ -47,6 +47,7 @@ class NativeExecutor(RequestCalls):
         self.lib = L.load()
         self.model, self.keep = model, []
         self._head_costs: list[float] = []   # (head_costs)
+        self._model_digest: str | None = None   # (_model_key)
         m = self.desc = L.TlModel()
         m.dim, m.n_heads, m.n_kv_heads, m.head_dim = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         m.ffn_dim, m.vocab = cfg.ffn_dim, cfg.vocab_size
