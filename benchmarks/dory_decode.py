@@ -31,6 +31,7 @@ import torch
 from tinyloop.config import ModelConfig
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.model import build_model
+from tinyloop.model.families import dory
 from tinyloop.model.fast import prepare_for_decode
 from tinyloop.modelfile.loader import LoadedModel
 from hostinfo import cpu_name  # (benchmarks/)
@@ -45,8 +46,8 @@ def dory_config(kv_mode: str) -> ModelConfig:
                        rope_theta=10000.0, rotary_dim=32, rope_theta_2=500.0, rotary_dim_2=48,
                        rope_profile=tuple(2 if c == "S" else 1 for c in pattern), mlp="swiglu",
                        tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False, head_norm=False,
-                       layer_pattern=pattern, sliding_window=64, ngpt_std=0.02, ngpt_alpha_init=0.05,
-                       gate_logit_init=0.0, kv_mode=kv_mode, eos_token_id=31999)
+                       layer_pattern=pattern, sliding_window=64, family_params=dory.params(0.02),
+                       kv_mode=kv_mode, eos_token_id=31999)
 
 
 def int4(model) -> None:

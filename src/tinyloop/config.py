@@ -104,19 +104,20 @@ class ModelConfig:
     rope_theta_2: float = 0.0
     rotary_dim_2: int = 0
     rope_profile: tuple[int, ...] = ()
-    # nGPT blocks (`ngpt`): non-empty, one LAYER_KINDS character per block; each block is
-    # one sublayer on the unit sphere, loops enter as justnorm(state + e), end with justnorm, no final norm,
-    # the head's logits scaled per token by the `logit_scale` vector / ngpt_std
+    # single-sublayer blocks on the sphere (`ngpt`): non-empty, one LAYER_KINDS character per block, each block
+    # one sublayer made by the family that builds them (`model.families`: Family.builds); loops enter as
+    # l2norm(state + e), end with l2norm, no final norm, the head's logits scaled per token by the `logit_scale`
+    # vector (over the family's `logit_divisor`)
     layer_pattern: str = ""
     sliding_window: int = 0             # the keys an S block's query sees: its own and the W - 1 before it
-    ngpt_std: float = 0.0               # init_method_std: divides every learned scale (sqk, s_gate, alpha, logits)
-    ngpt_alpha_init: float = 0.05       # the residual step |alpha * ngpt_alpha_init / ngpt_std|
-    gate_logit_init: float = 0.0        # g0 of the attention output gate (0: sqrt(dim))
     kv_mode: str = "per_loop"           # KV_MODES
     # The depths the model was trained to be used at, (shallowest, deepest), as its family declares them
     # (`model.families`: e.g. every depth 1..n the checkpoint was trained at); () : none declared. `loops` beyond
     # it is still allowed up to max_loops; `reasoning_effort` picks a depth inside it (`effort_loops`, docs/server.md)
     trained_loops: tuple[int, ...] = ()
+    # A family's own scalars, by name (its init scales, a gate's initial logit, ...): read and checked by the module
+    # of the family that builds the model's blocks (`model.families`: Family.check), nothing else reads them
+    family_params: dict[str, Any] = field(default_factory=dict, hash=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,8 +183,6 @@ class ModelConfig:
                 (len(p) == n_blocks and not set(p) - set(LAYER_KINDS),
                  f"layer_pattern needs one of {LAYER_KINDS!r} per block ({n_blocks}), got {p!r}"),
                 ("S" not in p or self.sliding_window > 0, "layer_pattern has S blocks: sliding_window must be > 0"),
-                (self.ngpt_std > 0, "an nGPT layer_pattern needs ngpt_std > 0"),
-                (self.gate_logit_init >= 0, "gate_logit_init must be >= 0"),
                 (self.mlp == "swiglu" and self.injection == "add" and self.loop_start == "embed",
                  "nGPT blocks run a swiglu MLP, the add injection and loop_start embed"),
                 (not (self.loop_norm or self.head_norm or self.post_loop_norm or self.prelude_norm or self.state_proj
@@ -219,6 +218,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        moved = {k: d[k] for k in _NOW_FAMILY_PARAMS if k in d}
+        if moved:   # (headers written before family_params: the same values, where the family reads them now)
+            d = {**{k: v for k, v in d.items() if k not in moved}, "family_params": {**moved, **d.get("family_params", {})}}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")
@@ -294,8 +296,10 @@ class ModelConfig:
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,
                           "value_embeds": (), "ve_gate_channels": 32, "qk_norm_full": False, "rope_llama3": (),
                           "loop_start": "state", "rotary_dim": 0, "rope_theta_2": 0.0, "rotary_dim_2": 0,
-                          "rope_profile": (), "layer_pattern": "", "sliding_window": 0, "ngpt_std": 0.0,
-                          "ngpt_alpha_init": 0.05, "gate_logit_init": 0.0, "kv_mode": "per_loop", "trained_loops": ()}
+                          "rope_profile": (), "layer_pattern": "", "sliding_window": 0, "kv_mode": "per_loop",
+                          "trained_loops": (), "family_params": {}}
+# Fields a family's module reads that headers once held at the top level (read into family_params)
+_NOW_FAMILY_PARAMS = ("ngpt_std", "ngpt_alpha_init", "gate_logit_init")
 
 # reasoning_effort (OpenAI's values, and Anthropic's "max") -> where in a model's trained depth range it runs
 EFFORT_DEPTHS = {"none": "shallowest", "minimal": "shallowest", "low": "shallowest", "medium": "middle",

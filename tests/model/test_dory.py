@@ -263,6 +263,29 @@ def test_the_model_takes_its_blocks_from_the_family_module(dory):
     assert own_blocks(preset("tiny")) is None
 
 
+def test_the_familys_own_scalars_live_in_family_params(dory):
+    """nGPT's init std, alpha init and gate logit init are the family's (`ModelConfig.family_params`, read and checked
+    by model/families/dory.py only): written under family_params, read from headers that held them at the top level,
+    and a model built with a bad one refused by field name."""
+    from tinyloop.config import ConfigError, ModelConfig, preset
+    from tinyloop.model import build_model
+
+    mode, hf, path = dory
+    cfg = load_model(path).model.cfg
+    assert cfg.family_params == {"ngpt_std": STD, "ngpt_alpha_init": hf["ngpt_alpha_init"],
+                                 "gate_logit_init": pytest.approx(math.sqrt(cfg.dim))}
+    d = cfg.to_dict()
+    assert d["family_params"] == cfg.family_params and "ngpt_std" not in d
+    assert ModelConfig.from_dict(d) == cfg
+    old = {k: v for k, v in d.items() if k != "family_params"} | cfg.family_params   # a header of before
+    assert ModelConfig.from_dict(old) == cfg
+    assert "family_params" not in preset("tiny").to_dict()   # (left out where empty: other headers as they were)
+    for params, field in (({"ngpt_std": 0.0}, "ngpt_std"), ({"ngpt_std": STD, "gate_logit_init": -1.0},
+                                                             "gate_logit_init"), ({"ngpt_std": STD, "sqk": 1}, "sqk")):
+        with pytest.raises(ConfigError, match=field):
+            build_model(cfg.replace(family_params=params))
+
+
 @torch.inference_mode()
 def test_fp32_logits_match_the_reference_at_every_position(dory, weights):
     """Tolerance 1e-4 (absolute, on logits of magnitude ~10): both sides are fp32; every layer ends in a

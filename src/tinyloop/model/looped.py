@@ -32,6 +32,8 @@ class LoopedTransformer(nn.Module):
         ve = set(cfg.value_embeds)   # blocks numbered prelude, core, coda
         P, C = cfg.n_prelude, cfg.n_core
         own = own_blocks(cfg)   # a family whose blocks are its own (`model.families`), or None
+        if own is not None and own.check is not None:
+            own.check(cfg)   # (its own scalars: ModelConfig.family_params)
         # nGPT: the state lives on the unit sphere (loops enter as l2norm(state + e) and end with l2norm)
         self.sphere = cfg.ngpt
 
@@ -56,8 +58,9 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.head_norm or cfg.post_loop_norm else None
         self.exit_gate = nn.Linear(cfg.dim, 1, bias=True) if cfg.exit_gate else None  # read by adaptive depth
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # nGPT: the logits are scaled per token by logit_scale / ngpt_std
+        # blocks on the sphere: the logits are scaled per token by logit_scale / the family's divisor
         self.logit_scale = nn.Parameter(torch.ones(cfg.vocab_size)) if cfg.ngpt else None
+        self.logit_divisor = own.logit_divisor(cfg) if own is not None and own.logit_divisor is not None else 1.0
         alt = Rotary(cfg.head_dim, cfg.rope_theta_2, (), cfg.rotary_dim_2) if 2 in cfg.rope_profile else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3, cfg.rotary_dim, alt)
         self.core_loop_tokens = 0  # core-loop evaluations x tokens, counted (tests check draft reuse)
@@ -244,9 +247,9 @@ class LoopedTransformer(nn.Module):
         return out if c == 0 else c * torch.tanh(out / c)
 
     def logit_scales(self, rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The per-token factors `logits` multiplies by (logit_scale / ngpt_std, in `dtype`) for a head of `rows`
+        """The per-token factors `logits` multiplies by (logit_scale / logit_divisor, in `dtype`) for a head of `rows`
         outputs, a padded head's extra rows 1 (kept as they are); the native executor's head applies the same."""
-        s = self.logit_scale.to(dtype) / self.cfg.ngpt_std
+        s = self.logit_scale.to(dtype) / self.logit_divisor
         return torch.cat([s, s.new_ones(rows - s.numel())]) if rows > s.numel() else s
 
     def greedy_tokens(self, x: torch.Tensor) -> list[int]:

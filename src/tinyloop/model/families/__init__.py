@@ -5,8 +5,9 @@ options are refused, by name), how its checkpoint's tensor names map onto TinyLo
 quirks (a tokenizer kept in a repository of its own, a default EOS token), and any math no other family
 has. Math several families share stays in `model/layers.py` and `model/looped.py`, switched by
 `ModelConfig` fields. A family whose layers are its own (Dory's nGPT blocks) says so: `builds(cfg)` picks it for
-a config, `block(cfg, i)` makes block i (prelude, core, coda numbering) and `init(model)` draws random weights;
-`LoopedTransformer` asks `own_blocks(cfg)`. Such a block's `native_fields()` say what the native library reads
+a config, `block(cfg, i)` makes block i (prelude, core, coda numbering), `init(model)` draws random weights and
+`check(cfg)` checks its own scalars (`ModelConfig.family_params`: only its module reads them); `LoopedTransformer`
+asks `own_blocks(cfg)`. Such a block's `native_fields()` say what the native library reads
 of it; that math is one file in `kernels/csrc/` registering its block kind by name (csrc/step.h
 `register_block`), the executor's one door for it.
 
@@ -64,10 +65,13 @@ class Family:
     weights: tuple[str, ...] = ()               # weight files besides safetensors (`pull` fetches them)
     tokenizer_repo: str | None = None           # where the tokenizer lives when the snapshot has none
     default_eos: str | None = None              # the EOS token when no config names one
-    # A family whose blocks are its own: whether a config is built from them, block i of it, random weights
+    # A family whose blocks are its own: whether a config is built from them, block i of it, random weights,
+    # its checks of the config (its `family_params`: ConfigError), what a per-token `logit_scale` is divided by
     builds: Callable[[ModelConfig], bool] | None = None
     block: Callable[[ModelConfig, int], Any] | None = None
     init: Callable[[Any], None] | None = None
+    check: Callable[[ModelConfig], None] | None = None
+    logit_divisor: Callable[[ModelConfig], float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...config import ModelConfig
+from ...config import ConfigError, ModelConfig
 from ..layers import MLP, Attention, apply_rope_full
 from ..layers import l2norm as justnorm   # x / sqrt(sum(x^2) + 1e-6), in fp32 (shared: the loops' sphere)
 from . import ConvertError, Emit, Family, need
@@ -70,9 +70,10 @@ class NGPTAttention(Attention):
         self.sqk = nn.Parameter(torch.ones(H * D))
         self.s_gate = nn.Parameter(torch.ones(H * D))
         self.window, self.profile = window, profile
-        self.sqk_factor = math.sqrt(D) / cfg.ngpt_std
-        g0 = cfg.gate_logit_init or math.sqrt(d)
-        self.gate_factor = math.sqrt(g0) / cfg.ngpt_std
+        std = cfg.family_params["ngpt_std"]
+        self.sqk_factor = math.sqrt(D) / std
+        g0 = cfg.family_params.get("gate_logit_init") or math.sqrt(d)
+        self.gate_factor = math.sqrt(g0) / std
 
     def forward(self, x: torch.Tensor, ctx, slot: int | None, ve: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -130,7 +131,7 @@ class NGPTBlock(nn.Module):
             self.attn = NGPTAttention(cfg, cfg.sliding_window if kind == "S" else 0, cfg.block_profile(block))
             self.mlp = None
         self.alpha = nn.Parameter(torch.ones(cfg.dim))
-        self.alpha_factor = cfg.ngpt_alpha_init / cfg.ngpt_std
+        self.alpha_factor = cfg.family_params.get("ngpt_alpha_init", ALPHA_INIT) / cfg.family_params["ngpt_std"]
 
     def forward(self, x: torch.Tensor, ctx, slot: int | None, ve: torch.Tensor | None = None) -> torch.Tensor:
         out = self.mlp(x) if self.mlp is not None else self.attn(x, ctx, slot)
@@ -164,10 +165,35 @@ NATIVE = ("ngpt", (("kind", "i32"), ("window", "i32"), ("profile", "i32"), ("wg"
                    ("s_gate", "f32[]"), ("alpha", "f32[]"), ("suv_gate", "f32[]"), ("suv_up", "f32[]")))
 
 
+ALPHA_INIT = 0.05   # ngpt_alpha_init where a config leaves it out
+
+
+def params(std: float, alpha_init: float = ALPHA_INIT, gate_init: float = 0.0) -> dict:
+    """The family's own scalars (`ModelConfig.family_params`): nGPT's init std, which divides every learned scale
+    (sqk, s_gate, alpha, the logits'); the residual step's alpha init (|alpha * ngpt_alpha_init / std|); g0 of the
+    attention output gate (0: sqrt(dim))."""
+    return {"ngpt_std": float(std), "ngpt_alpha_init": float(alpha_init), "gate_logit_init": float(gate_init)}
+
+
+def check(cfg: ModelConfig) -> None:
+    """The family's own scalars, checked where a model is built from them: ConfigError naming the field."""
+    p = cfg.family_params
+    std = p.get("ngpt_std")
+    if not isinstance(std, (int, float)) or not std > 0:
+        raise ConfigError(f"nGPT blocks need family_params.ngpt_std > 0, got {std!r}")
+    for name in ("ngpt_alpha_init", "gate_logit_init"):
+        v = p.get(name, 0.0)
+        if not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"family_params.{name} must be a number >= 0, got {v!r}")
+    unknown = sorted(set(p) - {"ngpt_std", "ngpt_alpha_init", "gate_logit_init"})
+    if unknown:
+        raise ConfigError(f"unknown family_params for nGPT blocks: {unknown}")
+
+
 def init_ngpt(model: nn.Module) -> None:
     """Random weights for a model built from scratch (tests, benchmarks): projections N(0, std), every scale
     vector near std (so each learned scale / std is near 1, as after nGPT's init), the logit scale too."""
-    std = model.cfg.ngpt_std
+    std = model.cfg.family_params["ngpt_std"]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -297,8 +323,8 @@ def config(hf: dict[str, Any], src: Path, eos: list[int], names=None) -> ModelCo
                        rotary_dim_2=r2 if two else 0, rope_profile=tuple(profiles) if two else (),
                        mlp="swiglu", tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False,
                        head_norm=False, layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
-                       ngpt_std=float(std), ngpt_alpha_init=float(hf.get("ngpt_alpha_init", 0.05)),
-                       gate_logit_init=float(g0), kv_mode=KV_MODES[mode], trained_loops=trained_depths(loops),
+                       family_params=params(std, hf.get("ngpt_alpha_init", ALPHA_INIT), g0),
+                       kv_mode=KV_MODES[mode], trained_loops=trained_depths(loops),
                        eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
@@ -443,8 +469,8 @@ def gguf_config(g: Any, eos: list[int]) -> ModelConfig:
                        rotary_dim_2=r if two else 0, rope_profile=tuple(profiles) if two else (), mlp="swiglu",
                        tie_embeddings=False, injection="add", loop_start="embed", loop_norm=False, head_norm=False,
                        layer_pattern=pattern, sliding_window=window if "S" in pattern else 0,
-                       ngpt_std=float(scales["init_std"]), ngpt_alpha_init=float(scales["alpha_init"]),
-                       gate_logit_init=float(scales["gate_init"]), kv_mode=KV_MODES[mode],
+                       family_params=params(scales["init_std"], scales["alpha_init"], scales["gate_init"]),
+                       kv_mode=KV_MODES[mode],
                        trained_loops=trained_depths(loops), eos_token_id=eos[0], eos_token_ids=tuple(eos[1:]))
 
 
@@ -473,4 +499,5 @@ def gguf_tensor(cfg: ModelConfig, g: Any, name: str, t: torch.Tensor, emit: Emit
 
 FAMILY = Family(name="dory", summary="NVIDIA Nemotron-Labs Dory1.0 (DoryForCausalLM)", config=config,
                 tensors=lambda cfg, hf: tensor, builds=lambda cfg: cfg.ngpt, block=NGPTBlock, init=init_ngpt,
+                check=check, logit_divisor=lambda cfg: cfg.family_params["ngpt_std"],
                 extra={"gguf_config": gguf_config, "gguf_tensor": gguf_tensor})
