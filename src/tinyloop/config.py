@@ -220,7 +220,8 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         moved = {k: d[k] for k in _NOW_FAMILY_PARAMS if k in d}
         if moved:   # (headers written before family_params: the same values, where the family reads them now)
-            d = {**{k: v for k, v in d.items() if k not in moved}, "family_params": {**moved, **d.get("family_params", {})}}
+            d = {**{k: v for k, v in d.items() if k not in moved},
+                 "family_params": {**moved, **d.get("family_params", {})}}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown config fields: {unknown}")

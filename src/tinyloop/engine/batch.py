@@ -18,14 +18,12 @@ ask it whether native code runs (`natively`) and hand it work; none calls the ex
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from ..model.paged import PagedKV, PagedStep, Rows
-from . import native
+from . import native, native_rounds as items
 from .draft_policy import head_chunk
-from . import native_rounds as items
 from .native_rounds import NativeRound, NativeSteps, NativeTreeRound
 from .sampling import draw_row, score_tokens
 from .scheduler import ScheduledChunk
@@ -206,20 +204,19 @@ class BatchRunner:
             r.result, _ = native.generate(self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, sp.V, None,
                                           r.k, items.noise(sp), items.stop_ids(sp))
             return
-        head = sp.head
-        rows = None if head.ids is None else head.native_rows()   # (full vocabulary: the model's head)
-        ids = None if head.ids is None else head.ids[: head.n]
+        head, drafts = sp.head, r.k > 0
+        rows = None if head.ids is None or not drafts else head.native_rows()   # (None: the model's head, whole)
+        ids = None if head.ids is None or not drafts else head.ids[: head.n]
         if isinstance(r, NativeTreeRound):
             r.result = native.tree_round(
                 self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, r.k, sp.K, sp.d, sp.V,
                 sp.draft_readout, sp.exit_readout, rows, ids, items.draft_norm(sp), noise=items.noise(sp),
                 head_rows=r.head_rows(self.chunk(sp, r.k + 1)))
             return
-        drafts = r.k > 0
         n = (min(r.k + 1, items.PIPELINE_HEAD) if sp.pipeline else r.k + 1) if drafts else 0
         r.result = native.spec_round(
             self.model, kv, sp.table, sp.plan.window, sp.pending, sp.length, r.k, sp.d, sp.V, sp.draft_readout,
-            rows if drafts else None, ids if drafts else None, items.draft_norm(sp) if drafts else None,
+            rows, ids, items.draft_norm(sp) if drafts else None,
             sp.exit_backlog, want_state=sp.exit is not None, pipeline=sp.pipeline, noise=items.noise(sp),
             ahead=sp.plan.draft_ahead, head_rows=r.head_rows(self.chunk(sp, n) if drafts else 2), rounds=r.rounds,
             stop=items.stop_ids(sp) if r.rounds > 1 else ())
