@@ -20,7 +20,6 @@ class RoundCosts:
     (`round_costs`): a property of the machine and the model, not of the request."""
 
     WINDOW = 9   # the recent samples a cost is the median of
-    KEPT = 3     # the samples of each cost a later process starts from (`kept`, `keep_costs`)
     PRIOR_DRAFTS = 20   # the most drafts' worth a kept acceptance weighs in a later process
     CALIBRATE = 8   # rounds' worth of evidence that a length's yield is as predicted (`calibration`)
 
@@ -81,39 +80,36 @@ class RoundCosts:
         self.rounds_since_kept += 1
 
     def kept(self) -> dict:
-        """What a later process starts from (`keep_costs`): each cost's last KEPT samples, a call's own cost, the
-        acceptance's and the yields' decayed sums. Not the plain check's verdict: a process that found drafting
-        losing under a neighbour would leave the next one decoding plain, and a short request never probes back."""
-        n = self.KEPT
-        return {"draft": list(self._drafts)[-n:], "verify": {str(k): list(q)[-n:] for k, q in self._verifies.items()},
-                "calls": list(self._calls)[-n:], "accepted": self.accepted, "proposed": self.proposed,
+        """What a later process starts from (`keep_costs`): the costs this process measured (each the median of its
+        window), a call's own cost, the acceptance's and the yields' decayed sums. Not the plain check's verdict: a
+        process that found drafting losing under a neighbour would leave the next one decoding plain, and a short
+        request never probes back. Not a cost only carried over: what no round here measured is not passed on."""
+        return {"draft": self.draft_ms if self._drafts else None,
+                "verify": {str(k): self.verify_ms[k] for k, q in self._verifies.items() if q},
+                "call": self.call_ms if self._calls else None, "accepted": self.accepted, "proposed": self.proposed,
                 "yields": {str(k): y for k, y in self._yields.items()}}
 
     def restore(self, kept: dict) -> None:
-        """Start from what an earlier process kept (`kept`): its samples as the oldest of each window (new rounds
-        outweigh them after KEPT of their own), its acceptance as the prior worth at most PRIOR_DRAFTS drafts and
-        its yields at most CALIBRATE rounds. Anything malformed is left out whole."""
+        """Start from what an earlier process kept (`kept`): its costs as estimates only, no samples (`samples` stays
+        0, so the policy explores each soon, and a round's first measurement replaces it: a cost kept from a busy
+        minute must not keep its length out, as three kept samples did, counted as measured), its acceptance as the
+        prior worth at most PRIOR_DRAFTS drafts and its yields at most CALIBRATE rounds. Anything malformed is left
+        out whole."""
         try:
-            drafts = [float(x) for x in kept["draft"]][-self.KEPT:]
-            verifies = {int(k): [float(x) for x in q][-self.KEPT:] for k, q in kept["verify"].items()}
-            calls = [float(x) for x in kept["calls"]][-self.KEPT:]
+            draft = None if kept["draft"] is None else float(kept["draft"])
+            verifies = {int(k): float(v) for k, v in kept["verify"].items()}
+            call = None if kept["call"] is None else float(kept["call"])
             accepted, proposed = float(kept["accepted"]), float(kept["proposed"])
             yields = {int(k): [float(x) for x in y] for k, y in kept["yields"].items()}
         except (KeyError, TypeError, ValueError, AttributeError):
             return
-        if not all(x > 0 for x in drafts + calls + [v for q in verifies.values() for v in q]) \
-                or not 0 <= accepted <= proposed or any(len(y) != 3 or min(y) < 0 for y in yields.values()):
+        costs = [x for x in (draft, call) if x is not None] + list(verifies.values())
+        if not all(math.isfinite(x) and x > 0 for x in costs) or not 0 <= accepted <= proposed \
+                or any(len(y) != 3 or min(y) < 0 for y in yields.values()):
             return
-        for ms in drafts:
-            self._drafts.append(ms)
-        self.draft_ms = statistics.median(self._drafts) if self._drafts else None
-        for k, q in verifies.items():
-            if q:
-                self._verifies[k] = deque(q, maxlen=self.WINDOW)
-                self.verify_ms[k] = statistics.median(q)
-        for ms in calls:
-            self._calls.append(ms)
-        self.call_ms = statistics.median(self._calls) if self._calls else 0.0
+        self.draft_ms = draft
+        self.verify_ms.update(verifies)
+        self.call_ms = call or 0.0
         scale = min(1.0, self.PRIOR_DRAFTS / proposed) if proposed > 0 else 0.0
         self.accepted, self.proposed = accepted * scale, proposed * scale
         for k, y in yields.items():
@@ -185,7 +181,7 @@ def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: 
     costs = table.get(key)
     if costs is None:
         costs = table[key] = RoundCosts()
-        kept = native.kept_round_costs(model, _setting(key)) if KEEP else None
+        kept = native.kept_round_costs(model, _setting(key)) if KEEP and not pipeline else None
         if kept is not None:
             costs.restore(kept)
     return costs
@@ -193,11 +189,15 @@ def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: 
 
 def keep_costs(model: LoopedTransformer) -> None:
     """Keep the model's round costs for the next process on this host (a speculative request's end calls it):
-    each table that measured a round since it was last kept, at most once per KEEP_EVERY seconds."""
+    each chain table that measured a round since it was last kept, at most once per KEEP_EVERY seconds. Not a
+    pipeline table's: a pipeline round's time by k depends on where its drafts stopped being accepted (kept
+    costs of 1.9 ms for 9 drafts in flight drew a later process through one pipeline length after another)."""
     if not KEEP:
         return
     now = time.monotonic()
     for key, costs in _ROUND_COSTS.get(model, {}).items():
+        if key[3]:   # (a pipeline table's: not kept, below)
+            continue
         if costs.rounds_since_kept and (costs.kept_at is None or now - costs.kept_at >= KEEP_EVERY):
             native.keep_round_costs(model, _setting(key), costs.kept())
             costs.kept_at, costs.rounds_since_kept = now, 0
