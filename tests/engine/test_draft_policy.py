@@ -252,7 +252,8 @@ def test_draft_policy_falls_back_to_plain_where_drafting_does_not_pay_and_comes_
     plain's speed, the probes of drafting included). When drafting's costs
     recover, probes at requests' starts measure that and drafting resumes; while drafting clearly pays, the plain
     probes cost little."""
-    from tinyloop.engine.draft_policy import PlainCheck, RoundCosts
+    from tinyloop.engine.draft_policy import RoundCosts
+    from tinyloop.engine.plain_check import PlainCheck
 
     costs = RoundCosts()
 

@@ -24,7 +24,7 @@ from tinyloop.kernels import build, lib
 
 HERE = Path(__file__).parent
 FILES = ["test_native.py", "test_native_linear.py", "test_native_q4min.py", "test_sample.py",
-         "test_native_speculation.py", "test_batch_invariance.py"]
+         "test_native_speculation.py", "test_speculation_costs.py", "test_batch_invariance.py"]
 
 
 def other_builds() -> list[str]:
