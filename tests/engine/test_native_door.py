@@ -165,7 +165,8 @@ def test_runs_natively_and_streamed():
     assert model.executor is None and not native.runs_natively(model)
 
 
-WORK = {"supports", "generate", "spec_round", "tree_round", "head_costs", "head_argmax", "project"}
+WORK = {"supports", "generate", "spec_round", "tree_round", "head_costs", "head_argmax", "project", "kept_round_costs",
+        "keep_round_costs"}
 RUNNER = SRC / "engine" / "batch.py"
 
 

@@ -151,9 +151,19 @@ def test_round_costs_are_kept_for_the_next_process(tmp_path, monkeypatch):
     seconds a table); a new table (the next `tinyloop generate` process) starts from them: the measured costs as
     estimates without samples (so each is measured again soon), its acceptance a bounded prior. Not the plain check's
     verdict; a damaged file, or a malformed entry, starts empty. The output is plain decoding's either way."""
-    from tinyloop.engine import Engine, SamplingParams, draft_policy
-    from tinyloop.engine.draft_policy import _ROUND_COSTS, RoundCosts, round_costs
+    from types import SimpleNamespace
+
+    from tinyloop.engine import Engine, SamplingParams, draft_policy, native as door
+    from tinyloop.engine.batch import BatchRunner
+    from tinyloop.engine.draft_policy import _ROUND_COSTS, DraftPolicy, RoundCosts, round_costs
     from tinyloop.kernels import calls
+
+    def next_process(key):   # a new table, started by the runner as before a speculator's first round
+        table = round_costs(eng.model, *key)
+        policy = DraftPolicy(4, costs=table)
+        BatchRunner(eng.model, None).prepare(SimpleNamespace(native=True, plan=SimpleNamespace(draft_ahead=0),
+                                                             policy=policy))
+        return table, policy
 
     eng = Engine.load()
     ex = getattr(eng.model, "executor", None)
@@ -172,22 +182,23 @@ def test_round_costs_are_kept_for_the_next_process(tmp_path, monkeypatch):
     old = next(c for c in first.values() if c.verify_ms)
     old.check.drafting = False   # (a verdict the next process must not inherit)
     # the next process: a new table starts from the kept costs
-    new = round_costs(eng.model, *next(k for k, c in first.items() if c is old))
+    new, policy = next_process(next(k for k, c in first.items() if c is old))
+    assert not new.to_restore and policy.prop > 0   # (restored once; the request's prior primed from it)
     assert new.verify_ms == pytest.approx({k: v for k, v in old.verify_ms.items() if old.samples(k)})
     assert new.draft_ms == pytest.approx(old.draft_ms) and new.call_ms == pytest.approx(old.call_ms)
     assert all(new.samples(k) == 0 for k in new.verify_ms)   # (estimates only: the policy measures each soon)
     assert new.check.drafting and new.proposed <= RoundCosts.PRIOR_DRAFTS
     assert new.prior() == pytest.approx(old.prior(), abs=1e-9)
     # kept again only after KEEP_EVERY seconds (a table first measured in a later request is kept then)
-    writes, real = [], draft_policy.native.keep_round_costs
-    monkeypatch.setattr(draft_policy.native, "keep_round_costs", lambda m, k, v: writes.append(k) or real(m, k, v))
+    writes, real = [], door.keep_round_costs
+    monkeypatch.setattr(door, "keep_round_costs", lambda m, k, v: writes.append(k) or real(m, k, v))
     for _ in range(3):
         assert eng.generate("The king said", spec).text == plain
     assert writes and len(writes) == len(set(writes)), writes
     # damaged, or malformed entries: an empty table
     (tmp_path / "round_costs.json").write_text("{not json")
     _ROUND_COSTS.pop(eng.model)
-    assert not round_costs(eng.model, 1, 8, False).verify_ms
+    assert not next_process((1, 8, False))[0].verify_ms
     bad = RoundCosts()
     bad.restore({"draft": 1.0, "verify": {"1": -2.0}, "call": None, "accepted": 1, "proposed": 2, "yields": {}})
     bad.restore({"draft": 1.0, "verify": {"1": 2.0}, "call": None, "accepted": 3, "proposed": 2, "yields": {}})

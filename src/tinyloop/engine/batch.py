@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..model import LoopedTransformer
 from ..model.paged import PagedKV, PagedStep, Rows
 from . import native, native_rounds as items
-from .draft_policy import head_chunk
+from .draft_policy import due, head_chunk
 from .native_rounds import NativeRound, NativeSteps, NativeTreeRound
 from .sampling import draw_row, score_tokens
 from .scheduler import ScheduledChunk
@@ -156,6 +156,11 @@ class BatchRunner:
         """Whether the native executor runs the model (False: the PyTorch path serves it)."""
         return native.runs_natively(self.model)
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the executor reads the weights from memory each pass (a model larger than the cache)."""
+        return self.natively and native.streamed(self.model)
+
     def head_tokens(self, x: torch.Tensor, noise: list | None) -> list[int]:
         """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
         its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher
@@ -185,10 +190,27 @@ class BatchRunner:
     def prepare(self, spec) -> None:
         """Before a speculator's first round is timed: the head's cost by rows its chain rounds' verification is
         chunked by (`chunk`), measured once per model and host (kept beside the library: `NativeExecutor.
-        head_costs`). Inside a round the measurement made that round's cost (by which the policy ranks draft
-        lengths) tens of ms too high."""
-        if spec.native and spec.plan.draft_ahead > 0:
+        head_costs`; inside a round the measurement made that round's cost, by which the policy ranks draft
+        lengths, tens of ms too high), and its new cost tables started from what an earlier process on this host
+        kept (`draft_policy.round_costs`, `RoundCosts.restore`)."""
+        if not spec.native:
+            return
+        if spec.plan.draft_ahead > 0:
             native.head_costs(self.model, max(spec.plan.draft_ahead, spec.plan.draft_run) + 1)
+        for costs in spec.policy.tables.values():
+            if costs.to_restore:
+                costs.to_restore = False
+                kept = native.kept_round_costs(self.model, costs.setting)
+                if kept is not None:
+                    costs.restore(kept)
+                    spec.policy.prime()
+
+    def finish(self, spec) -> None:
+        """A speculative request's end: the model's round costs kept for the next process on this host, where due
+        (`draft_policy.due`: at most once per KEEP_EVERY seconds a table)."""
+        if spec.native:
+            for setting, kept in due(self.model):
+                native.keep_round_costs(self.model, setting, kept)
 
     def chunk(self, spec, n: int) -> int:
         """Verification rows per head call among n, for the request's acceptance and what the head costs by rows on

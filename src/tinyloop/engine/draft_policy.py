@@ -11,7 +11,6 @@ import weakref
 from collections import deque
 
 from ..model import LoopedTransformer
-from . import native
 from .plain_check import PlainCheck
 
 
@@ -34,7 +33,9 @@ class RoundCosts:
         self.accepted = self.proposed = 0.0   # decayed sums over every request's drafting rounds
         self._yields: dict[int, list[float]] = {}   # k -> decayed [tokens yielded, tokens predicted, rounds]
         self.check = PlainCheck()   # (the chain table's is the setting's: whether drafting pays at all, measured)
-        self.kept_at: float | None = None   # when this process last kept it (`keep_costs`), and the rounds since
+        self.setting: str | None = None   # its key in the kept table (None: not kept: `round_costs`)
+        self.to_restore = False   # a new table the runner has not yet started from the kept costs
+        self.kept_at: float | None = None   # when this process last kept it (`due`), and the rounds since
         self.rounds_since_kept = 0
 
     def observe(self, k: int, accepted: int) -> None:
@@ -81,7 +82,7 @@ class RoundCosts:
         self.rounds_since_kept += 1
 
     def kept(self) -> dict:
-        """What a later process starts from (`keep_costs`): the costs this process measured (each the median of its
+        """What a later process starts from (`due`): the costs this process measured (each the median of its
         window), a call's own cost, the acceptance's and the yields' decayed sums. Not the plain check's verdict: a
         process that found drafting losing under a neighbour would leave the next one decoding plain, and a short
         request never probes back. Not a cost only carried over: what no round here measured is not passed on."""
@@ -161,7 +162,7 @@ def head_chunk(costs: list[float], a: float, n: int) -> int:
 _ROUND_COSTS: "weakref.WeakKeyDictionary[LoopedTransformer, dict]" = weakref.WeakKeyDictionary()
 
 
-KEEP = True          # round costs kept for the next process on this host (`keep_costs`; tests/conftest.py: off)
+KEEP = True          # round costs kept for the next process on this host (`due`; tests/conftest.py: off)
 KEEP_EVERY = 10.0    # seconds between two writes of one table by a process (the first request's end writes)
 
 
@@ -174,34 +175,34 @@ def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: 
                 sampled: bool = False) -> RoundCosts:
     """The model's table for one setting and round shape; greedy and sampled rounds apart (a sampled round
     draws each row under its noise, and its drafts are accepted less often: neither should steer the other).
-    A new table starts from what an earlier process on this host kept for it (`keep_costs`): without it each
-    `tinyloop generate` process spent its one request finding the draft length (measured on the shipped model,
-    64 tokens: ~35.7 ms against ~30.5 with the costs known, plain ~35.6)."""
+    A new chain table is `keepable`: the batch runner starts it from what an earlier process on this host kept for
+    it before the request's first round (`BatchRunner.prepare`), and keeps it at a request's end (`due`,
+    `BatchRunner.finish`). Without it each `tinyloop generate` process spent its one request finding the draft
+    length (measured on the shipped model, 64 tokens: ~35.7 ms against ~30.5 with the costs known, plain ~35.6)."""
     table = _ROUND_COSTS.setdefault(model, {})
     key = (d, V, exit, pipeline, sampled)
     costs = table.get(key)
     if costs is None:
         costs = table[key] = RoundCosts()
-        kept = native.kept_round_costs(model, _setting(key)) if KEEP and not pipeline else None
-        if kept is not None:
-            costs.restore(kept)
+        # (not a pipeline table's: a pipeline round's time by k depends on where its drafts stopped being accepted;
+        # kept costs of 1.9 ms for 9 drafts in flight drew a later process through one pipeline length after another)
+        costs.setting = None if pipeline or not KEEP else _setting(key)
+        costs.to_restore = costs.setting is not None
     return costs
 
 
-def keep_costs(model: LoopedTransformer) -> None:
-    """Keep the model's round costs for the next process on this host (a speculative request's end calls it):
-    each chain table that measured a round since it was last kept, at most once per KEEP_EVERY seconds. Not a
-    pipeline table's: a pipeline round's time by k depends on where its drafts stopped being accepted (kept
-    costs of 1.9 ms for 9 drafts in flight drew a later process through one pipeline length after another)."""
+def due(model: LoopedTransformer) -> list[tuple[str, dict]]:
+    """The model's tables to keep now for the next process, as (setting, `RoundCosts.kept()`): each keepable table
+    that measured a round since it was last kept, at most once per KEEP_EVERY seconds (marked kept here)."""
     if not KEEP:
-        return
-    now = time.monotonic()
-    for key, costs in _ROUND_COSTS.get(model, {}).items():
-        if key[3]:   # (a pipeline table's: not kept, below)
-            continue
-        if costs.rounds_since_kept and (costs.kept_at is None or now - costs.kept_at >= KEEP_EVERY):
-            native.keep_round_costs(model, _setting(key), costs.kept())
+        return []
+    now, out = time.monotonic(), []
+    for costs in _ROUND_COSTS.get(model, {}).values():
+        if costs.setting is not None and costs.rounds_since_kept \
+                and (costs.kept_at is None or now - costs.kept_at >= KEEP_EVERY):
+            out.append((costs.setting, costs.kept()))
             costs.kept_at, costs.rounds_since_kept = now, 0
+    return out
 
 
 class DraftPolicy:
@@ -260,14 +261,7 @@ class DraftPolicy:
             self.tables[True] = pipeline_costs
         self.pipeline = prefer_pipeline and pipeline_costs is not None   # the shape of the round chosen last
         self.pipeline_only = prefer_pipeline and pipeline_costs is None   # (its one table is the pipeline's)
-        # a new request starts from the model's recent acceptance, worth PRIOR drafts of evidence (its own
-        # rounds outweigh it within a few rounds); before any, Jeffreys' prior alone
-        p = self.tables[False].prior()
-        self.acc, self.prop = (self.PRIOR * p, float(self.PRIOR)) if p is not None else (0.0, 0.0)
-        # the same evidence split by position in a round: a round's first draft, and the drafts after an accepted
-        # one (agreement comes in runs: a draft after an accepted one is accepted more often than a first one)
-        self.first = [self.acc, self.prop]
-        self.cont = [self.acc, self.prop]
+        self.prime()
         self.idle, self.probe_every = 0, 8
         self.explore_every = self.EXPLORE
         self.chosen: list[int] = []
@@ -299,6 +293,17 @@ class DraftPolicy:
         p1 = (self.first[0] + 0.5) / (self.first[1] + 1.0)
         p = min((self.cont[0] + 0.5) / (self.cont[1] + 1.0), 0.999)
         return 1.0 + p1 * sum(p ** i for i in range(k))
+
+    def prime(self) -> None:
+        """A new request starts from the model's recent acceptance, worth PRIOR drafts of evidence (its own rounds
+        outweigh it within a few rounds); before any, Jeffreys' prior alone. Again once the runner has started the
+        tables from kept costs (`BatchRunner.prepare`), before any round."""
+        p = self.tables[False].prior()
+        self.acc, self.prop = (self.PRIOR * p, float(self.PRIOR)) if p is not None else (0.0, 0.0)
+        # the same evidence split by position in a round: a round's first draft, and the drafts after an accepted
+        # one (agreement comes in runs: a draft after an accepted one is accepted more often than a first one)
+        self.first = [self.acc, self.prop]
+        self.cont = [self.acc, self.prop]
 
     @staticmethod
     def _timed(c: RoundCosts) -> bool:

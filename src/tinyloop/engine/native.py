@@ -15,9 +15,7 @@ Questions and the model's life (any module):
   the executor attached at load and let go at unload (`Engine.load`), the executor a model's layers are built for;
 - `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
   copy takes (the server's model memory, `server/model_memory.py`);
-- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls;
-- `kept_round_costs`, `keep_round_costs`: what speculation rounds cost on this host, kept beside the library for
-  the next process (`draft_policy.round_costs`, `keep_costs`).
+- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls.
 
 Work (the batch runner only; each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments
 as given: no copies, nothing allocated here, they run on the decode path; tests/engine/test_native_door.py holds
@@ -27,7 +25,9 @@ both rules):
 - `spec_round`, `tree_round`: whole speculation rounds (`BatchRunner.run_round`);
 - `head_costs`: the head's cost by rows (`BatchRunner.prepare`, `chunk`: draft_policy.head_chunk);
 - `head_argmax`: the LM head's fused argmax and draws (`BatchRunner.head_tokens`; `NativeExecutor.argmax`);
-- `project`: a draft head's projection (`BatchRunner.draft_logits`).
+- `project`: a draft head's projection (`BatchRunner.draft_logits`);
+- `kept_round_costs`, `keep_round_costs`: what speculation rounds cost on this host, kept beside the library for
+  the next process (`BatchRunner.prepare`, `finish`).
 
 The model's own `run`, `logits` and `greedy_tokens` (whole serving steps' one-token rows, the head) reach the
 executor inside `model/`, not through here. One more function reads the library but not the executor: `draw`,

@@ -39,7 +39,6 @@ from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps
 from .scheduler import FORCED_TAIL, Scheduler, SchedulerError, Sequence, ring_blocks_for
-from . import native
 from .native import one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .requests import Emit, Output, Request
@@ -268,8 +267,7 @@ class BatchEngine(FastSteps):
         had made a process's first speculative request 0.8x plain) is then not a user's. Nothing of it stays: the
         prefix cache is off for it and the step counters are left as they were. Only for a model that stays in
         cache (not `streamed`): a larger one's first request takes seconds, and its 144 warm-up tokens would too."""
-        model = self.engine.model
-        if not native.runs_natively(model) or native.streamed(model) or self.requests:
+        if not self.runner.natively or self.runner.streamed or self.requests:
             return
         ids = [1, 2, 3, 4]
         n = max(1, min(WARM_UP_TOKENS, self.engine.max_seq_len - len(ids) - 1))
@@ -287,7 +285,7 @@ class BatchEngine(FastSteps):
     @property
     def runs_natively(self) -> bool:
         """Whether the native executor runs this core's steps (its forward is then one call without the GIL)."""
-        return native.runs_natively(self.model)
+        return self.runner.natively
 
     @property
     def num_running(self) -> int:
@@ -469,6 +467,7 @@ class BatchEngine(FastSteps):
         if o.passes is not None:
             o.passes.close()
             o.passes = o.pending = None
+            self.runner.finish(o.spec)
         if o.seq is not None:
             self.sched.finish(o.seq, reason)
             self._outputs.pop(o.seq.seq_id, None)

@@ -65,7 +65,7 @@ from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
 from .draft_head import DraftHead, ExactArgmax
-from .draft_policy import DraftPolicy, keep_costs, round_costs, tested
+from .draft_policy import DraftPolicy, round_costs, tested
 from .round_shape import TreeOrChain, shape_rates
 from .sampling import Sampler, penalized, processed_logits
 from .native import runs_natively, streamed as streams_weights
@@ -199,8 +199,6 @@ class Speculator(TreeRounds):
                 yield out
         finally:   # (the last call is timed as it ends: its request with it; a probe of plain calls is one)
             self._time_last_chain()
-            if self.native:
-                keep_costs(self.model)   # (for the next process on this host: draft_policy.round_costs)
 
     def prefill(self, pick=False) -> Generator[Rows, None, Rows]:
         """The prompt through all V loops (and, with a draft exit, the exit's entries from the prompt's
