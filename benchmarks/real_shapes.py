@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import measure_bandwidth  # noqa: E402
 
 from tinyloop.engine import Engine, SamplingParams  # noqa: E402
-from tinyloop.model import build_model  # noqa: E402
+from tinyloop.model import build_model, param_count  # noqa: E402
 from tinyloop.modelfile.loader import write_model  # noqa: E402
 from tinyloop.model.families import huginn, nanbeige, ouro, parcae  # noqa: E402
 from tinyloop.tools.gptq import QuantSpec  # noqa: E402
@@ -169,7 +169,7 @@ def run_shape(name: str, tokens: int, workdir: Path, threads: list[int], executo
     nbytes = token_bytes(engine, loops)
     del engine
     gc.collect()
-    return {"shape": name, "executor": executor, "params": cfg.param_count(), "loops": loops,
+    return {"shape": name, "executor": executor, "params": param_count(cfg), "loops": loops,
             "format": fmt, "int4_file_GiB" if fmt == "int4" else "file_GiB": round(path.stat().st_size / 2**30, 2), "rss_after_load_GiB": round(rss1, 2),
             "rss_before_load_GiB": round(rss0, 2), "build_write_s": t_write, "quantize_s": t_quant,
             "load_s": round(t_load, 1), "decode_tok_s_by_threads": decode, "decode_tok_s": max(decode.values()),

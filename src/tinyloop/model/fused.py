@@ -47,6 +47,13 @@ def meta_model(cfg, *, fused: bool = True) -> nn.Module:
     return model
 
 
+def param_count(cfg) -> int:
+    """The parameters of the model `cfg` describes, counted on a meta-device build of it (nothing allocated): the
+    blocks the config's family builds, whatever their tensors (a model file's own count, without torch:
+    `modelfile.header.held_params`)."""
+    return sum(p.numel() for p in meta_model(cfg, fused=False).parameters())
+
+
 def _linear(in_features: int, out_features: int) -> nn.Linear:
     with _SkipMetaInit():
         return nn.Linear(in_features, out_features, bias=False, device="meta")

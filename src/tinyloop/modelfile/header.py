@@ -167,8 +167,36 @@ def header_config(path: str | Path) -> ModelConfig:
         raise ModelFileError(path, f"bad config in header: {exc}") from None
 
 
-def model_info(header: dict[str, Any]) -> dict[str, Any]:
-    """A flat summary of a header (for `tinyloop info` and the server's model_info)."""
+def held_params(header: dict[str, Any], index: dict[str, Any]) -> int:
+    """The parameters a file holds, counted from its tensor index (no family's layout is assumed: whatever
+    tensors the family's blocks have, the file lists them): a float tensor element by element; a quantized weight
+    as the N x K matrix its codes stand for (`X.qweight`, N rows of K * bits / 8 bytes: `quant.formats.
+    portable_shapes`), its scales and offsets not counted; the quantized LM head (`head.*`, a copy of the float
+    head or embedding kept beside it) and the tokenizer not counted. The loader checks that a file holds exactly
+    the tensors its config implies (`modelfile.loader.check_header`), so for a file that loads this is the count
+    of the model built from its config (tests/modelfile: for every family, float and quantized)."""
+    quant = (header.get("weights") or {}).get("quant") or {}
+    bits = quant.get("bits") if quant.get("method", "none") != "none" else None
+    skip = {(header.get("tokenizer") or {}).get("tensor", TOKENIZER_TENSOR)}
+    total = 0
+    for name, t in index.items():
+        shape = [int(v) for v in t.get("shape", ())]
+        base, _, suffix = name.rpartition(".")
+        if name in skip or base == "head":
+            continue
+        if bits and f"{base}.qweight" in index:
+            if suffix == "qweight":
+                total += shape[0] * (shape[1] * 8 // bits)
+            continue   # (scales, zeros or mins)
+        n = 1
+        for v in shape:
+            n *= v
+        total += n
+    return total
+
+
+def model_info(header: dict[str, Any], index: dict[str, Any]) -> dict[str, Any]:
+    """A flat summary of a header and its tensor index (for `tinyloop info` and the server's model_info)."""
     cfg = header["config"]
     quant = header["weights"].get("quant") or {}
     method = quant.get("method", "none")
@@ -184,7 +212,7 @@ def model_info(header: dict[str, Any]) -> dict[str, Any]:
         "mlp": cfg["mlp"], "injection": cfg["injection"], "tie_embeddings": cfg["tie_embeddings"],
         "quant": qname, "quant_method": method, "quant_group_size": quant.get("group_size"),
         "quant_head": f"int{quant['head']['bits']}" if isinstance(quant.get("head"), dict) else None,
-        "params": ModelConfig.from_dict(cfg).param_count(),
+        "params": held_params(header, index),
     }
 
 

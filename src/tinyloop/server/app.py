@@ -20,7 +20,7 @@ from fastapi import HTTPException
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
 from ..engine.native import name as executor_name
 from ..errors import ModelFileError
-from ..modelfile.header import weights_format
+from ..modelfile.header import held_params, weights_format
 from . import access, docs_ui, errors, playground
 from .anthropic import routes as anthropic
 from .native import routes as native
@@ -252,7 +252,7 @@ def loaded_line(engine, model_id: str, url: str) -> str:
     """The one line `tinyloop serve` prints once it serves: the model, its size, depth, context, weights,
     who runs its decode steps (the native executor's ISA, or torch) and where."""
     cfg = engine.config
-    return (f"serving {model_id} ({_params(cfg.param_count())} parameters; loops {cfg.default_loops} default, "
+    return (f"serving {model_id} ({_params(held_params(engine.loaded.header, engine.loaded.index))} parameters; loops {cfg.default_loops} default, "
             f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
             f"executor {executor_name(engine.model)}) on {url} from {engine.loaded.path}")
 

@@ -141,9 +141,9 @@ def offline_card(entry, lmstudio: bool) -> dict[str, Any]:
     from ..modelfile.header import header_config, model_info, read_header
 
     try:
-        header, _ = read_header(entry.path)
+        header, index = read_header(entry.path)
         cfg = header_config(entry.path)
-        info = model_info(header)
+        info = model_info(header, index)
     except Exception:  # noqa: BLE001 - a file that will not load: its card says only its name
         cfg, info = None, {}
     loops = entry.settings.default_loops or (cfg.default_loops if cfg is not None else None)

@@ -27,7 +27,7 @@ class StoreEntry:
 def entry(path: Path) -> StoreEntry:
     size = path.stat().st_size
     try:
-        header, _ = read_header(path)
+        header, index = read_header(path)
     except ModelFileError as exc:
         return StoreEntry(name=path.name, path=str(path), family="?", size_bytes=size, quant="?", source="?",
                           problem=exc.problem)
@@ -37,7 +37,7 @@ def entry(path: Path) -> StoreEntry:
     name = hub.get("name") or str(path)
     source = f"{hub['repo_id']}@{hub.get('commit', '?')}" if hub.get("repo_id") else prov.get("tool", "?")
     return StoreEntry(name=name, path=str(path), family=origin.get("family", "tinyloop"), size_bytes=size,
-                      quant=model_info(header)["quant"], source=source)
+                      quant=model_info(header, index)["quant"], source=source)
 
 
 def list_store() -> list[StoreEntry]:

@@ -122,7 +122,7 @@ def init(args: argparse.Namespace) -> int:
     out = write_model(args.out, model, tokenizer=Tokenizer.gpt2(),
                       provenance={"tool": "tinyloop init", "preset": args.preset, "seed": args.seed,
                                   "trained": False, "note": "random weights (tests and benchmarks)"})
-    print(f"wrote {out} ({cfg.param_count() / 1e6:.1f}M parameters, random weights)")
+    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights)")
     return 0
 
 
