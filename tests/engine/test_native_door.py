@@ -196,3 +196,50 @@ def test_the_runner_check_sees_a_call(tmp_path):
     bad.write_text("from .native import generate, name\nfrom . import native\n"
                    "def f(m):\n    return native.spec_round(m), native.name(m)\n")
     assert len(_work_calls(bad)) == 2
+
+
+# Who imports the door at all: the runner (native work, and whether native code runs the model and how: `natively`,
+# `streamed`, the torch-thread contexts) and the engine (the model's life: the executor attached at load and let go,
+# who runs the model, the executor's memory); sampling takes only the library's row draw (`draw`: no model, weights
+# or pool). Everything else, in engine/ and server/, asks the runner or the engine.
+DOOR_IMPORTERS = {RUNNER: None, SRC / "engine" / "engine.py": None, SRC / "engine" / "sampling.py": {"draw"}}
+
+
+def _door_imports(path: Path) -> list[tuple[str, str]]:
+    """(where, name) of each import of engine/native.py in one file, relative or absolute (`from . import native`,
+    `from .native import x`, `from ..engine import native`, `import tinyloop.engine.native`); the name is what is
+    imported from the door, or "native" for the module itself. Not server/native (the native API's routes)."""
+    pkg = list(path.relative_to(SRC.parent).parent.parts) if path.is_relative_to(SRC.parent) else ["tinyloop", "engine"]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            for a in node.names:
+                if module == ["tinyloop", "engine", "native"]:
+                    found.append((_where(path, node), a.name))
+                elif module + [a.name] == ["tinyloop", "engine", "native"]:
+                    found.append((_where(path, node), "native"))
+        elif isinstance(node, ast.Import):
+            found += [(_where(path, node), "native") for a in node.names if a.name == "tinyloop.engine.native"]
+    return found
+
+
+def test_only_the_runner_and_the_engine_import_the_door():
+    found = []
+    for path in GUARDED:
+        if path == DOOR:
+            continue
+        allowed = DOOR_IMPORTERS.get(path, set())
+        found += [f"{where} {name}" for where, name in _door_imports(path)
+                  if allowed is not None and name not in allowed]
+    assert not found, "ask engine/batch.py's BatchRunner or the Engine, not engine/native.py: " + "; ".join(found)
+    assert all(_door_imports(path) for path in DOOR_IMPORTERS), "the check above reads imports it can no longer see"
+
+
+def test_the_importer_check_sees_each_form(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from .native import runs_natively, streamed\nfrom . import native\n"
+                   "from ..engine import native as door\nimport tinyloop.engine.native\n"
+                   "from .native_rounds import NativeRound\nfrom ..server.native import routes\n")
+    assert [name for _, name in _door_imports(bad)] == ["runs_natively", "streamed", "native", "native", "native"]

@@ -384,7 +384,7 @@ def test_drafts_read_the_quantized_models_own_formats(monkeypatch):
     for ex in eng.model.draft_exits.values():
         lin = [m for b in ex.coda for m in b.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
         assert lin and all(isinstance(m, QuantLinear) and (m.bits, m.group_size) == (4, 32) for m in lin)
-    dh = DraftHead(eng.model, "auto")
+    dh = DraftHead(eng.model, "auto", natively=True)   # (as a speculator on the native executor makes it)
     assert isinstance(dh.q, _QuantRows)
     src = eng.model.head_linear.native_weights()
     view = dh.native_rows().native_weights()

@@ -161,6 +161,16 @@ class BatchRunner:
         """Whether the executor reads the weights from memory each pass (a model larger than the cache)."""
         return self.natively and native.streamed(self.model)
 
+    @staticmethod
+    def one_thread():
+        """The context the step's per-row sampling runs in: one torch thread (`native.one_thread`)."""
+        return native.one_thread()
+
+    def python_between_calls(self):
+        """The context a speculator's set-up and its Python between native passes run in
+        (`native.python_between_calls`: the torch threads that Python keeps where the executor runs the passes)."""
+        return native.python_between_calls(self.model)
+
     def head_tokens(self, x: torch.Tensor, noise: list | None) -> list[int]:
         """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
         its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher

@@ -54,7 +54,6 @@ from ..version import __version__
 from .cache_dir import SAVED_DIR, SUFFIX, atomic_write, check_name, file_hash, fsync_dir, scan
 from .kv_block_file import CRC, HEAD, MAGIC, check, encode, meta_problem, read
 from .prefix_cache import block_name
-from .native import name as executor_name
 
 log = logging.getLogger("tinyloop.engine")
 
@@ -79,7 +78,7 @@ def engine_identity(engine, kv, memo_dir: str | Path | None = None) -> dict[str,
         "state_seed": getattr(engine.model, "state_seed", None),
         "kv_format": kv.kv_format, "dtype": str(kv.dtype).removeprefix("torch."), "page_size": kv.page_size,
         "kv_heads": kv.cfg.n_kv_heads, "head_dim": kv.cfg.head_dim,
-        "device": kv.k.parts[0].device.type, "executor": executor_name(engine.model),
+        "device": kv.k.parts[0].device.type, "executor": engine.executor_name,
     }
 
 

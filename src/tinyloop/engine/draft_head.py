@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from ..model import LoopedTransformer
 from .draft_vocab import frequency_ranking, has_ranking
-from . import native
 
 DRAFT_VOCAB = 2048      # draft head rows (most frequent tokens); None or >= vocab -> the full head. 2,048 rows
                         # and the request's own tokens (CONTEXT_ROWS) yielded 3.99 tokens a d=2 k=4 round on 32
@@ -30,11 +29,13 @@ class DraftHead:
     """
 
     def __init__(self, model: LoopedTransformer, size: int | str | None, extra_rows: int = CONTEXT_ROWS,
-                 norm: torch.nn.Module | None = None):
+                 norm: torch.nn.Module | None = None, natively: bool = False):
+        """`natively`: the native executor runs the model (`BatchRunner.natively`): the draft then reads the head as
+        stored (its int8 rows where it has them), and without it 16-bit rows in fp32."""
         self.model = model
         self.norm = model.final_norm if norm is None else norm  # a draft exit brings its own final norm
         vocab = model.cfg.vocab_size
-        weight = _draft_head_weight(model)
+        weight = _draft_head_weight(model, natively)
         self.ids: torch.Tensor | None = None
         self.q: _QuantRows | None = None   # (int8 rows of the model's head: below)
         if size == "auto":   # the reduced head only where a measured ranking says which tokens to keep
@@ -53,7 +54,7 @@ class DraftHead:
         # those codes' rows (1 MB for 4,096 rows, against 2 MB of 16-bit embedding rows: the draft head's
         # GEMV was 8% of a round), which are also closer to the verifier's own head; the 16-bit rows are then
         # not copied (2.6 MB a request, ~0.3 ms of its first token)
-        self.q = _QuantRows.of(model, self.ids, size)
+        self.q = _QuantRows.of(model, self.ids, size) if natively else None
         self._weight = None if self.q is not None else self._float_rows()
 
     def _float_rows(self) -> torch.Tensor:
@@ -119,7 +120,7 @@ class _QuantRows:
     @classmethod
     def of(cls, model: LoopedTransformer, ids: torch.Tensor, size: int) -> "_QuantRows | None":
         head = getattr(model, "head_linear", None)
-        if not native.runs_natively(model) or head is None or not hasattr(head, "native_weights"):
+        if head is None or not hasattr(head, "native_weights"):
             return None
         src = head.native_weights()
         if not isinstance(src, dict) or src["bits"] != 8:
@@ -149,17 +150,17 @@ class _QuantRows:
                 **{k: b[: self.n] for k, b in self.bufs.items()}}
 
 
-def _draft_head_weight(model: LoopedTransformer) -> torch.Tensor:
+def _draft_head_weight(model: LoopedTransformer, natively: bool) -> torch.Tensor:
     """The LM head as drafts read it: 16-bit weights in fp32 on CPU without the native executor (torch's
     16-bit GEMV is slow there and the draft needs no exactness), as stored with it. Made once per model (a
     50k-row conversion costs tens of ms), rebuilt if the head changes; read only."""
     w = model.head_weight
-    key = (w.data_ptr(), w._version)
+    key = (w.data_ptr(), w._version, natively)
     cached = _DRAFT_WEIGHTS.get(model)
     if cached is None or cached[0] != key:
         weight = w.detach()
         if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16) \
-                and not native.runs_natively(model):   # (the native executor reads 16 bits as stored)
+                and not natively:   # (the native executor reads 16 bits as stored)
             weight = weight.float()
         if getattr(model, "logit_scale", None) is not None:   # each token's logit scale folded into its row
             s = model.logit_scales(weight.shape[0], torch.promote_types(weight.dtype, torch.float32)).detach()

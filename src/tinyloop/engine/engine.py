@@ -141,6 +141,23 @@ class Engine:
         of waits for a full garbage collection to free the model's memory)."""
         detach(self.model)
 
+    @property
+    def executor_name(self) -> str:
+        """Who runs the model's decode rows, "native (...)" or "torch" (`/health`, `model_info`, the prompt cache's
+        key, the start line)."""
+        return native.name(self.model)
+
+    def executor_bytes(self) -> int:
+        """Bytes of the weights' copies the native executor holds beside the model's tensors (the server's model
+        memory: `server/model_memory.py`)."""
+        return native.copy_bytes(self.model)
+
+    @staticmethod
+    def weights_stay_in_cache(weight_bytes: int) -> bool:
+        """Whether a model whose decode reads `weight_bytes` of weights a token is served as staying in cache
+        (which layout the executor's copy of int4 weights takes: `server/model_memory.estimate_bytes`)."""
+        return native.stays_in_cache(weight_bytes)
+
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}
         exit_path = self.loaded.draft_exit_path
@@ -149,7 +166,7 @@ class Engine:
                 # [shallowest, deepest] depth the model was trained at (its family's declaration; null: none
                 # declared); loops up to max_loops are allowed all the same, reasoning_effort picks inside it
                 "trained_loops": list(self.config.trained_loops) or None,
-                "executor": native.name(self.model),  # who runs decode rows: "native (...)" or "torch"
+                "executor": self.executor_name,  # who runs decode rows: "native (...)" or "torch"
                 "kv_loops": "last (the model's: one cache per recurrent layer that every loop overwrites, "
                             "kv_mode last_loop)" if self.config.kv_mode == "last_loop" else
                             "all (the default; per request: kv_loops \"last\" or k, docs/adaptive.md)",

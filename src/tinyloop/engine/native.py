@@ -1,25 +1,29 @@
 """The engine's one door to the native executor (`kernels/`, attached to the model by
 `model.fast.prepare_for_decode`): this module is the only one in engine/ that imports `kernels/` or names the
-model's executor, and one engine object runs native work through it: the batch runner (`engine/batch.py`
-`BatchRunner`), which runs the step's rows, the whole speculation rounds, a lone sequence's tokens in one call,
-the head's own picks, a draft head's logits and the head's cost by rows. Other modules ask the questions below
-(whether the executor runs a model, and how) and hand their work to the runner. Where the PyTorch path serves (no
-compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False, and the
-runner takes its PyTorch path instead of calling the work functions (which expect an executor).
+model's executor, and two engine objects reach it: the batch runner (`engine/batch.py` `BatchRunner`), which runs
+every piece of native work and answers whether native code runs the model and how, and the `Engine`
+(`engine/engine.py`), which owns the model's life. Every other module in engine/ and server/ asks one of them
+(tests/engine/test_native_door.py holds who imports this module, and who calls its work). Where the PyTorch path
+serves (no compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False,
+and the runner takes its PyTorch path instead of calling the work functions (which expect an executor).
 
-Questions and the model's life (any module):
+The runner's questions and contexts (`BatchRunner.natively`, `streamed`, `one_thread`, `python_between_calls`):
 
 - `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
-  (`Speculator`: which rounds and shape; `BatchEngine.warm_up`: not for a streamed model);
-- `name`, `attach`, `detach`, `loading_for`: who runs the model (`/health`, `model_info`, the prompt cache's key),
-  the executor attached at load and let go at unload (`Engine.load`), the executor a model's layers are built for;
-- `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
-  copy takes (the server's model memory, `server/model_memory.py`);
+  (the `Speculator` and its draft head: which rounds and shape, which head rows; `BatchEngine.warm_up`);
 - `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls.
 
+The model's life, the `Engine`'s (`Engine.load`, `release`, `executor_name`, `executor_bytes`,
+`weights_stay_in_cache`):
+
+- `attach`, `detach`, `loading_for`: the executor attached at load and let go at unload, the executor a model's
+  layers are built for;
+- `name`: who runs the model (`/health`, `model_info`, the prompt cache's key, the start line);
+- `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
+  copy takes (the server's model memory, `server/model_memory.py`).
+
 Work (the batch runner only; each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments
-as given: no copies, nothing allocated here, they run on the decode path; tests/engine/test_native_door.py holds
-both rules):
+as given: no copies, nothing allocated here, they run on the decode path):
 
 - `supports`, `generate`: a lone sequence's plain tokens in one call (`BatchRunner.lone_steps`, `NativeSteps`);
 - `spec_round`, `tree_round`: whole speculation rounds (`BatchRunner.run_round`);
@@ -32,7 +36,7 @@ both rules):
 The model's own `run`, `logits` and `greedy_tokens` (whole serving steps' one-token rows, the head) reach the
 executor inside `model/`, not through here. One more function reads the library but not the executor: `draw`,
 the library's row draw (no model, weights or pool: the sampling definition's noise computed natively), which
-`sampling.draw_row` calls for every sampled row.
+`sampling.draw_row` imports for every sampled row.
 """
 
 from __future__ import annotations

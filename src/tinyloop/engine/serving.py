@@ -39,7 +39,6 @@ from .plan import RequestPlan
 from .sampling import Sampler
 from .fast_steps import FastSteps
 from .scheduler import FORCED_TAIL, Scheduler, SchedulerError, Sequence, ring_blocks_for
-from .native import one_thread, python_between_calls
 from .native_rounds import NativeRound
 from .requests import Emit, Output, Request
 from .speculative import PREFILL_CHUNK, Speculator, speculative_layout
@@ -336,7 +335,7 @@ class BatchEngine(FastSteps):
                     log.exception("embedding request %d failed", entry[0].req_id)
                     self.fail(entry[0], exc)
         argmax = self.runner.last_argmax
-        with one_thread():   # one row at a time: no OpenMP wake-ups (native.one_thread)
+        with self.runner.one_thread():   # one row at a time: no OpenMP wake-ups (native.one_thread)
             for chunk in out.chunks:
                 self._complete(chunk, logits, argmax)
         with self._spec_python():
@@ -346,8 +345,8 @@ class BatchEngine(FastSteps):
 
     # -- internals --------------------------------------------------------------------------
     def _spec_python(self):
-        """A speculator's set-up and its Python between native passes (`native.python_between_calls`)."""
-        return python_between_calls(self.model)
+        """A speculator's set-up and its Python between native passes (`BatchRunner.python_between_calls`)."""
+        return self.runner.python_between_calls()
 
     def _complete(self, chunk, logits: dict[int, torch.Tensor], argmax: dict[int, int]) -> None:
         """A chunk's forward pass is done: each of its sequences (a prompt's last chunk: all n choices)
@@ -476,7 +475,7 @@ class BatchEngine(FastSteps):
         req, o = self._outputs[seq.seq_id]
         table = torch.tensor(seq.block_table, device=self.kv.k.parts[0].device)
         o.spec = Speculator(self.model, req.plan, o.sampler, self.kv, table, cached=seq.n_cached,
-                            running=lambda: len(self.sched.running), **self.speculation)
+                            running=lambda: len(self.sched.running), runner=self.runner, **self.speculation)
         self.runner.prepare(o.spec)
         o.passes = o.spec.passes()
         self._advance_speculative(req, o)

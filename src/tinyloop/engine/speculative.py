@@ -64,11 +64,11 @@ import torch
 from ..model import LoopedTransformer
 from ..model.cache import SlotLayout
 from ..model.paged import PagedKV, Rows
+from .batch import BatchRunner
 from .draft_head import DraftHead, ExactArgmax
 from .draft_policy import DraftPolicy, round_costs, tested
 from .round_shape import TreeOrChain, shape_rates
 from .sampling import Sampler, penalized, processed_logits
-from .native import runs_natively, streamed as streams_weights
 from .native_rounds import ALONE_UP_TO, CHAIN_ROUNDS, PIPELINE_RUN, PLAIN_STEPS, NativeRound, NativeSteps
 from .tree_rounds import TreeRounds
 
@@ -86,7 +86,7 @@ class Speculator(TreeRounds):
     def __init__(self, model: LoopedTransformer, plan, sampler: Sampler, kv: PagedKV, table: torch.Tensor, *,
                  draft_vocab: int | str | None = "auto", draft_stop: float = DRAFT_STOP, fast_head: bool = True,
                  draft_exit: bool = True, cached: int = 0, adaptive: bool = True, native_round: bool = True,
-                 running=None, pipeline: bool | None = None):
+                 running=None, pipeline: bool | None = None, runner: BatchRunner | None = None):
         """`cached`: leading prompt positions whose KV (every slot) the pages already hold (prefix cache).
         `adaptive`: greedy rounds choose their draft length (`DraftPolicy`); False: always draft_ahead.
         `native_round`: False runs a greedy round's passes one engine step each even with the native
@@ -94,7 +94,10 @@ class Speculator(TreeRounds):
         now; past ALONE_UP_TO a greedy native round becomes a plain row of the shared step. `pipeline`:
         True / False, greedy native rounds only as depth-aligned passes (`tl_spec_pipeline`) or only as
         chain rounds; None, the policy times both and takes the faster (with adaptive=False: the pipeline
-        where the model's weights are streamed from memory)."""
+        where the model's weights are streamed from memory). `runner`: the batch runner that runs this sequence's
+        native work (the engine core's; None: one of its own, on this pool), asked whether native code runs the
+        model and whether its weights stream from memory."""
+        runner = runner if runner is not None else BatchRunner(model, kv)
         params = plan.params
         self.model, self.params, self.sampler, self.plan = model, params, sampler, plan
         self.d, self.V, self.K = plan.draft_loops, plan.loops, plan.k_branches
@@ -114,13 +117,14 @@ class Speculator(TreeRounds):
             (self.exit, [self.layout.extra_slot(i) for i in range(len(self.exit.coda))])
         self.draft_readout = self.exit_readout or "coda"
         self.exit_backlog: torch.Tensor | None = None  # loop-d state of position L-1 if its exit entry is missing
-        self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None)
+        natively = runner.natively
+        self.head = DraftHead(model, draft_vocab, norm=self.exit.norm if self.exit is not None else None,
+                              natively=natively)
         self.head.add(list(plan.prompt_ids))
         self.penalties = penalized(params)
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
-        natively = runs_natively(model)
         if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
             self.argmax = model.greedy_tokens if natively else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
@@ -144,7 +148,7 @@ class Speculator(TreeRounds):
         self._last: tuple | None = None   # (k, accepted, draft ms, start, rounds, verify ms) of the round(s) not yet timed
         # pipeline None: the policy picks chain or pipeline by measured speed (a fixed policy: the pipeline
         # where weights stream from memory); True / False: that shape only
-        self.pipeline = self.native and (streams_weights(model) if pipeline is None else pipeline)
+        self.pipeline = self.native and (runner.streamed if pipeline is None else pipeline)
         both = self.native and pipeline is None
         # (greedy and sampled requests keep costs and an acceptance prior apart: a sampled round draws every
         # row, and its drafts agree less often)

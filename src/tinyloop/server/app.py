@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from fastapi import HTTPException
 
 from .. import __version__, store  # noqa: F401 - store: hf: model names resolve (and pull on first use)
-from ..engine.native import name as executor_name
 from ..errors import ModelFileError
 from ..modelfile.header import held_params, weights_format
 from . import access, docs_ui, errors, playground
@@ -210,7 +209,7 @@ def create_app(settings: Settings | None = None, *, loader=None, worker_factory=
             engine = worker.engine
             out = {"status": "ok", **base, "kv_cache_mode": engine.kv_format,
                    "kv_cache_mode_requested": settings.kv_cache_mode, "max_seq_len": engine.max_seq_len,
-                   "executor": executor_name(engine.model), **worker.health()}
+                   "executor": engine.executor_name, **worker.health()}
             if out["status"] in ("ok", "degraded"):
                 return out
             # loaded but not serving yet (scale-out: no engine replica ready): 503, so readiness waits
@@ -254,7 +253,7 @@ def loaded_line(engine, model_id: str, url: str) -> str:
     cfg = engine.config
     return (f"serving {model_id} ({_params(held_params(engine.loaded.header, engine.loaded.index))} parameters; loops {cfg.default_loops} default, "
             f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
-            f"executor {executor_name(engine.model)}) on {url} from {engine.loaded.path}")
+            f"executor {engine.executor_name}) on {url} from {engine.loaded.path}")
 
 
 def several_line(pool, url: str) -> str:

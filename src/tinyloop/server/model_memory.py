@@ -50,7 +50,7 @@ def packed_copy_bytes(path: Path) -> int:
     quant = (header.get("weights") or {}).get("quant") or {}
     if quant.get("bits") != 4:
         return 0
-    from ..engine import native
+    from ..engine.engine import Engine
 
     parts: dict[str, int] = {}
     for name, t in index.items():
@@ -60,7 +60,7 @@ def packed_copy_bytes(path: Path) -> int:
             parts[part] = parts.get(part, 0) + (int(end) - int(start)) * (base != "head")
             if part == "qweight":   # (codes only: at most what the executor counts a token reading, so that
                 parts["read"] = parts.get("read", 0) + int(end) - int(start)   # the estimate errs high)
-    if native.stays_in_cache(parts.get("read", 0)):   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
+    if Engine.weights_stay_in_cache(parts.get("read", 0)):   # stays in cache: fp32 scales and s z', 8 bytes a float16 scale's 2
         return parts.get("qweight", 0) + 4 * parts.get("scales", 0)
     return parts.get("qweight", 0) + parts.get("scales", 0) + parts.get("zeros", 0) + parts.get("mins", 0)
 
@@ -69,8 +69,6 @@ def measure_bytes(worker) -> int:
     """Bytes a loaded model holds: its tensors (weights, buffers, packed forms; each storage once), the native
     executor's copies of the weights, and its KV pool."""
     import torch
-
-    from ..engine import native
 
     seen: set[int] = set()
     total = 0
@@ -96,7 +94,7 @@ def measure_bytes(worker) -> int:
     for module in model.modules():   # packed forms kept as plain attributes (native executor, quantized layers)
         for value in vars(module).values():
             add(value)
-    total += native.copy_bytes(model)   # the native executor's packed int4 codes (held apart from the modules)
+    total += engine.executor_bytes()   # the native executor's packed int4 codes (held apart from the modules)
     batch = worker.batch
     if batch is not None:
         try:
