@@ -35,12 +35,13 @@ def test_quantized_file_round_trips(tmp_path, tokenizer, method, bits):
     header = make_header(CFG, torch.float32, tokenizer, {"tool": "tests"}, quant=quant)
     path = write_model(tmp_path / "q.tinyloop", None, tokenizer=tokenizer, tensors=tensors, header=header)
 
-    h, _ = read_header(path)
+    h, index = read_header(path)
     q = h["weights"]["quant"]
     assert (q["method"], q["bits"], q["group_size"]) == (method, bits, None if bits == 8 else 32)
     assert "embed.weight" in q["high_precision"] and "core.0.attn.wq.weight" not in q["high_precision"]
-    info = model_info(h)
+    info = model_info(h, index)
     assert info["quant"] == f"int{bits}" and info["quant_method"] == method
+    assert info["params"] == sum(p.numel() for p in ref.parameters())   # (its codes counted as their matrices)
 
     loaded = load_model(path)
     lin = loaded.model.core[0].attn.wqkv  # the file stores q/k/v fused, as the engine computes them
