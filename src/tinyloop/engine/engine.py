@@ -161,7 +161,8 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}
         exit_path = self.loaded.draft_exit_path
-        return {**model_info(self.header, self.loaded.index), "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
+        return {**model_info(self.header, self.loaded.index),
+                "max_seq_len": self.max_seq_len,  # the context served (TINYLOOP_MAX_SEQ_LEN)
                 "kv_cache_mode": self.kv_format,
                 # [shallowest, deepest] depth the model was trained at (its family's declaration; null: none
                 # declared); loops up to max_loops are allowed all the same, reasoning_effort picks inside it

@@ -174,7 +174,8 @@ def held_params(header: dict[str, Any], index: dict[str, Any]) -> int:
     portable_shapes`), its scales and offsets not counted; the quantized LM head (`head.*`, a copy of the float
     head or embedding kept beside it) and the tokenizer not counted. The loader checks that a file holds exactly
     the tensors its config implies (`modelfile.loader.check_header`), so for a file that loads this is the count
-    of the model built from its config (tests/modelfile: for every family, float and quantized)."""
+    of the model built from its config (tests: test_families, test_model, test_formats, test_q4min, test_dory,
+    test_smollm2: every family's layout, float and quantized)."""
     quant = (header.get("weights") or {}).get("quant") or {}
     bits = quant.get("bits") if quant.get("method", "none") != "none" else None
     skip = {(header.get("tokenizer") or {}).get("tensor", TOKENIZER_TENSOR)}

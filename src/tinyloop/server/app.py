@@ -250,8 +250,8 @@ def _params(n: int) -> str:
 def loaded_line(engine, model_id: str, url: str) -> str:
     """The one line `tinyloop serve` prints once it serves: the model, its size, depth, context, weights,
     who runs its decode steps (the native executor's ISA, or torch) and where."""
-    cfg = engine.config
-    return (f"serving {model_id} ({_params(held_params(engine.loaded.header, engine.loaded.index))} parameters; loops {cfg.default_loops} default, "
+    cfg, params = engine.config, held_params(engine.loaded.header, engine.loaded.index)
+    return (f"serving {model_id} ({_params(params)} parameters; loops {cfg.default_loops} default, "
             f"{cfg.max_loops} max; context {engine.max_seq_len} tokens; weights {weights_format(engine.loaded.header)}; "
             f"executor {engine.executor_name}) on {url} from {engine.loaded.path}")
 
