@@ -100,6 +100,7 @@ def drive(model, kv, gen):
 
 def standalone(model, prompt, params, page_size=4, **kw):
     """A Speculator on a pool of its own: (speculator, pool)."""
+    from tinyloop.engine.batch import BatchRunner
     from tinyloop.engine.plan import plan_request
     from tinyloop.engine.sampling import Sampler
     from tinyloop.engine.speculative import Speculator, speculative_layout
@@ -110,7 +111,8 @@ def standalone(model, prompt, params, page_size=4, **kw):
     blocks = plan.blocks(page_size)
     kv = PagedKV(model.cfg, blocks * slots, page_size, dtype=model.embed.weight.dtype)
     table = torch.arange(blocks * slots).view(blocks, slots)
-    return Speculator(model, plan, Sampler(params, prompt, model.cfg.vocab_size), kv, table, **kw), kv
+    sampler = Sampler(params, prompt, model.cfg.vocab_size, draw=BatchRunner.draw_row)   # (as the engine core's)
+    return Speculator(model, plan, sampler, kv, table, **kw), kv
 
 
 def pool_entries(kv, table, slot, n):

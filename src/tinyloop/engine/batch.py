@@ -161,6 +161,45 @@ class BatchRunner:
         """Whether the executor reads the weights from memory each pass (a model larger than the cache)."""
         return self.natively and native.streamed(self.model)
 
+    # -- the executor's life (Engine.load / release, the Engine's questions): no runner needed yet -------------
+    @staticmethod
+    def loading_for(executor: str | None):
+        """The context a model is loaded in for `executor` ("native", "torch", None: the setting)."""
+        return native.loading_for(executor)
+
+    @staticmethod
+    def attach(model: LoopedTransformer, executor: str | None = None) -> None:
+        """Prepare a loaded model for decoding, the native executor attached where it runs the model."""
+        native.attach(model, executor)
+
+    @staticmethod
+    def detach(model: LoopedTransformer) -> None:
+        """Let go of the model's native executor (an unloaded model's memory freed at once)."""
+        native.detach(model)
+
+    @staticmethod
+    def executor_name(model: LoopedTransformer) -> str:
+        """Who runs the model's decode rows: "native (...)" or "torch"."""
+        return native.name(model)
+
+    @staticmethod
+    def executor_bytes(model: LoopedTransformer) -> int:
+        """Bytes of the weights' copies the native executor holds beside the model's tensors."""
+        return native.copy_bytes(model)
+
+    @staticmethod
+    def weights_stay_in_cache(weight_bytes: int) -> bool:
+        """Whether a model reading `weight_bytes` of weights a token is served as staying in cache."""
+        return native.stays_in_cache(weight_bytes)
+
+    @staticmethod
+    def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: float = 1.0,
+                 ids: torch.Tensor | None = None) -> int:
+        """`sampling.draw_row`, computed by the native library where it is loaded (`tl_draw`: the same noise bit for
+        bit, ~20x faster; no model, weights or pool): the row draw the engine core hands its Samplers."""
+        got = native.draw(x, ids, key, inv_temp, top_k, top_p)
+        return got if got is not None else draw_row(x, key, inv_temp, top_k, top_p, ids)
+
     @staticmethod
     def one_thread():
         """The context the step's per-row sampling runs in: one torch thread (`native.one_thread`)."""
@@ -171,7 +210,7 @@ class BatchRunner:
         (`native.python_between_calls`: the torch threads that Python keeps where the executor runs the passes)."""
         return native.python_between_calls(self.model)
 
-    def head_tokens(self, x: torch.Tensor, noise: list | None) -> list[int]:
+    def head_tokens(self, x: torch.Tensor, noise: list | None = None) -> list[int]:
         """Each row of x (T, dim) through the head: its argmax, or where noise[i] is (key, 1 / T, top_k, top_p)
         its draw (1 / T = 0: the argmax), over the tokens a grammar allows where a fifth entry is its matcher
         (`Sampler.head_pick`). The native executor does all of it inside the head call (the logits stay there);
@@ -185,7 +224,7 @@ class BatchRunner:
         out = []
         for i, z in enumerate(noise):
             row = lg[i] if z is None or len(z) < 5 else z[4].apply(lg[i])
-            out.append(int(row.argmax()) if z is None or not z[1] > 0 else draw_row(row, *z[:4]))
+            out.append(int(row.argmax()) if z is None or not z[1] > 0 else self.draw_row(row, *z[:4]))
         return out
 
     def draft_logits(self, head, x: torch.Tensor) -> torch.Tensor:

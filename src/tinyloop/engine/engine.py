@@ -25,8 +25,7 @@ from ..chat import Chat, ChatTemplateError, render_plain, render_template
 from ..errors import ValidationError
 from ..modelfile.loader import LoadedModel, load_model, model_info
 from ..tokenizer import HFTokenizer
-from . import native
-from .native import detach, loading_for
+from .batch import BatchRunner
 from .knobs import SamplingParams
 from .plan import RequestPlan, plan_request
 from .text import GenerationResult, StreamEvent, TextStream, TokenStream
@@ -121,14 +120,15 @@ class Engine:
 
         executor: who runs decode rows with `fast=True`: "native" (the C++ executor, `kernels/`), "torch", or
         None (`TINYLOOP_EXECUTOR`, default: native where its library builds; see docs/decode.md)."""
-        with loading_for(executor if fast else "torch"):   # quantized layers are built for the executor that runs them
+        # (quantized layers are built for the executor that runs them)
+        with BatchRunner.loading_for(executor if fast else "torch"):
             loaded = load_model(path, device=device, dtype=dtype)
         if state_seed is not None:
             if loaded.model.cfg.state_init_std == 0 or loaded.model.cfg.injection == "none":
                 raise ValidationError("state_seed: this model has no random initial-state rule", param="state_seed")
             loaded.model.state_seed = int(state_seed)
         if fast:
-            native.attach(loaded.model, executor=executor)
+            BatchRunner.attach(loaded.model, executor=executor)
         attach_draft_exit_file(loaded, draft_exit)
         attach_gate_file(loaded, gate)
         # The model's thousands of long-lived objects leave the garbage collector's generations: a full
@@ -139,24 +139,24 @@ class Engine:
     def release(self) -> None:
         """Let go of the native executor (it and the model refer to each other: without this, an engine let go
         of waits for a full garbage collection to free the model's memory)."""
-        detach(self.model)
+        BatchRunner.detach(self.model)
 
     @property
     def executor_name(self) -> str:
         """Who runs the model's decode rows, "native (...)" or "torch" (`/health`, `model_info`, the prompt cache's
         key, the start line)."""
-        return native.name(self.model)
+        return BatchRunner.executor_name(self.model)
 
     def executor_bytes(self) -> int:
         """Bytes of the weights' copies the native executor holds beside the model's tensors (the server's model
         memory: `server/model_memory.py`)."""
-        return native.copy_bytes(self.model)
+        return BatchRunner.executor_bytes(self.model)
 
     @staticmethod
     def weights_stay_in_cache(weight_bytes: int) -> bool:
         """Whether a model whose decode reads `weight_bytes` of weights a token is served as staying in cache
         (which layout the executor's copy of int4 weights takes: `server/model_memory.estimate_bytes`)."""
-        return native.stays_in_cache(weight_bytes)
+        return BatchRunner.weights_stay_in_cache(weight_bytes)
 
     def model_info(self) -> dict[str, Any]:
         exits = getattr(self.model, "draft_exits", None) or {}

@@ -1,42 +1,30 @@
 """The engine's one door to the native executor (`kernels/`, attached to the model by
 `model.fast.prepare_for_decode`): this module is the only one in engine/ that imports `kernels/` or names the
-model's executor, and two engine objects reach it: the batch runner (`engine/batch.py` `BatchRunner`), which runs
-every piece of native work and answers whether native code runs the model and how, and the `Engine`
-(`engine/engine.py`), which owns the model's life. Every other module in engine/ and server/ asks one of them
-(tests/engine/test_native_door.py holds who imports this module, and who calls its work). Where the PyTorch path
-serves (no compiler, `TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False,
-and the runner takes its PyTorch path instead of calling the work functions (which expect an executor).
+model's executor, and one engine object reaches it: the batch runner (`engine/batch.py` `BatchRunner`). Every other
+module in engine/ and server/ asks the runner, or the `Engine`, which asks the runner
+(tests/engine/test_native_door.py holds who imports this module). Where the PyTorch path serves (no compiler,
+`TINYLOOP_EXECUTOR=torch`, or a model the executor refuses) `runs_natively(model)` is False, and the runner takes
+its PyTorch path instead of calling the work functions (which expect an executor).
 
-The runner's questions and contexts (`BatchRunner.natively`, `streamed`, `one_thread`, `python_between_calls`):
+Through the runner:
 
-- `runs_natively`, `streamed`: whether the executor runs the model, and whether it streams the weights from memory
-  (the `Speculator` and its draft head: which rounds and shape, which head rows; `BatchEngine.warm_up`);
-- `python_between_calls`, `one_thread`: the torch threads the engine's Python keeps between native calls.
-
-The model's life, the `Engine`'s (`Engine.load`, `release`, `executor_name`, `executor_bytes`,
-`weights_stay_in_cache`):
-
-- `attach`, `detach`, `loading_for`: the executor attached at load and let go at unload, the executor a model's
-  layers are built for;
-- `name`: who runs the model (`/health`, `model_info`, the prompt cache's key, the start line);
-- `copy_bytes`, `stays_in_cache`: the memory of the executor's copies of the weights, and which layout a model's
-  copy takes (the server's model memory, `server/model_memory.py`).
-
-Work (the batch runner only; each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments
-as given: no copies, nothing allocated here, they run on the decode path):
-
-- `supports`, `generate`: a lone sequence's plain tokens in one call (`BatchRunner.lone_steps`, `NativeSteps`);
-- `spec_round`, `tree_round`: whole speculation rounds (`BatchRunner.run_round`);
-- `head_costs`: the head's cost by rows (`BatchRunner.prepare`, `chunk`: draft_policy.head_chunk);
-- `head_argmax`: the LM head's fused argmax and draws (`BatchRunner.head_tokens`; `NativeExecutor.argmax`);
-- `project`: a draft head's projection (`BatchRunner.draft_logits`);
-- `kept_round_costs`, `keep_round_costs`: what speculation rounds cost on this host, kept beside the library for
-  the next process (`BatchRunner.prepare`, `finish`).
+- work (each a thin call of `kernels.executor.NativeExecutor`'s method of that name, arguments as given: no copies,
+  nothing allocated here, they run on the decode path): `supports`, `generate` (a lone sequence's plain tokens in
+  one call: `BatchRunner.lone_steps`), `spec_round`, `tree_round` (whole speculation rounds: `run_round`),
+  `head_costs` (the head's cost by rows: `prepare`, `chunk`), `head_argmax` (the head's fused argmax and draws:
+  `head_tokens`), `project` (a draft head's projection: `draft_logits`), `kept_round_costs`, `keep_round_costs`
+  (what rounds cost on this host, kept for the next process: `prepare`, `finish`);
+- how native code runs the model: `runs_natively`, `streamed` (`BatchRunner.natively`, `streamed`: the
+  `Speculator` and its draft head, `BatchEngine.warm_up`), `python_between_calls`, `one_thread` (the torch threads
+  the engine's Python keeps between native calls);
+- the executor's life, static methods of the runner that the `Engine` calls (`Engine.load`, `release`,
+  `executor_name`, `executor_bytes`, `weights_stay_in_cache`): `loading_for`, `attach`, `detach`, `name`,
+  `copy_bytes`, `stays_in_cache`;
+- the library's row draw (`draw`: no model, weights or pool; `BatchRunner.draw_row`, which the core hands its
+  Samplers).
 
 The model's own `run`, `logits` and `greedy_tokens` (whole serving steps' one-token rows, the head) reach the
-executor inside `model/`, not through here. One more function reads the library but not the executor: `draw`,
-the library's row draw (no model, weights or pool: the sampling definition's noise computed natively), which
-`sampling.draw_row` imports for every sampled row.
+executor inside `model/`, not through here.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ The noise is defined in float32 operations each rounded alone (`_ln32`); the nat
 same bits (kernels/csrc/sample.cpp, tests/kernels/test_sample.py). u has 23 random bits (an odd multiple of
 2^-24), so g is bounded by about 16.6: a token's probability is off by at most the chance of a larger draw
 (~6e-8), below float32 softmax's own rounding. top-k and top-p act on x / T in float32 (`truncate`); the
-library's version sums the nucleus's mass in another order, so wherever it is loaded the draws call it
-(`draw_row`), and the PyTorch definition serves hosts without it.
+library's version sums the nucleus's mass in another order, so wherever it is loaded the draws call it: the
+engine core's Samplers draw through its batch runner (`BatchRunner.draw_row`), and the PyTorch definition
+(`draw_row`) serves hosts without it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 
 import torch
 
-from .native import draw
 from .knobs import SamplingParams
 
 _NONE = torch.zeros(0, dtype=torch.int64)   # no ids / no counts (penalties that do not apply)
@@ -224,11 +224,8 @@ def truncate(y: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def draw_row(x: torch.Tensor, key: int, inv_temp: float, top_k: int = 0, top_p: float = 1.0,
              ids: torch.Tensor | None = None) -> int:
     """The entry of row x (its tokens `ids`, None: 0..n-1) drawn under `key` at 1 / T, after top-k and top-p
-    (`truncate`; 0 and 1: off). Where the native library is loaded it computes the draw (`tl_draw`: the same
-    noise bit for bit, ~20x faster); the PyTorch definition serves hosts without it."""
-    got = draw(x, ids, key, inv_temp, top_k, top_p)
-    if got is not None:
-        return got
+    (`truncate`; 0 and 1: off). The definition: the engine core's Samplers draw through the batch runner, which
+    has the native library compute it where it is loaded (`BatchRunner.draw_row`: the same noise bit for bit)."""
     if (0 < top_k < x.shape[-1]) or top_p < 1.0:
         x = truncate(x.to(torch.float32) * torch.tensor(inv_temp, dtype=torch.float32), top_k, top_p)
         inv_temp = 1.0
@@ -257,8 +254,11 @@ class Sampler:
     (`matcher`, engine/constraint.py) the grammar's state: its mask is applied to the row's logits before
     anything else (penalties leave -inf alone), so every rule below samples from the masked distribution."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, matcher=None):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, matcher=None, draw=None):
+        """`draw`: the row draw (`draw_row`'s arguments; None: `draw_row` itself, the PyTorch definition); the engine
+        core passes its runner's (`BatchRunner.draw_row`), the same draw computed natively."""
         self.params = params
+        self._draw = draw_row if draw is None else draw
         self.vocab_size = vocab_size
         self.matcher = matcher
         self.seed = request_seed(params.seed)
@@ -388,9 +388,9 @@ class Sampler:
             # than masking the full row even where most tokens are allowed (docs/structured.md)
             ids = self.matcher.allowed_ids()
             sub = logits[: self.vocab_size].index_select(0, ids.to(logits.device))
-            return int(ids[draw_row(sub, self.key(ahead), self.inv_temp, ids=ids)])
+            return int(ids[self._draw(sub, self.key(ahead), self.inv_temp, ids=ids)])
         x = processed_logits(self._row(logits), self.params, self._seen(), self.counts)
-        return draw_row(x, *self.draw_params(ahead))
+        return self._draw(x, *self.draw_params(ahead))
 
     def logprobs(self, logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """Log-probability of `token` and the `top` most likely tokens with theirs, under the distribution

@@ -164,8 +164,8 @@ class BatchEngine(FastSteps):
                         inner.outside = lambda t=thought: t.closed_at
                 else:   # only followed, for usage's reasoning_tokens (the sampler stays unconstrained)
                     thought = ThinkingMatcher(think, None, self.engine.tokenizer.token_bytes, cfg.vocab_size, eos)
-            outputs.append(Output(i, Sampler(p, prompt, cfg.vocab_size, matcher), self.engine.open_stream(plan, t0, i),
-                                   thought=thought))
+            sampler = Sampler(p, prompt, cfg.vocab_size, matcher, draw=self.runner.draw_row)
+            outputs.append(Output(i, sampler, self.engine.open_stream(plan, t0, i), thought=thought))
         req = Request(self._next_id, plan, emit, outputs, t0,
                       deadline=None if not timeout_s else t0 + timeout_s, on_admit=on_admit)
         self._next_id += 1

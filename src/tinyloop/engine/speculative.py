@@ -125,8 +125,8 @@ class Speculator(TreeRounds):
         # the exact-argmax shortcut reads the raw head: not with penalties, logprobs or a constraint's mask
         plain_greedy = params.greedy and not self.penalties and params.logprobs is None and sampler.matcher is None
         self.argmax = None
-        if plain_greedy and fast_head:   # the native executor's fused head argmax, else the fp16 shortcut
-            self.argmax = model.greedy_tokens if natively else \
+        if plain_greedy and fast_head:   # the native executor's fused head argmax (the runner's), else fp16's
+            self.argmax = runner.head_tokens if natively else \
                 ExactArgmax.for_model(model) if ExactArgmax.usable(model) else None
         # sampling from the raw rows (temperature, top-k, top-p): the native head draws the tokens itself (tl_draw)
         self.sampled_native = natively and fast_head and sampler.plain_sampled and params.logprobs is None
