@@ -1,6 +1,8 @@
 """What speculation's rounds cost on this host, and what the policy does with it: the head's cost by rows a chain
 round's verification is chunked by, the check of whether drafting pays at all (`PlainCheck`), and the costs kept
-between processes (engine/draft_policy.py, kernels/calls.py). Moved out of test_native_speculation.py whole."""
+between processes (engine/draft_policy.py, kernels/calls.py). On the shipped model as a user runs it (each test
+that needs the native executor skips where it does not run the model); test_every_build.py runs them on every
+build."""
 
 from __future__ import annotations
 
@@ -8,18 +10,6 @@ import json
 import os
 
 import pytest
-
-kernels = pytest.importorskip("tinyloop.kernels.lib")
-try:
-    kernels.load("native")
-except kernels.NativeBuildError as exc:  # no compiler here: the PyTorch path serves, nothing to compare
-    pytest.skip(f"native library unavailable: {exc}", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def exact_activations(monkeypatch):
-    """fp32 activations for int4 layers, as in test_native_speculation.py (where these tests were)."""
-    monkeypatch.setenv("TINYLOOP_NATIVE_Q8", "0")
 
 
 def test_head_chunk_follows_the_cost_by_rows():

@@ -8,11 +8,12 @@ own `Rows` (a draft step, a verification) to the same step, or a whole round tha
 executor runs in one call (`native_rounds.NativeRound`, `NativeSteps`, `NativeTreeRound`: work items whose
 fields the speculator fills; `run_round` runs them).
 
-`BatchRunner` is the only engine object that runs native code (through `engine/native.py`, the one module that
-names the model's executor): the step's rows and head, the whole rounds, a lone sequence's tokens in one call
-(`lone_steps`, for `fast_steps`), the tokens the head picks itself (`head_tokens`), a draft head's logits over
-its rows (`Rows.draft`) and the head's cost by rows that a round's verification is chunked by. Other modules
-ask it whether native code runs (`natively`) and hand it work; none calls the executor.
+`BatchRunner` is the only engine object that runs native code, and the only importer of `engine/native.py` (the
+one module that names the model's executor): the step's rows and head, the whole rounds, a lone sequence's tokens
+in one call (`lone_steps`, for `fast_steps`), the tokens the head picks itself (`head_tokens`), a draft head's
+logits over its rows (`Rows.draft`), the head's cost by rows that a round's verification is chunked by, and the
+library's row draw (`draw_row`, handed to the core's Samplers). Other modules ask it whether native code runs
+(`natively`) and hand it work; the `Engine` calls its static methods to attach the executor at load and let it go.
 """
 
 from __future__ import annotations

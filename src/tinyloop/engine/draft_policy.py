@@ -177,8 +177,9 @@ def round_costs(model: LoopedTransformer, d: int, V: int, exit: bool, pipeline: 
     draws each row under its noise, and its drafts are accepted less often: neither should steer the other).
     A chain table has a `setting` (its key among the kept costs): the batch runner starts a new one from what an
     earlier process on this host kept for it before the request's first round (`BatchRunner.prepare`), and keeps it
-    at a request's end (`due`, `BatchRunner.finish`). Without it each `tinyloop generate` process spent its one request finding the draft
-    length (measured on the shipped model, 64 tokens: ~35.7 ms against ~30.5 with the costs known, plain ~35.6)."""
+    at a request's end (`due`, `BatchRunner.finish`). Without it each `tinyloop generate` process spent its one
+    request finding the draft length (measured on the shipped model, 64 tokens: ~35.7 ms against ~30.5 with the
+    costs known, plain ~35.6)."""
     table = _ROUND_COSTS.setdefault(model, {})
     key = (d, V, exit, pipeline, sampled)
     costs = table.get(key)
